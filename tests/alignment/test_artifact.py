@@ -1,0 +1,119 @@
+"""The validation artifact round-trips, and every way a file can be unreadable is reported by name and line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from vlmrl.alignment.artifact import (
+    FORMAT_VERSION,
+    ArtifactError,
+    ArtifactMeta,
+    DatasetIdentity,
+    ValidationRecord,
+    read_artifact,
+    thumbnail_png_base64,
+    write_artifact,
+)
+
+
+def _meta(fingerprint: str = "abc") -> ArtifactMeta:
+    return ArtifactMeta(
+        backend="vllm",
+        engine="vllm",
+        engine_version="0.0",
+        model_path="tiny",
+        dataset=DatasetIdentity(paths=["synthetic:val"], rows=2, fingerprint=fingerprint),
+        sampling={"n": 1, "temperature": 0.0},
+        config={"data": {"max_pixels": 12544}},
+    )
+
+
+def _record(index: int, ids=(5, 6, 7)) -> ValidationRecord:
+    return ValidationRecord(
+        uid=f"u{index}",
+        index=index,
+        sample_index=0,
+        data_source="synthetic",
+        prompt_ids=[1, 2, 3],
+        expanded_prompt_length=18,
+        image_hashes=["h"],
+        image_sizes=[[112, 112]],
+        image_grid_thw=[[1, 8, 8]],
+        response_ids=list(ids),
+        response_text="abc",
+        response_logprobs=[-0.1] * len(ids),
+        finish_reason="stop",
+        reward=1.0,
+        reward_extra={"accuracy": 1.0},
+        ground_truth="red",
+        top_logprobs=[[[t, -0.1], [t + 1, -2.0]] for t in ids],
+    )
+
+
+def test_round_trip_keeps_every_field(tmp_path):
+    path = write_artifact(tmp_path / "a.jsonl", _meta(), [_record(0), _record(1)])
+    meta, records = read_artifact(path)
+    assert meta.dataset.fingerprint == "abc" and meta.created_at and meta.config["data"]["max_pixels"] == 12544
+    assert records == [_record(0), _record(1)]
+    header = json.loads(path.read_text().splitlines()[0])
+    assert header["kind"] == "vlmrl.validation" and header["format_version"] == FORMAT_VERSION
+    assert not list(tmp_path.glob(".*.tmp")), "the temporary file must be renamed, not left behind"
+
+
+def test_truncated_mid_line_names_the_line(tmp_path):
+    path = write_artifact(tmp_path / "a.jsonl", _meta(), [_record(0), _record(1)])
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(ArtifactError, match=r"truncated.*line 3"):
+        read_artifact(path)
+
+
+def test_truncated_at_a_line_boundary_is_caught_by_the_header_count(tmp_path):
+    path = write_artifact(tmp_path / "a.jsonl", _meta(), [_record(0), _record(1)])
+    path.write_text("\n".join(path.read_text().splitlines()[:2]) + "\n")
+    with pytest.raises(ArtifactError, match="promises 2 records, the file holds 1"):
+        read_artifact(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "empty file"),
+        ("not json\n", "line 1 is not JSON"),
+        ('{"kind": "other"}\n', "not a vlmrl validation header"),
+        ('{"kind": "vlmrl.validation", "format_version": 99, "num_records": 0, "meta": {}}\n', "format_version 99"),
+        ('{"kind": "vlmrl.validation", "format_version": 1, "num_records": 0, "meta": {}}\n', "header meta"),
+    ],
+)
+def test_foreign_or_unknown_files_are_rejected(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ArtifactError, match=message):
+        read_artifact(path)
+
+
+def test_missing_file_and_inconsistent_record(tmp_path):
+    with pytest.raises(ArtifactError, match="no such file"):
+        read_artifact(tmp_path / "nope.jsonl")
+    bad = _record(0)
+    bad.response_logprobs = [-0.1]
+    path = write_artifact(tmp_path / "a.jsonl", _meta(), [bad])
+    with pytest.raises(ArtifactError, match=r"row 0, sample 0\): 1 logprobs for 3 response tokens"):
+        read_artifact(path)
+
+
+def test_duplicate_sample_is_rejected(tmp_path):
+    path = write_artifact(tmp_path / "a.jsonl", _meta(), [_record(0), _record(0)])
+    with pytest.raises(ArtifactError, match="row 0 sample 0 appears twice"):
+        read_artifact(path)
+
+
+def test_thumbnail_is_small_png():
+    encoded = thumbnail_png_base64(Image.new("RGB", (448, 224), (200, 10, 10)))
+    import base64
+    import io
+
+    thumb = Image.open(io.BytesIO(base64.b64decode(encoded)))
+    assert thumb.format == "PNG" and max(thumb.size) == 96 and thumb.size == (96, 48)

@@ -1,0 +1,308 @@
+"""The validation artifact: what one validation run generated, sample by sample, in one JSON-lines file.
+
+Written by validate-only mode (`trainer.val_only=true`) and by `python -m vlmrl.alignment.compare --backends`;
+read by the compare tool. Line 1 is a header (`kind`, `format_version`, `num_records`, `meta`), then one JSON object
+per generated sample. Every field is documented in docs/artifact.md.
+
+Why JSON lines and not parquet: the file must be readable with nothing but Python, diffable by eye, and robust to a
+half-written tail (the header's `num_records` tells a truncated file from a short run).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import hashlib
+import importlib.metadata
+import io
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vlmrl import __version__ as VLMRL_VERSION
+
+if TYPE_CHECKING:  # the compare tool reads artifacts without importing torch
+    from vlmrl.processors import Processor
+    from vlmrl.types import RolloutRequest, RolloutResult
+
+FORMAT_KIND = "vlmrl.validation"
+FORMAT_VERSION = 1
+THUMBNAIL_MAX_SIDE = 96
+"""Thumbnails are downscaled so that a report of hundreds of samples stays a few MB."""
+
+# The Python package that carries each backend's engine (for its version in the header).
+_ENGINE_PACKAGES = {"hf": "transformers", "vllm": "vllm", "sglang": "sglang", "sglang-server": "sglang"}
+
+
+class ArtifactError(ValueError):
+    """An artifact that cannot be read: missing, truncated, corrupt, or of an unknown kind/version."""
+
+
+@dataclass
+class DatasetIdentity:
+    """Which data a validation ran on; two artifacts are comparable only when these agree."""
+
+    paths: list[str]
+    """Data files (or a generator name such as `synthetic:val`) in load order."""
+    rows: int
+    """Number of dataset rows validated (before n samples per row)."""
+    fingerprint: str
+    """sha256 of the data itself (file bytes, or the generator's name + seed + size); see `file_fingerprint`."""
+
+
+@dataclass
+class ArtifactMeta:
+    """Header of an artifact: who generated it, on what, with which settings."""
+
+    backend: str
+    """Rollout backend name: hf | vllm | sglang | sglang-server."""
+    engine: str
+    """Engine package name (transformers, vllm, sglang)."""
+    engine_version: str
+    model_path: str
+    dataset: DatasetIdentity
+    sampling: dict[str, Any]
+    """The SamplingParams used (asdict), e.g. temperature 0 for greedy."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The full resolved run config (plain dict), so a difference in settings can be shown next to the diff."""
+    step: int = 0
+    """Global training step of the weights that generated the samples (0 = initial weights)."""
+    vlmrl_version: str = VLMRL_VERSION
+    created_at: str = ""
+    """UTC ISO-8601 time of writing; filled in by `write_artifact` when empty."""
+
+
+@dataclass
+class ValidationRecord:
+    """One generated sample and everything needed to explain a difference in it."""
+
+    uid: str
+    """The request's uid (shared by the n samples of one prompt)."""
+    index: int
+    """Dataset row index; (index, sample_index) identifies a sample across backends."""
+    sample_index: int
+    data_source: str
+    prompt_ids: list[int]
+    """UNEXPANDED prompt ids (one `<|image_pad|>` per image), exactly as sent to the engine."""
+    expanded_prompt_length: int
+    """Prompt length after expanding each image to its merged-patch count (what the model attends over)."""
+    image_hashes: list[str]
+    image_sizes: list[list[int]]
+    """[width, height] of each image after resizing."""
+    image_grid_thw: list[list[int]]
+    response_ids: list[int]
+    response_text: str
+    response_logprobs: list[float]
+    """Raw-model logprob of each response token (before temperature)."""
+    finish_reason: str
+    reward: float
+    reward_extra: dict[str, Any] = field(default_factory=dict)
+    ground_truth: Any = None
+    top_logprobs: list[list[list[float]]] | None = None
+    """Per response position, the top-k [token_id, logprob] pairs, best first; None when not requested."""
+    thumbnails: list[str] | None = None
+    """Base64 PNG thumbnails of the resized images (on sample 0 of each prompt only), for the HTML report."""
+
+
+_RECORD_FIELDS = {f.name for f in fields(ValidationRecord)}
+_REQUIRED_RECORD_FIELDS = {
+    f.name for f in fields(ValidationRecord) if f.default is MISSING and f.default_factory is MISSING
+}
+
+
+def engine_info(backend: str) -> tuple[str, str]:
+    """(engine package, its installed version) for a backend name; version 'unknown' when not installed."""
+    package = _ENGINE_PACKAGES.get(backend, backend)
+    try:
+        return package, importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return package, "unknown"
+
+
+def file_fingerprint(paths: Sequence[str | os.PathLike]) -> str:
+    """sha256 over the bytes of every file in order (streamed): the dataset identity for file-backed data."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def thumbnail_png_base64(image, max_side: int = THUMBNAIL_MAX_SIDE) -> str:
+    """A small PNG of a PIL image, base64-encoded (no `data:` prefix)."""
+    thumb = image.convert("RGB")
+    thumb.thumbnail((max_side, max_side))
+    buffer = io.BytesIO()
+    thumb.save(buffer, format="PNG", optimize=True)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _json_default(value: Any) -> Any:
+    # numpy / torch scalars and tuples arrive from reward functions and configs.
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot store {type(value).__name__} in a validation artifact")
+
+
+def write_artifact(path: str | os.PathLike, meta: ArtifactMeta, records: Iterable[ValidationRecord]) -> Path:
+    """Write an artifact atomically (tmp file in the same folder + os.replace): a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = list(records)
+    if not meta.created_at:
+        meta.created_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    header = {"kind": FORMAT_KIND, "format_version": FORMAT_VERSION, "num_records": len(records), "meta": asdict(meta)}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(header, default=_json_default) + "\n")
+            for record in records:
+                handle.write(json.dumps(asdict(record), default=_json_default) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _parse_header(line: str, path: Path) -> tuple[ArtifactMeta, int]:
+    try:
+        header = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ArtifactError(f"{path}: line 1 is not JSON ({err.msg}); not a vlmrl validation artifact") from None
+    if not isinstance(header, dict) or header.get("kind") != FORMAT_KIND:
+        raise ArtifactError(f"{path}: line 1 is not a vlmrl validation header (expected kind {FORMAT_KIND!r})")
+    version = header.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path}: format_version {version!r} is not supported by this vlmrl ({VLMRL_VERSION}, reads "
+            f"{FORMAT_VERSION}); compare artifacts written by the same vlmrl format version"
+        )
+    try:
+        raw = dict(header["meta"])
+        raw["dataset"] = DatasetIdentity(**raw["dataset"])
+        return ArtifactMeta(**raw), int(header["num_records"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ArtifactError(f"{path}: header meta is incomplete or malformed ({err})") from None
+
+
+def _parse_record(line: str, path: Path, line_no: int) -> ValidationRecord:
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ArtifactError(f"{path}: line {line_no} is truncated or corrupt ({err.msg})") from None
+    if not isinstance(raw, dict):
+        raise ArtifactError(f"{path}: line {line_no} is not a JSON object")
+    missing = _REQUIRED_RECORD_FIELDS - raw.keys()
+    if missing:
+        raise ArtifactError(f"{path}: line {line_no} lacks field(s) {sorted(missing)}")
+    record = ValidationRecord(**{key: value for key, value in raw.items() if key in _RECORD_FIELDS})
+    if len(record.response_logprobs) != len(record.response_ids):
+        raise ArtifactError(
+            f"{path}: line {line_no} (row {record.index}, sample {record.sample_index}): "
+            f"{len(record.response_logprobs)} logprobs for {len(record.response_ids)} response tokens"
+        )
+    if record.reward is None or not math.isfinite(float(record.reward)):
+        raise ArtifactError(f"{path}: line {line_no} (row {record.index}): reward {record.reward!r} is not a number")
+    return record
+
+
+def read_artifact(path: str | os.PathLike) -> tuple[ArtifactMeta, list[ValidationRecord]]:
+    """Read and check an artifact. Raises ArtifactError naming the file and line for anything unreadable."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{path}: cannot read ({err})") from None
+    lines = text.split("\n")
+    if not lines[0].strip():
+        raise ArtifactError(f"{path}: empty file; not a vlmrl validation artifact")
+    meta, expected = _parse_header(lines[0], path)
+    if lines[-1] != "":
+        raise ArtifactError(f"{path}: truncated: line {len(lines)} is incomplete (no newline at the end of the file)")
+    records = [_parse_record(line, path, number) for number, line in enumerate(lines[1:-1], start=2)]
+    if len(records) != expected:
+        raise ArtifactError(f"{path}: truncated: the header promises {expected} records, the file holds {len(records)}")
+    seen: set[tuple[int, int]] = set()
+    for number, record in enumerate(records, start=2):
+        key = (record.index, record.sample_index)
+        if key in seen:
+            raise ArtifactError(f"{path}: line {number}: row {record.index} sample {record.sample_index} appears twice")
+        seen.add(key)
+    return meta, records
+
+
+def records_from_rollout(
+    requests: Sequence[RolloutRequest],
+    results: Sequence[RolloutResult],
+    rewards: Sequence[float],
+    processor: Processor,
+    reward_extras: Sequence[dict[str, Any]] | None = None,
+    thumbnails: bool = True,
+) -> list[ValidationRecord]:
+    """Artifact records for one validation pass: `results[i]` (request-major, as backends return them) was scored
+    `rewards[i]` (with parts `reward_extras[i]`). `processor` gives expanded lengths, grids and the response text."""
+    if len(rewards) != len(results) or (reward_extras is not None and len(reward_extras) != len(results)):
+        raise ValueError(f"{len(results)} results but {len(rewards)} rewards / reward_extras of another length")
+    by_uid = {request.uid: request for request in requests}
+    per_request: dict[str, tuple[list[list[int]], int, list[str] | None]] = {}
+    records = []
+    for i, result in enumerate(results):
+        request = by_uid.get(result.uid)
+        if request is None:
+            raise ValueError(f"result {i} has uid {result.uid!r}, which no request carries")
+        if request.uid not in per_request:
+            per_request[request.uid] = _request_facts(request, processor, thumbnails)
+        grid, expanded_length, thumbs = per_request[request.uid]
+        top = None
+        if result.top_logprobs is not None:
+            top = [sorted(([int(t), float(lp)] for t, lp in pos.items()), key=lambda p: -p[1]) for pos in result.top_logprobs]
+        records.append(
+            ValidationRecord(
+                uid=request.uid,
+                index=request.index,
+                sample_index=result.sample_index,
+                data_source=request.data_source,
+                prompt_ids=list(request.prompt_ids),
+                expanded_prompt_length=expanded_length,
+                image_hashes=list(request.image_hashes),
+                image_sizes=[list(image.size) for image in request.images],
+                image_grid_thw=grid,
+                response_ids=list(result.response_ids),
+                response_text=processor.tokenizer.decode(result.response_ids, skip_special_tokens=False),
+                response_logprobs=[float(lp) for lp in result.response_logprobs],
+                finish_reason=result.finish_reason,
+                reward=float(rewards[i]),
+                reward_extra=dict(reward_extras[i]) if reward_extras is not None else {},
+                ground_truth=request.ground_truth,
+                top_logprobs=top,
+                thumbnails=thumbs if result.sample_index == 0 else None,
+            )
+        )
+    return records
+
+
+def _request_facts(request: RolloutRequest, processor: Processor, thumbnails: bool):
+    """(image_grid_thw, expanded prompt length, thumbnails) of one request, computed once for its n samples."""
+    grid: list[list[int]] = []
+    if request.images:
+        grid = [[int(v) for v in row] for row in processor.multi_modal_inputs(request)["image_grid_thw"].tolist()]
+    expanded_length = len(processor.expand_prompt_ids(request.prompt_ids, grid))
+    thumbs = [thumbnail_png_base64(image) for image in request.images] if thumbnails and request.images else None
+    return grid, expanded_length, thumbs
