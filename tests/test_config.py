@@ -1,0 +1,136 @@
+"""Config: yaml + dotted overrides, typed values, invalid combinations rejected with what to change, docs current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vlmrl.config import Config, ConfigError, describe, load_config, markdown, to_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic",
+        "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
+        "data.max_prompt_length=256", "data.max_response_length=64"]
+
+
+def load(*overrides: str, check_model: bool = False) -> Config:
+    return load_config(BASE + list(overrides), check_model=check_model)
+
+
+def problems_of(*overrides: str, check_model: bool = False) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(*overrides, check_model=check_model)
+    return str(info.value)
+
+
+def test_yaml_then_dotted_overrides_in_order(tmp_path):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("rollout:\n  n: 4\n  temperature: 0.7\nactor:\n  optim:\n    lr: 3.0e-4\n")
+    config = load_config([f"config={yaml}"] + BASE + ["rollout.n=8", "trainer.logger=[console,tensorboard]"],
+                         check_model=False)
+    assert config.rollout.n == 8 and config.rollout.temperature == 0.7
+    assert config.actor.optim.lr == pytest.approx(3e-4)
+    assert config.trainer.logger == ["console", "tensorboard"]
+    assert isinstance(config.actor.optim, type(Config().actor.optim))
+
+
+def test_round_trip_through_yaml(tmp_path):
+    config = load("rollout.n=3", "trainer.total_steps=7")
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(to_yaml(config))
+    assert load_config([f"config={dumped}"], check_model=False) == config
+
+
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.temprature'; did you mean 'rollout.temperature'"):
+        load("rollout.temprature=0.5")
+
+
+def test_wrong_type_names_the_argument():
+    with pytest.raises(ConfigError, match=r"bad value in 'rollout.n=many'"):
+        load("rollout.n=many")
+
+
+def test_missing_yaml_file_is_named():
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(["config=nope.yaml"])
+
+
+def test_argument_without_equals_is_rejected():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(["rollout.n"])
+
+
+def test_batch_that_does_not_split_into_mini_batches_says_what_to_change():
+    message = problems_of("data.train_batch_size=10", "actor.ppo_mini_batch_size=4")
+    assert "data.train_batch_size * rollout.n = 50" in message
+    assert "ppo_mini_batch_size=2" in message
+
+
+def test_micro_batch_must_divide_the_mini_batch():
+    message = problems_of("actor.ppo_micro_batch_size_per_gpu=3")
+    assert "a mini-batch of 20 samples" in message and "ppo_micro_batch_size_per_gpu=3" in message
+
+
+def test_kl_coefficient_without_reference_and_reference_without_coefficient():
+    assert "set actor.use_kl_loss=true, or kl_loss_coef=0" in problems_of("actor.kl_loss_coef=0.01")
+    assert "loads a reference model for nothing" in problems_of("actor.use_kl_loss=true")
+    config = load("actor.use_kl_loss=true", "actor.kl_loss_coef=0.01")
+    assert config.actor.kl_loss_type == "low_var_kl"
+
+
+def test_every_problem_is_listed_at_once():
+    message = problems_of("rollout.n=1", "rollout.name=tgi", "actor.kl_loss_type=k9", "trainer.logger=[mlflow]")
+    for fragment in ("rollout.n >= 2", "rollout.name='tgi'", "kl_loss_type='k9'", "['mlflow']"):
+        assert fragment in message
+
+
+def test_greedy_validation_with_several_samples_is_rejected():
+    assert "identical greedy samples" in problems_of("rollout.val_n=4")
+    assert load("rollout.val_n=4", "rollout.val_temperature=1.0").rollout.val_n == 4
+
+
+def test_validation_settings_need_validation_data():
+    assert "needs data.val_files" in problems_of("data.val_files=")
+    assert "trainer.val_only=true needs data.val_files" in problems_of("data.val_files=", "trainer.val_only=true")
+    config = load("data.val_files=", "trainer.val_before_train=false", "trainer.test_freq=-1")
+    assert config.data.val_files == ""
+
+
+def test_validate_only_needs_no_training_data():
+    config = load("data.train_files=", "trainer.val_only=true")
+    assert config.trainer.val_only
+
+
+def test_model_path_is_required():
+    assert "actor.model_path is empty" in problems_of("actor.model_path=")
+
+
+def test_lengths_over_the_model_context_are_rejected(tiny_model_path):
+    message = problems_of("data.max_prompt_length=4000", "data.max_response_length=2048", check_model=True)
+    assert "6048 exceeds the model's context of 4096" in message
+    assert load("data.max_prompt_length=2048", check_model=True).data.max_prompt_length == 2048
+
+
+def test_every_field_has_a_docstring():
+    undocumented = [key for key, _, doc in describe(Config) if not doc]
+    assert not undocumented, f"fields without a docstring: {undocumented}"
+
+
+def test_docs_config_md_is_current():
+    path = ROOT / "docs" / "config.md"
+    assert path.read_text() == markdown(), "docs/config.md is stale: run `python -m vlmrl.config --markdown > docs/config.md`"
+
+
+def test_verl_style_keys_exist():
+    keys = {key for key, _, _ in describe(Config)}
+    for key in ("data.train_files", "data.val_files", "data.train_batch_size", "data.max_prompt_length",
+                "data.max_response_length", "data.min_pixels", "data.max_pixels", "actor.model_path", "actor.optim.lr",
+                "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu", "actor.clip_ratio",
+                "actor.entropy_coeff", "actor.kl_loss_coef", "actor.kl_loss_type", "actor.grad_clip", "rollout.name",
+                "rollout.n", "rollout.temperature", "rollout.top_p", "rollout.val_temperature", "rollout.val_n",
+                "algorithm.norm_adv_by_std_in_grpo", "reward.function", "trainer.total_steps", "trainer.total_epochs",
+                "trainer.val_before_train", "trainer.test_freq", "trainer.val_only", "trainer.save_freq",
+                "trainer.max_ckpt_to_keep", "trainer.output_dir", "trainer.seed", "trainer.logger"):
+        assert key in keys, key

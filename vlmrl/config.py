@@ -1,0 +1,430 @@
+"""Run configuration: typed nested dataclasses, yaml + dotted CLI overrides, checked at load.
+
+Keys follow verl/EasyR1 where users already know them (`data.train_batch_size`, `rollout.n`, `actor.kl_loss_coef`,
+`trainer.val_only`...). Every field has a default and a docstring under it; `docs/config.md` is generated from these
+docstrings (`python -m vlmrl.config --markdown`), so the documentation cannot drift from the code.
+
+    config = load_config(["config=examples/configs/tiny_synthetic.yaml", "actor.optim.lr=1e-4"])
+
+Invalid combinations raise `ConfigError` at load, listing every problem with what to change.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import logging
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_BACKENDS = ("hf", "vllm", "sglang", "sglang-server")
+LOGGERS = ("console", "tensorboard", "wandb")
+KL_LOSS_TYPES = ("low_var_kl", "k1", "k2", "mse")  # vlmrl.algorithms.grpo.KL_TYPES (config stays torch-free)
+LR_SCHEDULERS = ("constant", "cosine")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message lists each problem and what to change."""
+
+
+@dataclass
+class DataConfig:
+    train_files: str = ""
+    """Training data: parquet file(s) in the verl/EasyR1 schema (comma-separated, globs allowed), or `synthetic` for
+    the embedded visual task."""
+    val_files: str = ""
+    """Validation data, same forms as train_files (`synthetic` gives the task's held-out split). Empty: no validation."""
+    prompt_key: str = "prompt"
+    """Column holding the chat messages."""
+    image_key: str = "images"
+    """Column holding the images ({bytes} / {path} / PIL)."""
+    train_batch_size: int = 512
+    """Prompts per training step (each is sampled rollout.n times)."""
+    val_batch_size: int = -1
+    """Prompts per validation generate call; -1 = the whole validation set in one call."""
+    max_prompt_length: int = 1024
+    """Longest prompt in tokens, images expanded. Longer prompts are filtered (counted), never truncated."""
+    max_response_length: int = 2048
+    """Most tokens generated per sample."""
+    min_pixels: int = 3136
+    """Images smaller than this many pixels are upscaled (qwen-vl-utils rules, factor 28)."""
+    max_pixels: int = 1003520
+    """Images larger than this many pixels are downscaled (1003520 = 1280 * 28 * 28)."""
+    shuffle: bool = True
+    """Shuffle training rows every epoch (seeded by trainer.seed)."""
+    filter_overlong_prompts: bool = True
+    """Drop (and count) prompts over max_prompt_length; False makes them an error naming the row."""
+    synthetic_train_size: int = 2048
+    """Rows in the synthetic task's train split (only for `synthetic`)."""
+    synthetic_val_size: int = 128
+    """Rows in the synthetic task's held-out split (only for `synthetic`)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    weight_decay: float = 1e-2
+    """AdamW weight decay."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps from 0 to lr."""
+    lr_scheduler: str = "constant"
+    """After warm-up: `constant` or `cosine` (decays to 0 at the last step)."""
+
+
+@dataclass
+class ActorConfig:
+    model_path: str = ""
+    """Policy to train: a local HF folder, a hub id, or an embedded name (`tiny`, `tiny-large`)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer settings."""
+    ppo_mini_batch_size: int = 128
+    """Prompts per optimizer step (times rollout.n samples); train_batch_size / this = updates per step."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Samples per forward/backward; micro-batches accumulate gradients. Changes memory, not the update."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    clip_ratio: float = 0.2
+    """PPO clip range: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]."""
+    clip_ratio_high: float | None = None
+    """Upper clip range if different (DAPO clip-higher); None = clip_ratio."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (loss -= entropy_coeff * token-mean entropy)."""
+    use_kl_loss: bool = False
+    """Add a KL loss to a frozen reference (the initial weights). Loads a second copy of the model."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL loss; must be > 0 exactly when use_kl_loss is true."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: low_var_kl (k3), k1, k2 / mse."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; <= 0 disables clipping."""
+    freeze_vision_tower: bool = False
+    """Keep the vision tower's weights fixed."""
+    dtype: str = "auto"
+    """Training weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward (less memory, ~30% slower)."""
+    device: str = "auto"
+    """Torch device for the actor: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "vllm"
+    """Rollout backend: vllm, sglang, sglang-server or hf (the reference, slowest)."""
+    n: int = 5
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (> 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling for training rollouts."""
+    top_k: int = -1
+    """Top-k for training rollouts; -1 disables."""
+    val_n: int = 1
+    """Samples per validation prompt; > 1 also logs mean@k."""
+    val_temperature: float = 0.0
+    """Validation temperature; 0 = greedy."""
+    val_top_p: float = 1.0
+    """Validation nucleus sampling."""
+    val_top_k: int = -1
+    """Validation top-k; -1 disables."""
+    dtype: str = "auto"
+    """Engine dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
+    gpu_memory_utilization: float = 0.6
+    """Fraction of GPU memory the engine may take (vllm / sglang)."""
+    tensor_parallel_size: int = 1
+    """Tensor parallel degree of the engine."""
+    timeout_s: float = 600.0
+    """Every engine call must finish within this, else the run stops with an error naming the backend."""
+    server_url: str = ""
+    """sglang-server only: URL of a running server; empty = vlmrl launches one on 127.0.0.1."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to the backend as they are (engine-specific)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator; only grpo."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide group-centred rewards by the group std (GRPO); false = mean-centred only (Dr. GRPO)."""
+
+
+@dataclass
+class RewardConfig:
+    function: str = ""
+    """Reward: empty = chosen per row by data_source (geo3k, synthetic), a built-in name, or `path/to/file.py:fn`."""
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 1
+    """Passes over the training data (ignored when total_steps is set)."""
+    total_steps: int | None = None
+    """Training steps to run; None = total_epochs worth."""
+    val_before_train: bool = True
+    """Validate the initial weights (step 0)."""
+    test_freq: int = 5
+    """Validate every this many steps (and after the last); <= 0 = only val_before_train."""
+    val_only: bool = False
+    """Validate-only mode: no optimizer, weights untouched; writes metrics and the per-sample artifact."""
+    save_freq: int = -1
+    """Save a checkpoint every this many steps (and after the last); <= 0 = never."""
+    max_ckpt_to_keep: int | None = 2
+    """Keep the newest K checkpoints; None = keep all."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in output_dir when there is one."""
+    output_dir: str = "outputs/run"
+    """Where metrics.jsonl, checkpoints, artifacts and plots go."""
+    seed: int = 1
+    """Seeds data order, sampling and torch."""
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    """Metric sinks besides metrics.jsonl (always written): console, tensorboard, wandb."""
+    project_name: str = "vlmrl"
+    """W&B project."""
+    experiment_name: str = "grpo"
+    """W&B run name."""
+    format_warmup_steps: int = 0
+    """Supervised steps on RANDOM answer labels before RL, teaching only the answer format (never the answers):
+    a random-init model otherwise never produces a gradable answer. Needs a task with a closed answer set."""
+    format_warmup_lr: float = 1e-3
+    """Learning rate of the format warm-up (its own AdamW, discarded afterwards)."""
+    format_warmup_batch_size: int = 32
+    """Prompts per format warm-up step."""
+    torch_threads: int = 0
+    """torch.set_num_threads; 0 leaves torch's default (1 is often fastest on small CPUs)."""
+    n_gpus_per_node: int = 1
+    """Devices per node; > 1 needs the distributed trainer (vlmrl.distributed)."""
+    nnodes: int = 1
+    """Nodes in the Ray cluster."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and lengths."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The policy being trained and its update."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation backend and sampling."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimation."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop, validation, checkpoints, logging."""
+
+
+def load_config(args: list[str] | None = None, check_model: bool = True) -> Config:
+    """Build a Config from `config=FILE.yaml` (optional, repeatable) and dotted `key=value` overrides, in order.
+
+    Raises ConfigError for unknown keys (with the closest valid one), bad values and invalid combinations.
+    `check_model` also reads the model's config.json (local folders and embedded names) to check lengths fit.
+    """
+    merged = OmegaConf.structured(Config)
+    for arg in args or []:
+        if "=" not in arg:
+            raise ConfigError(f"argument {arg!r} is not key=value (use config=FILE.yaml or e.g. rollout.n=8)")
+        key, value = arg.split("=", 1)
+        try:
+            if key == "config":
+                overlay = OmegaConf.load(value)
+            else:  # `key=` means the empty string (OmegaConf would read it as null)
+                overlay = OmegaConf.from_dotlist([arg if value else f"{key}=''"])
+            merged = OmegaConf.merge(merged, overlay)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {value!r} does not exist") from None
+        except ConfigKeyError as err:
+            raise ConfigError(_unknown_key_message(err)) from None
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"bad value in {arg!r}: {str(err).splitlines()[0]}") from None
+    config: Config = OmegaConf.to_object(merged)
+    problems = validate(config)
+    if check_model and not problems:
+        problems = check_model_context(config)
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    return config
+
+
+def _unknown_key_message(err: ConfigKeyError) -> str:
+    full_key = getattr(err, "full_key", None) or str(err)
+    known = [key for key, _, _ in describe(Config)]
+    close = difflib.get_close_matches(str(full_key), known, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else "; see docs/config.md for every key"
+    return f"unknown config key {full_key!r}{hint}"
+
+
+def validate(config: Config) -> list[str]:
+    """Every problem with a config, each saying what to change. Empty when it can run."""
+    d, a, r, t = config.data, config.actor, config.rollout, config.trainer
+    problems: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    need(bool(a.model_path), "actor.model_path is empty: set a HF model folder, a hub id, or `tiny`")
+    if t.val_only:
+        need(bool(d.val_files), "trainer.val_only=true needs data.val_files")
+    else:
+        need(bool(d.train_files), "data.train_files is empty: set parquet file(s) or `synthetic`")
+        need(not t.val_before_train or bool(d.val_files),
+             "trainer.val_before_train=true needs data.val_files (or set trainer.val_before_train=false)")
+    need(r.name in ROLLOUT_BACKENDS, f"rollout.name={r.name!r} is not one of {list(ROLLOUT_BACKENDS)}")
+    need(config.algorithm.adv_estimator == "grpo", "algorithm.adv_estimator must be `grpo` (the only estimator)")
+    need(r.n >= 2, f"rollout.n={r.n}: GRPO compares samples within a group, so it needs rollout.n >= 2")
+    need(r.temperature > 0, f"rollout.temperature={r.temperature}: training rollouts must sample (set > 0, e.g. 1.0)")
+    need(r.val_n >= 1, f"rollout.val_n={r.val_n} must be >= 1")
+    need(r.val_n == 1 or r.val_temperature > 0,
+         f"rollout.val_n={r.val_n} with val_temperature=0 gives {r.val_n} identical greedy samples: "
+         "set rollout.val_temperature > 0 or rollout.val_n=1")
+    for key, value in (("data.train_batch_size", d.train_batch_size), ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+                       ("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
+                       ("actor.ppo_epochs", a.ppo_epochs), ("data.max_prompt_length", d.max_prompt_length),
+                       ("data.max_response_length", d.max_response_length)):
+        need(value >= 1, f"{key}={value} must be >= 1")
+    if not problems:
+        need(d.train_batch_size % a.ppo_mini_batch_size == 0,
+             f"data.train_batch_size * rollout.n = {d.train_batch_size * r.n} samples do not split into mini-batches of "
+             f"actor.ppo_mini_batch_size * rollout.n = {a.ppo_mini_batch_size * r.n}: make data.train_batch_size a "
+             f"multiple of actor.ppo_mini_batch_size (e.g. ppo_mini_batch_size={_largest_divisor(d.train_batch_size, a.ppo_mini_batch_size)})")
+        need((a.ppo_mini_batch_size * r.n) % a.ppo_micro_batch_size_per_gpu == 0,
+             f"a mini-batch of {a.ppo_mini_batch_size * r.n} samples (ppo_mini_batch_size * rollout.n) does not split into "
+             f"micro-batches of actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}: pick a divisor of "
+             f"{a.ppo_mini_batch_size * r.n}")
+    need(not (a.use_kl_loss and a.kl_loss_coef <= 0),
+         "actor.use_kl_loss=true with kl_loss_coef=0 loads a reference model for nothing: set actor.kl_loss_coef > 0 "
+         "(e.g. 0.01) or actor.use_kl_loss=false")
+    need(not (a.kl_loss_coef > 0 and not a.use_kl_loss),
+         f"actor.kl_loss_coef={a.kl_loss_coef} needs a reference model: set actor.use_kl_loss=true, or kl_loss_coef=0")
+    need(a.kl_loss_type in KL_LOSS_TYPES, f"actor.kl_loss_type={a.kl_loss_type!r} is not one of {list(KL_LOSS_TYPES)}")
+    need(0 < a.clip_ratio < 1, f"actor.clip_ratio={a.clip_ratio} must be in (0, 1) (0.2 is standard)")
+    need(a.clip_ratio_high is None or a.clip_ratio_high > 0, "actor.clip_ratio_high must be > 0 (or null)")
+    need(a.optim.lr > 0, f"actor.optim.lr={a.optim.lr} must be > 0")
+    need(len(a.optim.betas) == 2, f"actor.optim.betas={a.optim.betas} must be two numbers, e.g. [0.9, 0.999]")
+    need(a.optim.lr_scheduler in LR_SCHEDULERS,
+         f"actor.optim.lr_scheduler={a.optim.lr_scheduler!r} is not one of {list(LR_SCHEDULERS)}")
+    for key, value in (("actor.dtype", a.dtype), ("rollout.dtype", r.dtype)):
+        need(value in ("auto", "float32", "bfloat16"), f"{key}={value!r} must be auto, float32 or bfloat16")
+    need(d.min_pixels <= d.max_pixels, f"data.min_pixels={d.min_pixels} > data.max_pixels={d.max_pixels}")
+    need(d.min_pixels >= 28 * 28, f"data.min_pixels={d.min_pixels} is below one 28x28 patch ({28 * 28})")
+    need(t.total_steps is None or t.total_steps >= 1, f"trainer.total_steps={t.total_steps} must be >= 1 (or null)")
+    need(t.total_epochs >= 1, f"trainer.total_epochs={t.total_epochs} must be >= 1")
+    need(t.max_ckpt_to_keep is None or t.max_ckpt_to_keep >= 1,
+         f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be >= 1 (or null to keep all)")
+    unknown_loggers = [name for name in t.logger if name not in LOGGERS]
+    need(not unknown_loggers, f"trainer.logger has unknown sink(s) {unknown_loggers}; choose from {list(LOGGERS)}")
+    need(t.test_freq <= 0 or t.val_only or bool(d.val_files),
+         f"trainer.test_freq={t.test_freq} needs data.val_files (or set trainer.test_freq=-1)")
+    need(t.format_warmup_steps >= 0, f"trainer.format_warmup_steps={t.format_warmup_steps} must be >= 0")
+    need(t.n_gpus_per_node * t.nnodes == 1,
+         f"trainer.n_gpus_per_node * trainer.nnodes = {t.n_gpus_per_node * t.nnodes}: this trainer runs in one process "
+         "on one device; multi-device training is vlmrl.distributed's (set both to 1 here)")
+    return problems
+
+
+def _largest_divisor(total: int, at_most: int) -> int:
+    return max(k for k in range(1, min(total, at_most) + 1) if total % k == 0)
+
+
+def check_model_context(config: Config) -> list[str]:
+    """Check prompt + response lengths fit the model's context, for local folders and embedded models.
+    Hub ids that are not downloaded are skipped (the engine checks again when it loads them)."""
+    from vlmrl.models import is_embedded, resolve_model_path
+
+    path = config.actor.model_path
+    if not (is_embedded(path) or Path(path).is_dir()):
+        logger.info("model %s is not a local folder: its context length is checked when it loads", path)
+        return []
+    config_file = Path(resolve_model_path(path)) / "config.json"
+    if not config_file.exists():
+        return [f"actor.model_path={path!r} has no config.json: is it a HF model folder?"]
+    model_config = json.loads(config_file.read_text())
+    context = model_config.get("text_config", {}).get("max_position_embeddings") or model_config.get(
+        "max_position_embeddings")
+    total = config.data.max_prompt_length + config.data.max_response_length
+    if context and total > context:
+        return [f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's context of {context} "
+                f"tokens ({path}): lower one of them"]
+    return []
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """Plain nested dict (for artifacts, checkpoints and W&B)."""
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+# ---- documentation generated from the dataclasses ------------------------------------------------------------------
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under each field of a dataclass (read from its source)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant):
+                docs[node.target.id] = " ".join(str(following.value.value).split())
+    return docs
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default as yaml text, docstring) for every leaf field, in declaration order."""
+    rows = []
+    docs = field_docs(cls)
+    instance = cls()
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        value = getattr(instance, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(describe(type(value), prefix=f"{key}."))
+        else:
+            rows.append((key, json.dumps(value), docs.get(f.name, "")))
+    return rows
+
+
+def markdown() -> str:
+    """docs/config.md: every key, its default and meaning."""
+    lines = [
+        "# Configuration keys",
+        "",
+        "Generated from `vlmrl/config.py` by `python -m vlmrl.config --markdown > docs/config.md`; a test checks it is",
+        "current. Set keys in a yaml file (`config=FILE.yaml`, nested by section) or on the command line as dotted",
+        "overrides (`rollout.n=8`). Invalid combinations are rejected at load with what to change.",
+        "",
+    ]
+    docs = field_docs(Config)
+    for section in dataclasses.fields(Config):
+        lines += [f"## `{section.name}` — {docs.get(section.name, '')}", "", "| key | default | meaning |", "|---|---|---|"]
+        for key, default, doc in describe(type(getattr(Config(), section.name)), prefix=f"{section.name}."):
+            escaped = doc.replace("|", "\\|")
+            lines.append(f"| `{key}` | `{default}` | {escaped} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--markdown"]:
+        print(markdown(), end="")
+    else:
+        print(to_yaml(load_config(sys.argv[1:])), end="")
