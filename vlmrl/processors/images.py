@@ -1,0 +1,170 @@
+"""Images: load (bytes, path, data URI, PIL, opt-in remote URL), verify, resize by qwen-vl-utils' rules, hash.
+
+Every image reaches the engines and the trainer through here, once, already resized: both engines then get the same
+pixels, and their own image processors find nothing left to resize.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+
+class ImageInputError(ValueError):
+    """An image that cannot be used; `vlmrl.processors.Processor.build_request` turns it into a row error or skip."""
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """The image checks from `ProcessorConfig` (kept apart so that loading needs no processor)."""
+
+    data_root: str | None = None
+    allow_remote_images: bool = False
+    remote_timeout_s: float = 10.0
+    remote_max_bytes: int = 32 * 1024 * 1024
+    max_image_pixels: int = 89_478_485
+
+
+def load_image(source: Any, limits: ImageLimits) -> Image.Image:
+    """Decode and verify one dataset image (any mode, not resized: `resize_image` converts to RGB).
+
+    Accepts a PIL image; raw bytes; a dict {"bytes": ..., "path": ...} (the HF datasets / verl form: bytes win when
+    present); a string path (`file://` allowed), a `data:image/...;base64,` URI, or an http(s) URL when
+    `limits.allow_remote_images`. Raises ImageInputError saying what is wrong.
+    """
+    if isinstance(source, Image.Image):
+        return _checked(source, limits, "PIL image")
+    if isinstance(source, dict):
+        if source.get("bytes") is not None:
+            return _decode(bytes(source["bytes"]), limits, "image bytes")
+        if source.get("path"):
+            return _load_str(str(source["path"]), limits)
+        if source.get("image") is not None:  # a content part carrying its image inline
+            return load_image(source["image"], limits)
+        raise ImageInputError(f"image entry has neither bytes nor path (keys: {sorted(source)})")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return _decode(bytes(source), limits, "image bytes")
+    if isinstance(source, (str, Path)):
+        return _load_str(str(source), limits)
+    raise ImageInputError(f"unsupported image value of type {type(source).__name__}")
+
+
+def resize_image(image: Image.Image, min_pixels: int, max_pixels: int, factor: int) -> Image.Image:
+    """Resize with qwen-vl-utils (sides multiples of `factor`, pixel count within [min_pixels, max_pixels]).
+
+    Only a PIL image is handed to qwen-vl-utils: it would fetch a URL itself with no timeout.
+    """
+    from qwen_vl_utils.vision_process import SPATIAL_MERGE_SIZE, fetch_image
+
+    if factor % SPATIAL_MERGE_SIZE:
+        raise ValueError(f"image factor {factor} must be a multiple of the spatial merge size {SPATIAL_MERGE_SIZE}")
+    try:
+        return fetch_image({"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels},
+                           image_patch_size=factor // SPATIAL_MERGE_SIZE)
+    except (ValueError, OSError) as err:  # an aspect ratio over 200:1; a lazily opened PIL image that is truncated
+        raise ImageInputError(f"cannot resize a {image.width}x{image.height} image: {err}") from err
+
+
+def image_hash(image: Image.Image) -> str:
+    """sha256 over (width, height, mode, raw pixel bytes): identical pixels give identical hashes on every backend."""
+    digest = hashlib.sha256(f"{image.width}x{image.height}:{image.mode}:".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def _load_str(value: str, limits: ImageLimits) -> Image.Image:
+    if value.startswith(("http://", "https://")):
+        if not limits.allow_remote_images:
+            raise ImageInputError(
+                f"remote image URL {value[:200]!r} is not allowed: set allow_remote_images=true to fetch it, "
+                "or store the image bytes in the dataset"
+            )
+        return _decode(_fetch(value, limits), limits, f"image from {value[:200]}")
+    if value.startswith("data:image"):
+        if "base64," not in value:
+            raise ImageInputError("data URI image is not base64-encoded")
+        try:
+            data = base64.b64decode(value.split("base64,", 1)[1], validate=True)
+        except ValueError as err:
+            raise ImageInputError(f"data URI image is not valid base64: {err}") from err
+        return _decode(data, limits, "data URI image")
+    path = _resolve_path(value.removeprefix("file://"), limits.data_root)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as err:
+        raise ImageInputError(f"image file not found: {path}") from err
+    except OSError as err:
+        raise ImageInputError(f"cannot read image file {path}: {err}") from err
+    return _decode(data, limits, f"image file {path}")
+
+
+def _resolve_path(value: str, data_root: str | None) -> Path:
+    """Relative paths resolve under data_root; no path may leave it (symlinks and '..' resolved first)."""
+    if data_root is None:
+        return Path(value)
+    root = Path(data_root).resolve()
+    full = (root / value).resolve()  # an absolute `value` replaces root here and is checked the same way
+    if not full.is_relative_to(root):
+        raise ImageInputError(f"image path {value!r} resolves outside data_root {str(root)!r}")
+    return full
+
+
+def _fetch(url: str, limits: ImageLimits) -> bytes:
+    """GET with our own timeout and a size cap (qwen-vl-utils would wait forever and read anything)."""
+    import requests
+
+    try:
+        with requests.get(url, stream=True, timeout=limits.remote_timeout_s) as response:
+            response.raise_for_status()
+            declared = int(response.headers.get("Content-Length") or 0)
+            if declared > limits.remote_max_bytes:
+                raise ImageInputError(f"remote image {url[:200]} is {declared} bytes > {limits.remote_max_bytes}")
+            chunks, size = [], 0
+            for chunk in response.iter_content(chunk_size=64 * 1024):
+                size += len(chunk)
+                if size > limits.remote_max_bytes:
+                    raise ImageInputError(f"remote image {url[:200]} exceeds {limits.remote_max_bytes} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except requests.RequestException as err:
+        raise ImageInputError(f"cannot fetch remote image {url[:200]}: {err}") from err
+
+
+def _decode(data: bytes, limits: ImageLimits, what: str) -> Image.Image:
+    if not data:
+        raise ImageInputError(f"{what} is empty (0 bytes)")
+    with warnings.catch_warnings():
+        # Our own pixel limit below decides; PIL's global warning threshold must not (it is process-wide state).
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(io.BytesIO(data))  # reads the header only: size is known before decoding
+        except Image.DecompressionBombError as err:
+            raise ImageInputError(f"{what}: decompression bomb rejected ({err})") from err
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+            raise ImageInputError(f"{what} is not a readable image: {err}") from err
+        image = _checked(image, limits, what)
+        try:
+            image.load()
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            raise ImageInputError(f"{what} is corrupt or truncated: {err}") from err
+    return image
+
+
+def _checked(image: Image.Image, limits: ImageLimits, what: str) -> Image.Image:
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise ImageInputError(f"{what} has zero size ({width}x{height})")
+    if width * height > limits.max_image_pixels:
+        raise ImageInputError(
+            f"{what} declares {width}x{height} = {width * height} pixels > max_image_pixels="
+            f"{limits.max_image_pixels} (decompression-bomb guard; raise max_image_pixels if the image is genuine)"
+        )
+    return image
+

@@ -1,0 +1,254 @@
+"""The Qwen2-VL / Qwen2.5-VL processor: dataset row -> RolloutRequest, multi_modal_inputs, expanded ids, mrope ids.
+
+One request serves every backend: prompt ids hold ONE `<|image_pad|>` per image (the form vLLM and SGLang take; they
+expand it themselves, pitfall 5), the images are already resized, and the pad tokens no backend may sample are named.
+The trainer side (expanded ids, pixel values, 3D position ids) is derived from the same request here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmrl.processors.config import ProcessorConfig
+from vlmrl.processors.errors import BadRowError, FilteredRow
+from vlmrl.processors.images import ImageInputError, ImageLimits, image_hash, load_image, resize_image
+from vlmrl.processors.rope import mrope_position_ids
+from vlmrl.types import RolloutRequest
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
+IMAGE_MARKER = "<image>"  # verl/EasyR1 rows mark image positions in the prompt text with it
+
+
+def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Processor:
+    """The processor of a Qwen2-VL / Qwen2.5-VL checkpoint folder (or an embedded name: `tiny`, `tiny-large`).
+
+    Raises ValueError naming the architecture for any other model. Loads no remote code.
+    """
+    from transformers import AutoProcessor
+
+    from vlmrl.models import resolve_model_path
+
+    path = Path(resolve_model_path(model_path))
+    model_config = _read_json(path / "config.json")
+    model_type = model_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        arch = ", ".join(model_config.get("architectures") or []) or f"model_type={model_type!r}"
+        raise ValueError(
+            f"{path}: architecture {arch} is not supported; vlmrl's processor handles "
+            f"{' and '.join(SUPPORTED_MODEL_TYPES.values())} (model_type {' / '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    hf_processor = AutoProcessor.from_pretrained(str(path))
+    generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
+    processor = Processor(hf_processor, model_config, generation, config or ProcessorConfig())
+    logger.info("processor for %s (%s): images %d..%d pixels, factor %d, max_prompt_length %d", path,
+                SUPPORTED_MODEL_TYPES[model_type], processor.min_pixels, processor.max_pixels,
+                processor.config.image_factor, processor.config.max_prompt_length)
+    return processor
+
+
+class Processor:
+    """Turns dataset rows into `RolloutRequest`s and requests into the trainer's inputs. Build with `load_processor`."""
+
+    def __init__(self, hf_processor: Any, model_config: dict, generation_config: dict, config: ProcessorConfig):
+        self.config = config
+        self.hf_processor = hf_processor
+        self.tokenizer = hf_processor.tokenizer
+        self.image_processor = hf_processor.image_processor
+        vocab = self.tokenizer.convert_tokens_to_ids
+        self.image_token_id: int = int(model_config.get("image_token_id", vocab("<|image_pad|>")))
+        self.video_token_id: int = int(model_config.get("video_token_id", vocab("<|video_pad|>")))
+        self.banned_token_ids: list[int] = [self.image_token_id, self.video_token_id]
+        self.eos_token_ids: list[int] = _eos_ids(generation_config, self.tokenizer.eos_token_id)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id: int = int(pad if pad is not None else generation_config.get("pad_token_id",
+                                                                                       self.eos_token_ids[0]))
+        self.patch_size: int = int(self.image_processor.patch_size)
+        self.spatial_merge_size: int = int(self.image_processor.merge_size)
+        self.temporal_patch_size: int = int(self.image_processor.temporal_patch_size)
+        self.min_pixels, self.max_pixels = self._pixel_bounds()
+        self._limits = ImageLimits(config.data_root, config.allow_remote_images, config.remote_timeout_s,
+                                   config.remote_max_bytes, config.max_image_pixels)
+
+    def _pixel_bounds(self) -> tuple[int, int]:
+        """Config bounds, checked to lie within the model's: the engines run the model's image processor, which
+        must find our resized images already valid (else it resizes again and the two sides disagree)."""
+        factor = self.patch_size * self.spatial_merge_size
+        if self.config.image_factor != factor:
+            raise ValueError(f"image_factor={self.config.image_factor} but the model's image processor needs "
+                             f"{factor} (patch {self.patch_size} x merge {self.spatial_merge_size}): set {factor}")
+        size = self.image_processor.size
+        model_min, model_max = int(size["shortest_edge"]), int(size["longest_edge"])
+        low = self.config.min_pixels if self.config.min_pixels is not None else model_min
+        high = self.config.max_pixels if self.config.max_pixels is not None else model_max
+        if not model_min <= low <= high <= model_max:
+            raise ValueError(
+                f"min_pixels={low}, max_pixels={high} must lie within the model's image processor bounds "
+                f"[{model_min}, {model_max}] (preprocessor size shortest_edge/longest_edge); the engines would "
+                "resize the images again. Change min_pixels/max_pixels or the model's processor config."
+            )
+        return low, high
+
+    # ---------------------------------------------------------------- rows -> requests
+
+    def build_request(self, row: dict[str, Any], index: int = -1) -> RolloutRequest:
+        """A verl/EasyR1 dataset row -> RolloutRequest (unexpanded ids, resized images, a fresh uid, metadata).
+
+        `row["prompt"]`: chat messages (content a string with `<image>` markers, or a list of content parts of type
+        image/text) or a plain string; `row["images"]`: {bytes} / {path} / PIL / bytes / path, in prompt order.
+
+        Raises:
+            FilteredRow: the config says to skip such a row (overlong prompt, bad image): count it and go on.
+            BadRowError: the row is unusable and the config says to fail.
+        """
+        messages, inline_images = _normalise_messages(row.get("prompt"), index)
+        sources = list(row["images"]) if row.get("images") is not None else inline_images
+        placeholders = sum(_count_image_parts(m["content"]) for m in messages)
+        if placeholders != len(sources):
+            self._bad_image(index, f"{placeholders} image placeholders in the prompt but {len(sources)} images")
+        images = []
+        for i, source in enumerate(sources):
+            try:
+                loaded = load_image(source, self._limits)
+                images.append(resize_image(loaded, self.min_pixels, self.max_pixels, self.config.image_factor))
+            except ImageInputError as err:
+                self._bad_image(index, f"image {i}: {err}")
+        text = self.hf_processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        found = prompt_ids.count(self.image_token_id)
+        if found != len(images):  # e.g. a literal <|image_pad|> typed in the prompt text
+            self._bad_image(index, f"the rendered prompt holds {found} <|image_pad|> tokens for {len(images)} images")
+        expanded = len(prompt_ids) - len(images) + sum(self.image_token_count(im) for im in images)
+        if expanded > self.config.max_prompt_length:
+            reason = (f"prompt is {expanded} tokens (expanded, with {len(images)} images) > max_prompt_length="
+                      f"{self.config.max_prompt_length}; never truncated (it would cut through an image)")
+            raise (FilteredRow if self.config.on_overlong == "filter" else BadRowError)(index, reason)
+        reward_model = row.get("reward_model") or {}
+        return RolloutRequest(
+            uid=uuid.uuid4().hex,
+            prompt_ids=prompt_ids,
+            images=images,
+            image_hashes=[image_hash(im) for im in images],
+            banned_token_ids=list(self.banned_token_ids),
+            data_source=str(row.get("data_source") or "unknown"),
+            ground_truth=reward_model.get("ground_truth", row.get("answer")),
+            extra_info=dict(row.get("extra_info") or {}),
+            index=index,
+        )
+
+    def _bad_image(self, index: int, reason: str) -> None:
+        raise (FilteredRow if self.config.on_bad_image == "filter" else BadRowError)(index, reason)
+
+    # ---------------------------------------------------------------- requests -> trainer inputs
+
+    def image_grid_thw(self, images: Sequence[Any]) -> torch.Tensor:
+        """(N, 3) long patch grid (t, h, w) of already-resized images, from their sizes (no pixel work)."""
+        rows = [[1, im.height // self.patch_size, im.width // self.patch_size] for im in images]
+        return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
+
+    def image_token_count(self, image: Any) -> int:
+        """How many `<|image_pad|>` tokens one resized image expands to."""
+        return (image.height // self.patch_size) * (image.width // self.patch_size) // self.spatial_merge_size**2
+
+    def expand_prompt_ids(self, prompt_ids: Sequence[int], image_grid_thw: torch.Tensor | None) -> list[int]:
+        """Unexpanded ids (one `<|image_pad|>` per image) -> expanded ids (one per merged patch), as the trainer's
+        forward needs. image_grid_thw: (N, 3) for the N images of these ids, in order."""
+        grids = [] if image_grid_thw is None else image_grid_thw.tolist()
+        count = sum(1 for t in prompt_ids if t == self.image_token_id)
+        if count != len(grids):
+            raise ValueError(f"{count} <|image_pad|> tokens in the prompt ids but {len(grids)} image grids")
+        merge = self.spatial_merge_size**2
+        expanded: list[int] = []
+        grid_iter = iter(grids)
+        for token in prompt_ids:
+            if token == self.image_token_id:
+                t, h, w = next(grid_iter)
+                expanded.extend([token] * (t * h * w // merge))
+            else:
+                expanded.append(token)
+        return expanded
+
+    def multi_modal_inputs(self, request: RolloutRequest) -> dict[str, torch.Tensor]:
+        """{"pixel_values": (patches, C*T*p*p), "image_grid_thw": (N, 3)} for the trainer; {} without images."""
+        if not request.images:
+            return {}
+        out = self.image_processor(images=list(request.images), return_tensors="pt")
+        grid = out["image_grid_thw"].to(torch.long)
+        expected = self.image_grid_thw(request.images)
+        if not torch.equal(grid, expected):  # the image processor resized again: trainer and engines would disagree
+            raise RuntimeError(f"request {request.uid}: image processor grid {grid.tolist()} != the resized images' "
+                               f"{expected.tolist()}; check min_pixels/max_pixels against the model's processor")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
+
+    def position_ids(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, image_grid_thw: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(3, B, L) mrope ids of (B, L) EXPANDED ids; equal to transformers' `get_rope_index` (0 on padding).
+        image_grid_thw: (N, 3) for every image of the batch, in row then prompt order."""
+        return mrope_position_ids(input_ids, attention_mask, image_grid_thw, image_token_id=self.image_token_id,
+                                  spatial_merge_size=self.spatial_merge_size, video_token_id=self.video_token_id)
+
+
+def _normalise_messages(prompt: Any, index: int) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Chat messages with content parts for images; also images carried inline by content parts."""
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if prompt is None or isinstance(prompt, dict) or not len(prompt):
+        raise BadRowError(index, f"prompt must be a list of chat messages or a string, got {type(prompt).__name__}")
+    messages, inline = [], []
+    for message in prompt:
+        content = message.get("content")
+        if isinstance(content, str):
+            if IMAGE_MARKER in content:
+                content = _split_markers(content)
+        elif content is not None:
+            content = [dict(part) for part in content]
+            for part in content:
+                if part.get("type") == "image" and part.get("image") is not None:
+                    inline.append(part.pop("image"))
+        else:
+            raise BadRowError(index, f"message without content: {message!r}"[:300])
+        messages.append({"role": message.get("role", "user"), "content": content})
+    return messages, inline
+
+
+def _split_markers(text: str) -> list[dict[str, str]]:
+    """'a <image> b' -> [text a, image, text b] (the content-part form the chat template renders)."""
+    parts: list[dict[str, str]] = []
+    for i, piece in enumerate(text.split(IMAGE_MARKER)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def _count_image_parts(content: Any) -> int:
+    if isinstance(content, str):
+        return 0
+    return sum(1 for part in content if part.get("type") == "image" or "image" in part or "image_url" in part)
+
+
+def _eos_ids(generation_config: dict, tokenizer_eos: int | None) -> list[int]:
+    eos = generation_config.get("eos_token_id")
+    ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
+    if tokenizer_eos is not None and tokenizer_eos not in ids:
+        ids.append(tokenizer_eos)
+    if not ids:
+        raise ValueError("the model names no EOS token (generation_config.json eos_token_id, tokenizer eos_token)")
+    return [int(i) for i in ids]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{path} not found: is {path.parent} a Hugging Face model folder?") from err

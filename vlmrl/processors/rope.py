@@ -1,0 +1,135 @@
+"""Qwen2-VL / Qwen2.5-VL 3D (mrope) position ids, vectorised over the whole batch.
+
+The one function that owns position ids (pitfall 4): the trainer, the padding code and every backend-side check ask
+it. Its output equals transformers' `Qwen2_5_VLModel.get_rope_index` (5.19) for image inputs, token for token:
+
+- padding (attention_mask 0) gets position 0 on all three rows, attended tokens are laid out as if packed together;
+- a text token takes `current + 1` on all three rows;
+- an image of merged grid (t, h, w) starting at `s` takes (s + t_i, s + h_i, s + w_i) for its t*h*w tokens in
+  (t, h, w) row-major order, and the next token continues at `s + max(h, w)`;
+- a run of consecutive image tokens is one image; images are taken from `image_grid_thw` in batch-row order.
+
+transformers loops over samples and over token groups in Python; here every step is one tensor op over (B, L).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mrope_position_ids(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    *,
+    image_token_id: int,
+    spatial_merge_size: int = 2,
+    video_token_id: int | None = None,
+) -> torch.Tensor:
+    """3D rope position ids for a batch of EXPANDED ids.
+
+    Args:
+        input_ids: (B, L) long, one `image_token_id` per merged vision patch.
+        attention_mask: (B, L), 1 on real tokens; None = all real. Any pattern works (left, right, holes).
+        image_grid_thw: (N, 3) long, the patch grid (before merging) of every image of the batch, in row order
+            then prompt order; None or empty when no row holds an image.
+        image_token_id: the `<|image_pad|>` id.
+        spatial_merge_size: patches merged per side into one token (2 for Qwen2/2.5-VL).
+        video_token_id: when given, an attended video token raises (videos are not supported).
+
+    Returns:
+        (3, B, L) long: temporal, height, width positions; 0 on padding.
+
+    Raises:
+        ValueError: the image tokens do not match `image_grid_thw` (count of images or tokens of one image),
+            naming the batch row.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (B, L), got shape {tuple(input_ids.shape)}")
+    batch, length = input_ids.shape
+    device = input_ids.device
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if video_token_id is not None and bool(((input_ids == video_token_id) & valid).any()):
+        raise ValueError("video tokens in the input: vlmrl supports images only (the video pad token is banned)")
+
+    # Pack attended tokens to the left of each row (stable, so their order is kept): transformers drops padding
+    # before grouping, so a run of image tokens is judged among attended tokens only.
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # (B, L)
+    packed_valid = torch.gather(valid, 1, order)
+    is_image = (torch.gather(input_ids, 1, order) == image_token_id) & packed_valid  # (B, L)
+    column = torch.arange(length, device=device).expand(batch, length)  # packed index j
+
+    run_start = is_image.clone()
+    run_start[:, 1:] &= ~is_image[:, :-1]
+    images_per_row = run_start.sum(dim=1)  # (B,)
+    num_images = int(images_per_row.sum())
+    grid = _merged_grid(image_grid_thw, num_images, images_per_row, spatial_merge_size, device)  # (N, 3)
+    tokens_per_image = grid.prod(dim=1)  # (N,)
+    span = torch.maximum(grid[:, 1], grid[:, 2])  # how far the next token jumps past an image's start
+    _check_image_lengths(is_image, run_start, tokens_per_image)
+
+    # image index of every image token (row-major over the batch, matching image_grid_thw's order)
+    image_index = (torch.cumsum(run_start.flatten(), 0) - 1).view(batch, length).clamp(min=0)
+    # Shift of later positions caused by each image: it occupies `tokens` columns but advances positions by `span`.
+    shift = torch.zeros(batch, length, dtype=torch.long, device=device)
+    if num_images:
+        shift[run_start] = (span - tokens_per_image)
+    shift_incl = torch.cumsum(shift, dim=1)  # includes every image starting at or before j
+
+    text_pos = column + shift_incl  # (B, L): a text token's position (all three rows)
+    positions = text_pos.unsqueeze(0).repeat(3, 1, 1)  # (3, B, L)
+    if num_images:
+        rows, cols = is_image.nonzero(as_tuple=True)
+        k = image_index[rows, cols]
+        start_col = torch.zeros(num_images, dtype=torch.long, device=device)
+        start_col[image_index[run_start]] = column[run_start]
+        offset = cols - start_col[k]  # token offset within its image
+        # position where the image starts = its column + the shift of every EARLIER image
+        start = start_col[k] + shift_incl[rows, cols] - (span - tokens_per_image)[k]
+        h, w = grid[k, 1], grid[k, 2]
+        positions[0, rows, cols] = start + offset // (h * w)
+        positions[1, rows, cols] = start + (offset // w) % h
+        positions[2, rows, cols] = start + offset % w
+    positions = positions.masked_fill(~packed_valid, 0)
+
+    # unpack: put each packed column back where it came from; padding stays 0
+    out = torch.zeros(3, batch, length, dtype=torch.long, device=device)
+    out.scatter_(2, order.unsqueeze(0).expand(3, -1, -1), positions)
+    return out.to(input_ids.dtype)
+
+
+def _merged_grid(
+    image_grid_thw: torch.Tensor | None,
+    num_images: int,
+    images_per_row: torch.Tensor,
+    merge: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """(N, 3) merged grid (t, h // merge, w // merge), checked against the image runs found in the ids."""
+    given = 0 if image_grid_thw is None else int(image_grid_thw.shape[0])
+    if given != num_images:
+        rows_with_images = {i: int(n) for i, n in enumerate(images_per_row.tolist()) if n}
+        raise ValueError(
+            f"image_grid_thw has {given} images but the ids hold {num_images} image runs "
+            f"(images per batch row: {rows_with_images})"
+        )
+    if num_images == 0:
+        return torch.zeros(0, 3, dtype=torch.long, device=device)
+    grid = image_grid_thw.to(device=device, dtype=torch.long)
+    return torch.stack([grid[:, 0], grid[:, 1] // merge, grid[:, 2] // merge], dim=1)
+
+
+def _check_image_lengths(is_image: torch.Tensor, run_start: torch.Tensor, tokens_per_image: torch.Tensor) -> None:
+    """Each run of image tokens must be exactly one image's t*h*w tokens (pitfall 3: never a silent mismatch)."""
+    if tokens_per_image.numel() == 0:
+        return
+    run_id = torch.cumsum(run_start.flatten().long(), 0) - 1
+    lengths = torch.bincount(run_id[is_image.flatten()], minlength=tokens_per_image.numel())
+    bad = (lengths != tokens_per_image).nonzero(as_tuple=True)[0]
+    if bad.numel():
+        k = int(bad[0])
+        row = int((run_start.flatten().nonzero(as_tuple=True)[0][k]) // run_start.shape[1])
+        raise ValueError(
+            f"batch row {row}: image {k} has {int(lengths[k])} image tokens but its grid needs "
+            f"{int(tokens_per_image[k])} (image_grid_thw does not match the ids)"
+        )
