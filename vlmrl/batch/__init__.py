@@ -1,0 +1,27 @@
+"""The VLM batch layout: per-sample padding, stacking, padding rows for divisibility, metrics without padding rows."""
+
+from vlmrl.batch.padding import (
+    MetricSkips,
+    PromptInputs,
+    batch_metrics,
+    pad_sample,
+    prompt_inputs,
+    real_row_mean,
+    real_token_mean,
+    required_batch_multiple,
+    stack_samples,
+    upsample_to_multiple,
+)
+
+__all__ = [
+    "MetricSkips",
+    "PromptInputs",
+    "batch_metrics",
+    "pad_sample",
+    "prompt_inputs",
+    "real_row_mean",
+    "real_token_mean",
+    "required_batch_multiple",
+    "stack_samples",
+    "upsample_to_multiple",
+]
