@@ -1,0 +1,104 @@
+"""`python -m vlmrl.alignment.compare A B`: exit status, reports on disk, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+
+import pytest
+
+from tests.alignment.synthetic import write_side
+from vlmrl.alignment.compare import main
+
+
+class _TagBalance(HTMLParser):
+    """Counts unclosed elements: a report with a broken tag renders half the page inside another element."""
+
+    VOID = {"meta", "img", "br", "hr", "input", "link"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[str] = []
+        self.images = 0
+        self.marks = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images += 1
+        if tag == "mark":
+            self.marks += 1
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        assert self.stack and self.stack[-1] == tag, f"</{tag}> closes <{self.stack[-1] if self.stack else None}>"
+        self.stack.pop()
+
+
+def _html(path):
+    checker = _TagBalance()
+    checker.feed(path.read_text())
+    assert checker.stack == [], f"unclosed: {checker.stack}"
+    return checker
+
+
+def test_aligned_artifacts_exit_0_with_reports(tmp_path, capsys):
+    a, b = write_side(tmp_path / "a.jsonl"), write_side(tmp_path / "b.jsonl", backend="sglang")
+    assert main([str(a), str(b), "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["ok"] is True and report["summary"]["exact"] == 30 and report["a"]["label"] == "vllm"
+    page = _html(tmp_path / "out" / "report.html")
+    assert page.images == 30 and page.marks == 0
+    assert "ALIGNED" in capsys.readouterr().out
+
+
+def test_perturbed_side_exits_1_and_the_report_shows_where(tmp_path, capsys):
+    a, b = write_side(tmp_path / "a.jsonl"), write_side(tmp_path / "b.jsonl", backend="sglang", logit_noise=2.0)
+    assert main([str(a), str(b), "--out", str(tmp_path / "out")]) == 1
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["summary"]["causes"]["real_divergence"] == 30
+    assert report["samples"][0]["divergence"]["position"] == 0
+    page = _html(tmp_path / "out" / "report.html")
+    assert page.marks == 60, "both sides' text is highlighted from the divergence on"
+    out = capsys.readouterr().out
+    assert "NOT ALIGNED" in out and "real divergence" in out
+
+
+def test_thresholds_are_configurable(tmp_path):
+    a, b = write_side(tmp_path / "a.jsonl"), write_side(tmp_path / "b.jsonl", backend="sglang", logit_noise=2.0)
+    loose = ["--max-real-divergence", "1", "--max-mean-logprob-delta", "10", "--no-html"]
+    assert main([str(a), str(b), "--out", str(tmp_path / "out"), *loose]) == 0
+    assert not (tmp_path / "out" / "report.html").exists()
+
+
+def test_truncated_artifact_exits_2_with_a_clear_message(tmp_path, capsys):
+    a, b = write_side(tmp_path / "a.jsonl"), write_side(tmp_path / "b.jsonl", backend="sglang")
+    b.write_bytes(b.read_bytes()[:-100])
+    assert main([str(a), str(b), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "b.jsonl" in err and "truncated" in err
+    assert not (tmp_path / "out").exists(), "no report for a comparison that did not happen"
+
+
+def test_artifact_from_another_dataset_exits_2(tmp_path, capsys):
+    a = write_side(tmp_path / "a.jsonl")
+    b = write_side(tmp_path / "b.jsonl", backend="sglang", dataset="geo3k:test")
+    assert main([str(a), str(b), "--out", str(tmp_path / "out")]) == 2
+    assert "different datasets" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["only_one.jsonl"], "exactly two artifact files"),
+        (["--backends", "vllm", "config=x.yaml"], "exactly two names"),
+        (["--backends", "vllm,sglang", "not_an_override"], "key=value"),
+    ],
+)
+def test_bad_usage_exits_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_flag_exits_2():
+    assert main(["a", "b", "--no-such-flag"]) == 2

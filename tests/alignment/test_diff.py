@@ -1,0 +1,134 @@
+"""The pure diff on synthetic artifacts: every injected fault lands in its own cause bucket, and the gate follows."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.alignment.synthetic import make_side, reward_first_letter
+from vlmrl.alignment.diff import (
+    OVERALL,
+    Cause,
+    NotComparableError,
+    Thresholds,
+    compare_artifacts,
+    diff_inputs,
+    text_window,
+)
+
+
+def _compare(thresholds=None, a=None, **b_kwargs):
+    a = a or make_side()
+    b = make_side(backend="sglang", **b_kwargs)
+    return compare_artifacts(*a, *b, thresholds=thresholds)
+
+
+def _failed(comparison):
+    return sorted(check.name for check in comparison.checks if not check.ok)
+
+
+def test_identical_outputs_are_exact_and_aligned():
+    comparison = _compare()
+    assert comparison.exact == comparison.total == 30 and comparison.cause_counts == {}
+    assert comparison.max_abs_logprob_delta == 0.0 and comparison.ok
+    assert comparison.scores[OVERALL].delta == 0.0 and comparison.scores[OVERALL].p_value == 1.0
+    assert ("backend", "vllm", "sglang") in comparison.setting_differences
+
+
+def test_other_max_pixels_is_an_input_mismatch_first():
+    comparison = _compare(max_pixels=6000)
+    assert comparison.cause_counts == {Cause.INPUT_MISMATCH: 30}, "outputs differ too, but inputs explain them"
+    sample = comparison.samples[0]
+    assert any("resized to" in d for d in sample.input_diffs) and any("grid_thw" in d for d in sample.input_diffs)
+    assert ("config.data.max_pixels", 12544, 6000) in comparison.setting_differences
+    assert not comparison.ok and "input mismatch fraction" in _failed(comparison)
+
+
+def test_perturbed_weights_are_real_divergences_with_logprob_drift():
+    comparison = _compare(logit_noise=2.0)
+    assert comparison.cause_counts == {Cause.REAL_DIVERGENCE: 30}
+    assert comparison.mean_abs_logprob_delta > 0.05
+    assert _failed(comparison) == ["mean |logprob delta| (nats)", "real divergence fraction"]
+    split = comparison.samples[0].divergence
+    assert split.position == 0 and split.token_a != split.token_b
+
+
+def test_swapped_top_two_is_a_near_tie_and_tolerated_by_default():
+    comparison = _compare(flip_rows=frozenset({1, 4, 7}))
+    assert comparison.cause_counts == {Cause.NEAR_TIE: 3} and comparison.exact == 27
+    tie = next(s for s in comparison.samples if s.cause == Cause.NEAR_TIE)
+    assert tie.divergence.position == 2 and tie.divergence.b_in_top_a and tie.divergence.a_in_top_b
+    assert tie.divergence.margin_a + tie.divergence.margin_b < 1e-3
+    assert tie.max_abs_logprob_delta < 1e-9, "the common prefix before the tie is identical"
+    assert comparison.ok
+    strict = _compare(thresholds=Thresholds(max_near_tie=0.0), flip_rows=frozenset({1, 4, 7}))
+    assert _failed(strict) == ["numerical near-tie fraction"]
+
+
+def test_near_tie_needs_a_small_margin():
+    # Same flips, but a near-tie margin tighter than the 2e-4 the toy model leaves: they become real divergences.
+    comparison = _compare(thresholds=Thresholds(near_tie_margin=1e-5), flip_rows=frozenset({1, 4}))
+    assert comparison.cause_counts == {Cause.REAL_DIVERGENCE: 2}
+
+
+def test_divergence_without_top_k_is_not_guessed():
+    a = make_side(top_k=None)
+    comparison = compare_artifacts(*a, *make_side(backend="sglang", top_k=None, flip_rows=frozenset({2})))
+    assert comparison.cause_counts == {Cause.UNCLASSIFIED_DIVERGENCE: 1} and not comparison.ok
+
+
+def test_different_reward_function_on_equal_text_is_a_reward_disagreement():
+    comparison = _compare(reward=reward_first_letter)
+    assert set(comparison.cause_counts) == {Cause.REWARD_DISAGREEMENT}
+    sample = next(s for s in comparison.samples if s.cause == Cause.REWARD_DISAGREEMENT)
+    assert sample.tokens_equal and sample.reward_extra_deltas["accuracy"] == sample.reward_delta != 0
+    assert "reward disagreement on equal text fraction" in _failed(comparison)
+
+
+def test_shorter_budget_is_length_or_finish_only():
+    comparison = _compare(max_new_tokens=5)
+    assert set(comparison.cause_counts) == {Cause.LENGTH_OR_FINISH}
+    sample = comparison.samples[0]
+    assert sample.finish_b == "length" and sample.length_b == 5 and sample.divergence is None
+
+
+def test_sampled_outputs_are_compared_statistically_only():
+    a = make_side(temperature=1.0)
+    comparison = compare_artifacts(*a, *make_side(backend="sglang", temperature=1.0, logit_noise=2.0))
+    assert not comparison.greedy and comparison.cause_counts == {}
+    assert "sampled" in comparison.samples[0].explanation
+
+
+def test_a_systematic_score_gap_is_significant_and_fails_the_gate():
+    # B's reward is 1 on every row A scored 0 (the text is the same: also a reward disagreement).
+    a = make_side()
+    meta_b, records_b = make_side(backend="sglang")
+    for record in records_b:
+        record.reward = 1.0
+    comparison = compare_artifacts(*a, meta_b, records_b, thresholds=Thresholds(max_reward_disagreement=1.0))
+    overall = comparison.scores[OVERALL]
+    assert overall.delta > 0.5 and overall.p_value < 1e-4 and set(comparison.scores) == {OVERALL, "colours", "shapes"}
+    assert _failed(comparison) == ["score delta (all)", "score delta colours", "score delta shapes"]
+
+
+def test_other_dataset_or_other_rows_are_not_comparable():
+    with pytest.raises(NotComparableError, match="different datasets"):
+        _compare(dataset="geo3k:test")
+    a = make_side()
+    meta_b, records_b = make_side(backend="sglang")
+    with pytest.raises(NotComparableError, match="row 29 sample 0 only in A"):
+        compare_artifacts(*a, meta_b, records_b[:-1])
+    records_b[3] = dataclasses.replace(records_b[3], ground_truth="zz")
+    with pytest.raises(NotComparableError, match="row 3 .* not the same"):
+        compare_artifacts(*a, meta_b, records_b)
+
+
+def test_input_diff_and_text_window_details():
+    _, (a, *_) = make_side()
+    b = dataclasses.replace(a, prompt_ids=a.prompt_ids[:2] + [7] + a.prompt_ids[3:], image_hashes=["other"])
+    diffs = diff_inputs(a, b)
+    assert diffs[0].startswith("prompt ids differ from position 2") and "image 0 bytes differ" in diffs[1]
+    window = text_window("the answer is 42.", "the answer is 47!")
+    assert (window.position, window.before, window.after_a, window.after_b) == (15, "the answer is 4", "2.", "7!")
+    assert text_window("same", "same") is None
