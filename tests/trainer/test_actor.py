@@ -1,0 +1,137 @@
+"""The actor on the tiny Qwen2.5-VL: logprobs with explicit 3D positions, micro-batch invariance, KL reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.trainer.conftest import make_batch
+from vlmrl.algorithms.grpo import group_advantages
+from vlmrl.batch.padding import upsample_to_multiple
+from vlmrl.config import ActorConfig, OptimConfig
+from vlmrl.trainer.actor import Actor
+
+
+def actor_config(tiny_model_path, **overrides) -> ActorConfig:
+    config = ActorConfig(model_path=tiny_model_path, optim=OptimConfig(lr=1e-3, weight_decay=0.0),
+                         ppo_micro_batch_size_per_gpu=8, device="cpu", dtype="float32")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.fixture(scope="module")
+def batch(processor, synthetic_rows):
+    # 4 prompts x 2 samples; prompt 2 is text-only, so micro-batches mix rows with and without images
+    return make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,))
+
+
+def test_logprobs_equal_transformers_own_position_computation(tiny_model_path, processor, batch):
+    actor = Actor(actor_config(tiny_model_path, ppo_micro_batch_size_per_gpu=3), total_steps=1, mini_batch_samples=8)
+    ours, _ = actor.compute_logprobs(batch)
+    model = actor.model.eval()
+    p_len = batch.prompt_length
+    for row in range(len(batch)):
+        # transformers computes mrope positions itself when told which tokens are image tokens
+        ids = batch.input_ids[row : row + 1]
+        mm = batch.multi_modal_inputs[row]
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=batch.attention_mask[row : row + 1],
+                           mm_token_type_ids=(ids == processor.image_token_id).int(),
+                           pixel_values=mm.get("pixel_values"), image_grid_thw=mm.get("image_grid_thw")).logits
+        logprobs = torch.log_softmax(logits[0, p_len - 1 : -1], dim=-1)
+        expected = logprobs.gather(-1, batch.input_ids[row, p_len:, None])[:, 0] * batch.response_mask[row]
+        assert torch.allclose(ours[row], expected, atol=1e-5), f"row {row}"
+
+
+def test_logprobs_do_not_depend_on_micro_batch_size(tiny_model_path, batch):
+    actor = Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=8)
+    whole, entropy = actor.compute_logprobs(batch, with_entropy=True)
+    actor.config.ppo_micro_batch_size_per_gpu = 1
+    single, _ = actor.compute_logprobs(batch)
+    assert torch.allclose(whole, single, atol=1e-5)
+    assert (whole[batch.response_mask == 0] == 0).all()
+    assert (entropy[batch.response_mask > 0] > 0).all()
+
+
+def _one_update(tiny_model_path, batch, micro: int, dtype=torch.float64):
+    actor = Actor(actor_config(tiny_model_path, ppo_micro_batch_size_per_gpu=micro), total_steps=1,
+                  mini_batch_samples=len(batch))
+    actor.model.to(dtype)  # float64 so that only the accumulation order could differ
+    old, _ = actor.compute_logprobs(batch)
+    advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding)
+    metrics = actor.update(batch, old.to(dtype), advantages.to(dtype))
+    grads = {name: p.grad.clone() for name, p in actor.model.named_parameters() if p.grad is not None}
+    return actor, metrics, grads
+
+
+def test_one_micro_batch_of_8_equals_eight_of_1(tiny_model_path, batch):
+    big, big_metrics, big_grads = _one_update(tiny_model_path, batch, micro=8)
+    small, small_metrics, small_grads = _one_update(tiny_model_path, batch, micro=1)
+    assert big_metrics["actor/pg_loss"] == pytest.approx(small_metrics["actor/pg_loss"], abs=1e-12)
+    assert big_metrics["actor/grad_norm"] == pytest.approx(small_metrics["actor/grad_norm"], rel=1e-10)
+    assert big_metrics["actor/grad_norm"] > 0
+    assert big_grads.keys() == small_grads.keys() and any("visual" in name for name in big_grads)
+    for name, grad in big_grads.items():
+        assert torch.allclose(grad, small_grads[name], rtol=1e-9, atol=1e-12), name
+    for (name, p), (_, q) in zip(big.model.named_parameters(), small.model.named_parameters()):
+        assert torch.allclose(p, q, rtol=1e-9, atol=1e-12), name
+
+
+def test_padding_rows_change_no_gradient(tiny_model_path, processor, batch):
+    _, metrics, grads = _one_update(tiny_model_path, batch, micro=3)
+    padded = upsample_to_multiple(batch, 12, eos_token_id=processor.eos_token_ids[0],
+                                  pad_token_id=processor.pad_token_id)
+    assert len(padded) == 12 and int(padded.is_padding.sum()) == 4
+    _, padded_metrics, padded_grads = _one_update(tiny_model_path, padded, micro=3)
+    assert padded_metrics["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], abs=1e-12)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, padded_grads[name], rtol=1e-9, atol=1e-12), name
+
+
+def test_update_raises_the_logprob_of_rewarded_samples(tiny_model_path, batch):
+    actor = Actor(actor_config(tiny_model_path, optim=OptimConfig(lr=1e-2, weight_decay=0.0)), total_steps=1,
+                  mini_batch_samples=len(batch))
+    old, _ = actor.compute_logprobs(batch)
+    advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding)
+    actor.update(batch, old, advantages)
+    new, _ = actor.compute_logprobs(batch)
+    mask = batch.response_mask
+    change = ((new - old) * mask).sum(1) / mask.sum(1)
+    assert (change[advantages > 0] > 0).all() and (change[advantages < 0] < 0).all()
+
+
+def test_reference_is_loaded_only_with_the_kl_loss(tiny_model_path, batch):
+    plain = Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=8)
+    assert plain.reference is None
+    with pytest.raises(RuntimeError, match="use_kl_loss"):
+        plain.compute_logprobs(batch, reference=True)
+
+    actor = Actor(actor_config(tiny_model_path, use_kl_loss=True, kl_loss_coef=0.5), total_steps=2,
+                  mini_batch_samples=8)
+    initial = copy.deepcopy(actor.model.state_dict())
+    old, _ = actor.compute_logprobs(batch)
+    ref, _ = actor.compute_logprobs(batch, reference=True)
+    assert torch.equal(old, ref)
+    advantages = group_advantages(batch.rewards, batch.uids)
+    first = actor.update(batch, old, advantages, ref)
+    assert first["actor/kl_loss"] == pytest.approx(0.0, abs=1e-9)  # policy == reference before the first step
+    second = actor.update(batch, old, advantages, ref)
+    assert second["actor/kl_loss"] > 0
+    for name, tensor in actor.reference.state_dict().items():
+        assert torch.equal(tensor, initial[name]), f"reference weight {name} moved"
+
+
+def test_update_refuses_a_batch_that_is_not_a_mini_batch_multiple(tiny_model_path, batch):
+    actor = Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=3)
+    with pytest.raises(ValueError, match="upsample"):
+        actor.update(batch, torch.zeros_like(batch.response_mask), torch.zeros(len(batch)))
+
+
+def test_named_tensors_cover_every_weight(tiny_model_path):
+    actor = Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=8)
+    names = dict(actor.named_tensors())
+    assert set(names) == set(actor.model.state_dict())
+    assert any(name.startswith("model.visual") for name in names)
