@@ -117,3 +117,38 @@ def test_thumbnail_is_small_png():
 
     thumb = Image.open(io.BytesIO(base64.b64decode(encoded)))
     assert thumb.format == "PNG" and max(thumb.size) == 96 and thumb.size == (96, 48)
+
+
+def test_records_from_rollout_with_the_real_processor(tiny_model_path, tmp_path):
+    from vlmrl.alignment.artifact import records_from_rollout
+    from vlmrl.processors import load_processor
+    from vlmrl.types import RolloutResult
+
+    processor = load_processor(tiny_model_path)
+    row = {"prompt": [{"role": "user", "content": "<image>What colour is it?"}],
+           "images": [Image.new("RGB", (112, 112), (250, 0, 0))], "data_source": "synthetic/colour",
+           "reward_model": {"ground_truth": "red"}}
+    request = processor.build_request(row, index=7)
+    text_only = processor.build_request({"prompt": "Say hi", "data_source": "text"}, index=8)
+    eos = processor.eos_token_ids[0]
+    results = [
+        RolloutResult(request.uid, 0, [40, 41, eos], [-1.0, -2.0, -0.5], "stop", [{40: -1.0, 42: -1.5}] * 3),
+        RolloutResult(request.uid, 1, [43], [-3.0], "length", [{43: -3.0}]),
+        RolloutResult(text_only.uid, 0, [44], [-0.1], "length"),
+    ]
+    records = records_from_rollout([request, text_only], results, [1.0, 0.0, 0.5], processor,
+                                   reward_extras=[{"accuracy": 1.0}, {"accuracy": 0.0}, {}])
+    first, second, third = records
+    assert (first.index, first.sample_index, second.sample_index, third.index) == (7, 0, 1, 8)
+    assert first.image_sizes == [[112, 112]] and first.image_grid_thw == [[1, 8, 8]]
+    assert first.expanded_prompt_length == len(first.prompt_ids) - 1 + 16, "112x112 -> 16 image tokens"
+    assert first.top_logprobs[0] == [[40, -1.0], [42, -1.5]] and third.top_logprobs is None
+    assert first.response_text.endswith(processor.tokenizer.decode([eos])), "special tokens are kept in the text"
+    assert first.thumbnails and second.thumbnails is None, "thumbnails on sample 0 of a row only"
+    assert third.image_hashes == [] and third.thumbnails is None and third.expanded_prompt_length == len(third.prompt_ids)
+    meta = _meta()
+    meta.dataset.rows = 2
+    meta_back, back = read_artifact(write_artifact(tmp_path / "x.jsonl", meta, records))
+    assert back == records
+    with pytest.raises(ValueError, match="3 results but 2 rewards"):
+        records_from_rollout([request, text_only], results, [1.0, 0.0], processor)

@@ -300,9 +300,7 @@ def records_from_rollout(
 
 def _request_facts(request: RolloutRequest, processor: Processor, thumbnails: bool):
     """(image_grid_thw, expanded prompt length, thumbnails) of one request, computed once for its n samples."""
-    grid: list[list[int]] = []
-    if request.images:
-        grid = [[int(v) for v in row] for row in processor.multi_modal_inputs(request)["image_grid_thw"].tolist()]
+    grid = processor.image_grid_thw(request.images)  # (N, 3), from the resized sizes (no pixel work)
     expanded_length = len(processor.expand_prompt_ids(request.prompt_ids, grid))
     thumbs = [thumbnail_png_base64(image) for image in request.images] if thumbnails and request.images else None
-    return grid, expanded_length, thumbs
+    return [[int(v) for v in row] for row in grid.tolist()], expanded_length, thumbs
