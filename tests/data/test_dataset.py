@@ -176,3 +176,30 @@ def test_build_requests_counts_filtered_rows_and_names_bad_ones(tmp_path):
         build_requests(_CountingProcessor(bad={3}), data, [2, 3])
     with pytest.raises(BadRowError, match=r"row 5: KeyError: 'content' \(row 5 of .*d.parquet\)"):
         build_requests(_CountingProcessor(broken={5}), data, [5])
+
+
+def test_module_doctests():
+    import doctest
+
+    import vlmrl.data.dataset
+
+    result = doctest.testmod(vlmrl.data.dataset)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_synthetic_rows_become_requests_with_one_short_token_answer(tmp_path, tiny_model_path):
+    from vlmrl.data.synthetic import TASKS
+    from vlmrl.processors import load_processor
+
+    processor = load_processor(tiny_model_path)
+    for task in sorted(TASKS):
+        for answer in TASKS[task].answers:  # answers the tiny model can say in one or two tokens
+            assert len(processor.tokenizer.encode(answer, add_special_tokens=False)) <= 2, (task, answer)
+        data = load_dataset(f"synthetic:{task}", "val", synthetic_train_size=4, synthetic_val_size=4, root=tmp_path)
+        batch = build_requests(processor, data, range(len(data)))
+        assert batch.num_skipped == 0 and [r.index for r in batch.requests] == [0, 1, 2, 3]
+        for request, index in zip(batch.requests, range(4)):
+            assert request.prompt_ids.count(processor.image_token_id) == 1
+            assert request.ground_truth == data[index]["reward_model"]["ground_truth"]
+            assert request.data_source == f"synthetic/{task}"
+            assert request.images[0].size == (TASKS[task].image_size,) * 2, "already a multiple of 28: not resized"

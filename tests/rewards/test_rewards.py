@@ -125,3 +125,13 @@ def test_failing_nan_and_non_numeric_rewards_score_zero_flagged_and_the_batch_go
     assert len(warnings) == 1, "one log line per batch, not one per failing sample"
     assert "5 of 7" in warnings[0].getMessage() and "'raise'" in warnings[0].getMessage()
     assert "grader crashed" in caplog.text
+
+
+def test_reward_input_from_a_request_carries_its_row_metadata():
+    from vlmrl.types import RolloutRequest
+
+    request = RolloutRequest(uid="u", prompt_ids=[1], data_source="synthetic/colour", ground_truth="red",
+                             extra_info={"split": "val"})
+    item = RewardInput.from_request(request, "Red")
+    assert item == RewardInput("synthetic/colour", "Red", "red", {"split": "val"})
+    assert compute_rewards(get_reward_fn("auto"), [item])[0] == [1.0]

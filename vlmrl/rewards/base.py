@@ -18,7 +18,10 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # scoring needs no torch
+    from vlmrl.types import RolloutRequest
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,11 @@ class RewardInput:
     """The decoded response: a reward function receives it as `solution_str`."""
     ground_truth: Any
     extra_info: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_request(cls, request: RolloutRequest, response: str) -> RewardInput:
+        """The reward input of one response to a request (its row's data_source, ground truth and extra_info)."""
+        return cls(request.data_source, response, request.ground_truth, request.extra_info)
 
 
 @dataclass
