@@ -198,7 +198,7 @@ def test_synthetic_rows_become_requests_with_one_short_token_answer(tmp_path, ti
         data = load_dataset(f"synthetic:{task}", "val", synthetic_train_size=4, synthetic_val_size=4, root=tmp_path)
         batch = build_requests(processor, data, range(len(data)))
         assert batch.num_skipped == 0 and [r.index for r in batch.requests] == [0, 1, 2, 3]
-        for request, index in zip(batch.requests, range(4)):
+        for index, request in enumerate(batch.requests):
             assert request.prompt_ids.count(processor.image_token_id) == 1
             assert request.ground_truth == data[index]["reward_model"]["ground_truth"]
             assert request.data_source == f"synthetic/{task}"

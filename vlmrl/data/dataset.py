@@ -167,7 +167,7 @@ class RLDataset:
     def column(self, name: str) -> list[Any]:
         """One column over all files (e.g. `data_source`), without decoding any other column."""
         values: list[Any] = []
-        for path, table in zip(self.files, self._tables):
+        for path, table in zip(self.files, self._tables, strict=True):
             if name not in table.column_names:
                 raise KeyError(f"{path}: no column {name!r} (columns: {table.column_names})")
             values.extend(table.column(name).to_pylist())
