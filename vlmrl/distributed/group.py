@@ -1,0 +1,242 @@
+"""The driver side: a Ray placement group with one training worker per device, used like the single-process actor.
+
+`DistributedActor` has the single-process `vlmrl.trainer.actor.Actor`'s methods (compute_logprobs, update,
+named_tensors...) plus the colocated engines' generate and weight sync, so the fit loop runs unchanged on one device
+or many:
+
+    actor = DistributedActor(ClusterConfig(devices_per_node=8, nnodes=2), WorkerSpec(actor=config.actor, ...),
+                             mini_batch_samples=ppo_mini_batch_size * n)
+    results = actor.generate(requests, sampling)        # data-parallel over the engines, request-major
+    batch = upsample_to_multiple(batch, required_batch_multiple(actor.dp_size, ...), ...)
+    old, _ = actor.compute_logprobs(batch)               # each rank its equal slice, gathered back
+    metrics = actor.update(batch, old, advantages)       # sharded update, loss over the GLOBAL token count
+    actor.sync_weights()                                 # full weights gathered from the shards into each engine
+
+Every call fans out to all workers at once and waits with a timeout; a worker that dies (Ray reports it; a
+collective mismatch kills the process, it cannot be caught inside) ends the call with an error naming the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlmrl.distributed.sharding import even_row_blocks, mean_metrics, select_rows, split_contiguous, update_shards
+from vlmrl.distributed.worker import TrainWorker, WorkerSpec
+from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
+
+logger = logging.getLogger(__name__)
+
+ENGINE_PLACEMENTS = ("worker", "node")
+_FORWARDED_ENV = ("VLLM_", "SGLANG_", "VLMRL_", "TOKENIZERS_", "OMP_", "HF_", "TRANSFORMERS_", "CUDA_LAUNCH")
+
+
+@dataclass
+class ClusterConfig:
+    """Where the training workers run."""
+
+    devices_per_node: int = 1
+    """Training workers (one per device) on each node: trainer.n_gpus_per_node."""
+    nnodes: int = 1
+    """Nodes: trainer.nnodes. The world size is devices_per_node x nnodes."""
+    device: str = "auto"
+    """Bundle kind: auto (GPU bundles when the Ray cluster has GPUs, else CPU), gpu or cpu."""
+    engine_placement: str = "worker"
+    """Rollout engines: `worker` = one per training worker, `node` = one per node (on its first worker)."""
+    cpus_per_worker: int = 1
+    """CPUs reserved per worker (its bundle)."""
+    ray_address: str | None = None
+    """Ray cluster to join: None = $RAY_ADDRESS if set, else a local cluster started here; `auto` = the cluster
+    started on this node with `ray start`."""
+    ray_temp_dir: str | None = None
+    """Temp/session folder of a local Ray cluster started here (None = Ray's default)."""
+    timeout_s: float = 600.0
+    """Every call to the workers (and every collective inside them) must finish within this."""
+    startup_timeout_s: float = 300.0
+    """Placement group ready and workers loaded within this."""
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.nnodes
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1 or self.nnodes < 1:
+            raise ValueError(f"devices_per_node={self.devices_per_node}, nnodes={self.nnodes}: both must be >= 1")
+        if self.engine_placement not in ENGINE_PLACEMENTS:
+            raise ValueError(f"engine_placement={self.engine_placement!r}: choose one of {ENGINE_PLACEMENTS}")
+        if self.device not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"device={self.device!r}: choose auto, gpu or cpu")
+
+
+def ensure_ray(cluster: ClusterConfig) -> None:
+    """Connect to (or start) Ray once per process."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        logger.info("joined the Ray cluster at %s: %s", address, ray.cluster_resources())
+    else:
+        ray.init(num_cpus=cluster.world_size * cluster.cpus_per_worker, include_dashboard=False,
+                 _temp_dir=cluster.ray_temp_dir, log_to_driver=True)
+        logger.info("started a local Ray cluster: %s", ray.cluster_resources())
+
+
+class DistributedActor:
+    """The actor sharded over `cluster.world_size` Ray workers, with their colocated rollout engines."""
+
+    def __init__(self, cluster: ClusterConfig, spec: WorkerSpec, mini_batch_samples: int):
+        """
+        Args:
+            cluster: where the workers run.
+            spec: what each worker builds (actor config, engine, threads, timeout).
+            mini_batch_samples: rows per optimizer step (actor.ppo_mini_batch_size x rollout.n); must divide by
+                the world size.
+        """
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if mini_batch_samples % cluster.world_size:
+            raise ValueError(f"a mini-batch of {mini_batch_samples} samples (ppo_mini_batch_size x rollout.n) does "
+                             f"not split over {cluster.world_size} ranks: make it a multiple of the world size")
+        self.cluster, self.spec, self.mini_batch_samples = cluster, spec, mini_batch_samples
+        ensure_ray(cluster)
+        use_gpu = cluster.device == "gpu" or (cluster.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        bundle = {"CPU": cluster.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+        self.placement = placement_group([dict(bundle) for _ in range(cluster.world_size)], strategy="PACK")
+        if not self._wait(self.placement.ready(), cluster.startup_timeout_s, raise_on_timeout=False):
+            ray.util.remove_placement_group(self.placement)
+            raise RuntimeError(f"Ray could not place {cluster.world_size} workers of {bundle} within "
+                               f"{cluster.startup_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}. Start "
+                               "more nodes (`ray start --address=...`) or lower trainer.n_gpus_per_node/nnodes")
+        env = {key: value for key, value in os.environ.items() if key.startswith(_FORWARDED_ENV)}
+        remote_cls = ray.remote(TrainWorker)
+        workers = [
+            remote_cls.options(
+                num_cpus=cluster.cpus_per_worker, num_gpus=1 if use_gpu else 0, name=None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
+                runtime_env={"env_vars": env},
+            ).remote(spec)
+            for i in range(cluster.world_size)
+        ]
+        # ranks grouped by node (contiguous local ranks), nodes in order of first appearance
+        nodes = self._get([w.node.remote() for w in workers], "locating workers", cluster.startup_timeout_s)
+        node_order = list(dict.fromkeys(nodes))
+        order = sorted(range(len(workers)), key=lambda i: (node_order.index(nodes[i]), i))
+        self.workers = [workers[i] for i in order]
+        self.nodes = [nodes[i] for i in order]
+        self.hosts = [rank for rank in range(self.dp_size)
+                      if cluster.engine_placement == "worker" or rank == self.nodes.index(self.nodes[rank])]
+        master = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous", cluster.startup_timeout_s)[0]
+        self._get([w.setup.remote(rank, self.dp_size, master, rank in self.hosts) for rank, w in enumerate(self.workers)],
+                  "loading and sharding the actor", cluster.startup_timeout_s)
+        logger.info("distributed actor: %d ranks on %d node(s), %s bundles, engines on ranks %s", self.dp_size,
+                    len(node_order), "GPU" if use_gpu else "CPU", self.hosts if spec.engine else "none")
+
+    @property
+    def dp_size(self) -> int:
+        return self.cluster.world_size
+
+    # ---- calls to the workers ---------------------------------------------------------------------------------------
+
+    def _wait(self, ref, timeout_s: float, raise_on_timeout: bool = True) -> bool:
+        import ray
+
+        ready, _ = ray.wait([ref], timeout=timeout_s)
+        if not ready and raise_on_timeout:
+            raise TimeoutError(f"no answer within {timeout_s:.0f}s")
+        return bool(ready)
+
+    def _get(self, refs: list, what: str, timeout_s: float | None = None) -> list[Any]:
+        """ray.get with a timeout; a dead or timed-out worker becomes an error naming `what`."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        timeout = self.cluster.timeout_s if timeout_s is None else timeout_s
+        try:
+            return ray.get(refs, timeout=timeout)
+        except GetTimeoutError:
+            raise TimeoutError(f"{what}: the training workers did not finish within {timeout:.0f}s (a rank that took "
+                               "another path through the model waits in a collective until the group's timeout)") from None
+        except RayActorError as err:
+            raise RuntimeError(f"{what}: a training worker died ({type(err).__name__}); see its log above. A "
+                               "collective mismatch (ranks running different modules or sizes) kills the process"
+                               ) from err
+
+    def _each(self, method: str, per_rank_args: list[tuple], what: str) -> list[Any]:
+        return self._get([getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args)], what)
+
+    # ---- the actor's interface --------------------------------------------------------------------------------------
+
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, R) logprobs (and optionally entropy) of the batch, each rank computing an equal contiguous slice.
+        B must divide by dp_size (upsample with padding rows first)."""
+        blocks = even_row_blocks(len(batch), self.dp_size)
+        parts = self._each("compute_logprobs", [(select_rows(batch, rows), reference, with_entropy) for rows in blocks],
+                           "reference logprobs" if reference else "logprobs")
+        logprobs = torch.cat([lp for lp, _ in parts])
+        entropy = torch.cat([ent for _, ent in parts]) if with_entropy else None
+        return logprobs, entropy
+
+    def update(self, batch: TrainBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+               ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """The PPO-clip update over the batch, sharded: every rank takes its slice of each mini-batch, the loss is
+        normalised by the global token count. Same arguments and metrics as `Actor.update`."""
+        shards = update_shards(batch, old_logprobs, advantages, ref_logprobs, self.mini_batch_samples, self.dp_size)
+        return mean_metrics(self._each("update", [(shard,) for shard in shards], "the policy update"))
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every weight, gathered from the shards to the driver (for checkpoints)."""
+        states = self._each("full_state_dict", [()] * self.dp_size, "gathering the full weights")
+        yield from states[0].items()
+
+    def optimizer_state(self) -> list[dict]:
+        """Each rank's optimizer and scheduler state (its shards' moments), rank order."""
+        return self._each("optimizer_state", [()] * self.dp_size, "reading optimizer state")
+
+    def load_optimizer_state(self, states: list[dict]) -> None:
+        if len(states) != self.dp_size:
+            raise ValueError(f"optimizer state of {len(states)} ranks cannot load into {self.dp_size} ranks")
+        self._each("load_optimizer_state", [(state,) for state in states], "loading optimizer state")
+
+    # ---- rollout ----------------------------------------------------------------------------------------------------
+
+    def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        """Data-parallel generation: the requests cut into contiguous runs, one per engine; results request-major."""
+        if self.spec.engine is None:
+            raise RuntimeError("this DistributedActor was built without a rollout engine (WorkerSpec.engine)")
+        runs = split_contiguous(requests, len(self.hosts))
+        refs = [self.workers[rank].generate.remote(run, sampling) for rank, run in zip(self.hosts, runs)]
+        return [result for part in self._get(refs, "generation") for result in part]
+
+    def sync_weights(self) -> int:
+        """Load the actor's current weights into every engine (gathered from the shards on the workers themselves:
+        nothing goes through the driver). Returns the number of tensors each engine loaded."""
+        return max(self._each("sync_weights", [()] * self.dp_size, "weight sync"))
+
+    def close(self) -> None:
+        """Stop the engines, leave the process group, end the workers and free the placement group."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            self._get([w.close.remote() for w in self.workers], "closing the workers", 60)
+        finally:
+            for worker in self.workers:
+                ray.kill(worker)
+            remove_placement_group(self.placement)
+
+    def __enter__(self) -> DistributedActor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

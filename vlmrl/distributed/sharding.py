@@ -1,0 +1,129 @@
+"""Splitting work across data-parallel ranks and joining the results: pure functions over the typed records.
+
+Every rank must receive the same number of rows (its forwards and backwards are collectives); the batch is made
+divisible beforehand by padding rows (`vlmrl.batch.padding.upsample_to_multiple` to `required_batch_multiple`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
+
+from vlmrl.distributed.actor import UpdateShard
+from vlmrl.types import TrainBatch
+
+T = TypeVar("T")
+
+
+def select_rows(batch: TrainBatch, rows: Sequence[int]) -> TrainBatch:
+    """A TrainBatch of the given rows (in that order), every per-row field taken along."""
+    rows = list(rows)
+    index = torch.as_tensor(rows, dtype=torch.long)
+
+    def pick(values: list) -> list:
+        return [values[i] for i in rows] if values else []
+
+    return TrainBatch(
+        input_ids=batch.input_ids[index],
+        attention_mask=batch.attention_mask[index],
+        position_ids=batch.position_ids[index],
+        response_mask=batch.response_mask[index],
+        prompt_length=batch.prompt_length,
+        multi_modal_inputs=pick(batch.multi_modal_inputs),
+        uids=pick(batch.uids),
+        is_padding=batch.is_padding[index],
+        rewards=batch.rewards[index],
+        rollout_logprobs=None if batch.rollout_logprobs is None else batch.rollout_logprobs[index],
+        data_sources=pick(batch.data_sources),
+        reward_extra=pick(batch.reward_extra),
+        finish_reasons=pick(batch.finish_reasons),
+    )
+
+
+def even_row_blocks(num_rows: int, world_size: int) -> list[list[int]]:
+    """Rows 0..num_rows-1 cut into world_size contiguous equal blocks; raises if they do not divide.
+
+    >>> even_row_blocks(6, 2)
+    [[0, 1, 2], [3, 4, 5]]
+    """
+    if num_rows % world_size:
+        raise ValueError(f"{num_rows} rows do not split evenly over {world_size} data-parallel ranks: upsample the "
+                         f"batch with padding rows (vlmrl.batch.padding.upsample_to_multiple) to a multiple of "
+                         f"required_batch_multiple(dp_size={world_size}, ...)")
+    size = num_rows // world_size
+    return [list(range(r * size, (r + 1) * size)) for r in range(world_size)]
+
+
+def update_row_blocks(num_rows: int, mini_batch_rows: int, world_size: int) -> list[list[int]]:
+    """For each rank, its rows of an update: the r-th equal slice of every mini-batch, mini-batch after mini-batch.
+
+    Rank r's rows for mini-batch m are the r-th of world_size slices of rows [m * M, (m + 1) * M), M =
+    mini_batch_rows; so every rank's optimizer step m sees its part of the same global mini-batch m.
+
+    >>> update_row_blocks(8, 4, 2)
+    [[0, 1, 4, 5], [2, 3, 6, 7]]
+    """
+    if num_rows % mini_batch_rows:
+        raise ValueError(f"{num_rows} rows are not a whole number of mini-batches of {mini_batch_rows}: upsample the "
+                         "batch with padding rows to required_batch_multiple(...)")
+    if mini_batch_rows % world_size:
+        raise ValueError(f"a mini-batch of {mini_batch_rows} rows does not split over {world_size} ranks: choose "
+                         f"actor.ppo_mini_batch_size x rollout.n as a multiple of the dp size")
+    local = mini_batch_rows // world_size
+    blocks: list[list[int]] = [[] for _ in range(world_size)]
+    for start in range(0, num_rows, mini_batch_rows):
+        for rank in range(world_size):
+            first = start + rank * local
+            blocks[rank].extend(range(first, first + local))
+    return blocks
+
+
+def update_shards(batch: TrainBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  ref_logprobs: torch.Tensor | None, mini_batch_rows: int, world_size: int) -> list[UpdateShard]:
+    """One UpdateShard per rank (see `update_row_blocks`), each carrying every global mini-batch's token count.
+
+    Args:
+        batch: B rows, B a multiple of mini_batch_rows.
+        old_logprobs: (B, R); advantages: (B,); ref_logprobs: (B, R) or None.
+        mini_batch_rows: rows per optimizer step (ppo_mini_batch_size x rollout.n).
+        world_size: dp ranks; must divide mini_batch_rows.
+    """
+    blocks = update_row_blocks(len(batch), mini_batch_rows, world_size)
+    tokens = [float(batch.response_mask[start: start + mini_batch_rows].sum())
+              for start in range(0, len(batch), mini_batch_rows)]
+    return [
+        UpdateShard(
+            batch=select_rows(batch, rows),
+            old_logprobs=old_logprobs[rows],
+            advantages=advantages[rows],
+            ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
+            mini_batch_tokens=tokens,
+            local_mini_batch=mini_batch_rows // world_size,
+        )
+        for rows in blocks
+    ]
+
+
+def split_contiguous(items: Sequence[T], parts: int) -> list[list[T]]:
+    """Cut items into `parts` contiguous runs whose sizes differ by at most one (the first ones longer).
+    Joining the runs in order gives items back (generation results stay request-major).
+
+    >>> split_contiguous([1, 2, 3, 4, 5], 2)
+    [[1, 2, 3], [4, 5]]
+    """
+    size, extra = divmod(len(items), parts)
+    runs, start = [], 0
+    for part in range(parts):
+        end = start + size + (1 if part < extra else 0)
+        runs.append(list(items[start:end]))
+        start = end
+    return runs
+
+
+def mean_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Average each metric over ranks. The update's parts are pre-scaled so that this average is the global
+    mini-batch value; values that are the same on every rank (grad norm, lr) stay as they are."""
+    keys = {key for metrics in per_rank for key in metrics}
+    return {key: sum(m.get(key, 0.0) for m in per_rank) / len(per_rank) for key in sorted(keys)}

@@ -1,0 +1,58 @@
+"""Run the vision tower in EVERY forward on every rank, so that sharded collectives line up (pitfall 8).
+
+With FSDP2, each sharded block all-gathers its weights when it runs and reduce-scatters its gradients in the
+backward; every rank must run the same blocks in the same order. A micro-batch with no image (text-only rows,
+padding rows) would skip the vision tower on that rank while another rank runs it on its images: gloo aborts
+("collective mismatch") or the group hangs until the timeout. Measured on this project's machines: wrapping the
+tower separately and skipping it aborts, skipping it inside the root unit crashes the backward, running it without
+using the output hangs at the next collective. What works is running it on a dummy image and letting its output
+reach the loss with weight zero.
+
+Here the zero-weighted output is added to the input embeddings, the place a real image's features go: the backward
+then reaches the vision tower after the decoder layers on every rank, whether its input was real or dummy.
+The result is numerically identical to the plain model (x + 0 == x; the tower's gradient from it is exactly 0).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class VisionAlwaysOn(nn.Module):
+    """A Qwen2-VL / Qwen2.5-VL `...ForConditionalGeneration` whose forward always runs the vision tower once.
+
+    Takes the same keyword arguments as the wrapped model and returns its output. With `pixel_values` it is the
+    wrapped model's forward; without, the tower runs on a one-token dummy image (a 2x2 patch grid) first.
+    The wrapped model is `self.model`: state-dict names carry a `model.` prefix (see `WRAPPED_PREFIX`).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        vision = model.config.vision_config
+        self.merge = int(vision.spatial_merge_size)
+        # pixel_values rows are flattened patches: channels x temporal patch x patch x patch
+        self.patch_dim = int(vision.in_channels * vision.temporal_patch_size * vision.patch_size**2)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(self, *, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None, **kwargs):
+        """input_ids (b, l); pixel_values (patches, patch_dim) and image_grid_thw (images, 3) or None; the rest
+        (attention_mask, position_ids (3, b, l), use_cache, logits_to_keep...) is passed through."""
+        if pixel_values is not None:
+            return self.model(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs)
+        visual = self.model.model.visual
+        # run before the decoder, like a real image, so that every rank all-gathers blocks in the same order
+        dummy_grid = torch.tensor([[1, self.merge, self.merge]], device=input_ids.device)
+        dummy = torch.zeros(self.merge * self.merge, self.patch_dim, dtype=visual.dtype, device=input_ids.device)
+        features = visual(dummy, grid_thw=dummy_grid).pooler_output
+        embeds = self.model.get_input_embeddings()(input_ids) + 0.0 * features.sum()
+        return self.model(input_ids=None, inputs_embeds=embeds, **kwargs)
+
+
+WRAPPED_PREFIX = "model."
+"""State-dict names of a `VisionAlwaysOn` start with this; strip it to get the HF checkpoint names."""

@@ -1,0 +1,170 @@
+"""The training worker: one Ray actor per device, holding its shard of the actor and (optionally) a rollout engine.
+
+The driver (`vlmrl.distributed.group.DistributedActor`) creates one `TrainWorker` per placement-group bundle, gives
+each its rank, and from then on calls the same method on every worker at once: the sharded forwards, backwards and
+weight gathers inside are collectives, so every rank must run the same calls with the same number of rows.
+
+Generation is the exception: engines run independently (no collectives), on the workers that host one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlmrl.config import ActorConfig
+from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSpec:
+    """How a worker builds its colocated rollout engine (`vlmrl.rollout.get_backend(name, model_path, **options)`)."""
+
+    name: str
+    """Backend: hf, vllm, sglang."""
+    model_path: str
+    """Weights the engine starts from (then synced from the actor)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword options of the backend (dtype, timeout_s, engine kwargs...)."""
+    sleep_between_steps: bool = False
+    """Release the engine's memory (weights, KV cache) while the actor trains, and take it back before generating.
+    For GPU devices shared by the engine and FSDP; no gain on CPU."""
+
+
+@dataclass
+class WorkerSpec:
+    """What every training worker is built from (the same on all ranks)."""
+
+    actor: ActorConfig
+    """The actor's settings (model, optimizer, micro-batch size...)."""
+    temperature: float = 1.0
+    """Sampling temperature: logprobs are of softmax(logits / temperature)."""
+    init_path: str | None = None
+    """Start the policy from these weights (a checkpoint) instead of actor.model_path."""
+    lr_lambda: Callable[[int], float] | None = None
+    """step -> lr factor (the trainer's schedule); None = constant."""
+    engine: EngineSpec | None = None
+    """The colocated rollout engine; None = this group only trains."""
+    torch_threads: int = 0
+    """torch.set_num_threads in the worker; 0 = torch's default."""
+    timeout_s: float = 600.0
+    """Process-group timeout: a collective that waits longer (a rank that died or took another path) fails."""
+
+
+class TrainWorker:
+    """One rank. Methods are called by the driver through Ray; see the module docstring."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        if spec.torch_threads > 0:
+            torch.set_num_threads(spec.torch_threads)
+        self.rank, self.world_size = -1, 0
+        self.actor = None
+        self.engine = None
+
+    # ---- setup ------------------------------------------------------------------------------------------------------
+
+    def node(self) -> str:
+        """This worker's node id (the driver groups ranks by node)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(ip, free port) for the process group's TCP rendezvous; asked of the worker that becomes rank 0."""
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, rank: int, world_size: int, master: tuple[str, int], host_engine: bool) -> dict[str, Any]:
+        """Join the process group, load and shard the actor (and reference), start the engine if this rank hosts one.
+        Called on every rank at once (the process-group join blocks until all have joined)."""
+        from vlmrl.distributed.actor import ShardedActor
+        from vlmrl.distributed.fsdp import init_process_group
+        from vlmrl.trainer.actor import resolve_device
+
+        self.rank, self.world_size = rank, world_size
+        device = resolve_device(self.spec.actor.device)
+        if device.type == "cuda":  # Ray shows each worker only its own GPU
+            torch.cuda.set_device(0)
+        init_process_group(rank, world_size, master[0], master[1], device, self.spec.timeout_s)
+        self.actor = ShardedActor(self.spec.actor, world_size, self.spec.temperature, self.spec.init_path,
+                                  self.spec.lr_lambda)
+        if host_engine and self.spec.engine is not None:
+            from vlmrl.rollout import get_backend
+
+            engine = self.spec.engine
+            self.engine = get_backend(engine.name, engine.model_path, **engine.options)
+        logger.info("rank %d/%d ready (pid %d, engine: %s)", rank, world_size, os.getpid(),
+                    self.spec.engine.name if self.engine else "none")
+        return {"rank": rank, "pid": os.getpid(), "engine": self.engine is not None}
+
+    # ---- training (collectives: every rank, same calls) --------------------------------------------------------------
+
+    def compute_logprobs(self, batch: TrainBatch, reference: bool, with_entropy: bool):
+        return self.actor.compute_logprobs(batch, reference=reference, with_entropy=with_entropy)
+
+    def update(self, shard) -> dict[str, float]:
+        return self.actor.update(shard)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights (HF names) on rank 0, None elsewhere; every rank must call it."""
+        tensors = {}
+        for name, tensor in self.actor.named_tensors():
+            if self.rank == 0:
+                tensors[name] = tensor.cpu().clone()
+        return tensors if self.rank == 0 else None
+
+    def sync_weights(self) -> int:
+        """Gather the full weights (every rank takes part) and load them into this rank's engine, if it has one.
+        Returns the number of tensors loaded (0 without an engine)."""
+        named = []
+        for name, tensor in self.actor.named_tensors():  # every rank joins each gather; only hosts keep the tensor
+            if self.engine is not None:
+                named.append((name, tensor))
+        if self.engine is None:
+            return 0
+        if self.spec.engine.sleep_between_steps:
+            self.engine.wake_up()
+        self.engine.update_weights(named)
+        return len(named)
+
+    def optimizer_state(self) -> dict:
+        return self.actor.optimizer_state()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self.actor.load_optimizer_state(state)
+
+    # ---- generation (no collectives) ---------------------------------------------------------------------------------
+
+    def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        if self.engine is None:
+            raise RuntimeError(f"rank {self.rank} hosts no rollout engine")
+        if not requests:
+            return []
+        if self.spec.engine.sleep_between_steps:
+            self.engine.wake_up()
+        results = self.engine.generate(requests, sampling)
+        if self.spec.engine.sleep_between_steps:
+            self.engine.sleep()
+        return results
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
