@@ -140,6 +140,9 @@ class RolloutConfig:
     """Validation nucleus sampling."""
     val_top_k: int = -1
     """Validation top-k; -1 disables."""
+    val_top_logprobs: int = 5
+    """Top-k logprobs per position stored in validation artifacts (validate-only mode), so the compare tool can tell
+    near-ties from real divergences; 0 = none."""
     dtype: str = "auto"
     """Engine dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
     gpu_memory_utilization: float = 0.6
@@ -288,6 +291,7 @@ def validate(config: Config) -> list[str]:
     need(r.n >= 2, f"rollout.n={r.n}: GRPO compares samples within a group, so it needs rollout.n >= 2")
     need(r.temperature > 0, f"rollout.temperature={r.temperature}: training rollouts must sample (set > 0, e.g. 1.0)")
     need(r.val_n >= 1, f"rollout.val_n={r.val_n} must be >= 1")
+    need(r.val_top_logprobs >= 0, f"rollout.val_top_logprobs={r.val_top_logprobs} must be >= 0")
     need(r.val_n == 1 or r.val_temperature > 0,
          f"rollout.val_n={r.val_n} with val_temperature=0 gives {r.val_n} identical greedy samples: "
          "set rollout.val_temperature > 0 or rollout.val_n=1")

@@ -277,6 +277,26 @@ class Actor:
             parts["actor/ppo_kl"] += float(pg.approx_kl) * share
         return parts
 
+    def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:
+        """One optimizer step of token-mean negative log-likelihood of the response tokens (the format warm-up).
+        Uses the given optimizer (the warm-up's own), never the RL optimizer or its schedule. Returns the loss."""
+        self.model.train()
+        optimizer.zero_grad(set_to_none=True)
+        num_tokens = batch.response_mask.sum()
+        total = 0.0
+        for rows in _chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
+            mb = micro_batch(batch, rows, self.device)
+            mask = batch.response_mask[rows, : mb.response_width].to(self.device)
+            logprobs, _ = forward_response(self.model, mb, 1.0, with_entropy=False)
+            loss = -token_mean(logprobs, mask, num_tokens)
+            loss.backward()
+            total += float(loss.detach())
+        if self.config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
     # ---- weights and state ------------------------------------------------------------------------------------------
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,173 @@
+"""Checkpoints: HF-format weights + processor files (vLLM and SGLang load the folder directly) + trainer state.
+
+Layout under OUTPUT_DIR/checkpoints/:
+
+    global_step_12/          model.safetensors, config.json, generation_config.json, tokenizer + processor files,
+                             trainer_state.pt   (optimizer, scheduler, RNG states; torch.load(weights_only=True))
+                             trainer_state.json (step, data position, the config; readable by eye)
+    latest                   the name of the newest complete checkpoint
+
+A checkpoint is written into a `.tmp-*` folder and renamed into place only when complete, then `latest` is replaced
+atomically: a run killed at any moment leaves either the previous checkpoint or the new one, never half of one.
+Leftover `.tmp-*` folders are ignored and removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+STATE_PT = "trainer_state.pt"
+STATE_JSON = "trainer_state.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# Weight files come from save_pretrained; everything else in a model folder (tokenizer, processor, chat template)
+# is copied so that the checkpoint is a complete model folder.
+_WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|msgpack|h5)$|\.index\.json$")
+
+
+def checkpoints_root(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def rng_state() -> dict[str, Any]:
+    """Every global RNG the run touches, in types torch.load(weights_only=True) accepts."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_tuples(state["python"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuples(value: Any) -> Any:
+    # random.setstate needs tuples; a round trip may hand back lists.
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def copy_processor_files(model_path: str, dst: Path) -> None:
+    """Tokenizer / processor / chat-template files of the source model into dst (a hub id: via AutoProcessor)."""
+    from vlmrl.models import resolve_model_path
+
+    src = Path(resolve_model_path(model_path))
+    if src.is_dir():
+        for path in src.iterdir():
+            if path.is_file() and not _WEIGHT_FILE.search(path.name):
+                shutil.copy2(path, dst / path.name)
+        return
+    from transformers import AutoProcessor
+
+    AutoProcessor.from_pretrained(model_path).save_pretrained(dst)
+
+
+def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Module, source_model_path: str,
+                    trainer_state: dict[str, Any], info: dict[str, Any], keep: int | None) -> Path:
+    """Write checkpoint `global_step_{step}` atomically, point `latest` at it, keep the newest `keep`.
+
+    Args:
+        model: the HF model (saved with save_pretrained: safetensors + config).
+        source_model_path: where the processor files come from (the original model).
+        trainer_state: tensors and plain values (optimizer, scheduler, RNG) -> trainer_state.pt.
+        info: JSON-able facts (step, data position, config) -> trainer_state.json.
+    """
+    root = checkpoints_root(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"global_step_{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{step}-", dir=root))
+    try:
+        copy_processor_files(source_model_path, tmp)
+        model.save_pretrained(tmp, safe_serialization=True)
+        torch.save(trainer_state, tmp / STATE_PT)
+        (tmp / STATE_JSON).write_text(json.dumps({**info, "step": step}, indent=1, default=str))
+        for path in tmp.iterdir():  # durable before it becomes visible
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+        if final.exists():  # the same step saved again (a resumed run): swap, never delete before replacing
+            stale = root / f".tmp-stale-{final.name}-{os.getpid()}"
+            os.rename(final, stale)
+            os.rename(tmp, final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_atomic(root / LATEST, final.name + "\n")
+    _prune(root, keep, final)
+    logger.info("checkpoint saved: %s", final)
+    return final
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    if root.is_dir():
+        for path in root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and (path / STATE_JSON).exists() and (path / STATE_PT).exists():
+                found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _prune(root: Path, keep: int | None, newest: Path) -> None:
+    for path in root.iterdir():  # leftovers of runs killed mid-save
+        if path.name.startswith(".tmp-") and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+    if keep is None:
+        return
+    complete = _complete_checkpoints(root)
+    for _, path in complete[: max(0, len(complete) - keep)]:
+        if path != newest:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint: the one `latest` names, else the highest complete step; None when none."""
+    root = checkpoints_root(output_dir)
+    pointer = root / LATEST
+    if pointer.exists():
+        named = root / pointer.read_text().strip()
+        if (named / STATE_JSON).exists() and (named / STATE_PT).exists():
+            return named
+        logger.warning("%s names %s, which is missing or incomplete; using the newest complete one", pointer, named)
+    complete = _complete_checkpoints(root)
+    return complete[-1][1] if complete else None
+
+
+def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(trainer_state.pt contents, trainer_state.json contents) of a checkpoint folder."""
+    state = torch.load(path / STATE_PT, map_location="cpu", weights_only=True)
+    info = json.loads((path / STATE_JSON).read_text())
+    return state, info

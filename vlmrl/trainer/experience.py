@@ -1,0 +1,86 @@
+"""From a batch of dataset rows to scored, padded training samples: the glue between data, rollout, rewards and batch.
+
+Shared by training steps and validation, so both build requests, start backends and score responses the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from vlmrl.batch import pad_sample, prompt_inputs, required_batch_multiple, stack_samples, upsample_to_multiple
+from vlmrl.config import Config
+from vlmrl.processors import Processor, ProcessorConfig, load_processor
+from vlmrl.rewards import RewardFn, RewardInput, compute_rewards
+from vlmrl.rollout import RolloutBackend, backend_class, get_backend
+from vlmrl.types import RolloutRequest, RolloutResult, TrainBatch
+
+logger = logging.getLogger(__name__)
+
+
+def processor_config(config: Config) -> ProcessorConfig:
+    """The processor settings a run's data section implies."""
+    d = config.data
+    return ProcessorConfig(min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
+                           on_overlong="filter" if d.filter_overlong_prompts else "error")
+
+
+def build_processor(config: Config, model_path: str | None = None) -> Processor:
+    return load_processor(model_path or config.actor.model_path, processor_config(config))
+
+
+def backend_options(config: Config, name: str) -> dict:
+    """get_backend options from the rollout section; engine-specific ones only where the backend takes them."""
+    r = config.rollout
+    options = {"dtype": r.dtype, "max_model_len": config.data.max_prompt_length + config.data.max_response_length,
+               "timeout_s": r.timeout_s, "seed": config.trainer.seed, "engine_kwargs": dict(r.engine_kwargs)}
+    accepted = {f.name for f in dataclasses.fields(backend_class(name).options_class)}
+    extra = {"gpu_memory_utilization": r.gpu_memory_utilization, "tensor_parallel_size": r.tensor_parallel_size,
+             "server_url": r.server_url or None}
+    options.update({key: value for key, value in extra.items() if key in accepted and value is not None})
+    return options
+
+
+def start_backend(config: Config, name: str | None = None, model_path: str | None = None) -> RolloutBackend:
+    """Start the configured rollout backend (or `name`) on the actor's model (or `model_path`, e.g. a checkpoint)."""
+    name = name or config.rollout.name
+    path = model_path or config.actor.model_path
+    logger.info("starting rollout backend %s on %s", name, path)
+    return get_backend(name, path, **backend_options(config, name))
+
+
+def score(reward_fn: RewardFn, requests: Sequence[RolloutRequest], results: Sequence[RolloutResult],
+          tokenizer, n: int) -> tuple[list[float], list[dict[str, float]], int]:
+    """Reward every result (request-major, n per request): (scores, parts, failures). A failing reward function
+    scores 0 with `reward_failed = 1` and the run goes on (vlmrl.rewards.compute_rewards)."""
+    texts = tokenizer.batch_decode([r.response_ids for r in results], skip_special_tokens=True)
+    items = []
+    for i, text in enumerate(texts):
+        request = requests[i // n]
+        items.append(RewardInput(request.data_source, text, request.ground_truth, dict(request.extra_info)))
+    return compute_rewards(reward_fn, items)
+
+
+def build_train_batch(processor: Processor, config: Config, requests: Sequence[RolloutRequest],
+                      results: Sequence[RolloutResult], scores: Sequence[float], parts: Sequence[dict[str, float]],
+                      policy_version: int) -> TrainBatch:
+    """Pad every result as a Sample (shared prompt inputs computed once per request), stack, then add padding rows
+    up to a whole number of mini-batches (never duplicated real rows)."""
+    n = config.rollout.n
+    samples = []
+    for j, request in enumerate(requests):
+        prompt = prompt_inputs(processor, request)
+        for i in range(j * n, (j + 1) * n):
+            result = results[i]
+            sample = pad_sample(prompt, result.response_ids, prompt_length=config.data.max_prompt_length,
+                                response_length=config.data.max_response_length, pad_token_id=processor.pad_token_id,
+                                rollout_logprobs=result.response_logprobs, finish_reason=result.finish_reason,
+                                policy_version=policy_version)
+            sample.reward = float(scores[i])
+            sample.reward_extra = dict(parts[i])
+            samples.append(sample)
+    batch = stack_samples(samples)
+    multiple = required_batch_multiple(1, config.actor.ppo_mini_batch_size, n)
+    return upsample_to_multiple(batch, multiple, eos_token_id=processor.eos_token_ids[0],
+                                pad_token_id=processor.pad_token_id)

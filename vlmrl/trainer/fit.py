@@ -1,0 +1,308 @@
+"""The GRPO fit loop: each step is a sequence of named, timed phases.
+
+    rollout -> reward -> old_logprobs -> ref_logprobs (KL only) -> advantages -> update -> weight_sync -> [validate]
+
+Everything else (setup, resume, checkpoints, validate-only mode) is a small function around it. Step numbering: the
+initial weights are step 0 (validated when trainer.val_before_train); step k is the state after k updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vlmrl.algorithms.grpo import group_advantages
+from vlmrl.batch import batch_metrics, real_token_mean
+from vlmrl.config import Config, to_dict, to_yaml
+from vlmrl.data import BatchSampler, RLDataset, build_requests, load_dataset
+from vlmrl.processors import Processor
+from vlmrl.rewards import RewardFn, get_reward_fn
+from vlmrl.rollout import RolloutBackend
+from vlmrl.trainer.actor import Actor
+from vlmrl.trainer.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from vlmrl.trainer.experience import build_processor, build_train_batch, score, start_backend
+from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_curves, truncate_after
+from vlmrl.trainer.validation import load_val_dataset, run_validation
+from vlmrl.trainer.warmup import format_warmup
+from vlmrl.types import SamplingParams, TrainBatch
+
+logger = logging.getLogger(__name__)
+
+
+class PhaseTimer:
+    """`with timer("rollout"): ...` records seconds per phase; `metrics()` gives timing/<phase> and timing/step."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - begin
+
+    def metrics(self) -> dict[str, float]:
+        return {**{f"timing/{k}": v for k, v in self.seconds.items()}, "timing/step": time.perf_counter() - self.start}
+
+
+@dataclass
+class Run:
+    """Everything a training run holds between steps."""
+
+    config: Config
+    output_dir: Path
+    processor: Processor
+    train_data: RLDataset
+    val_data: RLDataset | None
+    sampler: BatchSampler
+    reward_fn: RewardFn
+    actor: Actor
+    backend: RolloutBackend
+    sink: MetricsLogger
+    total_steps: int
+    step: int = 0
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+    def close(self) -> None:
+        self.backend.close()
+        self.sink.close()
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+
+
+def fit(config: Config) -> dict[str, float]:
+    """Train (or, with trainer.val_only, only validate). Returns the last logged metrics."""
+    setup_process(config)
+    if config.trainer.val_only:
+        return validate_only(config)
+    run = setup_run(config)
+    try:
+        if run.step == 0:
+            start_of_training(run)
+        from tqdm import tqdm
+
+        progress = tqdm(total=run.total_steps, initial=run.step, desc="GRPO", unit="step", file=sys.stderr,
+                        dynamic_ncols=True, disable=None)
+        while run.step < run.total_steps:
+            metrics = train_step(run)
+            run.step += 1
+            if _due(config.trainer.test_freq, run.step, run.total_steps) and run.val_data is not None:
+                start = time.perf_counter()
+                metrics.update(validate(run))
+                metrics["timing/validate"] = time.perf_counter() - start
+            run.sink.log(run.step, metrics)
+            run.last_metrics = metrics
+            progress.update(1)
+            progress.set_postfix({k.split("/")[-1]: round(metrics[k], 3) for k in ("reward/mean", "val/accuracy")
+                                  if k in metrics})
+            if _due(config.trainer.save_freq, run.step, run.total_steps):
+                save(run)
+        progress.close()
+        plot = plot_curves(run.output_dir / METRICS_FILE, run.output_dir / PLOT_FILE)
+        logger.info("done: %d steps; metrics %s; curves %s", run.step, run.output_dir / METRICS_FILE, plot)
+        return run.last_metrics
+    finally:
+        run.close()
+
+
+def train_step(run: Run) -> dict[str, float]:
+    """One GRPO step on the next batch of prompts; returns its metrics (the caller logs them)."""
+    cfg, step = run.config, run.step + 1
+    timer = PhaseTimer()
+    with timer("rollout"):
+        built = build_requests(run.processor, run.train_data, next(run.sampler))
+        if not built.requests:
+            raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
+        results = run.backend.generate(built.requests, training_sampling(cfg, step))
+    with timer("reward"):
+        scores, parts, failures = score(run.reward_fn, built.requests, results, run.processor.tokenizer, cfg.rollout.n)
+        batch = build_train_batch(run.processor, cfg, built.requests, results, scores, parts, policy_version=step - 1)
+    with timer("old_logprobs"):
+        old_logprobs, entropy = run.actor.compute_logprobs(batch, with_entropy=True)
+    ref_logprobs = None
+    if cfg.actor.use_kl_loss:
+        with timer("ref_logprobs"):
+            ref_logprobs, _ = run.actor.compute_logprobs(batch, reference=True)
+    with timer("advantages"):
+        advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding,
+                                      norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
+    with timer("update"):
+        actor_metrics = run.actor.update(batch, old_logprobs, advantages, ref_logprobs)
+    with timer("weight_sync"):
+        run.backend.update_weights(run.actor.named_tensors())
+    return {**batch_metrics(batch), **actor_metrics, **timer.metrics(),
+            **step_metrics(batch, old_logprobs, entropy, advantages, failures, built.num_skipped, run, timer)}
+
+
+def step_metrics(batch: TrainBatch, old_logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
+                 failures: int, filtered: int, run: Run, timer: PhaseTimer) -> dict[str, float]:
+    """Metrics beyond batch_metrics and the actor's: entropy, engine/trainer logprob gap, groups with signal."""
+    real = ~batch.is_padding
+    tokens = float((batch.response_mask * real.unsqueeze(-1)).sum())
+    metrics = {
+        "actor/entropy": real_token_mean(entropy, batch.response_mask, batch.is_padding),
+        "reward/failures": float(failures),
+        "batch/filtered_prompts": float(filtered),
+        "batch/groups_with_signal": _share_of_groups_with_signal(batch, advantages),
+        "epoch": float(run.sampler.epoch),
+        "throughput/response_tokens_per_s": tokens / max(timer.metrics()["timing/step"], 1e-9),
+    }
+    if batch.rollout_logprobs is not None and run.config.rollout.temperature == 1.0:
+        # Backends return raw logprobs; at temperature 1 they must match the trainer's (an engine/trainer mismatch
+        # here means the policy gradient is off-policy without anyone saying so).
+        gap = (old_logprobs - batch.rollout_logprobs).abs()
+        metrics["rollout/logprob_abs_diff"] = real_token_mean(gap, batch.response_mask, batch.is_padding)
+    return {key: value for key, value in metrics.items() if value is not None}
+
+
+def _share_of_groups_with_signal(batch: TrainBatch, advantages: torch.Tensor) -> float:
+    """Fraction of prompts whose samples got different rewards (only those carry a GRPO gradient)."""
+    groups: dict[str, bool] = {}
+    for i, uid in enumerate(batch.uids):
+        if not batch.is_padding[i]:
+            groups[uid] = groups.get(uid, False) or bool(advantages[i] != 0)
+    return sum(groups.values()) / max(len(groups), 1)
+
+
+def training_sampling(config: Config, step: int) -> SamplingParams:
+    """Sampling of step `step`: seeded by (trainer.seed, step) so a resumed run draws what an uninterrupted one would."""
+    r = config.rollout
+    seed = (config.trainer.seed * 7_919 + step * 1_000_003) % (2**31)
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=config.data.max_response_length, seed=seed)
+
+
+def validate(run: Run) -> dict[str, float]:
+    return run_validation(run.config, run.backend, step=run.step, processor=run.processor, dataset=run.val_data,
+                          reward_fn=run.reward_fn).metrics
+
+
+def _due(freq: int, step: int, total: int) -> bool:
+    return freq > 0 and (step % freq == 0 or step == total)
+
+
+# ---------------------------------------------------------------------------------------------------- setup
+
+
+def setup_process(config: Config) -> None:
+    if config.trainer.torch_threads > 0:
+        torch.set_num_threads(config.trainer.torch_threads)
+    torch.manual_seed(config.trainer.seed)
+    Path(config.trainer.output_dir).mkdir(parents=True, exist_ok=True)
+    logger.info("torch %s, %d threads, pid %d, output %s", torch.__version__, torch.get_num_threads(), os.getpid(),
+                config.trainer.output_dir)
+
+
+def setup_run(config: Config) -> Run:
+    """Build every component; resume from the newest complete checkpoint in output_dir when there is one."""
+    t, d = config.trainer, config.data
+    output_dir = Path(t.output_dir)
+    (output_dir / "config.yaml").write_text(to_yaml(config))
+    processor = build_processor(config)
+    train_data = load_dataset(d.train_files, "train", prompt_key=d.prompt_key, image_key=d.image_key,
+                              synthetic_train_size=d.synthetic_train_size, synthetic_val_size=d.synthetic_val_size,
+                              synthetic_seed=t.seed)
+    val_data = load_val_dataset(config) if d.val_files else None
+    sources = train_data.data_sources() + (val_data.data_sources() if val_data else [])
+    reward_fn = get_reward_fn(config.reward.function, sources)
+    sampler = BatchSampler(len(train_data), d.train_batch_size, shuffle=d.shuffle, seed=t.seed)
+    total_steps = t.total_steps or t.total_epochs * sampler.batches_per_epoch
+    checkpoint = latest_checkpoint(output_dir) if t.resume else None
+    actor = Actor(config.actor, total_steps, config.actor.ppo_mini_batch_size * config.rollout.n,
+                  temperature=config.rollout.temperature, init_path=str(checkpoint) if checkpoint else None)
+    step = 0
+    if checkpoint is not None:
+        state, info = load_checkpoint_state(checkpoint)
+        actor.load_state_dict(state["actor"])
+        set_rng_state(state["rng"])
+        sampler.load_state_dict(info["data"])
+        step = int(info["step"])
+        logger.info("resuming from %s (step %d of %d)", checkpoint, step, total_steps)
+    elif (output_dir / METRICS_FILE).exists():
+        logger.warning("%s exists but there is no checkpoint to resume from: starting over (old lines dropped)",
+                       output_dir / METRICS_FILE)
+    truncate_after(output_dir / METRICS_FILE, step if checkpoint else -1)
+    # A resumed backend starts from the checkpoint folder (HF format): weights already in sync.
+    backend = start_backend(config, model_path=str(checkpoint) if checkpoint else None)
+    from tqdm import tqdm
+
+    sink = MetricsLogger(output_dir, t.logger, to_dict(config), t.project_name, t.experiment_name, console=tqdm.write)
+    return Run(config, output_dir, processor, train_data, val_data, sampler, reward_fn, actor, backend, sink,
+               total_steps, step)
+
+
+def start_of_training(run: Run) -> None:
+    """Step 0: the optional format warm-up (then a weight sync), then validation of the starting weights."""
+    t = run.config.trainer
+    metrics: dict[str, float] = {}
+    if t.format_warmup_steps > 0:
+        start = time.perf_counter()
+        losses = format_warmup(run.actor, run.processor, run.train_data, run.config)
+        run.backend.update_weights(run.actor.named_tensors())
+        metrics.update({"warmup/loss_first": losses[0], "warmup/loss_last": losses[-1],
+                        "timing/format_warmup": time.perf_counter() - start})
+    if t.val_before_train and run.val_data is not None:
+        start = time.perf_counter()
+        metrics.update(validate(run))
+        metrics["timing/validate"] = time.perf_counter() - start
+    if metrics:
+        run.sink.log(0, metrics)
+        run.last_metrics = metrics
+
+
+def save(run: Run) -> Path:
+    start = time.perf_counter()
+    path = save_checkpoint(
+        run.output_dir, run.step, run.actor.model, run.config.actor.model_path,
+        trainer_state={"actor": run.actor.state_dict(), "rng": rng_state()},
+        info={"data": run.sampler.state_dict(), "total_steps": run.total_steps, "config": to_dict(run.config)},
+        keep=run.config.trainer.max_ckpt_to_keep)
+    logger.info("saved step %d in %.1f s", run.step, time.perf_counter() - start)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- validate-only
+
+
+def validate_only(config: Config) -> dict[str, float]:
+    """Validate `actor.model_path` with `rollout.name`: no actor, no optimizer, the weights are only read.
+    Writes OUTPUT_DIR/validation_<backend>_step<N>.jsonl (the artifact) and a metrics.jsonl line."""
+    output_dir = Path(config.trainer.output_dir)
+    step = _checkpoint_step(config.actor.model_path)
+    name = config.rollout.name
+    artifact = output_dir / f"validation_{name}_step{step}.jsonl"
+    result = run_validation(config, name, step=step, artifact_path=artifact)
+    sink = MetricsLogger(output_dir, config.trainer.logger, to_dict(config), config.trainer.project_name,
+                         config.trainer.experiment_name, console=print)
+    sink.log(step, result.metrics)
+    sink.close()
+    logger.info("validate-only: val/accuracy %.4f over %d samples; artifact %s", result.metrics["val/accuracy"],
+                int(result.metrics["val/num_samples"]), artifact)
+    return result.metrics
+
+
+def _checkpoint_step(model_path: str) -> int:
+    """The training step of a vlmrl checkpoint folder (0 for any other model)."""
+    state = Path(model_path) / "trainer_state.json"
+    if state.is_file():
+        import json
+
+        return int(json.loads(state.read_text()).get("step", 0))
+    return 0

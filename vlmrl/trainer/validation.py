@@ -1,0 +1,154 @@
+"""Validation: generate on the held-out set, score, aggregate per data source, optionally write the artifact.
+
+`run_validation(config, backend)` is the one entry point: the fit loop calls it with its running backend, validate-only
+mode and `python -m vlmrl.alignment.compare --backends` call it with a backend name (it then starts and closes that
+backend on `config.actor.model_path`).
+
+Every dataset row is validated exactly once, in order, in generate calls of `data.val_batch_size` prompts; a short
+last call is simply shorter. Validation builds no training batch, so it never needs padding rows, and it never
+duplicates a sample to fill a batch (duplicates would bias the accuracy).
+
+Metrics (a sample's accuracy is its reward part `accuracy` when the reward function returns one, else its score):
+  val/accuracy, val/<data_source>/accuracy      mean over samples (= mean@k when rollout.val_n = k > 1)
+  val/reward, val/<data_source>/reward          mean score (e.g. geo3k: 0.9 * accuracy + 0.1 * format)
+  val/reward_extra/<part>                       mean of each named reward part
+  val/mean@k, val/pass@k (+ per data source)    when k > 1: mean accuracy, and the share of prompts with a correct sample
+  val/response_length/mean, val/num_prompts, val/num_samples, val/filtered_prompts, val/reward_failures
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vlmrl.alignment.artifact import (
+    ArtifactMeta,
+    DatasetIdentity,
+    ValidationRecord,
+    engine_info,
+    file_fingerprint,
+    records_from_rollout,
+    write_artifact,
+)
+from vlmrl.config import Config, to_dict
+from vlmrl.data import RLDataset, build_requests, load_dataset, sequential_batches
+from vlmrl.processors import Processor
+from vlmrl.rewards import RewardFn, get_reward_fn
+from vlmrl.rollout import RolloutBackend
+from vlmrl.trainer.experience import build_processor, score, start_backend
+from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ValidationResult:
+    metrics: dict[str, float]
+    artifact_path: Path | None
+    records: list[ValidationRecord] | None
+    """The artifact's records (only when an artifact was written)."""
+
+
+def validation_sampling(config: Config, top_logprobs: int = 0) -> SamplingParams:
+    r = config.rollout
+    return SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p, top_k=r.val_top_k,
+                          max_new_tokens=config.data.max_response_length, seed=config.trainer.seed,
+                          top_logprobs=top_logprobs)
+
+
+def load_val_dataset(config: Config) -> RLDataset:
+    d = config.data
+    return load_dataset(d.val_files, "val", prompt_key=d.prompt_key, image_key=d.image_key,
+                        synthetic_train_size=d.synthetic_train_size, synthetic_val_size=d.synthetic_val_size,
+                        synthetic_seed=config.trainer.seed)
+
+
+def run_validation(
+    config: Config,
+    backend: RolloutBackend | str | None = None,
+    *,
+    step: int = 0,
+    artifact_path: str | os.PathLike | None = None,
+    processor: Processor | None = None,
+    dataset: RLDataset | None = None,
+    reward_fn: RewardFn | None = None,
+) -> ValidationResult:
+    """Validate on `data.val_files`; write the per-sample artifact when `artifact_path` is given.
+
+    Args:
+        backend: a running backend (left running), or a backend name / None (= rollout.name), started on
+            `config.actor.model_path` and closed here.
+        step: the training step of the weights (recorded in the artifact).
+        processor, dataset, reward_fn: reuse the caller's; built from the config when None.
+    """
+    processor = processor or build_processor(config)
+    dataset = dataset or load_val_dataset(config)
+    reward_fn = reward_fn or get_reward_fn(config.reward.function, dataset.data_sources())
+    sampling = validation_sampling(config, config.rollout.val_top_logprobs if artifact_path else 0)
+    owned = backend if isinstance(backend, RolloutBackend) else None
+    running = owned or start_backend(config, backend)
+    requests: list[RolloutRequest] = []
+    results: list[RolloutResult] = []
+    filtered = 0
+    try:
+        for indices in sequential_batches(len(dataset), config.data.val_batch_size):
+            built = build_requests(processor, dataset, indices)
+            filtered += built.num_skipped
+            if built.requests:
+                results.extend(running.generate(built.requests, sampling))
+                requests.extend(built.requests)
+    finally:
+        if owned is None:
+            running.close()
+    if not requests:
+        raise ValueError(f"validation: every one of the {len(dataset)} rows of {dataset.spec} was filtered; raise "
+                         "data.max_prompt_length or check the images")
+    scores, parts, failures = score(reward_fn, requests, results, processor.tokenizer, sampling.n)
+    metrics = validation_metrics(requests, results, scores, parts, sampling.n)
+    metrics.update({"val/filtered_prompts": float(filtered), "val/reward_failures": float(failures)})
+    records = None
+    path = None
+    if artifact_path is not None:
+        records = records_from_rollout(requests, results, scores, processor, parts)
+        engine, version = engine_info(running.name)
+        meta = ArtifactMeta(
+            backend=running.name, engine=engine, engine_version=version, model_path=config.actor.model_path,
+            dataset=DatasetIdentity(paths=[str(f) for f in dataset.files], rows=len(dataset),
+                                    fingerprint=file_fingerprint(dataset.files)),
+            sampling=asdict(sampling), config=to_dict(config), step=step)
+        path = write_artifact(artifact_path, meta, records)
+        logger.info("validation artifact: %s (%d samples)", path, len(records))
+    return ValidationResult(metrics, path, records)
+
+
+def validation_metrics(requests: Sequence[RolloutRequest], results: Sequence[RolloutResult], scores: Sequence[float],
+                       parts: Sequence[dict[str, float]], n: int) -> dict[str, float]:
+    """Aggregate per-sample scores (request-major, n per request) overall and per data source (see module doc)."""
+    by_source: dict[str, list[int]] = defaultdict(list)
+    for i in range(len(results)):
+        by_source[requests[i // n].data_source].append(i)
+    accuracy = [p.get("accuracy", s) for s, p in zip(scores, parts)]
+    metrics: dict[str, float] = {}
+
+    def aggregate(prefix: str, samples: list[int]) -> None:
+        metrics[f"{prefix}accuracy"] = sum(accuracy[i] for i in samples) / len(samples)
+        metrics[f"{prefix}reward"] = sum(scores[i] for i in samples) / len(samples)
+        if n > 1:
+            prompts = sorted({i // n for i in samples})
+            metrics[f"{prefix}mean@{n}"] = metrics[f"{prefix}accuracy"]
+            best = [max(accuracy[j * n + k] for k in range(n)) for j in prompts]
+            metrics[f"{prefix}pass@{n}"] = sum(1.0 for b in best if b >= 1.0) / len(prompts)
+
+    aggregate("val/", list(range(len(results))))
+    for source, samples in sorted(by_source.items()):
+        aggregate(f"val/{source}/", samples)
+    for name in sorted({k for p in parts for k in p}):
+        metrics[f"val/reward_extra/{name}"] = sum(p.get(name, 0.0) for p in parts) / len(parts)
+    metrics["val/response_length/mean"] = sum(len(r.response_ids) for r in results) / len(results)
+    metrics["val/num_prompts"] = float(len(requests))
+    metrics["val/num_samples"] = float(len(results))
+    return metrics
