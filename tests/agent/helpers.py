@@ -1,0 +1,129 @@
+"""Tools and checks shared by the agent tests (HF and engine backends run the same checks)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import defaultdict
+
+import torch
+
+from tests.agent import scripted
+from vlmrl.agent import AgentSample, Tool, ToolContext
+from vlmrl.agent.builtin import ImageZoomTool
+
+
+class Lifecycle:
+    """Records every lifecycle call per trajectory: {trajectory_id: ["create", "execute", ..., "release"]}."""
+
+    def __init__(self):
+        self.events: dict[str, list[str]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def add(self, trajectory: str, event: str) -> None:
+        with self._lock:
+            self.events[trajectory].append(event)
+
+
+class EchoTool(Tool):
+    """Returns its `text` argument. mode: "ok", "raise", "block" (a plain method that never returns in time)."""
+
+    name = "echo"
+
+    def __init__(self, log: Lifecycle | None = None, mode: str = "ok"):
+        self.log, self.mode = log or Lifecycle(), mode
+        self.unblock = threading.Event()
+
+    def create(self, context: ToolContext) -> str:
+        self.log.add(context.trajectory_id, "create")
+        return context.trajectory_id
+
+    def execute(self, state: str, arguments: dict) -> str:
+        self.log.add(state, "execute")
+        if self.mode == "raise":
+            raise RuntimeError("echo is broken")
+        if self.mode == "block":
+            self.unblock.wait(60)  # released by the test when it ends; the loop must not wait for it
+        return arguments["text"]
+
+    def reward(self, state: str) -> float:
+        self.log.add(state, "reward")
+        return 0.5
+
+    def release(self, state: str) -> None:
+        self.log.add(state, "release")
+
+
+class HangingZoomTool(ImageZoomTool):
+    """The zoom tool with an async execute that never finishes (cancelled by the loop's timeout)."""
+
+    async def execute(self, state, arguments):
+        await asyncio.Event().wait()
+
+
+def full_ids(sample) -> torch.Tensor:
+    """(L,) the unpadded prompt + response of a padded Sample."""
+    p_len = sample.prompt_ids.shape[0]
+    return torch.cat([sample.prompt_ids[sample.attention_mask[:p_len].bool()],
+                      sample.response_ids[sample.attention_mask[p_len:].bool()]])
+
+
+def tool_turn_texts(agent_sample: AgentSample, tokenizer) -> list[str]:
+    """The text of each tool turn (runs of response_mask 0 inside the real response)."""
+    s = agent_sample.sample
+    real = s.attention_mask[s.prompt_ids.shape[0]:].bool()
+    ids, mask = s.response_ids[real].tolist(), s.response_mask[real].tolist()
+    turns, current = [], []
+    for token, m in zip(ids, mask):
+        if m == 0:
+            current.append(token)
+        elif current:
+            turns.append(tokenizer.decode(current))
+            current = []
+    if current:
+        turns.append(tokenizer.decode(current))
+    return turns
+
+
+def hf_rope_index(hf_model, input_ids: torch.Tensor, grid: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """transformers' own get_rope_index on (1, L) ids: (3, 1, L)."""
+    positions, _ = hf_model.model.get_rope_index(
+        input_ids, mm_token_type_ids=(input_ids == image_token_id).to(torch.int32), image_grid_thw=grid,
+        attention_mask=torch.ones_like(input_ids))
+    return positions
+
+
+def check_long_sample(agent_sample: AgentSample, processor, hf_model) -> None:
+    """The LONG trajectory equals the processor run on the full final conversation: ids, response_mask, image
+    inputs, position ids; and the trainer's forward on the padded sample reproduces the rollout logprobs."""
+    s = agent_sample.sample
+    image = scripted.prompt_image()
+    ref = scripted.reference(processor, scripted.long_conversation(), [image, image.crop(tuple(scripted.ZOOM_BOX))])
+    ids = full_ids(s)
+    assert ids.tolist() == ref.input_ids[: ref.length].tolist(), (
+        "conversation differs from the template rendering:\n"
+        f"loop: {processor.tokenizer.decode(ids)!r}\nref:  {processor.tokenizer.decode(ref.input_ids)!r}")
+    p_len = s.prompt_ids.shape[0]
+    real = s.attention_mask[p_len:].bool()
+    assert int(s.attention_mask[:p_len].sum()) == ref.prompt_length
+    assert s.response_mask[real].tolist() == ref.assistant_mask[ref.prompt_length: ref.length].float().tolist()
+    assert float(s.response_mask[~real].sum()) == 0.0
+    assert torch.equal(s.multi_modal_inputs["image_grid_thw"], ref.image_grid_thw)
+    assert torch.allclose(s.multi_modal_inputs["pixel_values"], ref.pixel_values, atol=1e-6)
+    expected_pos = hf_rope_index(hf_model, ref.input_ids[None, : ref.length], ref.image_grid_thw,
+                                 processor.image_token_id)[:, 0]
+    attended = s.attention_mask.bool()
+    assert torch.equal(s.position_ids[:, attended], expected_pos), "position ids differ from get_rope_index"
+    assert float(s.position_ids[:, ~attended].abs().sum()) == 0
+
+    # The trainer's forward on the padded row (explicit position ids) gives back the rollout logprobs: tool turns and
+    # the tool image did not shift anything the policy tokens were generated from.
+    with torch.no_grad():
+        input_ids = torch.cat([s.prompt_ids, s.response_ids])[None]
+        logits = hf_model(input_ids=input_ids, attention_mask=s.attention_mask[None],
+                          position_ids=s.position_ids[:, None], pixel_values=s.multi_modal_inputs["pixel_values"],
+                          image_grid_thw=s.multi_modal_inputs["image_grid_thw"], use_cache=False).logits[0].float()
+    logprobs = torch.log_softmax(logits[p_len - 1: -1], -1).gather(1, s.response_ids[:, None])[:, 0]
+    policy = s.response_mask.bool()
+    torch.testing.assert_close(logprobs[policy], s.rollout_logprobs[policy], atol=2e-4, rtol=0)
+    assert float(s.rollout_logprobs[~policy].abs().sum()) == 0
