@@ -52,50 +52,41 @@ def mrope_position_ids(
     if video_token_id is not None and bool(((input_ids == video_token_id) & valid).any()):
         raise ValueError("video tokens in the input: vlmrl supports images only (the video pad token is banned)")
 
-    # Pack attended tokens to the left of each row (stable, so their order is kept): transformers drops padding
-    # before grouping, so a run of image tokens is judged among attended tokens only.
-    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # (B, L)
-    packed_valid = torch.gather(valid, 1, order)
-    is_image = (torch.gather(input_ids, 1, order) == image_token_id) & packed_valid  # (B, L)
-    column = torch.arange(length, device=device).expand(batch, length)  # packed index j
-
+    # transformers drops padding and lays the attended tokens out packed: index j among the attended tokens
+    # (in-place ops below: fresh (B, L) buffers cost more in page faults than the arithmetic itself)
+    packed = torch.cumsum(valid, dim=1).sub_(1)  # (B, L) long
+    is_image = (input_ids == image_token_id) & valid  # (B, L)
+    # An image is a run of image tokens. (A masked hole inside a run splits it here, where transformers would merge
+    # the halves; the halves then fail the length check below instead of giving a silent answer.)
     run_start = is_image.clone()
     run_start[:, 1:] &= ~is_image[:, :-1]
     images_per_row = run_start.sum(dim=1)  # (B,)
     num_images = int(images_per_row.sum())
     grid = _merged_grid(image_grid_thw, num_images, images_per_row, spatial_merge_size, device)  # (N, 3)
     tokens_per_image = grid.prod(dim=1)  # (N,)
-    span = torch.maximum(grid[:, 1], grid[:, 2])  # how far the next token jumps past an image's start
+    span = torch.maximum(grid[:, 1], grid[:, 2])  # how far positions jump past an image's start
     _check_image_lengths(is_image, run_start, tokens_per_image)
 
-    # image index of every image token (row-major over the batch, matching image_grid_thw's order)
-    image_index = (torch.cumsum(run_start.flatten(), 0) - 1).view(batch, length).clamp(min=0)
-    # Shift of later positions caused by each image: it occupies `tokens` columns but advances positions by `span`.
+    # Each image occupies `tokens` columns but advances later positions by `span`: accumulate the difference.
     shift = torch.zeros(batch, length, dtype=torch.long, device=device)
     if num_images:
-        shift[run_start] = (span - tokens_per_image)
-    shift_incl = torch.cumsum(shift, dim=1)  # includes every image starting at or before j
-
-    text_pos = column + shift_incl  # (B, L): a text token's position (all three rows)
-    positions = text_pos.unsqueeze(0).repeat(3, 1, 1)  # (3, B, L)
+        shift[run_start] = span - tokens_per_image
+    text_pos = packed.add_(shift.cumsum_(dim=1))  # (B, L): position of a text token (all three rows)
+    text_pos.masked_fill_(~valid, 0)
+    positions = text_pos.unsqueeze(0).expand(3, batch, length).clone()  # (3, B, L)
     if num_images:
-        rows, cols = is_image.nonzero(as_tuple=True)
-        k = image_index[rows, cols]
-        start_col = torch.zeros(num_images, dtype=torch.long, device=device)
-        start_col[image_index[run_start]] = column[run_start]
-        offset = cols - start_col[k]  # token offset within its image
-        # position where the image starts = its column + the shift of every EARLIER image
-        start = start_col[k] + shift_incl[rows, cols] - (span - tokens_per_image)[k]
-        h, w = grid[k, 1], grid[k, 2]
-        positions[0, rows, cols] = start + offset // (h * w)
-        positions[1, rows, cols] = start + (offset // w) % h
-        positions[2, rows, cols] = start + offset % w
-    positions = positions.masked_fill(~packed_valid, 0)
-
-    # unpack: put each packed column back where it came from; padding stays 0
-    out = torch.zeros(3, batch, length, dtype=torch.long, device=device)
-    out.scatter_(2, order.unsqueeze(0).expand(3, -1, -1), positions)
-    return out.to(input_ids.dtype)
+        flat = positions.view(3, -1)
+        tokens = is_image.flatten().nonzero().squeeze(1)  # flat index of every image token
+        starts = run_start.flatten().nonzero().squeeze(1)  # flat index of every image's first token, image order
+        image = torch.repeat_interleave(torch.arange(num_images, device=device), tokens_per_image)  # (T,)
+        offset = tokens - starts[image]  # token offset within its image (runs hold no padding)
+        # an image starts where a text token there would sit
+        start = text_pos.flatten()[starts][image] - (span - tokens_per_image)[image]
+        h, w = grid[image, 1], grid[image, 2]
+        flat[0, tokens] = start + offset // (h * w)
+        flat[1, tokens] = start + (offset // w) % h
+        flat[2, tokens] = start + offset % w
+    return positions.to(input_ids.dtype)
 
 
 def _merged_grid(
