@@ -135,3 +135,23 @@ def test_named_tensors_cover_every_weight(tiny_model_path):
     names = dict(actor.named_tensors())
     assert set(names) == set(actor.model.state_dict())
     assert any(name.startswith("model.visual") for name in names)
+
+
+def test_skipping_the_old_logprob_pass_gives_the_same_update(tiny_model_path, batch):
+    """With one optimizer step per batch the old policy is the current one: its logprobs come from the update's own
+    forward (ratio exactly 1) instead of a separate pass, and the update is the same."""
+    with_pass, metrics, grads = _one_update(tiny_model_path, batch, micro=4)
+    actor = Actor(actor_config(tiny_model_path, ppo_micro_batch_size_per_gpu=4), total_steps=1,
+                  mini_batch_samples=len(batch))
+    actor.model.to(torch.float64)
+    assert actor.skips_old_logprobs(len(batch)) and not actor.skips_old_logprobs(2 * len(batch))
+    skipped = actor.update(batch, None, group_advantages(batch.rewards, batch.uids).to(torch.float64))
+    # the separate pass returns float32 logprobs, so the two differ by float32 rounding only
+    assert skipped["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-6)
+    assert skipped["actor/entropy"] == pytest.approx(metrics["actor/entropy"], rel=1e-9)
+    for name, p in actor.model.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(p.grad, grads[name], rtol=1e-5, atol=1e-9), name
+    with pytest.raises(ValueError, match="old_logprobs are needed"):
+        Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=4).update(
+            batch, None, torch.zeros(len(batch)))

@@ -94,9 +94,10 @@ def micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.device) ->
     )
 
 
-def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs (b, r) of the response tokens under softmax(logits / temperature), and their entropy (b, r)."""
+def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (b, r) of the response tokens under softmax(logits / temperature), and their entropy (b, r)
+    (without a graph unless `entropy_grad`: a metric needs no backward)."""
     pixel_values = mb.pixel_values.to(next(model.parameters()).dtype) if mb.pixel_values is not None else None
     out = model(
         input_ids=mb.input_ids,
@@ -110,7 +111,10 @@ def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float,
     logits = out.logits[:, :-1].float() / temperature  # (b, r, V)
     labels = mb.input_ids[:, -mb.response_width :]
     logprobs = logprobs_from_logits(logits, labels)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits)
     return logprobs, entropy
 
 
@@ -190,25 +194,34 @@ class Actor:
 
     # ---- update -----------------------------------------------------------------------------------------------------
 
-    def update(self, batch: TrainBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+    def skips_old_logprobs(self, batch_rows: int) -> bool:
+        """True when the batch gets exactly one optimizer step: the policy that generated it is then the one being
+        updated, so the old logprobs equal the update forward's own (detached) and need no extra pass."""
+        return self.config.ppo_epochs == 1 and batch_rows == self.mini_batch_samples
+
+    def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
         """PPO-clip updates over the batch: ppo_epochs x (len(batch) / mini_batch_samples) optimizer steps, each
         accumulating micro-batch gradients; then one lr-scheduler step (one per training step).
 
         Args:
             batch: B rows, B a multiple of mini_batch_samples (upsampled with padding rows).
-            old_logprobs: (B, R) logprobs of the policy that generated the batch.
+            old_logprobs: (B, R) logprobs of the policy that generated the batch; None only when
+                `skips_old_logprobs(B)` (then they are the update forward's own, detached: ratio 1).
             advantages: (B,) sequence advantages (0 on padding rows).
             ref_logprobs: (B, R) reference logprobs; required when the KL loss is on.
 
         Returns:
-            metrics averaged over optimizer steps: actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, actor/kl_loss,
-            actor/entropy_loss, actor/grad_norm, actor/lr, actor/skipped_steps.
+            metrics averaged over optimizer steps: actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, actor/entropy,
+            actor/kl_loss, actor/entropy_loss, actor/grad_norm, actor/lr, actor/skipped_steps, and
+            rollout/logprob_abs_diff (|old - backend| logprobs, at temperature 1 only).
         """
         cfg = self.config
         if len(batch) % self.mini_batch_samples:
             raise ValueError(f"batch of {len(batch)} rows is not a multiple of the mini-batch ({self.mini_batch_samples})"
                              "; upsample it with padding rows first")
+        if old_logprobs is None and not self.skips_old_logprobs(len(batch)):
+            raise ValueError("old_logprobs are needed when the batch gets more than one optimizer step")
         if cfg.use_kl_loss and ref_logprobs is None:
             raise ValueError("actor.use_kl_loss is on but no reference logprobs were given")
         token_adv = broadcast_to_tokens(advantages.float(), batch.response_mask)
@@ -240,34 +253,39 @@ class Actor:
         return metrics
 
     def _accumulate(self, batch: TrainBatch, mini_rows: list[int], num_tokens: torch.Tensor,
-                    old_logprobs: torch.Tensor, token_adv: torch.Tensor, ref_logprobs: torch.Tensor | None
+                    old_logprobs: torch.Tensor | None, token_adv: torch.Tensor, ref_logprobs: torch.Tensor | None
                     ) -> dict[str, float]:
         """Forward/backward every micro-batch of one mini-batch; returns the mini-batch's loss parts."""
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
-        parts = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
+        parts = dict.fromkeys(("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"), 0.0)
         if cfg.entropy_coeff:
             parts["actor/entropy_loss"] = 0.0
         if cfg.use_kl_loss:
             parts["actor/kl_loss"] = 0.0
+        compare_rollout = batch.rollout_logprobs is not None and self.temperature == 1.0
+        if compare_rollout:
+            parts["rollout/logprob_abs_diff"] = 0.0
         for rows in _chunks(mini_rows, cfg.ppo_micro_batch_size_per_gpu):
             mb = micro_batch(batch, rows, self.device)
-            mask = batch.response_mask[rows, : mb.response_width].to(self.device)
+            width = mb.response_width
+            mask = batch.response_mask[rows, :width].to(self.device)
             share = float(mask.sum() / num_tokens)  # this micro-batch's weight in the mini-batch token mean
             if share == 0:
                 continue
-            logprobs, entropy = forward_response(self.model, mb, self.temperature, bool(cfg.entropy_coeff))
-            old = old_logprobs[rows, : mb.response_width].to(self.device)
-            adv = token_adv[rows, : mb.response_width].to(self.device)
+            logprobs, entropy = forward_response(self.model, mb, self.temperature, True, bool(cfg.entropy_coeff))
+            old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
+            adv = token_adv[rows, :width].to(self.device)
             pg = ppo_clip_loss(logprobs, old, adv, mask, cfg.clip_ratio, cfg.clip_ratio_high or cfg.clip_ratio,
                                num_tokens=num_tokens)
             loss = pg.loss
+            entropy_mean = token_mean(entropy, mask, num_tokens)
+            parts["actor/entropy"] += float(entropy_mean.detach())
             if cfg.entropy_coeff:
-                entropy_loss = token_mean(entropy, mask, num_tokens)
-                loss = loss - cfg.entropy_coeff * entropy_loss
-                parts["actor/entropy_loss"] += float(entropy_loss.detach())
+                loss = loss - cfg.entropy_coeff * entropy_mean
+                parts["actor/entropy_loss"] += float(entropy_mean.detach())
             if cfg.use_kl_loss:
-                ref = ref_logprobs[rows, : mb.response_width].to(self.device)
+                ref = ref_logprobs[rows, :width].to(self.device)
                 kl_loss = token_mean(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, num_tokens)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 parts["actor/kl_loss"] += float(kl_loss.detach())
@@ -275,6 +293,9 @@ class Actor:
             parts["actor/pg_loss"] += float(pg.loss.detach())
             parts["actor/pg_clipfrac"] += float(pg.clip_fraction) * share
             parts["actor/ppo_kl"] += float(pg.approx_kl) * share
+            if compare_rollout:  # engine vs trainer: how off-policy the samples really are
+                gap = (old - batch.rollout_logprobs[rows, :width].to(self.device)).abs()
+                parts["rollout/logprob_abs_diff"] += float(token_mean(gap, mask, num_tokens))
         return parts
 
     def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:

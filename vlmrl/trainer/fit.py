@@ -1,6 +1,7 @@
 """The GRPO fit loop: each step is a sequence of named, timed phases.
 
-    rollout -> reward -> old_logprobs -> ref_logprobs (KL only) -> advantages -> update -> weight_sync -> [validate]
+    rollout -> reward -> old_logprobs (when the batch gets more than one optimizer step) -> ref_logprobs (KL only)
+            -> advantages -> update -> weight_sync -> [validate]
 
 Everything else (setup, resume, checkpoints, validate-only mode) is a small function around it. Step numbering: the
 initial weights are step 0 (validated when trainer.val_before_train); step k is the state after k updates.
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from vlmrl.algorithms.grpo import group_advantages
-from vlmrl.batch import batch_metrics, real_token_mean
+from vlmrl.batch import batch_metrics
 from vlmrl.config import Config, to_dict, to_yaml
 from vlmrl.data import BatchSampler, RLDataset, build_requests, load_dataset
 from vlmrl.processors import Processor
@@ -134,8 +135,10 @@ def train_step(run: Run) -> dict[str, float]:
     with timer("reward"):
         scores, parts, failures = score(run.reward_fn, built.requests, results, run.processor.tokenizer, cfg.rollout.n)
         batch = build_train_batch(run.processor, cfg, built.requests, results, scores, parts, policy_version=step - 1)
-    with timer("old_logprobs"):
-        old_logprobs, entropy = run.actor.compute_logprobs(batch, with_entropy=True)
+    old_logprobs = None  # one optimizer step on fresh samples: the update's own forward gives them (ratio 1)
+    if not run.actor.skips_old_logprobs(len(batch)):
+        with timer("old_logprobs"):
+            old_logprobs, _ = run.actor.compute_logprobs(batch)
     ref_logprobs = None
     if cfg.actor.use_kl_loss:
         with timer("ref_logprobs"):
@@ -148,28 +151,21 @@ def train_step(run: Run) -> dict[str, float]:
     with timer("weight_sync"):
         run.backend.update_weights(run.actor.named_tensors())
     return {**batch_metrics(batch), **actor_metrics, **timer.metrics(),
-            **step_metrics(batch, old_logprobs, entropy, advantages, failures, built.num_skipped, run, timer)}
+            **step_metrics(batch, advantages, failures, built.num_skipped, run, timer)}
 
 
-def step_metrics(batch: TrainBatch, old_logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
-                 failures: int, filtered: int, run: Run, timer: PhaseTimer) -> dict[str, float]:
-    """Metrics beyond batch_metrics and the actor's: entropy, engine/trainer logprob gap, groups with signal."""
+def step_metrics(batch: TrainBatch, advantages: torch.Tensor, failures: int, filtered: int, run: Run,
+                 timer: PhaseTimer) -> dict[str, float]:
+    """Metrics beyond batch_metrics and the actor's: reward failures, filtered prompts, groups with signal."""
     real = ~batch.is_padding
     tokens = float((batch.response_mask * real.unsqueeze(-1)).sum())
-    metrics = {
-        "actor/entropy": real_token_mean(entropy, batch.response_mask, batch.is_padding),
+    return {
         "reward/failures": float(failures),
         "batch/filtered_prompts": float(filtered),
         "batch/groups_with_signal": _share_of_groups_with_signal(batch, advantages),
         "epoch": float(run.sampler.epoch),
         "throughput/response_tokens_per_s": tokens / max(timer.metrics()["timing/step"], 1e-9),
     }
-    if batch.rollout_logprobs is not None and run.config.rollout.temperature == 1.0:
-        # Backends return raw logprobs; at temperature 1 they must match the trainer's (an engine/trainer mismatch
-        # here means the policy gradient is off-policy without anyone saying so).
-        gap = (old_logprobs - batch.rollout_logprobs).abs()
-        metrics["rollout/logprob_abs_diff"] = real_token_mean(gap, batch.response_mask, batch.is_padding)
-    return {key: value for key, value in metrics.items() if value is not None}
 
 
 def _share_of_groups_with_signal(batch: TrainBatch, advantages: torch.Tensor) -> float:
