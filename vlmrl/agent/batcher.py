@@ -25,6 +25,8 @@ class _Pending:
     request: RolloutRequest
     sampling: SamplingParams
     future: asyncio.Future
+    room: int | None = None
+    """Most new tokens this request's context can take (the engine rejects a call asking for more)."""
 
 
 @dataclass
@@ -63,11 +65,14 @@ class TurnBatcher:
         self._dispatcher: asyncio.Task | None = None
         self._calls_started = 0
 
-    async def generate(self, request: RolloutRequest, sampling: SamplingParams) -> list[RolloutResult] | None:
+    async def generate(self, request: RolloutRequest, sampling: SamplingParams,
+                       room: int | None = None) -> list[RolloutResult] | None:
+        """room: the most new tokens this request's context allows (>= sampling.max_new_tokens); a call that batches
+        it never asks for more, since the engine checks prompt + max_new_tokens against its context length."""
         if self._dispatcher is None:
             self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch_loop())
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(request, sampling, future))
+        self._pending.append(_Pending(request, sampling, future, room))
         self._wake.set()
         return await future
 
@@ -100,12 +105,10 @@ class TurnBatcher:
                 asyncio.get_running_loop().create_task(self._run(batch))
 
     def _take_batch(self) -> list[_Pending]:
-        key = batch_key(self._pending[0].sampling)
-        batch, rest = [], []
-        for item in self._pending:
-            fits = not self.max_requests or len(batch) < self.max_requests
-            (batch if fits and batch_key(item.sampling) == key else rest).append(item)
-        self._pending = rest
+        chosen = set(plan_batch([(batch_key(i.sampling), i.sampling.max_new_tokens, i.room) for i in self._pending],
+                                self.max_requests))
+        batch = [item for j, item in enumerate(self._pending) if j in chosen]
+        self._pending = [item for j, item in enumerate(self._pending) if j not in chosen]
         return batch
 
     async def _run(self, batch: list[_Pending]) -> None:
@@ -145,3 +148,27 @@ class TurnBatcher:
                                    response_logprobs=result.response_logprobs[:limit], finish_reason="length",
                                    top_logprobs=top)
 
+
+
+def plan_batch(items: list[tuple[tuple, int, int | None]], max_requests: int = 0) -> list[int]:
+    """Which pending turns go into the next call, in arrival order: (key, max_new_tokens, room) per turn.
+
+    The first turn always goes; a later one joins when its key matches, the call is not full, and the call's
+    max_new_tokens (the largest limit) still fits every member's room.
+
+    >>> plan_batch([("a", 64, None), ("b", 64, None), ("a", 16, 20), ("a", 32, 200)])
+    [0, 3]
+    >>> plan_batch([("a", 8, 10), ("a", 64, None), ("a", 10, 500)])
+    [0, 2]
+    """
+    key, limit, room = items[0]
+    chosen = [0]
+    for j, (other_key, other_limit, other_room) in enumerate(items[1:], start=1):
+        if max_requests and len(chosen) >= max_requests:
+            break
+        new_limit = max(limit, other_limit)
+        rooms = [r for r in (room, other_room) if r is not None]
+        if other_key == key and all(new_limit <= r for r in rooms):
+            chosen.append(j)
+            limit, room = new_limit, (min(rooms) if rooms else None)
+    return chosen

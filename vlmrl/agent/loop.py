@@ -246,8 +246,11 @@ class AgentLoop:
             if limit <= 0:
                 traj.finish("length", "max_response_tokens")
                 break
-            results = await batcher.generate(traj.next_request(),
-                                             dataclasses.replace(sampling, n=1, max_new_tokens=limit))
+            request = traj.next_request()
+            # the context the engine must hold is at most prompt_length + the response budget
+            room = self.prompt_length + self.budget - (traj.expanded_length + self._prompt_tokens(group.request))
+            results = await batcher.generate(request, dataclasses.replace(sampling, n=1, max_new_tokens=limit),
+                                             room=max(room, limit))
             if results is None:
                 return  # withdrawn before generating: park
             if new_turn:
@@ -255,6 +258,10 @@ class AgentLoop:
                 traj.turn_start = len(traj.response_ids)
             await self._after_generation(traj, results[0], version, sampling)
         await self._finalize(group, traj)
+
+    def _prompt_tokens(self, request: RolloutRequest) -> int:
+        """Expanded length of a request's prompt (as the engine counts it)."""
+        return len(request.prompt_ids) + sum(self.processor.image_token_count(im) - 1 for im in request.images)
 
     def _turn_limit(self, expanded_length: int, turn_so_far: int, sampling: SamplingParams) -> int:
         """New tokens the next call may generate: the response budget left, the turn's limit left, one chunk."""
