@@ -82,8 +82,9 @@ class AgentConfig:
     """How tool output is shown to the model: "qwen2.5" = Qwen2.5's tool format (a user turn holding
     `<tool_response>...</tool_response>` blocks); "template" = the chat template's own `tool` role."""
     max_concurrent_generate: int = 1
-    """Backend calls in flight at once. 1 suits in-process engines (one call batches every waiting turn); raise it
-    for an HTTP server backend."""
+    """Backend calls in flight at once. vlmrl's backends run their engine calls one at a time, so 1 is right for
+    them: while a call runs, the turns asked for meanwhile gather into the next one. Raise it only for a backend
+    that serves concurrent calls."""
     max_requests_per_call: int = 0
     """Most turns batched into one backend call; 0 = no limit."""
     tool_workers: int = 16
