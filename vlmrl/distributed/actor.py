@@ -53,8 +53,9 @@ class UpdateShard:
 
     batch: TrainBatch
     """The rank's rows (b = num_mini_batches * local_mini_batch)."""
-    old_logprobs: torch.Tensor
-    """(b, R) logprobs of the policy that generated the rows."""
+    old_logprobs: torch.Tensor | None
+    """(b, R) logprobs of the policy that generated the rows; None when the batch gets exactly one optimizer step
+    (the update forward's own detached logprobs are then the old ones: ratio 1)."""
     advantages: torch.Tensor
     """(b,) sequence advantages (computed by the driver over whole groups; 0 on padding rows)."""
     ref_logprobs: torch.Tensor | None
@@ -63,6 +64,10 @@ class UpdateShard:
     """Policy-token count of each GLOBAL mini-batch (all ranks); the loss divides by it."""
     local_mini_batch: int
     """Rows of this shard per mini-batch."""
+
+
+def _add(parts: dict[str, float], key: str, value: torch.Tensor | float) -> None:
+    parts[key] = parts.get(key, 0.0) + float(value.detach() if isinstance(value, torch.Tensor) else value)
 
 
 def chunks(rows: Sequence[int], size: int) -> list[list[int]]:
@@ -135,13 +140,15 @@ class ShardedActor:
 
     def update(self, shard: UpdateShard) -> dict[str, float]:
         """ppo_epochs x mini-batches optimizer steps over this rank's shard (all ranks step together), then one
-        lr-scheduler step. Returns this rank's metric parts; the driver averages them over ranks (each part is
-        already scaled so that the average is the global mini-batch value)."""
+        lr-scheduler step. Returns this rank's metric parts (the single-process actor's keys); the driver averages
+        them over ranks (each part is already scaled so that the average is the global mini-batch value)."""
         cfg = self.config
         batch = shard.batch
         if len(batch) != len(shard.mini_batch_tokens) * shard.local_mini_batch:
             raise ValueError(f"shard of {len(batch)} rows is not {len(shard.mini_batch_tokens)} mini-batches of "
                              f"{shard.local_mini_batch} rows")
+        if shard.old_logprobs is None and not (cfg.ppo_epochs == 1 and len(shard.mini_batch_tokens) == 1):
+            raise ValueError("old_logprobs are needed when the batch gets more than one optimizer step")
         if cfg.use_kl_loss and shard.ref_logprobs is None:
             raise ValueError("actor.use_kl_loss is on but no reference logprobs were given")
         token_adv = broadcast_to_tokens(shard.advantages.float(), batch.response_mask)
@@ -175,33 +182,40 @@ class ShardedActor:
 
     def _accumulate(self, shard: UpdateShard, mini_rows: list[int], num_tokens: torch.Tensor,
                     token_adv: torch.Tensor) -> dict[str, float]:
-        """Forward/backward every micro-batch of this rank's slice of one mini-batch (none skipped)."""
+        """Forward/backward every micro-batch of this rank's slice of one mini-batch (none skipped: a micro-batch
+        without tokens here still joins the other ranks' collectives, with a zero loss)."""
         cfg, batch = self.config, shard.batch
         self.optimizer.zero_grad(set_to_none=True)
-        parts = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
+        parts = dict.fromkeys(("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"), 0.0)
+        compare_rollout = batch.rollout_logprobs is not None and self.temperature == 1.0
         for rows in chunks(mini_rows, cfg.ppo_micro_batch_size_per_gpu):
             mb = micro_batch(batch, rows, self.device)
             width = mb.response_width
             mask = batch.response_mask[rows, :width].to(self.device)
             share = float(mask.sum() / num_tokens)  # weight of this micro-batch's diagnostics in the global mean
-            logprobs, entropy = forward_response(self.model, mb, self.temperature, bool(cfg.entropy_coeff))
-            old = shard.old_logprobs[rows, :width].to(self.device)
+            logprobs, entropy = forward_response(self.model, mb, self.temperature, True, bool(cfg.entropy_coeff))
+            old = (logprobs.detach() if shard.old_logprobs is None
+                   else shard.old_logprobs[rows, :width].to(self.device))
             pg = ppo_clip_loss(logprobs, old, token_adv[rows, :width].to(self.device), mask, cfg.clip_ratio,
                                cfg.clip_ratio_high or cfg.clip_ratio, num_tokens=num_tokens)
             loss = pg.loss
+            entropy_mean = token_mean(entropy, mask, num_tokens)
+            _add(parts, "actor/entropy", entropy_mean)
             if cfg.entropy_coeff:
-                entropy_loss = token_mean(entropy, mask, num_tokens)
-                loss = loss - cfg.entropy_coeff * entropy_loss
-                parts["actor/entropy_loss"] = parts.get("actor/entropy_loss", 0.0) + float(entropy_loss.detach())
+                loss = loss - cfg.entropy_coeff * entropy_mean
+                _add(parts, "actor/entropy_loss", entropy_mean)
             if cfg.use_kl_loss:
                 ref = shard.ref_logprobs[rows, :width].to(self.device)
                 kl_loss = token_mean(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, num_tokens)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                parts["actor/kl_loss"] = parts.get("actor/kl_loss", 0.0) + float(kl_loss.detach())
+                _add(parts, "actor/kl_loss", kl_loss)
             loss.backward()
-            parts["actor/pg_loss"] += float(pg.loss.detach())
-            parts["actor/pg_clipfrac"] += float(pg.clip_fraction) * share
-            parts["actor/ppo_kl"] += float(pg.approx_kl) * share
+            _add(parts, "actor/pg_loss", pg.loss)
+            _add(parts, "actor/pg_clipfrac", pg.clip_fraction * share)
+            _add(parts, "actor/ppo_kl", pg.approx_kl * share)
+            if compare_rollout:  # engine vs trainer: how off-policy the samples really are
+                gap = (old - batch.rollout_logprobs[rows, :width].to(self.device)).abs()
+                _add(parts, "rollout/logprob_abs_diff", token_mean(gap, mask, num_tokens))
         return parts
 
     # ---- weights and state ------------------------------------------------------------------------------------------

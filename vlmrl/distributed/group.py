@@ -187,7 +187,12 @@ class DistributedActor:
         entropy = torch.cat([ent for _, ent in parts]) if with_entropy else None
         return logprobs, entropy
 
-    def update(self, batch: TrainBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+    def skips_old_logprobs(self, batch_rows: int) -> bool:
+        """True when the batch gets exactly one optimizer step: the update forward's own logprobs are the old ones
+        (as `Actor.skips_old_logprobs`)."""
+        return self.spec.actor.ppo_epochs == 1 and batch_rows == self.mini_batch_samples
+
+    def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
         """The PPO-clip update over the batch, sharded: every rank takes its slice of each mini-batch, the loss is
         normalised by the global token count. Same arguments and metrics as `Actor.update`."""

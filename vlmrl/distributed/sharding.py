@@ -80,13 +80,13 @@ def update_row_blocks(num_rows: int, mini_batch_rows: int, world_size: int) -> l
     return blocks
 
 
-def update_shards(batch: TrainBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+def update_shards(batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                   ref_logprobs: torch.Tensor | None, mini_batch_rows: int, world_size: int) -> list[UpdateShard]:
     """One UpdateShard per rank (see `update_row_blocks`), each carrying every global mini-batch's token count.
 
     Args:
         batch: B rows, B a multiple of mini_batch_rows.
-        old_logprobs: (B, R); advantages: (B,); ref_logprobs: (B, R) or None.
+        old_logprobs: (B, R) or None (one optimizer step); advantages: (B,); ref_logprobs: (B, R) or None.
         mini_batch_rows: rows per optimizer step (ppo_mini_batch_size x rollout.n).
         world_size: dp ranks; must divide mini_batch_rows.
     """
@@ -96,7 +96,7 @@ def update_shards(batch: TrainBatch, old_logprobs: torch.Tensor, advantages: tor
     return [
         UpdateShard(
             batch=select_rows(batch, rows),
-            old_logprobs=old_logprobs[rows],
+            old_logprobs=None if old_logprobs is None else old_logprobs[rows],
             advantages=advantages[rows],
             ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
             mini_batch_tokens=tokens,

@@ -1,0 +1,144 @@
+"""Two Ray workers with the actor sharded by FSDP2 (gloo, CPU) take the same GRPO step as the single-process actor.
+
+Both sides run in float64 so that only the summation order differs (float32 AdamW amplifies rounding in near-zero
+gradients: its first step is about lr * sign(grad)). Tolerance on the updated weights: 1e-9 with lr 1e-3, i.e. a
+millionth of one step's change; a wrong loss normalisation or a lost rank's gradient is off by ~lr.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.conftest import make_batch
+from vlmrl.algorithms.grpo import group_advantages
+from vlmrl.batch import required_batch_multiple, upsample_to_multiple
+from vlmrl.config import ActorConfig, OptimConfig
+from vlmrl.distributed import ClusterConfig, DistributedActor, WorkerSpec
+from vlmrl.trainer.actor import Actor
+
+pytestmark = pytest.mark.ray
+WEIGHT_ATOL = 1e-9
+
+
+def actor_config(model_path: str, micro: int, **overrides) -> ActorConfig:
+    config = ActorConfig(model_path=model_path, optim=OptimConfig(lr=1e-3, weight_decay=0.01),
+                         ppo_micro_batch_size_per_gpu=micro, device="cpu", dtype="float32")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def start_dp2(config: ActorConfig, mini_batch_samples: int, **spec) -> DistributedActor:
+    config.dtype = "float64"
+    return DistributedActor(ClusterConfig(devices_per_node=2, timeout_s=300),
+                            WorkerSpec(actor=config, torch_threads=1, timeout_s=120, **spec), mini_batch_samples)
+
+
+def single_process(config: ActorConfig, mini_batch_samples: int) -> Actor:
+    actor = Actor(config, total_steps=1, mini_batch_samples=mini_batch_samples)
+    actor.model.double()  # float64 like the workers (the optimizer holds the same parameter objects)
+    if actor.reference is not None:
+        actor.reference.double()
+    return actor
+
+
+def perturbed(logprobs: torch.Tensor, batch, seed: int = 0) -> torch.Tensor:
+    """Old logprobs a little off the current policy, so that PPO ratios differ from 1 and clipping happens."""
+    noise = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (logprobs.double() + 0.05 * noise) * batch.response_mask
+
+
+def assert_same_weights(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], start: dict) -> None:
+    assert expected.keys() == got.keys()
+    moved = max(float((expected[k].double() - start[k].double()).abs().max()) for k in expected)
+    assert moved > 1e-4, "the step did not change the weights: nothing was compared"
+    for name, tensor in expected.items():
+        diff = float((tensor.double() - got[name].double()).abs().max())
+        assert diff <= WEIGHT_ATOL, f"{name}: dp=2 differs from dp=1 by {diff:.3g} (one step moved up to {moved:.3g})"
+
+
+def assert_same_metrics(expected: dict[str, float], got: dict[str, float]) -> None:
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/kl_loss", "actor/entropy_loss"):
+        if key in expected:
+            assert got[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
+
+
+def test_dp2_step_matches_dp1(ray_cluster, tiny_model_path, processor, synthetic_rows):
+    # 4 prompts x 2 samples, prompts 1 and 3 text-only: each rank's slice mixes image and text rows; two optimizer
+    # steps of 4 rows; KL to a sharded reference and an entropy bonus; micro-batches of 1 (dp=2) vs 3 (dp=1)
+    batch = make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(1, 3))
+    extra = dict(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
+    reference = single_process(actor_config(tiny_model_path, micro=3, **extra), mini_batch_samples=4)
+    start = dict(reference.named_tensors())
+    start = {k: v.clone() for k, v in start.items()}
+    with start_dp2(actor_config(tiny_model_path, micro=1, **extra), mini_batch_samples=4) as dp2:
+        old, _ = dp2.compute_logprobs(batch)
+        ref_lp, _ = dp2.compute_logprobs(batch, reference=True)
+        expected_old, _ = reference.compute_logprobs(batch)
+        assert torch.allclose(old, expected_old, atol=1e-6), "logprobs from the shards differ from dp=1"
+        old = perturbed(old, batch)
+        advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
+        got = dp2.update(batch, old, advantages, ref_lp.double())
+        weights = dict(dp2.named_tensors())
+    expected = reference.update(batch, old, advantages, ref_lp.double())
+    assert expected["actor/pg_clipfrac"] > 0 and expected["actor/kl_loss"] > 0
+    assert_same_metrics(expected, got)
+    assert_same_weights(dict(reference.named_tensors()), weights, start)
+
+
+def test_batch_that_does_not_divide_gets_padding_rows_and_matches_dp1_on_the_real_rows(
+        ray_cluster, tiny_model_path, processor, synthetic_rows):
+    # 3 prompts x 2 = 6 rows, mini-batches of 4: upsampled to 8 with 2 padding rows. Rank 1's slice of the second
+    # mini-batch is ONLY padding rows (no token, no image), yet it must run its forward/backward with rank 0.
+    real = make_batch(processor, synthetic_rows[4:7], n=2, text_only_rows=(1,), seed=1)
+    multiple = required_batch_multiple(dp_size=2, ppo_mini_batch_size=2, rollout_n=2)
+    batch = upsample_to_multiple(real, multiple, eos_token_id=processor.eos_token_ids[0],
+                                 pad_token_id=processor.pad_token_id)
+    assert len(batch) == 8 and batch.is_padding.tolist() == [False] * 6 + [True] * 2
+
+    reference = single_process(actor_config(tiny_model_path, micro=2), mini_batch_samples=4)
+    start = {k: v.clone() for k, v in reference.named_tensors()}
+    with start_dp2(actor_config(tiny_model_path, micro=2), mini_batch_samples=4) as dp2:
+        old, _ = dp2.compute_logprobs(batch)
+        assert float(old[6:].abs().sum()) == 0, "padding rows have no policy token"
+        old = perturbed(old, batch, seed=1)
+        advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
+        got = dp2.update(batch, old, advantages)
+        weights = dict(dp2.named_tensors())
+    assert advantages[6:].abs().sum() == 0
+
+    # dp=1 on the REAL rows only, no padding at all: the same two optimizer steps (rows 0-3, then rows 4-5)
+    first = reference.update(_rows(real, range(4)), old[:4], advantages[:4])
+    reference.mini_batch_samples = 2
+    second = reference.update(_rows(real, range(4, 6)), old[4:6], advantages[4:6])
+    assert got["actor/grad_norm"] == pytest.approx((first["actor/grad_norm"] + second["actor/grad_norm"]) / 2,
+                                                   rel=1e-6)
+    assert_same_weights(dict(reference.named_tensors()), weights, start)
+
+
+def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(
+        ray_cluster, tiny_model_path, processor, synthetic_rows):
+    # rank 0: prompts 0-1 with images; rank 1: prompts 2-3 without; one mini-batch. Without the dummy vision forward
+    # on rank 1 its workers abort in the first sharded forward (gloo collective mismatch).
+    batch = make_batch(processor, synthetic_rows[8:12], n=2, text_only_rows=(2, 3), seed=2)
+    assert all(batch.multi_modal_inputs[i] for i in range(4)) and not any(batch.multi_modal_inputs[4:])
+    reference = single_process(actor_config(tiny_model_path, micro=4), mini_batch_samples=8)
+    start = {k: v.clone() for k, v in reference.named_tensors()}
+    with start_dp2(actor_config(tiny_model_path, micro=4), mini_batch_samples=8) as dp2:
+        old, _ = dp2.compute_logprobs(batch)
+        old = perturbed(old, batch, seed=2)
+        advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
+        got = dp2.update(batch, old, advantages)
+        weights = dict(dp2.named_tensors())
+    expected = reference.update(batch, old, advantages)
+    assert_same_metrics(expected, got)
+    assert_same_weights(dict(reference.named_tensors()), weights, start)
+    moved = [n for n in weights if "visual" in n and not torch.equal(weights[n], start[n])]
+    assert moved, "the images on rank 0 should have trained the vision tower"
+
+
+def _rows(batch, rows):
+    from vlmrl.distributed.sharding import select_rows
+
+    return select_rows(batch, list(rows))

@@ -1,0 +1,80 @@
+"""Splitting batches over data-parallel ranks: every row goes to exactly one rank, each rank's slice of a mini-batch
+has the same size, and each slice knows the GLOBAL token count its loss divides by."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.conftest import make_batch
+from vlmrl.batch import required_batch_multiple, upsample_to_multiple
+from vlmrl.distributed.sharding import (
+    even_row_blocks,
+    mean_metrics,
+    select_rows,
+    split_contiguous,
+    update_row_blocks,
+    update_shards,
+)
+
+
+@pytest.mark.parametrize("rows, mini, world", [(8, 4, 2), (24, 12, 4), (12, 12, 3), (6, 2, 1)])
+def test_update_blocks_give_each_rank_an_equal_slice_of_every_mini_batch(rows, mini, world):
+    blocks = update_row_blocks(rows, mini, world)
+    assert sorted(r for block in blocks for r in block) == list(range(rows))
+    local = mini // world
+    for block in blocks:
+        assert len(block) == rows // world
+        for m, start in enumerate(range(0, len(block), local)):
+            # the rank's m-th optimizer step uses rows of global mini-batch m only
+            assert all(m * mini <= r < (m + 1) * mini for r in block[start: start + local])
+
+
+def test_uneven_batches_are_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="padding rows"):
+        even_row_blocks(7, 2)
+    with pytest.raises(ValueError, match="padding rows"):
+        update_row_blocks(6, 4, 2)
+    with pytest.raises(ValueError, match="multiple of the dp size"):
+        update_row_blocks(6, 3, 2)
+
+
+def test_shards_carry_the_global_token_count_and_keep_padding_rows_apart(processor, synthetic_rows):
+    batch = make_batch(processor, synthetic_rows[:3], n=2, text_only_rows=(1,))  # 6 rows
+    padded = upsample_to_multiple(batch, required_batch_multiple(2, 2, 2), eos_token_id=processor.eos_token_ids[0],
+                                  pad_token_id=processor.pad_token_id)
+    assert len(padded) == 8 and int(padded.is_padding.sum()) == 2
+    old = torch.randn(padded.response_mask.shape)
+    shards = update_shards(padded, old, torch.arange(8.0), None, mini_batch_rows=4, world_size=2)
+    expected_tokens = [float(padded.response_mask[:4].sum()), float(padded.response_mask[4:].sum())]
+    for rank, shard in enumerate(shards):
+        assert shard.mini_batch_tokens == expected_tokens
+        assert shard.local_mini_batch == 2 and len(shard.batch) == 4
+    # rank 1 holds rows 2, 3 (mini-batch 0) and 6, 7: the two padding rows, with no image and no policy token
+    assert shards[1].advantages.tolist() == [2.0, 3.0, 6.0, 7.0]
+    assert shards[1].batch.is_padding.tolist() == [False, False, True, True]
+    assert shards[1].batch.multi_modal_inputs[2:] == [{}, {}]
+    assert float(shards[1].batch.response_mask[2:].sum()) == 0
+    assert torch.equal(shards[1].old_logprobs, old[[2, 3, 6, 7]])
+
+
+def test_select_rows_takes_every_per_row_field(processor, synthetic_rows):
+    batch = make_batch(processor, synthetic_rows[:2], n=2, text_only_rows=(1,))
+    picked = select_rows(batch, [3, 0])
+    assert picked.uids == [batch.uids[3], batch.uids[0]]
+    assert torch.equal(picked.input_ids, batch.input_ids[[3, 0]])
+    assert torch.equal(picked.position_ids, batch.position_ids[[3, 0]])
+    assert picked.multi_modal_inputs[0] == {} and "pixel_values" in picked.multi_modal_inputs[1]
+    assert picked.prompt_length == batch.prompt_length
+
+
+def test_generation_runs_rejoin_in_request_order():
+    items = list(range(7))
+    runs = split_contiguous(items, 3)
+    assert [len(r) for r in runs] == [3, 2, 2]
+    assert [x for run in runs for x in run] == items
+    assert split_contiguous([1], 2) == [[1], []]
+
+
+def test_metric_parts_average_over_ranks():
+    assert mean_metrics([{"a": 1.0, "g": 2.0}, {"a": 3.0, "g": 2.0}]) == {"a": 2.0, "g": 2.0}
