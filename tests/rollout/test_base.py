@@ -1,0 +1,145 @@
+"""Engine-free parts of vlmrl.rollout: request checks, the deadline runner, the registry, weight names, and the
+arithmetic that undoes SGLang's renormalisation over non-banned tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from tests.rollout.helpers import GREEDY, noise_image
+from vlmrl.rollout import EngineDeadError, EngineTimeoutError, InvalidRequestError, RolloutError, get_backend
+from vlmrl.rollout.base import DeadlineRunner, checkpoint_name, finish_at_stop, top_allowed
+from vlmrl.types import RolloutRequest, SamplingParams
+
+# ---------------------------------------------------------------------------------------------- request checks
+
+
+def test_placeholder_image_mismatch_names_the_request(hf, batch):
+    bad = dataclasses.replace(batch[7], uid="u-bad", images=batch[7].images[:1])
+    with pytest.raises(InvalidRequestError, match=r"request 1 \(uid u-bad, dataset row 7\): 2 <\|image_pad\|>.*1 images"):
+        hf.check_requests([batch[0], bad], GREEDY)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r, p: dataclasses.replace(r, images=[noise_image(100, 112, 0)]), "image 0 is RGB 100x112"),
+    (lambda r, p: dataclasses.replace(r, images=[r.images[0].convert("L")]), "image 0 is L"),
+    (lambda r, p: dataclasses.replace(r, prompt_ids=r.prompt_ids + [p.video_token_id]), "video_pad"),
+    (lambda r, p: dataclasses.replace(r, prompt_ids=[]), "empty prompt"),
+    (lambda r, p: dataclasses.replace(r, prompt_ids=r.prompt_ids + [30] * 1000),
+     r"prompt of 1\d\d\d tokens \(expanded\) \+ max_new_tokens=12 > max_model_len=1024"),
+])
+def test_requests_no_engine_may_see_are_refused(hf, batch, change, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        hf.check_requests([change(batch[3], hf.processor)], GREEDY)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(n=0), SamplingParams(top_k=0), SamplingParams(top_p=0.0),
+                                      SamplingParams(temperature=-1.0), SamplingParams(max_new_tokens=0)])
+def test_bad_sampling_settings_are_refused(hf, batch, sampling):
+    with pytest.raises(InvalidRequestError, match="invalid sampling settings"):
+        hf.check_requests(batch[:1], sampling)
+
+
+def test_too_many_images_for_limit_images(tiny_model_path, batch):
+    with get_backend("hf", tiny_model_path, limit_images=1) as backend:
+        with pytest.raises(InvalidRequestError, match="2 images > limit_images=1"):
+            backend.generate(batch[6:7], GREEDY)
+
+
+# ---------------------------------------------------------------------------------------------- deadlines
+
+
+def test_deadline_expiry_raises_timeout_then_every_call_fails_at_once():
+    runner = DeadlineRunner("fake", poll_s=0.05)
+    release = threading.Event()
+    with pytest.raises(EngineTimeoutError, match="^fake: generate did not finish within 0.2 s"):
+        runner.call("generate", release.wait, timeout_s=0.2)
+    with pytest.raises(EngineDeadError, match="^fake: cannot generate: the engine is unusable"):
+        runner.call("generate", lambda: 1, timeout_s=5)
+    release.set()
+
+
+def test_a_death_seen_while_waiting_fails_the_call_before_its_deadline():
+    """The stuck call (a dead SGLang scheduler never answers) is abandoned as soon as health() reports the death."""
+    dead = threading.Event()
+    runner = DeadlineRunner("fake", health=lambda: "process 123 exited" if dead.is_set() else None, poll_s=0.05)
+    threading.Timer(0.2, dead.set).start()
+    with pytest.raises(EngineDeadError, match="^fake: cannot generate: process 123 exited"):
+        runner.call("generate", threading.Event().wait, timeout_s=600)
+
+
+def test_engine_exceptions_are_wrapped_with_the_backend_name():
+    runner = DeadlineRunner("fake")
+    with pytest.raises(RolloutError, match="^fake: load failed: KeyError: 'x'") as info:
+        runner.call("load", lambda: {}["x"], timeout_s=5)
+    assert isinstance(info.value.__cause__, KeyError)
+    assert runner.call("add", lambda: 1 + 1, timeout_s=5) == 2  # an engine error is not a dead engine
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+def test_unknown_backend_and_unknown_option_say_what_exists(tiny_model_path):
+    with pytest.raises(ValueError, match=r"unknown rollout backend 'vlm'.*'sglang-server'"):
+        get_backend("vlm", tiny_model_path)
+    with pytest.raises(TypeError, match=r"vllm: unknown option\(s\) \['gpu_mem'\].*gpu_memory_utilization"):
+        get_backend("vllm", tiny_model_path, gpu_mem=0.5)
+
+
+def test_importing_the_package_and_backend_modules_imports_no_engine():
+    code = ("import sys, vlmrl.rollout as r\n"
+            "for name in r.BACKENDS: r.backend_class(name)\n"
+            "print(sorted(m for m in ('vllm', 'sglang') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+
+
+def test_checkpoint_names_from_transformers_names():
+    assert checkpoint_name("model.language_model.layers.1.self_attn.q_proj.bias") == "model.layers.1.self_attn.q_proj.bias"
+    assert checkpoint_name("model.visual.merger.mlp.0.weight") == "visual.merger.mlp.0.weight"
+    assert checkpoint_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert checkpoint_name("lm_head.weight") == "lm_head.weight"
+
+
+def test_finish_at_stop_and_top_allowed():
+    assert finish_at_stop([5, 6, 2, 7, 2], {2}) == ([5, 6, 2], "stop")
+    assert finish_at_stop([5, 6], {2}) == ([5, 6], "length")
+    assert top_allowed({1: -1.0, 2: -0.5, 3: -2.0, 4: -0.1}, 2, banned=[4]) == {2: -0.5, 1: -1.0}
+
+
+def test_sglang_ban_renormalisation_is_undone_exactly():
+    """SGLang computes logprobs after its logit bias; from the banned tokens' biased logprobs the raw log_softmax
+    over the whole vocabulary is restored, even when a banned token holds almost all the mass."""
+    from vlmrl.rollout.sglang import BAN_LOGIT_BIAS, _result
+
+    logits = torch.randn(3, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    logits[:, 7] += 25.0  # banned token 7 dominates
+    raw = torch.log_softmax(logits, -1)
+    biased = logits.clone()
+    biased[:, [7, 9]] += BAN_LOGIT_BIAS
+    seen = torch.log_softmax(biased.float(), -1).double()  # what SGLang returns (float32)
+    ids = [3, 11, 40]
+    out = {"output_ids": ids, "meta_info": {
+        "output_token_logprobs": [[seen[p, t].item(), t, None] for p, t in enumerate(ids)],
+        "output_token_ids_logprobs": [[[seen[p, b].item(), b, None] for b in (7, 9)] for p in range(3)],
+        "output_top_logprobs": [[[seen[p, t].item(), t, None] for t in seen[p].topk(4).indices.tolist()]
+                                for p in range(3)],
+        "finish_reason": {"type": "length", "length": 3}}}
+    request = RolloutRequest(uid="u", prompt_ids=[1], banned_token_ids=[7, 9])
+    result = _result(out, request, 0, top_k=2)
+    expected = [raw[p, t].item() for p, t in enumerate(ids)]
+    assert max(abs(a - b) for a, b in zip(result.response_logprobs, expected)) < 2e-3
+    assert result.response_logprobs[0] < -20  # the naive (renormalised) value would be about -4
+    assert not math.isclose(result.response_logprobs[0], seen[0, 3].item(), abs_tol=1.0)
+    for p, top in enumerate(result.top_logprobs):
+        assert list(top) == [t for t in raw[p].argsort(descending=True).tolist() if t not in (7, 9)][:2]
+    assert result.finish_reason == "length"

@@ -1,0 +1,56 @@
+"""The HF reference backend: the engine contract (against a second HF instance), its scoring, seeds and RNG care."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.rollout.helpers import GREEDY, EngineContract
+from vlmrl.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_path):
+    from vlmrl.rollout import get_backend
+
+    with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024) as started:
+        yield started
+
+
+class TestHFBackend(EngineContract):
+    pass
+
+
+def test_greedy_logprobs_equal_teacher_forced_score(hf, batch, hf_greedy):
+    """generate's per-step raw logprobs and one teacher-forced forward agree: both see the same positions/images."""
+    for request, result in zip(batch, hf_greedy):
+        scored = hf.score(request, result.response_ids)
+        assert max(abs(a - b) for a, b in zip(scored, result.response_logprobs)) < 1e-4
+
+
+def test_top_logprobs_rank_the_greedy_choice_and_leave_out_banned(hf_greedy, batch):
+    for request, result in zip(batch, hf_greedy):
+        for token, top in zip(result.response_ids, result.top_logprobs):
+            assert next(iter(top)) == token
+            assert len(top) == 5 and not set(top) & set(request.banned_token_ids)
+
+
+def test_seeded_sampling_reproducible_without_touching_global_rng(hf, batch):
+    sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=5)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    first = [r.response_ids for r in hf.generate(batch[:3], sampling)]
+    assert torch.equal(torch.get_rng_state(), state), "a seeded generate moved the caller's RNG"
+    assert first == [r.response_ids for r in hf.generate(batch[:3], sampling)]
+    assert len({tuple(ids) for ids in first}) > 1
+
+
+def test_sleep_and_wake_up_log_once_on_cpu(hf, batch, hf_greedy, caplog):
+    with caplog.at_level(logging.WARNING, logger="vlmrl.rollout.base"):
+        for _ in range(2):
+            hf.sleep()
+            hf.wake_up()
+    assert sum("sleep() is not supported" in r.message for r in caplog.records) <= 1
+    assert hf.generate(batch[:1], GREEDY)[0].response_ids == hf_greedy[0].response_ids

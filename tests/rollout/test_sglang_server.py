@@ -1,0 +1,52 @@
+"""SGLang HTTP server backend (launched by vlmrl on 127.0.0.1, fp32, CPU) against the HF reference: the shared
+engine contract with SGLang's multimodal embedding cache ON (the weight-versioned mm_hashes alone must keep old
+vision embeddings out), a client given the server's URL, and a killed server (last)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.rollout.helpers import GREEDY, EngineContract, greedy_mismatch
+from vlmrl.rollout import EngineDeadError, get_backend
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("sglang-server") / "server.log"
+    with get_backend("sglang-server", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
+                     vlm_cache_size_mb=100, log_file=str(log)) as started:
+        assert started.url.startswith("http://127.0.0.1:")
+        yield started
+
+
+class TestSGLangServerBackend(EngineContract):
+    pass
+
+
+def test_client_of_a_server_given_by_url(backend, tiny_model_path, batch, hf_greedy):
+    """server_url connects to a running server (checking its logprob mode); closing the client leaves it running."""
+    with get_backend("sglang-server", tiny_model_path, server_url=backend.url, max_model_len=1024) as client:
+        assert client.engine_pids == []
+        results = client.generate(batch, GREEDY)
+    problems = [m for ref, got in zip(hf_greedy, results) if (m := greedy_mismatch(ref, got, "sglang-server"))]
+    assert not problems, "\n".join(problems)
+    assert backend.generate(batch[:1], GREEDY)[0].response_ids == hf_greedy[0].response_ids
+
+
+def test_killed_server_fails_next_call_fast_with_clear_error(backend, tiny_model_path, batch):
+    """Killing the server process: the launching backend names the dead process and its log; a client connected
+    by URL reports that the server does not answer."""
+    client = get_backend("sglang-server", tiny_model_path, server_url=backend.url, max_model_len=1024)
+    pid = backend.engine_pids[0]
+    os.kill(pid, signal.SIGKILL)
+    backend.process.wait(timeout=30)
+    with pytest.raises(EngineDeadError, match=f"^sglang-server: .*pid {pid}.*server log: "):
+        backend.generate(batch[:2], GREEDY)
+    with pytest.raises(EngineDeadError, match="^sglang-server: .*does not answer"):
+        client.generate(batch[:2], GREEDY)
+    client.close()

@@ -1,0 +1,366 @@
+"""The rollout interface every backend implements, the checks every request passes before an engine sees it, and
+the deadline runner every engine call goes through.
+
+Contract shared by all backends (`hf`, `vllm`, `sglang`, `sglang-server`):
+  - `generate(requests, sampling)` returns `len(requests) * sampling.n` results, request-major (all n samples of
+    request 0, then request 1, ...).
+  - Logprobs are of the RAW model distribution: log_softmax of the model's logits over the whole vocabulary, before
+    temperature, top-p/top-k and before the pad-token ban (what the trainer recomputes). Top-k lists rank the
+    tokens that may be sampled (banned ids are left out) with those same raw values.
+  - `request.banned_token_ids` (the image/video pad tokens) are never sampled.
+  - Every engine call runs under `timeout_s`; a dead engine process raises `EngineDeadError` naming the backend.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+import torch
+
+from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RolloutError(RuntimeError):
+    """An engine call failed; the message starts with the backend's name."""
+
+
+class EngineDeadError(RolloutError):
+    """The engine (or server) process is gone; the backend cannot be used again: close it and start a new one."""
+
+
+class EngineTimeoutError(RolloutError):
+    """An engine call ran past its deadline; the backend is considered broken from then on."""
+
+
+class InvalidRequestError(ValueError):
+    """A request that no engine may receive (placeholder/image mismatch, overlong, bad sampling settings).
+    Raised before anything reaches the engine; the message names the request."""
+
+
+# ---------------------------------------------------------------------------------------------------- options
+
+
+@dataclass
+class RolloutOptions:
+    """Options every backend takes (`get_backend(name, model_path, **options)`); names follow verl/EasyR1."""
+
+    dtype: str = "auto"
+    """auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
+    max_model_len: int = 4096
+    """Longest prompt (expanded, one token per merged image patch) + response the engine must hold."""
+    limit_images: int = 8
+    """Most images one prompt may carry (EasyR1's `limit_images`; vLLM's limit_mm_per_prompt)."""
+    timeout_s: float = 600.0
+    """Deadline of every engine call (generate, weight sync, cache resets)."""
+    start_timeout_s: float = 600.0
+    """Deadline of the engine's start-up."""
+    seed: int = 0
+    """Engine seed (vLLM `seed`, SGLang `random_seed`, torch for hf); per-request seeds come from SamplingParams."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments given to the engine as they are (vLLM `LLM(...)`, SGLang `Engine(...)` / server flags)."""
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+
+    @classmethod
+    def from_kwargs(cls, backend: str, options: dict[str, Any]) -> RolloutOptions:
+        """Build from keyword options; an unknown key raises naming the backend and the keys it takes."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"{backend}: unknown option(s) {unknown}; this backend takes {sorted(known)} "
+                            "(engine-specific arguments go in engine_kwargs)")
+        return cls(**options)
+
+
+# ---------------------------------------------------------------------------------------------------- the interface
+
+
+class RolloutBackend(abc.ABC):
+    """One rollout engine behind the shared contract (see the module docstring). Use as a context manager."""
+
+    name: str = "base"
+    options_class: type[RolloutOptions] = RolloutOptions
+
+    def __init__(self, model_path: str, options: RolloutOptions):
+        from vlmrl.processors import load_processor
+
+        self.model_path = model_path
+        self.options = options
+        # The processor owns token ids and image geometry; the same one builds the requests.
+        self.processor = load_processor(model_path)
+        self.engine_pids: list[int] = []
+        """The processes the engine runs in (empty when it runs in this process): watched while waiting on calls,
+        and the only processes close() ends."""
+        self._logged_once: set[str] = set()
+
+    @abc.abstractmethod
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        """`len(requests) * sampling.n` results, request-major. Raises InvalidRequestError before the engine for a
+        bad request, RolloutError (EngineDeadError / EngineTimeoutError) when the engine fails."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load these weights into the engine (checkpoint `model.layers.*`/`visual.*` names or transformers-5
+        `model.language_model.*`/`model.visual.*` names) and drop every cache computed with the old ones."""
+
+    def sleep(self) -> None:
+        """Free accelerator memory between rollouts (where the engine can); otherwise log once and carry on."""
+        self.log_once("sleep", f"{self.name}: sleep() is not supported here; the engine keeps its memory")
+
+    def wake_up(self) -> None:
+        """Undo `sleep()`."""
+        self.log_once("wake_up", f"{self.name}: wake_up() is not supported here; nothing to do")
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the engine and every process it started (only those). Safe to call twice."""
+
+    def __enter__(self: T) -> T:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def log_once(self, key: str, message: str) -> None:
+        if key not in self._logged_once:
+            self._logged_once.add(key)
+            logger.warning(message)
+
+    def check_requests(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> None:
+        """Reject what no engine may receive, naming the request (see `validate_requests`)."""
+        validate_requests(requests, sampling, image_token_id=self.processor.image_token_id,
+                          video_token_id=self.processor.video_token_id,
+                          tokens_per_image=self.processor.image_token_count,
+                          image_factor=self.processor.patch_size * self.processor.spatial_merge_size,
+                          max_model_len=self.options.max_model_len, limit_images=self.options.limit_images,
+                          backend=self.name)
+
+
+# ---------------------------------------------------------------------------------------------------- request checks
+
+
+def describe(request: RolloutRequest, position: int) -> str:
+    """How errors name a request: its position in the batch, uid and dataset row."""
+    row = f", dataset row {request.index}" if request.index >= 0 else ""
+    return f"request {position} (uid {request.uid}{row})"
+
+
+def validate_requests(
+    requests: Sequence[RolloutRequest], sampling: SamplingParams, *, image_token_id: int, video_token_id: int,
+    tokens_per_image: Callable[[Any], int], image_factor: int, max_model_len: int, limit_images: int,
+    backend: str,
+) -> None:
+    """Raise InvalidRequestError for the first request an engine must not see:
+    a placeholder count that differs from the image count (an engine would hang, crash or misalign images),
+    video placeholders (no video input in a RolloutRequest), images that are not RGB or not resized to multiples
+    of `image_factor` (each engine would resize differently), more images than `limit_images`, an empty prompt, or
+    an expanded prompt + max_new_tokens over `max_model_len` (never truncated: that would cut through an image).
+    Bad sampling settings raise too."""
+    _validate_sampling(sampling, backend)
+    for position, request in enumerate(requests):
+        name = describe(request, position)
+        if not request.prompt_ids:
+            raise InvalidRequestError(f"{backend}: {name}: empty prompt")
+        placeholders = sum(1 for t in request.prompt_ids if t == image_token_id)
+        if placeholders != len(request.images):
+            raise InvalidRequestError(
+                f"{backend}: {name}: {placeholders} <|image_pad|> placeholders in prompt_ids but "
+                f"{len(request.images)} images; build requests with vlmrl.processors (one placeholder per image)")
+        if video_token_id in request.prompt_ids:
+            raise InvalidRequestError(f"{backend}: {name}: holds <|video_pad|> but requests carry no videos")
+        if len(request.images) > limit_images:
+            raise InvalidRequestError(f"{backend}: {name}: {len(request.images)} images > limit_images="
+                                      f"{limit_images}; raise limit_images")
+        for i, image in enumerate(request.images):
+            if image.mode != "RGB" or image.width % image_factor or image.height % image_factor:
+                raise InvalidRequestError(
+                    f"{backend}: {name}: image {i} is {image.mode} {image.width}x{image.height}; requests carry RGB "
+                    f"images resized to multiples of {image_factor} (vlmrl.processors does this)")
+        expanded = len(request.prompt_ids) - placeholders + sum(tokens_per_image(im) for im in request.images)
+        if expanded + sampling.max_new_tokens > max_model_len:
+            raise InvalidRequestError(
+                f"{backend}: {name}: prompt of {expanded} tokens (expanded) + max_new_tokens="
+                f"{sampling.max_new_tokens} > max_model_len={max_model_len}; raise max_model_len or filter the row")
+
+
+def _validate_sampling(sampling: SamplingParams, backend: str) -> None:
+    problems = []
+    if sampling.n < 1:
+        problems.append(f"n={sampling.n} (>= 1)")
+    if sampling.temperature < 0:
+        problems.append(f"temperature={sampling.temperature} (>= 0; 0 = greedy)")
+    if not 0 < sampling.top_p <= 1:
+        problems.append(f"top_p={sampling.top_p} (in (0, 1])")
+    if sampling.top_k == 0 or sampling.top_k < -1:
+        problems.append(f"top_k={sampling.top_k} (-1 disables, else >= 1)")
+    if sampling.max_new_tokens < 1:
+        problems.append(f"max_new_tokens={sampling.max_new_tokens} (>= 1)")
+    if sampling.top_logprobs < 0:
+        problems.append(f"top_logprobs={sampling.top_logprobs} (>= 0)")
+    if problems:
+        raise InvalidRequestError(f"{backend}: invalid sampling settings: {', '.join(problems)}")
+
+
+def sample_seed(sampling: SamplingParams, request_position: int) -> int | None:
+    """Seed of sample 0 of the request at this batch position: seed + position * n (sample i adds i), so that
+    two requests with the same prompt in one batch still draw different samples. None when unseeded."""
+    return None if sampling.seed is None else sampling.seed + request_position * sampling.n
+
+
+# ---------------------------------------------------------------------------------------------------- results
+
+
+def finish_at_stop(token_ids: Sequence[int], stop_ids: set[int]) -> tuple[list[int], str]:
+    """Cut a response right after its first stop token (kept): (ids, 'stop'), else (ids, 'length')."""
+    for i, token in enumerate(token_ids):
+        if token in stop_ids:
+            return list(token_ids[: i + 1]), "stop"
+    return list(token_ids), "length"
+
+
+def top_allowed(candidates: dict[int, float], k: int, banned: Iterable[int]) -> dict[int, float]:
+    """The k highest-logprob candidates that are not banned, best first."""
+    banned = set(banned)
+    ranked = sorted(((lp, t) for t, lp in candidates.items() if t not in banned), key=lambda x: -x[0])
+    return {t: lp for lp, t in ranked[:k]}
+
+
+def assert_nothing_banned(results: Sequence[RolloutResult], requests: Sequence[RolloutRequest], n: int,
+                          backend: str) -> None:
+    """Last line of defence: a banned token in an output means the engine ignored the ban; fail loudly."""
+    for j, request in enumerate(requests):
+        banned = set(request.banned_token_ids)
+        for result in results[j * n:(j + 1) * n]:
+            hit = banned.intersection(result.response_ids)
+            if hit:
+                raise RolloutError(f"{backend}: {describe(request, j)} sample {result.sample_index} contains banned "
+                                   f"token(s) {sorted(hit)}: the engine did not honour the ban")
+
+
+# ---------------------------------------------------------------------------------------------------- weights
+
+
+def checkpoint_name(name: str) -> str:
+    """transformers-5 in-memory parameter names -> the checkpoint names both engines load.
+    >>> checkpoint_name("model.language_model.layers.0.mlp.up_proj.weight")
+    'model.layers.0.mlp.up_proj.weight'
+    >>> checkpoint_name("model.visual.blocks.0.attn.qkv.bias")
+    'visual.blocks.0.attn.qkv.bias'
+    >>> checkpoint_name("lm_head.weight")
+    'lm_head.weight'
+    """
+    if name.startswith("model.visual."):
+        return name[len("model."):]
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return name
+
+
+def checkpoint_state(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """{checkpoint name: contiguous CPU tensor}, detached; rejects a name given twice."""
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in named_tensors:
+        key = checkpoint_name(name)
+        if key in state:
+            raise ValueError(f"weight {key!r} given twice (as {name!r})")
+        state[key] = tensor.detach().to("cpu").contiguous()
+    if not state:
+        raise ValueError("update_weights got no tensors")
+    return state
+
+
+def checkpoint_names(model_path: str) -> set[str]:
+    """Names of every tensor in a model folder's safetensors files (headers only, nothing loaded)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            names.update(f.keys())
+    return names
+
+
+# ---------------------------------------------------------------------------------------------------- deadlines
+
+
+class DeadlineRunner:
+    """Runs one backend's engine calls, one at a time, on a dedicated daemon thread, each under a deadline.
+
+    While waiting it asks `health()` every `poll_s` (None = alive, else a sentence saying what died), so a dead
+    engine process fails the call within about a second instead of at the deadline (SGLang's calls hang forever
+    when its scheduler dies). After a timeout or a death every later call fails at once: the thread may still be
+    stuck inside the engine. The thread is a daemon so a stuck call never blocks interpreter exit.
+    """
+
+    def __init__(self, backend: str, health: Callable[[], str | None] = lambda: None, poll_s: float = 0.5):
+        self.backend = backend
+        self.health = health
+        self.poll_s = poll_s
+        self.broken: str | None = None
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name=f"vlmrl-{backend}-engine", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                    future.set_exception(err)
+
+    def call(self, what: str, fn: Callable[[], T], timeout_s: float) -> T:
+        """fn() on the engine thread; raises EngineDeadError / EngineTimeoutError / RolloutError naming the backend."""
+        if self.broken:
+            raise EngineDeadError(f"{self.backend}: cannot {what}: the engine is unusable ({self.broken}); "
+                                  "close this backend and start a new one")
+        self._check_health(what)
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(self.poll_s, deadline - time.monotonic())))
+            except FutureTimeout:  # the builtin TimeoutError only from Python 3.11
+                self._check_health(what)
+                if time.monotonic() >= deadline:
+                    self.broken = f"{what} ran past its {timeout_s:g} s deadline"
+                    raise EngineTimeoutError(f"{self.backend}: {what} did not finish within {timeout_s:g} s "
+                                             "(timeout_s); the engine is considered hung") from None
+            except (RolloutError, InvalidRequestError):
+                raise
+            except Exception as err:
+                self._check_health(what)
+                raise RolloutError(f"{self.backend}: {what} failed: {type(err).__name__}: {err}") from err
+
+    def _check_health(self, what: str) -> None:
+        problem = self.health()
+        if problem:
+            self.broken = problem
+            raise EngineDeadError(f"{self.backend}: cannot {what}: {problem}")
+
+    def stop(self) -> None:
+        """Let the thread end after its current job (a stuck one stays, as a daemon)."""
+        self._jobs.put(None)

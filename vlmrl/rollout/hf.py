@@ -1,0 +1,183 @@
+"""The transformers reference backend: one `generate` per request, exactly as the model's own code runs it.
+
+It is the yardstick the engines are compared against (greedy outputs, logprobs) and the fallback where no engine
+is installed; it is not fast. Images are the request's already-resized images, turned into pixel values by the
+model's own image processor (through `vlmrl.processors`); the prompt is expanded to one `<|image_pad|>` per merged
+patch, and transformers computes its own mrope positions from `mm_token_type_ids` (independent of vlmrl's rope code).
+
+Logprobs: log_softmax of the raw logits (`output_logits`, before temperature, top-p/top-k and the pad-token ban).
+Banned tokens: `suppress_tokens` (-inf before sampling). Seeds: a request's samples come from torch's generator
+seeded with `seed + position * n` inside `fork_rng`, so the caller's global RNG is untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vlmrl.rollout.base import (
+    DeadlineRunner,
+    RolloutBackend,
+    RolloutOptions,
+    assert_nothing_banned,
+    checkpoint_name,
+    checkpoint_state,
+    finish_at_stop,
+    sample_seed,
+    top_allowed,
+)
+from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
+
+
+@dataclass
+class HFOptions(RolloutOptions):
+    """Options of the `hf` backend."""
+
+    device: str = "auto"
+    """auto (cuda when available, else cpu), or a torch device string."""
+
+
+class HFBackend(RolloutBackend):
+    """transformers `generate`, one request at a time; weights updated in place."""
+
+    name = "hf"
+    options_class = HFOptions
+
+    def __init__(self, model_path: str, options: HFOptions):
+        super().__init__(model_path, options)
+        self.device = torch.device(options.device if options.device != "auto"
+                                   else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._runner = DeadlineRunner(self.name)
+        self.model = self._runner.call("load the model", self._load, options.start_timeout_s)
+        self._params = {checkpoint_name(n): p for n, p in self.model.named_parameters()}
+        self._on_cpu_for_sleep = False
+
+    def _load(self):
+        from transformers import AutoModelForImageTextToText
+
+        dtype = getattr(torch, self.options.resolved_dtype())
+        model = AutoModelForImageTextToText.from_pretrained(self.model_path, dtype=dtype,
+                                                            **self.options.engine_kwargs)
+        return model.to(self.device).eval()
+
+    # ------------------------------------------------------------------------------------------------ generate
+
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        self.check_requests(requests, sampling)
+
+        def run() -> list[RolloutResult]:
+            results: list[RolloutResult] = []
+            for position, request in enumerate(requests):
+                results.extend(self._generate_one(request, position, sampling))
+            return results
+
+        results = self._runner.call(f"generate {len(requests)} requests", run, self.options.timeout_s)
+        assert_nothing_banned(results, requests, sampling.n, self.name)
+        return results
+
+    def _model_inputs(self, request: RolloutRequest, response_ids: Sequence[int] = ()) -> dict[str, torch.Tensor]:
+        """input_ids (1, L) expanded prompt (+ response), attention_mask, mm_token_type_ids (1 on image tokens,
+        as transformers' processor gives them; 0 over the response) and the image inputs."""
+        mm = self.processor.multi_modal_inputs(request)
+        ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw")) + list(response_ids)
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                  "mm_token_type_ids": (input_ids == self.processor.image_token_id).to(torch.int32)}
+        if mm:
+            inputs["pixel_values"] = mm["pixel_values"].to(self.model.dtype)
+            inputs["image_grid_thw"] = mm["image_grid_thw"]
+        return {k: v.to(self.device) for k, v in inputs.items()}
+
+    @torch.no_grad()
+    def _generate_one(self, request: RolloutRequest, position: int, sampling: SamplingParams) -> list[RolloutResult]:
+        from transformers import GenerationConfig
+
+        inputs = self._model_inputs(request)
+        stop_ids = set(self.processor.eos_token_ids) | set(sampling.stop_token_ids)
+        draws = 1 if sampling.greedy else sampling.n  # greedy samples are identical: compute one, repeat it
+        config = GenerationConfig(
+            do_sample=not sampling.greedy, max_new_tokens=sampling.max_new_tokens, num_return_sequences=draws,
+            eos_token_id=sorted(stop_ids), pad_token_id=self.processor.pad_token_id,
+            suppress_tokens=list(request.banned_token_ids) or None, output_logits=True, return_dict_in_generate=True,
+            **({} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                           "top_k": max(sampling.top_k, 0)}),  # top_k 0 = off in transformers
+        )
+        seed = sample_seed(sampling, position)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(**inputs, generation_config=config)
+        prompt_len = inputs["input_ids"].shape[1]
+        logprobs = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1)  # (draws, T, V) raw
+        results = []
+        for i in range(sampling.n):
+            row = i % draws
+            ids, reason = finish_at_stop(out.sequences[row, prompt_len:].tolist(), stop_ids)
+            steps = torch.arange(len(ids))
+            token_lps = logprobs[row, steps, torch.tensor(ids, dtype=torch.long)].tolist()
+            tops = None
+            if sampling.top_logprobs:
+                k = sampling.top_logprobs + len(request.banned_token_ids)
+                values, indices = logprobs[row, : len(ids)].topk(k, dim=-1)
+                tops = [top_allowed(dict(zip(ix.tolist(), v.tolist())), sampling.top_logprobs,
+                                    request.banned_token_ids) for v, ix in zip(values, indices)]
+            results.append(RolloutResult(uid=request.uid, sample_index=i, response_ids=ids,
+                                         response_logprobs=token_lps, finish_reason=reason, top_logprobs=tops))
+        return results
+
+    # ------------------------------------------------------------------------------------------------ scoring
+
+    def score(self, request: RolloutRequest, response_ids: Sequence[int]) -> list[float]:
+        """Teacher-forced raw logprobs of `response_ids` after the request's prompt (one forward pass): the
+        reference the engines' sampled logprobs are compared with."""
+        self.check_requests([request], SamplingParams(max_new_tokens=max(1, len(response_ids))))
+
+        @torch.no_grad()
+        def run() -> list[float]:
+            inputs = self._model_inputs(request, response_ids)
+            start = inputs["input_ids"].shape[1] - len(response_ids)
+            logits = self.model(**inputs, use_cache=False).logits[0, start - 1:-1].float()  # (R, V)
+            targets = torch.tensor(list(response_ids), dtype=torch.long, device=logits.device)
+            return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+
+        return self._runner.call("score a response", run, self.options.timeout_s)
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        state = checkpoint_state(named_tensors)
+        unknown = sorted(set(state) - set(self._params))
+        if unknown:
+            raise ValueError(f"{self.name}: update_weights got {len(unknown)} name(s) the model does not have, "
+                             f"e.g. {unknown[:3]}")
+
+        @torch.no_grad()
+        def run() -> None:
+            for name, tensor in state.items():
+                param = self._params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != the model's {tuple(param.shape)}")
+                param.copy_(tensor.to(dtype=param.dtype))
+
+        self._runner.call(f"load {len(state)} tensors", run, self.options.timeout_s)
+
+    def sleep(self) -> None:
+        if self.device.type != "cuda":
+            return super().sleep()
+        self._runner.call("offload to CPU", lambda: self.model.to("cpu"), self.options.timeout_s)
+        torch.cuda.empty_cache()
+        self._on_cpu_for_sleep = True
+
+    def wake_up(self) -> None:
+        if not self._on_cpu_for_sleep:
+            return super().wake_up()
+        self._runner.call("reload to the GPU", lambda: self.model.to(self.device), self.options.timeout_s)
+        self._on_cpu_for_sleep = False
+
+    def close(self) -> None:
+        self._runner.stop()
+        self.model = None
+        self._params = {}

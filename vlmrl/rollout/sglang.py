@@ -1,0 +1,532 @@
+"""The SGLang backends: `sglang` (the in-process `Engine`) and `sglang-server` (HTTP to a server vlmrl launches on
+127.0.0.1, or to a URL the user gives). The only module of vlmrl that imports sglang, and only inside a backend.
+
+Both send the same request: `input_ids` with ONE `<|image_pad|>` per image (SGLang hangs on pre-expanded ids) and
+the resized images (PIL for the Engine, base64 PNG data URLs over HTTP).
+
+Logprobs: the engine runs with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (before temperature; checked at start by a probe
+that compares a hot-temperature logprob with the greedy one). SGLang applies `logit_bias` BEFORE it computes
+logprobs, so the pad-token ban (a bias of `BAN_LOGIT_BIAS`) would renormalise them over the allowed tokens; the
+banned tokens' own logprobs are requested too (`token_ids_logprob`) and the raw value is restored exactly:
+    raw = returned - log1p(sum_b exp(returned_b - BAN_LOGIT_BIAS))
+so every backend returns log_softmax of the raw logits over the whole vocabulary.
+Banned tokens: `logit_bias` of -1e4: their probability underflows to exactly 0 for any temperature below ~90.
+Seeds: SGLang honours `sampling_seed` only with `enable_deterministic_inference` (not with torch_native attention
+on CPU); seeded calls send each sample as its own request with `seed + position * n + i`, so samples differ.
+Stale vision embeddings: SGLang's multimodal embedding cache survives weight updates and `flush_cache`. The engines
+vlmrl starts run with `SGLANG_VLM_CACHE_SIZE_MB=vlm_cache_size_mb` (0 by default), and every request also carries
+`mm_hashes` salted with the weight version, so a cache (e.g. a server given by URL) never serves old embeddings.
+Weight sync: Engine `update_weights_from_tensor` between `begin_weight_update` / `end_weight_update`; server:
+safetensors written to a private folder, then `/update_weights_from_disk` (no pickled payloads over HTTP).
+
+Process care: `Engine.shutdown()` kills EVERY child of the calling process (other engines included) and its
+watchdog sends SIGQUIT to the caller when a child dies; this backend stops that watchdog, replaces the atexit
+shutdown with its own, and on close kills only the processes its engine started. Creating an Engine sets the
+multiprocessing start method to 'spawn' for the whole process (SGLang does this).
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import hashlib
+import io
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmrl.rollout.base import (
+    DeadlineRunner,
+    EngineDeadError,
+    RolloutBackend,
+    RolloutError,
+    RolloutOptions,
+    assert_nothing_banned,
+    checkpoint_state,
+    sample_seed,
+    top_allowed,
+)
+from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+BAN_LOGIT_BIAS = -1e4
+
+
+@dataclass
+class SGLangOptions(RolloutOptions):
+    """Options of the `sglang` backend (names as in verl/EasyR1; SGLang's own in engine_kwargs)."""
+
+    gpu_memory_utilization: float = 0.6
+    """Fraction of memory for weights + KV cache (SGLang's mem_fraction_static)."""
+    tensor_parallel_size: int = 1
+    """Tensor parallel degree (tp_size)."""
+    max_total_tokens: int | None = None
+    """KV cache size in tokens; None = SGLang's choice on GPU, 8192 on CPU (else it allocates ~6 GB)."""
+    attention_backend: str | None = None
+    """None = torch_native on CPU (the one that runs there), SGLang's default on GPU."""
+    vlm_cache_size_mb: int = 0
+    """SGLang's multimodal embedding cache (SGLANG_VLM_CACHE_SIZE_MB). 0 = off: nothing computed with old vision
+    weights can be served. Salted mm_hashes make a non-zero cache safe too; it saves re-encoding repeated images."""
+    enable_memory_saver: bool = False
+    """Let sleep()/wake_up() release and resume GPU memory (CUDA only)."""
+    log_level: str = "error"
+    """SGLang's log level."""
+
+
+@dataclass
+class SGLangServerOptions(SGLangOptions):
+    """Options of the `sglang-server` backend."""
+
+    server_url: str = ""
+    """URL of a running server (e.g. http://10.0.0.5:30000); empty = vlmrl launches one on 127.0.0.1. A server given by
+    URL must run with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (checked at connect) and see this machine's temp folder for
+    weight updates (update_weights_from_disk)."""
+    port: int = 0
+    """Port of the launched server; 0 = a free one."""
+    log_file: str = ""
+    """Where the launched server's output goes; empty = a file in the temp folder (named in errors)."""
+
+
+# ---------------------------------------------------------------------------------------------------- shared logic
+
+
+class _SGLangCommon(RolloutBackend):
+    """Request building, result parsing and the start-up checks both SGLang backends share."""
+
+    options: SGLangOptions
+
+    def __init__(self, model_path: str, options: SGLangOptions):
+        super().__init__(model_path, options)
+        self.on_cuda = torch.cuda.is_available()
+        self.weight_version = 0
+        self._sleeping = False
+
+    def engine_env(self) -> dict[str, str]:
+        """Environment the engine processes must start with."""
+        env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "SGLANG_VLM_CACHE_SIZE_MB": str(self.options.vlm_cache_size_mb)}
+        if not self.on_cuda:
+            env["SGLANG_USE_CPU_ENGINE"] = "1"  # the only switch that makes device="cpu" take CPU code paths
+        return env
+
+    def engine_args(self) -> dict[str, Any]:
+        """SGLang server arguments (Engine keywords; `--flag value` for the server)."""
+        o = self.options
+        args: dict[str, Any] = dict(model_path=self.model_path, dtype=o.resolved_dtype(), context_length=o.max_model_len,
+                                    random_seed=o.seed, tp_size=o.tensor_parallel_size,
+                                    mem_fraction_static=o.gpu_memory_utilization, log_level=o.log_level)
+        if not self.on_cuda:
+            args.update(device="cpu", disable_cuda_graph=True, max_total_tokens=o.max_total_tokens or 8192,
+                        attention_backend=o.attention_backend or "torch_native")
+        else:
+            if o.max_total_tokens:
+                args["max_total_tokens"] = o.max_total_tokens
+            if o.attention_backend:
+                args["attention_backend"] = o.attention_backend
+            if o.enable_memory_saver:
+                args["enable_memory_saver"] = True
+        args.update(o.engine_kwargs)
+        return args
+
+    def encode_images(self, images: Sequence[Any]) -> list[Any]:
+        """How images travel to this engine (PIL for the Engine; data URLs over HTTP)."""
+        return list(images)
+
+    def payload(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> dict[str, Any]:
+        """One batched /generate input. Request-major: entry per request (native n) or, when seeded, one entry per
+        sample with its own seed (SGLang's n would give all samples one seed)."""
+        from vlmrl.processors import image_hash
+
+        draws = 1 if sampling.greedy else sampling.n
+        per_sample = sampling.seed is not None and draws > 1
+        entries: dict[str, list] = {"input_ids": [], "image_data": [], "sampling_params": [], "mm_hashes": []}
+        for position, request in enumerate(requests):
+            hashes = request.image_hashes or [image_hash(im) for im in request.images]
+            # The weight version in the hash keeps any multimodal cache from serving old-weight embeddings.
+            salted = [hashlib.sha256(f"{h}:{self.weight_version}".encode()).hexdigest()[:16] for h in hashes]
+            images = self.encode_images(request.images)
+            seed = sample_seed(sampling, position)
+            for i in range(draws if per_sample else 1):
+                params = {"n": 1 if per_sample else draws, "temperature": sampling.temperature,
+                          "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": sampling.max_new_tokens,
+                          "stop_token_ids": list(sampling.stop_token_ids),
+                          "logit_bias": {str(t): BAN_LOGIT_BIAS for t in request.banned_token_ids} or None}
+                if seed is not None:
+                    params["sampling_seed"] = seed + i
+                entries["input_ids"].append(list(request.prompt_ids))
+                entries["image_data"].append(images)
+                entries["sampling_params"].append(params)
+                entries["mm_hashes"].append(salted)
+        body: dict[str, Any] = {**entries, "return_logprob": True}
+        banned = sorted({t for r in requests for t in r.banned_token_ids})
+        if banned:  # one flat list for the batch (SGLang refuses per-request lists with n > 1)
+            body["token_ids_logprob"] = banned
+        if sampling.top_logprobs:
+            body["top_logprobs_num"] = sampling.top_logprobs + len(banned)
+        return body
+
+    def parse(self, outputs: list[dict], requests: Sequence[RolloutRequest], sampling: SamplingParams
+              ) -> list[RolloutResult]:
+        draws = 1 if sampling.greedy else sampling.n
+        if len(outputs) != len(requests) * draws:
+            raise RolloutError(f"{self.name}: {len(outputs)} outputs for {len(requests)} requests x {draws}")
+        results = []
+        for position, request in enumerate(requests):
+            own = outputs[position * draws:(position + 1) * draws]
+            for i in range(sampling.n):
+                results.append(_result(own[i % draws], request, i, sampling.top_logprobs))
+        return results
+
+    def check_raw_logprobs(self, generate) -> None:
+        """Fail start-up unless logprobs come from the raw distribution: the token forced at temperature 5 (top_p
+        keeps only the argmax) must carry the greedy logprob. `generate(payload) -> outputs`."""
+        ids = self.processor.tokenizer.encode("Hello", add_special_tokens=False)
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
+        hot = SamplingParams(temperature=5.0, top_p=1e-6, max_new_tokens=1)
+        probe = RolloutRequest(uid="raw-logprob-probe", prompt_ids=ids, banned_token_ids=self.processor.banned_token_ids)
+        (g,), (h,) = (self.parse(generate(self.payload([probe], s)), [probe], s) for s in (greedy, hot))
+        if g.response_ids == h.response_ids and abs(g.response_logprobs[0] - h.response_logprobs[0]) > 1e-3:
+            raise RolloutError(
+                f"{self.name}: the engine returns logprobs after temperature ({h.response_logprobs[0]:.4f} at T=5 "
+                f"vs {g.response_logprobs[0]:.4f} raw); start it with SGLANG_RETURN_ORIGINAL_LOGPROB=1")
+
+    def sleep(self) -> None:
+        if not self.options.enable_memory_saver:
+            return super().sleep()
+        self.call_engine("release_memory_occupation", {})
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        if not self._sleeping:
+            return super().wake_up()
+        self.call_engine("resume_memory_occupation", {})
+        self._sleeping = False
+
+    def call_engine(self, method: str, body: dict) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+def _result(out: dict, request: RolloutRequest, sample_index: int, top_k: int) -> RolloutResult:
+    """One SGLang output -> RolloutResult, with the pad-ban renormalisation undone (see the module docstring)."""
+    meta = out["meta_info"]
+    ids = list(out["output_ids"])
+    banned = set(request.banned_token_ids)
+    banned_lps = meta.get("output_token_ids_logprobs") if banned else None
+    shifts = []
+    for pos in range(len(ids)):
+        # Only this request's banned ids carry the bias; the batch may ask for more ids.
+        mass = sum(math.exp(e[0] - BAN_LOGIT_BIAS) for e in banned_lps[pos] if e[1] in banned) if banned_lps else 0.0
+        shifts.append(math.log1p(mass))
+    logprobs = [entry[0] - shift for entry, shift in zip(meta["output_token_logprobs"], shifts)]
+    tops = None
+    if top_k:
+        tops = [top_allowed({e[1]: e[0] - shift for e in position}, top_k, request.banned_token_ids)
+                for position, shift in zip(meta["output_top_logprobs"], shifts)]
+    reason = (meta.get("finish_reason") or {}).get("type")
+    return RolloutResult(uid=request.uid, sample_index=sample_index, response_ids=ids, response_logprobs=logprobs,
+                         finish_reason=reason if reason in ("stop", "length") else "abort", top_logprobs=tops)
+
+
+def _process_gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _kill_tree(pid: int, grace_s: float = 5.0) -> None:
+    """SIGTERM a process and its children, then SIGKILL what is left after `grace_s`."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _quit_signal_survivor(signum, frame) -> None:
+    """SGLang children send SIGQUIT to their parent when they fail; its own handler would kill the whole process
+    tree, the trainer included. Log instead: the backend's health check fails its next call."""
+    logger.error("an SGLang child process reported a failure (SIGQUIT); the sglang backend will fail its next call")
+
+
+# ---------------------------------------------------------------------------------------------------- Engine
+
+
+class SGLangBackend(_SGLangCommon):
+    """SGLang's in-process `Engine` (scheduler and detokenizer in child processes)."""
+
+    name = "sglang"
+    options_class = SGLangOptions
+
+    def __init__(self, model_path: str, options: SGLangOptions):
+        super().__init__(model_path, options)
+        self.engine = None
+        self._runner = DeadlineRunner(self.name, self._health)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGQUIT, _quit_signal_survivor)
+        self.engine = self._runner.call("start the engine", self._start, options.start_timeout_s)
+        atexit.register(self.close)
+        self.check_raw_logprobs(lambda body: self._runner.call("probe", lambda: self.engine.generate(**body),
+                                                               options.timeout_s))
+
+    def _start(self):
+        env = self.engine_env()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # inherited by the scheduler processes spawned below
+        try:
+            import sglang
+
+            # Built on this engine thread: no signal handlers are installed and the engine's event loop is this
+            # thread's, which every later call runs on.
+            engine = sglang.Engine(**self.engine_args())
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        atexit.unregister(engine.shutdown)  # it would kill every child of this process at exit
+        watchdog = getattr(engine.tokenizer_manager, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()  # it SIGQUITs this process when a child dies; our health check reports it instead
+        self.engine_pids = list(engine.get_all_child_pids())
+        logger.info("sglang: engine up on %s (%s), processes %s", self.model_path, self.options.resolved_dtype(),
+                    self.engine_pids)
+        return engine
+
+    def _health(self) -> str | None:
+        for pid in self.engine_pids:
+            if _process_gone(pid):
+                return f"an SGLang engine process (pid {pid}: scheduler or detokenizer) has exited"
+        return None
+
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        self.check_requests(requests, sampling)
+        body = self.payload(requests, sampling)
+        outputs = self._runner.call(f"generate {len(requests)} requests", lambda: self.engine.generate(**body),
+                                    self.options.timeout_s)
+        results = self.parse(outputs, requests, sampling)
+        assert_nothing_banned(results, requests, sampling.n, self.name)
+        return results
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        state = list(checkpoint_state(named_tensors).items())
+
+        def run() -> None:
+            self.engine.begin_weight_update()  # outside begin/end the update returns (False, ...) and changes nothing
+            try:
+                ok, message = self.engine.update_weights_from_tensor(state, flush_cache=True)[:2]
+            finally:
+                self.engine.end_weight_update()
+            if not ok:
+                raise RuntimeError(f"update_weights_from_tensor refused: {message}")
+
+        self._runner.call("update weights", run, self.options.timeout_s)
+        self.weight_version += 1
+        logger.info("sglang: loaded %d tensors (weight version %d); caches flushed", len(state), self.weight_version)
+
+    def call_engine(self, method: str, body: dict) -> Any:
+        return self._runner.call(method, lambda: getattr(self.engine, method)(**body), self.options.timeout_s)
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        if self.engine is not None:
+            manager = self.engine.tokenizer_manager
+            for pid in self.engine_pids:
+                _kill_tree(pid)
+            mm_processor = getattr(manager, "mm_processor", None)
+            if mm_processor is not None:
+                mm_processor.shutdown()
+            self.engine = None
+        self._runner.stop()
+
+
+# ---------------------------------------------------------------------------------------------------- HTTP server
+
+
+class SGLangServerBackend(_SGLangCommon):
+    """HTTP client of an SGLang server: one vlmrl launches (`python -m sglang.launch_server` on 127.0.0.1, a free
+    port, its own log file) or one the user runs (`server_url`)."""
+
+    name = "sglang-server"
+    options_class = SGLangServerOptions
+
+    def __init__(self, model_path: str, options: SGLangServerOptions):
+        super().__init__(model_path, options)
+        self.process: subprocess.Popen | None = None
+        self.log_path = ""
+        self.weights_dir = Path(tempfile.mkdtemp(prefix="vlmrl-sglang-weights-"))
+        self._runner = DeadlineRunner(self.name, self._health)
+        if options.server_url:
+            self.url = options.server_url.rstrip("/")
+            self._runner.call("reach the server", lambda: self._wait_ready(deadline=time.monotonic() + 30),
+                              options.start_timeout_s)
+        else:
+            self.url = self._launch()
+        atexit.register(self.close)
+        self.check_raw_logprobs(lambda body: self._post("/generate", body, "probe"))
+
+    def _launch(self) -> str:
+        o: SGLangServerOptions = self.options  # type: ignore[assignment]
+        port = o.port or _free_port()
+        args = {**self.engine_args(), "host": "127.0.0.1", "port": port}
+        command = [sys.executable, "-m", "sglang.launch_server", *_flags(args)]
+        self.log_path = o.log_file or os.path.join(tempfile.gettempdir(), f"vlmrl-sglang-server-{port}.log")
+        with open(self.log_path, "ab") as log:
+            # Own session: close() can end the server's whole process group without touching ours.
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env={**os.environ, **self.engine_env()}, start_new_session=True)
+        self.engine_pids = [self.process.pid]
+        url = f"http://127.0.0.1:{port}"
+        logger.info("sglang-server: launching pid %d on %s (log %s)", self.process.pid, url, self.log_path)
+        self.url = url
+        self._runner.call("start the server", lambda: self._wait_ready(time.monotonic() + o.start_timeout_s),
+                          o.start_timeout_s + 5)
+        return url
+
+    def _wait_ready(self, deadline: float) -> None:
+        import requests
+
+        last = ""
+        while time.monotonic() < deadline:
+            problem = self._health()
+            if problem:
+                raise EngineDeadError(f"{self.name}: {problem}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException as err:
+                last = f"{type(err).__name__}"
+            time.sleep(1.0)
+        raise RolloutError(f"{self.name}: {self.url} not ready in time ({last}){self._log_hint()}")
+
+    def _health(self) -> str | None:
+        if self.process is not None and self.process.poll() is not None:
+            return (f"the SGLang server process (pid {self.process.pid}) exited with code "
+                    f"{self.process.returncode}{self._log_hint()}")
+        return None
+
+    def _log_hint(self) -> str:
+        return f"; server log: {self.log_path}" if self.log_path else ""
+
+    def _post(self, route: str, body: dict, what: str) -> Any:
+        import requests
+
+        def run() -> Any:
+            try:
+                response = requests.post(self.url + route, json=body, timeout=self.options.timeout_s)
+            except requests.ConnectionError as err:
+                raise EngineDeadError(f"{self.name}: {what}: the server at {self.url} does not answer "
+                                      f"({type(err).__name__}){self._log_hint()}") from err
+            if response.status_code != 200:
+                raise RolloutError(f"{self.name}: {what}: HTTP {response.status_code} from {route}: "
+                                   f"{response.text[:500]}")
+            return response.json()
+
+        return self._runner.call(what, run, self.options.timeout_s)
+
+    def encode_images(self, images: Sequence[Any]) -> list[Any]:
+        return [_data_url(im) for im in images]
+
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        self.check_requests(requests, sampling)
+        outputs = self._post("/generate", self.payload(requests, sampling), f"generate {len(requests)} requests")
+        results = self.parse(outputs, requests, sampling)
+        assert_nothing_banned(results, requests, sampling.n, self.name)
+        return results
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save_file
+
+        state = checkpoint_state(named_tensors)
+        target = self.weights_dir / "model.safetensors"
+        partial = self.weights_dir / ".model.safetensors.partial"
+        save_file(state, str(partial))
+        os.replace(partial, target)  # the server never reads a half-written file
+        reply = self._post("/update_weights_from_disk", {"model_path": str(self.weights_dir)}, "update weights")
+        if not reply.get("success", False):
+            raise RolloutError(f"{self.name}: update_weights_from_disk refused: {reply.get('message')}")
+        self._flush()  # the update flushes too, but refuses quietly while requests run
+        self.weight_version += 1
+        logger.info("sglang-server: loaded %d tensors (weight version %d)", len(state), self.weight_version)
+
+    def _flush(self) -> None:
+        import requests
+
+        # /flush_cache answers plain text, not JSON.
+        response = self._runner.call("flush the cache", lambda: requests.post(self.url + "/flush_cache", timeout=30),
+                                     self.options.timeout_s)
+        if response.status_code != 200:
+            raise RolloutError(f"{self.name}: /flush_cache: HTTP {response.status_code}: {response.text[:300]}")
+
+    def call_engine(self, method: str, body: dict) -> Any:
+        return self._post(f"/{method}", body, method)
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)  # SIGTERM exits the server and its children in ~3 s
+                self.process.wait(timeout=15)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=15)
+            self.process = None
+        import shutil
+
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
+        self._runner.stop()
+
+
+def _flags(args: dict[str, Any]) -> list[str]:
+    """{"tp_size": 2, "disable_cuda_graph": True} -> ["--tp-size", "2", "--disable-cuda-graph"]."""
+    out = []
+    for key, value in args.items():
+        if value is None or value is False:
+            continue
+        out.append("--" + key.replace("_", "-"))
+        if value is not True:
+            out.append(str(value))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _data_url(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")  # lossless: the server decodes exactly these pixels
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

