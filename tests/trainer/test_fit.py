@@ -1,0 +1,164 @@
+"""End-to-end runs of the fit loop on the tiny model (hf backend unless marked): metrics, validate-only, resume after
+kill -9, a failing reward function, the vLLM backend, and the demo's learning curve (slow)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vlmrl.alignment.artifact import read_artifact
+from vlmrl.config import load_config
+from vlmrl.trainer.fit import fit
+from vlmrl.trainer.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Keys every training step's metrics.jsonl line carries (documented in the README's metrics section).
+TRAIN_KEYS = ("step", "reward/mean", "reward/failures", "actor/pg_loss", "actor/pg_clipfrac", "actor/entropy",
+              "actor/grad_norm", "actor/lr", "response_length/mean", "response_length/clip_ratio", "batch/padding_rows",
+              "timing/rollout", "timing/reward", "timing/old_logprobs", "timing/advantages", "timing/update",
+              "timing/weight_sync", "timing/step")
+VAL_KEYS = ("val/accuracy", "val/reward", "val/synthetic/colour/accuracy", "val/num_samples", "val/reward_failures")
+
+
+def base_args(model_path: str, output_dir: Path, *extra: str) -> list[str]:
+    return [f"actor.model_path={model_path}", "data.train_files=synthetic", "data.val_files=synthetic",
+            "data.synthetic_train_size=64", "data.synthetic_val_size=8", "data.train_batch_size=4",
+            "data.max_prompt_length=64", "data.max_response_length=4", "data.max_pixels=12544",
+            "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4", "actor.optim.lr=1e-3",
+            "rollout.name=hf", "rollout.n=4", "trainer.total_steps=3", "trainer.test_freq=2",
+            "trainer.torch_threads=1", f"trainer.output_dir={output_dir}", *extra]
+
+
+def test_short_run_writes_documented_metrics_checkpoint_and_plot(tiny_model_path, tmp_path):
+    out = tmp_path / "run"
+    fit(load_config(base_args(tiny_model_path, out, "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01",
+                              "trainer.save_freq=3")))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    for row in rows[1:]:
+        missing = [key for key in TRAIN_KEYS + ("actor/kl_loss", "timing/ref_logprobs") if key not in row]
+        assert not missing, f"step {row['step']} lacks {missing}"
+    for row in (rows[0], rows[2], rows[3]):  # val_before_train, test_freq=2, and after the last step
+        assert all(key in row for key in VAL_KEYS), row.keys()
+    assert "val/accuracy" not in rows[1]
+    assert rows[1]["batch/real_rows"] == 16 and rows[1]["reward/failures"] == 0
+    assert (out / "curves.png").stat().st_size > 0
+    assert (out / "checkpoints" / "global_step_3" / "model.safetensors").exists()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_3"
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_validate_only_leaves_weights_untouched_and_writes_the_artifact(tiny_model_path, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    before = _digests(model)
+    out = tmp_path / "val"
+    metrics = fit(load_config(base_args(str(model), out, "trainer.val_only=true", "data.train_files=",
+                                        "data.val_batch_size=3")))  # 8 rows in calls of 3, 3, 2: no duplicates
+    assert _digests(model) == before
+    assert not (out / "checkpoints").exists()
+    meta, records = read_artifact(out / "validation_hf_step0.jsonl")
+    assert meta.backend == "hf" and meta.dataset.rows == 8 and meta.step == 0
+    assert sorted(r.index for r in records) == list(range(8)), "each row exactly once"
+    assert all(r.top_logprobs is not None for r in records)
+    accuracy = sum(r.reward_extra["accuracy"] for r in records) / len(records)
+    assert metrics["val/accuracy"] == pytest.approx(accuracy)
+    assert read_metrics(out / "metrics.jsonl")[0]["val/num_samples"] == 8
+
+
+def test_a_raising_reward_function_is_counted_and_the_run_goes_on(tiny_model_path, tmp_path):
+    reward = tmp_path / "flaky_reward.py"
+    reward.write_text(
+        "calls = [0]\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    calls[0] += 1\n"
+        "    if calls[0] % 3 == 0:\n"
+        "        raise RuntimeError('flaky reward')\n"
+        "    return float(solution_str.strip() == ground_truth)\n")
+    out = tmp_path / "flaky"
+    fit(load_config(base_args(tiny_model_path, out, f"reward.function={reward}:compute_score",
+                              "trainer.total_steps=2")))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert rows[1]["reward/failures"] > 0 and rows[2]["reward/failures"] > 0
+    assert rows[1]["reward_extra/reward_failed/mean"] == pytest.approx(rows[1]["reward/failures"] / 16)
+    assert rows[0]["val/reward_failures"] > 0
+
+
+def _train_cli(args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "vlmrl.train", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(("timing/", "throughput/"))}
+
+
+def test_kill_9_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(tiny_model_path, tmp_path):
+    common = ["trainer.total_steps=5", "trainer.save_freq=2", "trainer.test_freq=5", "trainer.val_before_train=false"]
+    straight = _train_cli(base_args(tiny_model_path, tmp_path / "straight", *common))
+    killed_dir = tmp_path / "killed"
+    victim = _train_cli(base_args(tiny_model_path, killed_dir, *common))
+    latest = killed_dir / "checkpoints" / "latest"
+    while not latest.exists() and victim.poll() is None:
+        time.sleep(0.2)
+    assert victim.poll() is None, f"run ended before its first checkpoint: {victim.stderr.read()[-2000:]}"
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert latest.read_text().strip() == "global_step_2"
+    resumed = _train_cli(base_args(tiny_model_path, killed_dir, *common))
+    assert resumed.wait() == 0, resumed.stderr.read()[-3000:]
+    assert straight.wait() == 0, straight.stderr.read()[-3000:]
+    assert "resuming from" in resumed.stderr.read()
+    expected = [_comparable(r) for r in read_metrics(tmp_path / "straight" / "metrics.jsonl")]
+    got = [_comparable(r) for r in read_metrics(killed_dir / "metrics.jsonl")]
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert got == expected
+
+
+@pytest.mark.vllm
+def test_short_run_on_vllm_and_its_checkpoint_loads_in_vllm(tiny_model_path, tmp_path):
+    out = tmp_path / "vllm"
+    fit(load_config(base_args(tiny_model_path, out, "rollout.name=vllm", "trainer.total_steps=2",
+                              "trainer.save_freq=2", "trainer.val_before_train=false")))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(key in rows[-1] for key in TRAIN_KEYS + VAL_KEYS)
+    # fp32 vLLM samples from the same distribution the trainer scores
+    assert rows[0]["rollout/logprob_abs_diff"] < 1e-3
+    checkpoint = out / "checkpoints" / "global_step_2"
+    metrics = fit(load_config(base_args(str(checkpoint), tmp_path / "val", "rollout.name=vllm",
+                                        "trainer.val_only=true")))
+    assert metrics["val/num_samples"] == 8
+    meta, _ = read_artifact(tmp_path / "val" / "validation_vllm_step2.jsonl")
+    assert meta.step == 2 and meta.engine == "vllm"
+
+
+@pytest.mark.slow
+def test_demo_config_learns_the_synthetic_task(tmp_path):
+    """The no-argument demo's recipe: validation accuracy rises >= 0.3 above its step-0 value (after the format
+    warm-up, which trains on random labels and leaves accuracy at chance)."""
+    backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
+    out = tmp_path / "demo"
+    fit(load_config(["config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic.yaml"),
+                     f"rollout.name={backend}", "trainer.total_steps=100", f"trainer.output_dir={out}"]))
+    curve = [(row["step"], row["val/accuracy"]) for row in read_metrics(out / "metrics.jsonl") if "val/accuracy" in row]
+    start = curve[0][1]
+    assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"
+    assert max(acc for _, acc in curve) >= start + 0.3, f"validation accuracy did not rise by 0.3: {curve}"
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
