@@ -199,7 +199,8 @@ def test_padding_rows_layout(image_prompt):
         assert padded.position_ids[row, :, P].tolist() == [1, 1, 1]
         assert padded.response_mask[row].eq(0).all() and padded.rewards[row] == 0
         assert padded.rollout_logprobs[row].eq(0).all()
-    assert torch.equal(padded.input_ids[:3], real.input_ids) and padded.multi_modal_inputs[:3] == real.multi_modal_inputs
+    assert torch.equal(padded.input_ids[:3], real.input_ids)
+    assert padded.multi_modal_inputs[:3] == real.multi_modal_inputs
     assert upsample_to_multiple(real, 3, eos_token_id=EOS, pad_token_id=PAD) is real
 
 

@@ -94,7 +94,8 @@ def test_paths_may_not_leave_the_data_root(tiny_model_path, tmp_path):
     os.symlink(outside / "secret.png", root / "link.png")
     processor = load_processor(tiny_model_path, ProcessorConfig(data_root=str(root)))
     assert processor.build_request(image_row("<image>?", ["in.png"]), ROW).images  # relative, inside: fine
-    for escaping in ["../outside/secret.png", str(outside / "secret.png"), "link.png", {"path": "../outside/secret.png"}]:
+    for escaping in ["../outside/secret.png", str(outside / "secret.png"), "link.png",
+                     {"path": "../outside/secret.png"}]:
         _bad(processor, [escaping], "resolves outside data_root")
 
 

@@ -95,7 +95,8 @@ def test_markers_and_content_parts_give_the_same_ids(processor):
         {"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": " What colour?"}]}],
         "images": [image]})
     inline = processor.build_request({"prompt": [{"role": "user", "content": [
-        {"type": "text", "text": "Look: "}, {"type": "image", "image": image}, {"type": "text", "text": " What colour?"}]}]})
+        {"type": "text", "text": "Look: "}, {"type": "image", "image": image},
+        {"type": "text", "text": " What colour?"}]}]})
     assert marker.prompt_ids == parts.prompt_ids == inline.prompt_ids
     assert marker.image_hashes == parts.image_hashes == inline.image_hashes
 

@@ -205,6 +205,8 @@ def _normalise_messages(prompt: Any, index: int) -> tuple[list[dict[str, Any]], 
         raise BadRowError(index, f"prompt must be a list of chat messages or a string, got {type(prompt).__name__}")
     messages, inline = [], []
     for message in prompt:
+        if not isinstance(message, dict):
+            raise BadRowError(index, f"prompt messages must be dicts (role, content), got {type(message).__name__}")
         content = message.get("content")
         if isinstance(content, str):
             if IMAGE_MARKER in content:
