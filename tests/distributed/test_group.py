@@ -142,3 +142,59 @@ def _rows(batch, rows):
     from vlmrl.distributed.sharding import select_rows
 
     return select_rows(batch, list(rows))
+
+
+def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
+        ray_cluster, tiny_model_path, processor, synthetic_rows):
+    from vlmrl.distributed.engines import ColocatedEngines
+    from vlmrl.distributed.worker import EngineSpec
+    from vlmrl.types import SamplingParams
+
+    rows = [dict(row, prompt=[{"role": "user", "content": "Say a colour."}], images=[]) if i % 2 else row
+            for i, row in enumerate(synthetic_rows[12:16])]
+    requests = [processor.build_request(row, i) for i, row in enumerate(rows)]
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3)
+    engine = EngineSpec("hf", tiny_model_path, {"dtype": "float32", "max_model_len": 128, "timeout_s": 120})
+    config = actor_config(tiny_model_path, micro=4, optim=OptimConfig(lr=1e-2, weight_decay=0.0))
+    actor = DistributedActor(ClusterConfig(devices_per_node=2, engine_placement="worker", timeout_s=300),
+                             WorkerSpec(actor=config, engine=engine, torch_threads=1, timeout_s=120),
+                             mini_batch_samples=8)
+    with ColocatedEngines(actor) as engines:
+        assert actor.hosts == [0, 1]
+        first = engines.generate(requests, sampling)  # requests 0-1 on rank 0's engine, 2-3 on rank 1's
+        assert [r.uid for r in first] == [q.uid for q in requests for _ in range(2)]
+        batch = _batch_of(processor, requests, first)
+        start, _ = actor.compute_logprobs(batch)
+        assert _max_gap(start, batch) < 1e-4, "engines and actor must start from the same weights"
+
+        advantages = torch.tensor([1.0, -1.0] * 4)
+        actor.update(batch, None, advantages)
+        moved, _ = actor.compute_logprobs(batch)
+        assert _max_gap(moved, batch) > 1e-2, "the update should move the policy (else nothing is tested)"
+
+        assert actor.sync_weights() > 0  # gathered from the shards inside the workers
+        second = engines.generate(requests, sampling)
+        batch = _batch_of(processor, requests, second)
+        assert _max_gap(actor.compute_logprobs(batch)[0], batch) < 1e-4, "engines did not get the new weights"
+
+        actor.update(batch, None, advantages)
+        engines.update_weights(actor.named_tensors())  # the fit loop's generic path, through the driver
+        third = engines.generate(requests, sampling)
+        batch = _batch_of(processor, requests, third)
+        assert _max_gap(actor.compute_logprobs(batch)[0], batch) < 1e-4, "update_weights did not reach the engines"
+
+
+def _batch_of(processor, requests, results):
+    from vlmrl.batch import pad_sample, prompt_inputs, stack_samples
+
+    samples = []
+    for i, result in enumerate(results):
+        prompt = prompt_inputs(processor, requests[i // 2])
+        samples.append(pad_sample(prompt, result.response_ids, prompt_length=64, response_length=4,
+                                  pad_token_id=processor.pad_token_id, rollout_logprobs=result.response_logprobs))
+    return stack_samples(samples)
+
+
+def _max_gap(logprobs: torch.Tensor, batch) -> float:
+    """Largest |trainer - engine| logprob over the policy tokens."""
+    return float(((logprobs - batch.rollout_logprobs).abs() * batch.response_mask).max())

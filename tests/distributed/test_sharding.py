@@ -9,6 +9,7 @@ import torch
 from tests.distributed.conftest import make_batch
 from vlmrl.batch import required_batch_multiple, upsample_to_multiple
 from vlmrl.distributed.sharding import (
+    engine_hosts,
     even_row_blocks,
     mean_metrics,
     select_rows,
@@ -78,3 +79,11 @@ def test_generation_runs_rejoin_in_request_order():
 
 def test_metric_parts_average_over_ranks():
     assert mean_metrics([{"a": 1.0, "g": 2.0}, {"a": 3.0, "g": 2.0}]) == {"a": 2.0, "g": 2.0}
+
+
+def test_engines_go_on_every_worker_or_on_the_first_worker_of_each_node():
+    nodes = ["node-a", "node-a", "node-b", "node-b"]
+    assert engine_hosts(nodes, "worker") == [0, 1, 2, 3]
+    assert engine_hosts(nodes, "node") == [0, 2]
+    with pytest.raises(ValueError, match="worker or node"):
+        engine_hosts(nodes, "gpu")

@@ -225,9 +225,19 @@ class ShardedActor:
         return iter_full_state_dict(self.model, prefix_to_strip=WRAPPED_PREFIX)
 
     def optimizer_state(self) -> dict:
-        """This rank's optimizer (its shards' moments) and scheduler state; saved per rank."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Optimizer (full, gathered: independent of the number of ranks, so a run can resume on another dp size)
+        and scheduler state. A collective; the optimizer part is complete on rank 0 only (empty elsewhere)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
+                "scheduler": self.scheduler.state_dict()}
 
     def load_optimizer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Load `optimizer_state()`'s result (given to rank 0; other ranks may pass an empty optimizer part):
+        rank 0 broadcasts it and every rank keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])

@@ -26,7 +26,14 @@ from typing import Any
 
 import torch
 
-from vlmrl.distributed.sharding import even_row_blocks, mean_metrics, select_rows, split_contiguous, update_shards
+from vlmrl.distributed.sharding import (
+    engine_hosts,
+    even_row_blocks,
+    mean_metrics,
+    select_rows,
+    split_contiguous,
+    update_shards,
+)
 from vlmrl.distributed.worker import TrainWorker, WorkerSpec
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 
@@ -102,58 +109,62 @@ class DistributedActor:
         """
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if mini_batch_samples % cluster.world_size:
             raise ValueError(f"a mini-batch of {mini_batch_samples} samples (ppo_mini_batch_size x rollout.n) does "
                              f"not split over {cluster.world_size} ranks: make it a multiple of the world size")
         self.cluster, self.spec, self.mini_batch_samples = cluster, spec, mini_batch_samples
+        self.closed = False
+        self.workers: list = []
         ensure_ray(cluster)
         use_gpu = cluster.device == "gpu" or (cluster.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         bundle = {"CPU": cluster.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
         self.placement = placement_group([dict(bundle) for _ in range(cluster.world_size)], strategy="PACK")
-        if not self._wait(self.placement.ready(), cluster.startup_timeout_s, raise_on_timeout=False):
-            ray.util.remove_placement_group(self.placement)
-            raise RuntimeError(f"Ray could not place {cluster.world_size} workers of {bundle} within "
-                               f"{cluster.startup_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}. Start "
-                               "more nodes (`ray start --address=...`) or lower trainer.n_gpus_per_node/nnodes")
+        try:
+            ready, _ = ray.wait([self.placement.ready()], timeout=cluster.startup_timeout_s)
+            if not ready:
+                raise RuntimeError(f"Ray could not place {cluster.world_size} workers of {bundle} within "
+                                   f"{cluster.startup_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}. "
+                                   "Start more nodes (`ray start --address=...`) or lower n_gpus_per_node/nnodes")
+            self._start_workers(use_gpu)
+        except BaseException:
+            self._release()
+            raise
+
+    def _start_workers(self, use_gpu: bool) -> None:
+        """One worker per bundle; ranks grouped by node (contiguous local ranks); join the group, load, shard."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cluster = self.cluster
         env = {key: value for key, value in os.environ.items() if key.startswith(_FORWARDED_ENV)}
         remote_cls = ray.remote(TrainWorker)
         workers = [
             remote_cls.options(
-                num_cpus=cluster.cpus_per_worker, num_gpus=1 if use_gpu else 0, name=None,
+                num_cpus=cluster.cpus_per_worker, num_gpus=1 if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
                 runtime_env={"env_vars": env},
-            ).remote(spec)
+            ).remote(self.spec)
             for i in range(cluster.world_size)
         ]
-        # ranks grouped by node (contiguous local ranks), nodes in order of first appearance
+        self.workers = workers  # released on failure from here on
         nodes = self._get([w.node.remote() for w in workers], "locating workers", cluster.startup_timeout_s)
         node_order = list(dict.fromkeys(nodes))
         order = sorted(range(len(workers)), key=lambda i: (node_order.index(nodes[i]), i))
         self.workers = [workers[i] for i in order]
         self.nodes = [nodes[i] for i in order]
-        self.hosts = [rank for rank in range(self.dp_size)
-                      if cluster.engine_placement == "worker" or rank == self.nodes.index(self.nodes[rank])]
+        self.hosts = engine_hosts(self.nodes, cluster.engine_placement)
         master = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous", cluster.startup_timeout_s)[0]
-        self._get([w.setup.remote(rank, self.dp_size, master, rank in self.hosts) for rank, w in enumerate(self.workers)],
-                  "loading and sharding the actor", cluster.startup_timeout_s)
+        self._get([w.setup.remote(rank, self.dp_size, master, rank in self.hosts)
+                   for rank, w in enumerate(self.workers)], "loading and sharding the actor", cluster.startup_timeout_s)
         logger.info("distributed actor: %d ranks on %d node(s), %s bundles, engines on ranks %s", self.dp_size,
-                    len(node_order), "GPU" if use_gpu else "CPU", self.hosts if spec.engine else "none")
+                    len(node_order), "GPU" if use_gpu else "CPU", self.hosts if self.spec.engine else "none")
 
     @property
     def dp_size(self) -> int:
         return self.cluster.world_size
 
     # ---- calls to the workers ---------------------------------------------------------------------------------------
-
-    def _wait(self, ref, timeout_s: float, raise_on_timeout: bool = True) -> bool:
-        import ray
-
-        ready, _ = ray.wait([ref], timeout=timeout_s)
-        if not ready and raise_on_timeout:
-            raise TimeoutError(f"no answer within {timeout_s:.0f}s")
-        return bool(ready)
 
     def _get(self, refs: list, what: str, timeout_s: float | None = None) -> list[Any]:
         """ray.get with a timeout; a dead or timed-out worker becomes an error naming `what`."""
@@ -164,8 +175,9 @@ class DistributedActor:
         try:
             return ray.get(refs, timeout=timeout)
         except GetTimeoutError:
-            raise TimeoutError(f"{what}: the training workers did not finish within {timeout:.0f}s (a rank that took "
-                               "another path through the model waits in a collective until the group's timeout)") from None
+            raise TimeoutError(f"{what}: the training workers did not finish within {timeout:.0f}s (a rank that "
+                               "took another path through the model waits in a collective until the group's "
+                               "timeout)") from None
         except RayActorError as err:
             raise RuntimeError(f"{what}: a training worker died ({type(err).__name__}); see its log above. A "
                                "collective mismatch (ranks running different modules or sizes) kills the process"
@@ -181,7 +193,8 @@ class DistributedActor:
         """(B, R) logprobs (and optionally entropy) of the batch, each rank computing an equal contiguous slice.
         B must divide by dp_size (upsample with padding rows first)."""
         blocks = even_row_blocks(len(batch), self.dp_size)
-        parts = self._each("compute_logprobs", [(select_rows(batch, rows), reference, with_entropy) for rows in blocks],
+        parts = self._each("compute_logprobs",
+                           [(select_rows(batch, rows), reference, with_entropy) for rows in blocks],
                            "reference logprobs" if reference else "logprobs")
         logprobs = torch.cat([lp for lp, _ in parts])
         entropy = torch.cat([ent for _, ent in parts]) if with_entropy else None
@@ -200,18 +213,32 @@ class DistributedActor:
         return mean_metrics(self._each("update", [(shard,) for shard in shards], "the policy update"))
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) of every weight, gathered from the shards to the driver (for checkpoints)."""
+        """(HF name, full tensor) of every weight, gathered from the shards to the driver (checkpoints, tests)."""
         states = self._each("full_state_dict", [()] * self.dp_size, "gathering the full weights")
         yield from states[0].items()
 
-    def optimizer_state(self) -> list[dict]:
-        """Each rank's optimizer and scheduler state (its shards' moments), rank order."""
-        return self._each("optimizer_state", [()] * self.dp_size, "reading optimizer state")
+    def full_model(self) -> torch.nn.Module:
+        """The policy as a plain HF model on the driver's CPU, with the current weights (for `save_pretrained`)."""
+        from transformers import AutoConfig, AutoModelForImageTextToText
 
-    def load_optimizer_state(self, states: list[dict]) -> None:
-        if len(states) != self.dp_size:
-            raise ValueError(f"optimizer state of {len(states)} ranks cannot load into {self.dp_size} ranks")
-        self._each("load_optimizer_state", [(state,) for state in states], "loading optimizer state")
+        from vlmrl.models import resolve_model_path
+
+        config = AutoConfig.from_pretrained(resolve_model_path(self.spec.init_path or self.spec.actor.model_path))
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config)
+        model.load_state_dict(dict(self.named_tensors()), strict=True, assign=True)
+        model.tie_weights()
+        return model.eval()
+
+    def state_dict(self) -> dict:
+        """Optimizer (full: loadable on any number of ranks) and scheduler state, as `Actor.state_dict`."""
+        return self._each("optimizer_state", [()] * self.dp_size, "reading optimizer state")[0]
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load `state_dict()`'s result: rank 0 receives it and broadcasts each tensor to the others' shards."""
+        others = {"optimizer": {}, "scheduler": state["scheduler"]}
+        self._each("load_optimizer_state", [(state if rank == 0 else others,) for rank in range(self.dp_size)],
+                   "loading optimizer state")
 
     # ---- rollout ----------------------------------------------------------------------------------------------------
 
@@ -228,17 +255,31 @@ class DistributedActor:
         nothing goes through the driver). Returns the number of tensors each engine loaded."""
         return max(self._each("sync_weights", [()] * self.dp_size, "weight sync"))
 
+    def load_engine_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Load weights given here (the driver) into every engine: the generic path (see `sync_weights`)."""
+        import ray
+
+        shared = ray.put(named)  # stored once, read by every engine host
+        self._get([self.workers[rank].load_engine_weights.remote(shared) for rank in self.hosts],
+                  "loading weights into the engines")
+
     def close(self) -> None:
         """Stop the engines, leave the process group, end the workers and free the placement group."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
+        if self.closed:
+            return
+        self.closed = True
         try:
             self._get([w.close.remote() for w in self.workers], "closing the workers", 60)
         finally:
-            for worker in self.workers:
-                ray.kill(worker)
-            remove_placement_group(self.placement)
+            self._release()
+
+    def _release(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for worker in self.workers:
+            ray.kill(worker)
+        remove_placement_group(self.placement)
 
     def __enter__(self) -> DistributedActor:
         return self

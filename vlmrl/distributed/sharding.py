@@ -122,6 +122,19 @@ def split_contiguous(items: Sequence[T], parts: int) -> list[list[T]]:
     return runs
 
 
+def engine_hosts(nodes: Sequence[str], placement: str) -> list[int]:
+    """Ranks that host a rollout engine: every rank (`worker`) or the first rank of each node (`node`).
+
+    >>> engine_hosts(["a", "a", "b", "b"], "node")
+    [0, 2]
+    """
+    if placement == "worker":
+        return list(range(len(nodes)))
+    if placement == "node":
+        return [rank for rank, node in enumerate(nodes) if node not in nodes[:rank]]
+    raise ValueError(f"engine placement {placement!r}: choose worker or node")
+
+
 def mean_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     """Average each metric over ranks. The update's parts are pre-scaled so that this average is the global
     mini-batch value; values that are the same on every rank (grad norm, lr) stay as they are."""

@@ -34,9 +34,9 @@ class EngineSpec:
     """Weights the engine starts from (then synced from the actor)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword options of the backend (dtype, timeout_s, engine kwargs...)."""
-    sleep_between_steps: bool = False
-    """Release the engine's memory (weights, KV cache) while the actor trains, and take it back before generating.
-    For GPU devices shared by the engine and FSDP; no gain on CPU."""
+    sleep_between_steps: bool | None = None
+    """Release the engine's memory (weights, KV cache) while the actor trains, and take it back before generating
+    or loading weights: for GPUs shared by the engine and FSDP. None = only on CUDA devices (no gain on CPU)."""
 
 
 @dataclass
@@ -69,6 +69,8 @@ class TrainWorker:
         self.rank, self.world_size = -1, 0
         self.actor = None
         self.engine = None
+        self.engine_sleeps = False
+        self.engine_asleep = False
 
     # ---- setup ------------------------------------------------------------------------------------------------------
 
@@ -106,6 +108,8 @@ class TrainWorker:
 
             engine = self.spec.engine
             self.engine = get_backend(engine.name, engine.model_path, **engine.options)
+            sleeps = engine.sleep_between_steps
+            self.engine_sleeps = device.type == "cuda" if sleeps is None else sleeps
         logger.info("rank %d/%d ready (pid %d, engine: %s)", rank, world_size, os.getpid(),
                     self.spec.engine.name if self.engine else "none")
         return {"rank": rank, "pid": os.getpid(), "engine": self.engine is not None}
@@ -135,13 +139,22 @@ class TrainWorker:
                 named.append((name, tensor))
         if self.engine is None:
             return 0
-        if self.spec.engine.sleep_between_steps:
-            self.engine.wake_up()
+        self._wake_engine()
         self.engine.update_weights(named)
         return len(named)
 
-    def optimizer_state(self) -> dict:
-        return self.actor.optimizer_state()
+    def load_engine_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Load weights given by the driver into this rank's engine (the generic `update_weights` path)."""
+        if self.engine is None:
+            return 0
+        self._wake_engine()
+        self.engine.update_weights(named)
+        return len(named)
+
+    def optimizer_state(self) -> dict | None:
+        """Full optimizer + scheduler state on rank 0 (None elsewhere); every rank must call it."""
+        state = self.actor.optimizer_state()
+        return state if self.rank == 0 else None
 
     def load_optimizer_state(self, state: dict) -> None:
         self.actor.load_optimizer_state(state)
@@ -153,12 +166,17 @@ class TrainWorker:
             raise RuntimeError(f"rank {self.rank} hosts no rollout engine")
         if not requests:
             return []
-        if self.spec.engine.sleep_between_steps:
-            self.engine.wake_up()
+        self._wake_engine()
         results = self.engine.generate(requests, sampling)
-        if self.spec.engine.sleep_between_steps:
+        if self.engine_sleeps:  # give the memory back to the actor until the next weight sync or generation
             self.engine.sleep()
+            self.engine_asleep = True
         return results
+
+    def _wake_engine(self) -> None:
+        if self.engine_asleep:
+            self.engine.wake_up()
+            self.engine_asleep = False
 
     def close(self) -> None:
         if self.engine is not None:
