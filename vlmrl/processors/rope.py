@@ -30,7 +30,8 @@ def mrope_position_ids(
 
     Args:
         input_ids: (B, L) long, one `image_token_id` per merged vision patch.
-        attention_mask: (B, L), 1 on real tokens; None = all real. Any pattern works (left, right, holes).
+        attention_mask: (B, L), 1 on real tokens; None = all real. Left, right or both-side padding and holes in
+            text all work; a hole inside an image's tokens is an error.
         image_grid_thw: (N, 3) long, the patch grid (before merging) of every image of the batch, in row order
             then prompt order; None or empty when no row holds an image.
         image_token_id: the `<|image_pad|>` id.
