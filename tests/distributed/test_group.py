@@ -80,11 +80,16 @@ def test_dp2_step_matches_dp1(ray_cluster, tiny_model_path, processor, synthetic
         old = perturbed(old, batch)
         advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
         got = dp2.update(batch, old, advantages, ref_lp.double())
-        weights = dict(dp2.named_tensors())
+        weights = dict(dp2.full_model().state_dict())  # what a checkpoint saves
+        optimizer = dp2.state_dict()["optimizer"]["state"]
     expected = reference.update(batch, old, advantages, ref_lp.double())
     assert expected["actor/pg_clipfrac"] > 0 and expected["actor/kl_loss"] > 0
     assert_same_metrics(expected, got)
     assert_same_weights(dict(reference.named_tensors()), weights, start)
+    # the optimizer state is gathered whole (resumable on any dp size) and equals the single-process moments
+    for name, param in reference.model.named_parameters():
+        moments = optimizer["model." + name]
+        assert torch.allclose(moments["exp_avg"], reference.optimizer.state[param]["exp_avg"], atol=1e-12), name
 
 
 def test_batch_that_does_not_divide_gets_padding_rows_and_matches_dp1_on_the_real_rows(
@@ -106,6 +111,11 @@ def test_batch_that_does_not_divide_gets_padding_rows_and_matches_dp1_on_the_rea
         advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
         got = dp2.update(batch, old, advantages)
         weights = dict(dp2.named_tensors())
+        # a resume reloads the optimizer state (gathered, then broadcast back into the shards): the next step
+        # must continue exactly as without the round trip
+        dp2.load_state_dict(dp2.state_dict())
+        dp2.update(batch, old, advantages)
+        weights_after_resume = dict(dp2.named_tensors())
     assert advantages[6:].abs().sum() == 0
 
     # dp=1 on the REAL rows only, no padding at all: the same two optimizer steps (rows 0-3, then rows 4-5)
@@ -115,6 +125,11 @@ def test_batch_that_does_not_divide_gets_padding_rows_and_matches_dp1_on_the_rea
     assert got["actor/grad_norm"] == pytest.approx((first["actor/grad_norm"] + second["actor/grad_norm"]) / 2,
                                                    rel=1e-6)
     assert_same_weights(dict(reference.named_tensors()), weights, start)
+    reference.mini_batch_samples = 4
+    reference.update(_rows(real, range(4)), old[:4], advantages[:4])
+    reference.mini_batch_samples = 2
+    reference.update(_rows(real, range(4, 6)), old[4:6], advantages[4:6])
+    assert_same_weights(dict(reference.named_tensors()), weights_after_resume, start)
 
 
 def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(
