@@ -152,3 +152,12 @@ def test_records_from_rollout_with_the_real_processor(tiny_model_path, tmp_path)
     assert back == records
     with pytest.raises(ValueError, match="3 results but 2 rewards"):
         records_from_rollout([request, text_only], results, [1.0, 0.0], processor)
+
+
+def test_engine_info_names_the_package_and_its_version():
+    import transformers
+
+    from vlmrl.alignment.artifact import engine_info
+
+    assert engine_info("hf") == ("transformers", transformers.__version__)
+    assert engine_info("no-such-engine") == ("no-such-engine", "unknown")

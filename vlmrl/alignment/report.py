@@ -56,6 +56,12 @@ def _p(value: float) -> str:
     return f"{value:.3g}"
 
 
+def _short_path(path: str) -> str:
+    """The last two components of a long path (cache folders are long; their names are what tells them apart)."""
+    parts = Path(path).parts
+    return path if len(path) <= 40 or len(parts) <= 2 else str(Path("...", *parts[-2:]))
+
+
 def _side(comparison: Comparison, which: str) -> str:
     meta = comparison.meta_a if which == "a" else comparison.meta_b
     label = comparison.label_a if which == "a" else comparison.label_b
@@ -122,7 +128,7 @@ def _samples_table(comparison: Comparison) -> Table:
         count = comparison.cause_counts.get(cause, 0)
         if count == 0:  # one screen: only the outcomes that happened (the reports list every cause)
             continue
-        style = "" if count == 0 else ("yellow" if cause == Cause.NEAR_TIE else "red")
+        style = "yellow" if cause in (Cause.NEAR_TIE, Cause.LOGPROB_DRIFT) else "red"
         table.add_row(Text(CAUSE_LABELS[cause], style=style), str(count), f"{count / total:.1%}")
     return table
 
@@ -144,7 +150,8 @@ def print_summary(comparison: Comparison, console: Console | None = None, report
     console = console or Console()
     meta = comparison.meta_a
     console.rule(f"vlmrl alignment: {_side(comparison, 'a')} vs {_side(comparison, 'b')}")
-    console.print(f"model {meta.model_path} | data {', '.join(meta.dataset.paths)} ({meta.dataset.rows} rows) | "
+    data = ", ".join(_short_path(p) for p in meta.dataset.paths)
+    console.print(f"model {_short_path(meta.model_path)} | data {data} ({meta.dataset.rows} rows) | "
                   f"{comparison.total} samples | {'greedy' if comparison.greedy else 'SAMPLED: tokens not compared'}")
     # The backend's own name differs by design; show the settings that could explain a difference.
     settings = [d for d in comparison.setting_differences if d[0] not in _IDENTITY_KEYS]
