@@ -8,7 +8,7 @@
 #       (~0.25) and GRPO raises it. Writes outputs/demo/{metrics.jsonl,curves.png}.
 #   VAL_ONLY=1 examples/qwen2_5_vl_grpo.sh
 #       Validate-only: no optimizer, weights untouched; writes metrics and the per-sample artifact
-#       (outputs/.../validation_<backend>_step0.jsonl, see docs/artifact.md).
+#       (outputs/demo-val/validation_<backend>_step0.jsonl, see docs/artifact.md).
 #   MODEL_PATH=Qwen/Qwen2.5-VL-7B-Instruct DATA=geo3k ROLLOUT=vllm|sglang N_GPUS=1 examples/qwen2_5_vl_grpo.sh
 #       The real recipe (examples/configs/qwen2_5_vl_geo3k.yaml, close to verl/EasyR1's Qwen2.5-VL geo3k GRPO:
 #       lr 1e-6, n=5, low_var_kl 0.01, max_prompt_length 1024, max_response_length 2048, max_pixels 1003520).
@@ -21,6 +21,10 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 
 ARGS=()
+SUFFIX=""
+if [[ "${VAL_ONLY:-0}" == "1" ]]; then
+  SUFFIX="-val"  # validate-only writes beside a training run's output, not into it
+fi
 if [[ -n "${MODEL_PATH:-}" || "${DATA:-}" == "geo3k" ]]; then
   # ---- the real recipe ------------------------------------------------------------------------------------------
   DATA_DIR=${DATA_DIR:-$HOME/data/geo3k}
@@ -28,7 +32,7 @@ if [[ -n "${MODEL_PATH:-}" || "${DATA:-}" == "geo3k" ]]; then
          "actor.model_path=${MODEL_PATH:-Qwen/Qwen2.5-VL-7B-Instruct}"
          "rollout.name=${ROLLOUT:-vllm}"
          "data.train_files=$DATA_DIR/train.parquet" "data.val_files=$DATA_DIR/test.parquet"
-         "trainer.n_gpus_per_node=${N_GPUS:-1}" "trainer.output_dir=${OUTPUT_DIR:-outputs/qwen2_5_vl_geo3k}")
+         "trainer.n_gpus_per_node=${N_GPUS:-1}" "trainer.output_dir=${OUTPUT_DIR:-outputs/qwen2_5_vl_geo3k$SUFFIX}")
 else
   # ---- the embedded default on a CPU -------------------------------------------------------------------------------
   if [[ -z "${ROLLOUT:-}" ]]; then
@@ -45,7 +49,7 @@ else
   export SGLANG_USE_CPU_ENGINE=${SGLANG_USE_CPU_ENGINE:-1}
   export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
   ARGS+=(config=examples/configs/tiny_synthetic.yaml "rollout.name=$ROLLOUT"
-         "trainer.output_dir=${OUTPUT_DIR:-outputs/demo}")
+         "trainer.output_dir=${OUTPUT_DIR:-outputs/demo$SUFFIX}")
 fi
 if [[ "${VAL_ONLY:-0}" == "1" ]]; then
   ARGS+=(trainer.val_only=true)

@@ -112,8 +112,10 @@ class ActorConfig:
     """Clip the global gradient norm to this; <= 0 disables clipping."""
     freeze_vision_tower: bool = False
     """Keep the vision tower's weights fixed."""
-    dtype: str = "auto"
-    """Training weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
+    dtype: str = "float32"
+    """Master weights and optimizer state: float32 (an lr-1e-6 update vanishes in bfloat16 weights) or bfloat16."""
+    compute_dtype: str = "auto"
+    """Forward/backward precision: auto (bfloat16 autocast on GPU, float32 on CPU), float32 or bfloat16."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward (less memory, ~30% slower)."""
     device: str = "auto"
@@ -321,7 +323,8 @@ def validate(config: Config) -> list[str]:
     need(len(a.optim.betas) == 2, f"actor.optim.betas={a.optim.betas} must be two numbers, e.g. [0.9, 0.999]")
     need(a.optim.lr_scheduler in LR_SCHEDULERS,
          f"actor.optim.lr_scheduler={a.optim.lr_scheduler!r} is not one of {list(LR_SCHEDULERS)}")
-    for key, value in (("actor.dtype", a.dtype), ("rollout.dtype", r.dtype)):
+    need(a.dtype in ("float32", "bfloat16"), f"actor.dtype={a.dtype!r} must be float32 or bfloat16")
+    for key, value in (("actor.compute_dtype", a.compute_dtype), ("rollout.dtype", r.dtype)):
         need(value in ("auto", "float32", "bfloat16"), f"{key}={value!r} must be auto, float32 or bfloat16")
     need(d.min_pixels <= d.max_pixels, f"data.min_pixels={d.min_pixels} > data.max_pixels={d.max_pixels}")
     need(d.min_pixels >= 28 * 28, f"data.min_pixels={d.min_pixels} is below one 28x28 patch ({28 * 28})")

@@ -155,3 +155,17 @@ def test_skipping_the_old_logprob_pass_gives_the_same_update(tiny_model_path, ba
     with pytest.raises(ValueError, match="old_logprobs are needed"):
         Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=4).update(
             batch, None, torch.zeros(len(batch)))
+
+
+def test_mixed_precision_keeps_float32_master_weights(tiny_model_path, batch):
+    """bfloat16 compute (what GPUs get by default) with float32 weights: a tiny update still lands in the weights."""
+    actor = Actor(actor_config(tiny_model_path, compute_dtype="bfloat16", optim=OptimConfig(lr=1e-6)),
+                  total_steps=1, mini_batch_samples=len(batch))
+    exact, _ = Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=8).compute_logprobs(batch)
+    mixed, _ = actor.compute_logprobs(batch)
+    assert (mixed - exact).abs().max() < 0.1 and not torch.equal(mixed, exact)
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    actor.update(batch, None, group_advantages(batch.rewards, batch.uids))
+    moved = [n for n, p in actor.model.named_parameters() if not torch.equal(p, before[n])]
+    assert all(p.dtype == torch.float32 for p in actor.model.parameters())
+    assert len(moved) > len(before) // 2, "an lr-1e-6 step must change float32 weights"

@@ -147,6 +147,8 @@ class Actor:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # Master weights stay in self.dtype; the forward runs under autocast when the compute dtype differs.
+        self.compute_dtype = resolve_dtype(config.compute_dtype, self.device)
         self.temperature = temperature
         self.mini_batch_samples = mini_batch_samples
         self.model = load_policy(init_path or config.model_path, self.dtype, self.device)
@@ -166,8 +168,12 @@ class Actor:
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
                                            weight_decay=config.optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config, total_steps))
-        logger.info("actor %s: %.2fM trainable parameters, %s on %s", config.model_path,
-                    sum(p.numel() for p in self.trainable) / 1e6, self.dtype, self.device)
+        logger.info("actor %s: %.2fM trainable parameters, %s weights, %s compute on %s", config.model_path,
+                    sum(p.numel() for p in self.trainable) / 1e6, self.dtype, self.compute_dtype, self.device)
+
+    def autocast(self):
+        """Mixed precision for a forward (and its backward) when compute and weight dtypes differ."""
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != self.dtype)
 
     # ---- logprobs ---------------------------------------------------------------------------------------------------
 
@@ -185,7 +191,8 @@ class Actor:
         logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
         for rows in _chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
-            lp, ent = forward_response(model, micro_batch(batch, rows, self.device), self.temperature, with_entropy)
+            with self.autocast():
+                lp, ent = forward_response(model, micro_batch(batch, rows, self.device), self.temperature, with_entropy)
             logprobs[rows] = _pad_to(lp.cpu(), width)
             if entropy is not None:
                 entropy[rows] = _pad_to(ent.cpu(), width)
@@ -273,7 +280,8 @@ class Actor:
             share = float(mask.sum() / num_tokens)  # this micro-batch's weight in the mini-batch token mean
             if share == 0:
                 continue
-            logprobs, entropy = forward_response(self.model, mb, self.temperature, True, bool(cfg.entropy_coeff))
+            with self.autocast():
+                logprobs, entropy = forward_response(self.model, mb, self.temperature, True, bool(cfg.entropy_coeff))
             old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
             adv = token_adv[rows, :width].to(self.device)
             pg = ppo_clip_loss(logprobs, old, adv, mask, cfg.clip_ratio, cfg.clip_ratio_high or cfg.clip_ratio,
@@ -308,7 +316,8 @@ class Actor:
         for rows in _chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
             mb = micro_batch(batch, rows, self.device)
             mask = batch.response_mask[rows, : mb.response_width].to(self.device)
-            logprobs, _ = forward_response(self.model, mb, 1.0, with_entropy=False)
+            with self.autocast():
+                logprobs, _ = forward_response(self.model, mb, 1.0, with_entropy=False)
             loss = -token_mean(logprobs, mask, num_tokens)
             loss.backward()
             total += float(loss.detach())

@@ -126,7 +126,9 @@ def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike) ->
     if train:
         left.plot(*zip(*train), label="reward/mean")
     left.set(title="training reward", xlabel="step")
-    val_keys = sorted({k for r in rows for k in r if k.startswith("val/") and k.endswith("accuracy")})
+    # overall and per data source; not the reward part of the same name (val/reward_extra/accuracy)
+    val_keys = sorted({k for r in rows for k in r
+                       if k.startswith("val/") and k.endswith("/accuracy") and not k.startswith("val/reward_extra/")})
     for key in val_keys:
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         right.plot(*zip(*points), marker="o", label=key, linewidth=2.5 if key == "val/accuracy" else 1)
