@@ -93,6 +93,9 @@ def test_artifact_from_another_dataset_exits_2(tmp_path, capsys):
         (["only_one.jsonl"], "exactly two artifact files"),
         (["--backends", "vllm", "config=x.yaml"], "exactly two names"),
         (["--backends", "vllm,sglang", "not_an_override"], "key=value"),
+        (["--backends", "vllm", "--out", "x", "config=y.yaml"], "exactly two names"),  # overrides after a flag
+        (["--backends", "vllm,nope", "actor.model_path=tiny"], "unknown backend(s) ['nope']"),
+        (["--backends", "hf,vllm", "no.such_key=1"], "unknown config key"),
     ],
 )
 def test_bad_usage_exits_2(argv, message, capsys):

@@ -86,7 +86,7 @@ def _artifact_paths(args: argparse.Namespace, out: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_intermixed_args(argv)  # overrides may come before or after the flags
     except SystemExit as exit_:  # argparse exits 2 on bad usage and 0 on --help
         return int(exit_.code or 0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -14,8 +14,6 @@ Each differing sample gets exactly one cause (the earliest level that explains i
 
 from __future__ import annotations
 
-import math
-import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
