@@ -7,7 +7,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from tests.alignment.synthetic import write_side
+from tests.alignment.toy_artifacts import write_side
 from vlmrl.alignment.compare import main
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from tests.alignment.synthetic import make_side, reward_first_letter
+from tests.alignment.toy_artifacts import make_side, reward_first_letter
 from vlmrl.alignment.diff import (
     OVERALL,
     Cause,
