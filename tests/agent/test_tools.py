@@ -26,14 +26,14 @@ def test_plain_and_async_methods_run_under_a_timeout():
 
     async def main():
         assert await call_tool_method(lambda x: x + 1, 1, timeout_s=5, executor=None) == 2
-        for method in (blocking, hanging):
-            with pytest.raises(ToolTimeout, match="timed out after 0.2 s"):
-                await call_tool_method(method, timeout_s=0.2, executor=None)
+        try:
+            for method in (blocking, hanging):
+                with pytest.raises(ToolTimeout, match="timed out after 0.2 s"):
+                    await call_tool_method(method, timeout_s=0.2, executor=None)
+        finally:
+            release.set()  # before asyncio.run waits for its default executor's threads
 
-    try:
-        asyncio.run(main())
-    finally:
-        release.set()
+    asyncio.run(main())
 
 
 def test_return_values():
