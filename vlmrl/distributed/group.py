@@ -40,7 +40,9 @@ from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatc
 logger = logging.getLogger(__name__)
 
 ENGINE_PLACEMENTS = ("worker", "node")
-_FORWARDED_ENV = ("VLLM_", "SGLANG_", "VLMRL_", "TOKENIZERS_", "OMP_", "HF_", "TRANSFORMERS_", "CUDA_LAUNCH")
+# Workers of a `ray start` cluster do not inherit the driver's environment: engine and collective settings travel along.
+_FORWARDED_ENV = ("VLLM_", "SGLANG_", "VLMRL_", "TOKENIZERS_", "OMP_", "HF_", "TRANSFORMERS_", "NCCL_", "GLOO_",
+                  "TORCH_NCCL_", "CUDA_LAUNCH")
 
 
 @dataclass
