@@ -134,3 +134,9 @@ def test_verl_style_keys_exist():
                 "trainer.val_before_train", "trainer.test_freq", "trainer.val_only", "trainer.save_freq",
                 "trainer.max_ckpt_to_keep", "trainer.output_dir", "trainer.seed", "trainer.logger"):
         assert key in keys, key
+
+
+def test_multi_device_settings_are_checked():
+    message = problems_of("trainer.n_gpus_per_node=3", "trainer.format_warmup_steps=5")
+    assert "does not split over 3 devices" in message and "format_warmup_steps is single-device only" in message
+    assert load("trainer.n_gpus_per_node=2").trainer.n_gpus_per_node == 2

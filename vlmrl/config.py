@@ -211,7 +211,7 @@ class TrainerConfig:
     torch_threads: int = 0
     """torch.set_num_threads; 0 leaves torch's default (1 is often fastest on small CPUs)."""
     n_gpus_per_node: int = 1
-    """Devices per node; > 1 needs the distributed trainer (vlmrl.distributed)."""
+    """Training devices per node; more than one device in all runs Ray workers with FSDP2 (vlmrl.distributed)."""
     nnodes: int = 1
     """Nodes in the Ray cluster."""
 
@@ -337,9 +337,16 @@ def validate(config: Config) -> list[str]:
     need(t.test_freq <= 0 or t.val_only or bool(d.val_files),
          f"trainer.test_freq={t.test_freq} needs data.val_files (or set trainer.test_freq=-1)")
     need(t.format_warmup_steps >= 0, f"trainer.format_warmup_steps={t.format_warmup_steps} must be >= 0")
-    need(t.n_gpus_per_node * t.nnodes == 1,
-         f"trainer.n_gpus_per_node * trainer.nnodes = {t.n_gpus_per_node * t.nnodes}: this trainer runs in one process "
-         "on one device; multi-device training is vlmrl.distributed's (set both to 1 here)")
+    world = t.n_gpus_per_node * t.nnodes
+    need(t.n_gpus_per_node >= 1 and t.nnodes >= 1, "trainer.n_gpus_per_node and trainer.nnodes must be >= 1")
+    if world > 1:
+        need((a.ppo_mini_batch_size * r.n) % world == 0,
+             f"a mini-batch of {a.ppo_mini_batch_size * r.n} samples (ppo_mini_batch_size * rollout.n) does not split "
+             f"over {world} devices (n_gpus_per_node * nnodes): make it a multiple of {world}")
+        need(t.format_warmup_steps == 0, "trainer.format_warmup_steps is single-device only (it is for the embedded "
+             "tiny model): set it to 0 or run on one device")
+        need(r.name != "sglang-server", "rollout.name=sglang-server cannot be colocated with multi-device training: "
+             "use sglang (one engine per worker) or vllm")
     return problems
 
 

@@ -149,6 +149,30 @@ def test_short_run_on_vllm_and_its_checkpoint_loads_in_vllm(tiny_model_path, tmp
     assert meta.step == 2 and meta.engine == "vllm"
 
 
+@pytest.mark.ray
+def test_two_device_run_goes_through_the_same_loop(tiny_model_path, tmp_path):
+    """trainer.n_gpus_per_node=2 (CPU workers here): Ray workers with FSDP2 shards and colocated engines, the same
+    fit loop; the checkpoint is one full HF model folder."""
+    import tempfile
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp_dir = tempfile.mkdtemp(prefix="vlmrl-ray-")  # short: Ray's socket paths are length-limited
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir)
+    try:
+        out = tmp_path / "dp2"
+        fit(load_config(base_args(tiny_model_path, out, "trainer.n_gpus_per_node=2", "trainer.total_steps=2",
+                                  "trainer.save_freq=2", "trainer.val_before_train=false")))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(key in rows[-1] for key in TRAIN_KEYS + VAL_KEYS)
+    assert (out / "checkpoints" / "global_step_2" / "model.safetensors").exists()
+
+
 @pytest.mark.slow
 def test_demo_config_learns_the_synthetic_task(tmp_path):
     """The no-argument demo's recipe: validation accuracy rises >= 0.3 above its step-0 value (after the format
@@ -156,7 +180,7 @@ def test_demo_config_learns_the_synthetic_task(tmp_path):
     backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
     out = tmp_path / "demo"
     fit(load_config(["config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic.yaml"),
-                     f"rollout.name={backend}", "trainer.total_steps=100", f"trainer.output_dir={out}"]))
+                     f"rollout.name={backend}", "trainer.total_steps=120", f"trainer.output_dir={out}"]))
     curve = [(row["step"], row["val/accuracy"]) for row in read_metrics(out / "metrics.jsonl") if "val/accuracy" in row]
     start = curve[0][1]
     assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"

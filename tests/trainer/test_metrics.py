@@ -44,3 +44,18 @@ def test_plot_has_reward_and_validation_curves(tmp_path):
         sink.log(step, metrics)
     png = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_tensorboard_sink_writes_events_or_says_how_to_install(tmp_path):
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(RuntimeError, match="pip install tensorboard"):
+            MetricsLogger(tmp_path, ["console", "tensorboard"])
+        return
+    sink = MetricsLogger(tmp_path, ["tensorboard"])
+    sink.log(1, {"reward/mean": 0.5})
+    sink.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -64,9 +64,9 @@ def score(reward_fn: RewardFn, requests: Sequence[RolloutRequest], results: Sequ
 
 def build_train_batch(processor: Processor, config: Config, requests: Sequence[RolloutRequest],
                       results: Sequence[RolloutResult], scores: Sequence[float], parts: Sequence[dict[str, float]],
-                      policy_version: int) -> TrainBatch:
+                      policy_version: int, dp_size: int = 1) -> TrainBatch:
     """Pad every result as a Sample (shared prompt inputs computed once per request), stack, then add padding rows
-    up to a whole number of mini-batches (never duplicated real rows)."""
+    up to a whole number of mini-batches that split evenly over dp_size ranks (never duplicated real rows)."""
     n = config.rollout.n
     samples = []
     for j, request in enumerate(requests):
@@ -81,6 +81,6 @@ def build_train_batch(processor: Processor, config: Config, requests: Sequence[R
             sample.reward_extra = dict(parts[i])
             samples.append(sample)
     batch = stack_samples(samples)
-    multiple = required_batch_multiple(1, config.actor.ppo_mini_batch_size, n)
+    multiple = required_batch_multiple(dp_size, config.actor.ppo_mini_batch_size, n)
     return upsample_to_multiple(batch, multiple, eos_token_id=processor.eos_token_ids[0],
                                 pad_token_id=processor.pad_token_id)

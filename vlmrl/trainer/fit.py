@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,9 +75,13 @@ class Run:
     sampler: BatchSampler
     reward_fn: RewardFn
     actor: Actor
+    """The single-process Actor, or vlmrl.distributed's DistributedActor (same methods) when dp_size > 1."""
     backend: RolloutBackend
     sink: MetricsLogger
     total_steps: int
+    sync_weights: Callable[[], None]
+    """Actor weights -> rollout engines (and every cache holding old-weight results)."""
+    dp_size: int = 1
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
 
@@ -134,7 +139,8 @@ def train_step(run: Run) -> dict[str, float]:
         results = run.backend.generate(built.requests, training_sampling(cfg, step))
     with timer("reward"):
         scores, parts, failures = score(run.reward_fn, built.requests, results, run.processor.tokenizer, cfg.rollout.n)
-        batch = build_train_batch(run.processor, cfg, built.requests, results, scores, parts, policy_version=step - 1)
+        batch = build_train_batch(run.processor, cfg, built.requests, results, scores, parts, policy_version=step - 1,
+                                  dp_size=run.dp_size)
     old_logprobs = None  # one optimizer step on fresh samples: the update's own forward gives them (ratio 1)
     if not run.actor.skips_old_logprobs(len(batch)):
         with timer("old_logprobs"):
@@ -149,7 +155,7 @@ def train_step(run: Run) -> dict[str, float]:
     with timer("update"):
         actor_metrics = run.actor.update(batch, old_logprobs, advantages, ref_logprobs)
     with timer("weight_sync"):
-        run.backend.update_weights(run.actor.named_tensors())
+        run.sync_weights()
     return {**batch_metrics(batch), **actor_metrics, **timer.metrics(),
             **step_metrics(batch, advantages, failures, built.num_skipped, run, timer)}
 
@@ -221,8 +227,21 @@ def setup_run(config: Config) -> Run:
     sampler = BatchSampler(len(train_data), d.train_batch_size, shuffle=d.shuffle, seed=t.seed)
     total_steps = t.total_steps or t.total_epochs * sampler.batches_per_epoch
     checkpoint = latest_checkpoint(output_dir) if t.resume else None
-    actor = Actor(config.actor, total_steps, config.actor.ppo_mini_batch_size * config.rollout.n,
-                  temperature=config.rollout.temperature, init_path=str(checkpoint) if checkpoint else None)
+    init_path = str(checkpoint) if checkpoint else None
+    dp_size = t.n_gpus_per_node * t.nnodes
+    if dp_size > 1:  # Ray workers with FSDP2-sharded actors and colocated engines; the loop stays the same
+        from vlmrl.distributed.launch import start_distributed
+
+        actor, backend = start_distributed(config, total_steps, init_path)
+        sync_weights = actor.sync_weights
+    else:
+        actor = Actor(config.actor, total_steps, config.actor.ppo_mini_batch_size * config.rollout.n,
+                      temperature=config.rollout.temperature, init_path=init_path)
+        # A resumed backend starts from the checkpoint folder (HF format): weights already in sync.
+        backend = start_backend(config, model_path=init_path)
+
+        def sync_weights() -> None:
+            backend.update_weights(actor.named_tensors())
     step = 0
     if checkpoint is not None:
         state, info = load_checkpoint_state(checkpoint)
@@ -235,13 +254,11 @@ def setup_run(config: Config) -> Run:
         logger.warning("%s exists but there is no checkpoint to resume from: starting over (old lines dropped)",
                        output_dir / METRICS_FILE)
     truncate_after(output_dir / METRICS_FILE, step if checkpoint else -1)
-    # A resumed backend starts from the checkpoint folder (HF format): weights already in sync.
-    backend = start_backend(config, model_path=str(checkpoint) if checkpoint else None)
     from tqdm import tqdm
 
     sink = MetricsLogger(output_dir, t.logger, to_dict(config), t.project_name, t.experiment_name, console=tqdm.write)
     return Run(config, output_dir, processor, train_data, val_data, sampler, reward_fn, actor, backend, sink,
-               total_steps, step)
+               total_steps, sync_weights, dp_size, step)
 
 
 def start_of_training(run: Run) -> None:
@@ -251,7 +268,7 @@ def start_of_training(run: Run) -> None:
     if t.format_warmup_steps > 0:
         start = time.perf_counter()
         losses = format_warmup(run.actor, run.processor, run.train_data, run.config)
-        run.backend.update_weights(run.actor.named_tensors())
+        run.sync_weights()
         metrics.update({"warmup/loss_first": losses[0], "warmup/loss_last": losses[-1],
                         "timing/format_warmup": time.perf_counter() - start})
     if t.val_before_train and run.val_data is not None:
@@ -265,8 +282,9 @@ def start_of_training(run: Run) -> None:
 
 def save(run: Run) -> Path:
     start = time.perf_counter()
+    model = run.actor.model if isinstance(run.actor, Actor) else run.actor.full_model()  # gathered from the shards
     path = save_checkpoint(
-        run.output_dir, run.step, run.actor.model, run.config.actor.model_path,
+        run.output_dir, run.step, model, run.config.actor.model_path,
         trainer_state={"actor": run.actor.state_dict(), "rng": rng_state()},
         info={"data": run.sampler.state_dict(), "total_steps": run.total_steps, "config": to_dict(run.config)},
         keep=run.config.trainer.max_ckpt_to_keep)
