@@ -3,16 +3,18 @@
 #
 #   examples/qwen2_5_vl_grpo.sh
 #       The embedded default, on a CPU: the tiny random-init Qwen2.5-VL learns the synthetic colour task
-#       (examples/configs/tiny_synthetic.yaml) with the vLLM backend (hf when vLLM is not installed). A short format
-#       warm-up on RANDOM labels first teaches the answer format only; validation accuracy then starts at chance
-#       (~0.25) and GRPO raises it. Writes outputs/demo/{metrics.jsonl,curves.png}.
+#       (examples/configs/tiny_synthetic.yaml) with the vLLM backend (hf when vLLM is not installed; ROLLOUT=sglang
+#       or ROLLOUT=hf picks another). A short format warm-up on RANDOM labels first teaches the answer format only;
+#       validation accuracy then starts at chance (~0.25) and GRPO raises it. Writes outputs/demo/metrics.jsonl and
+#       outputs/demo/curves.png.
 #   VAL_ONLY=1 examples/qwen2_5_vl_grpo.sh
 #       Validate-only: no optimizer, weights untouched; writes metrics and the per-sample artifact
 #       (outputs/demo-val/validation_<backend>_step0.jsonl, see docs/artifact.md).
-#   MODEL_PATH=Qwen/Qwen2.5-VL-7B-Instruct DATA=geo3k ROLLOUT=vllm|sglang N_GPUS=1 examples/qwen2_5_vl_grpo.sh
-#       The real recipe (examples/configs/qwen2_5_vl_geo3k.yaml, close to verl/EasyR1's Qwen2.5-VL geo3k GRPO:
-#       lr 1e-6, n=5, low_var_kl 0.01, max_prompt_length 1024, max_response_length 2048, max_pixels 1003520).
-#       DATA_DIR (default ~/data/geo3k) holds train.parquet and test.parquet from examples/data/geo3k.py.
+#   MODEL_PATH=Qwen/Qwen2.5-VL-7B-Instruct DATA=geo3k ROLLOUT=vllm|sglang N_GPUS=8 [N_NODES=2] examples/qwen2_5_vl_grpo.sh
+#       The real recipe, selected by any of MODEL_PATH, DATA, N_GPUS, N_NODES: examples/configs/qwen2_5_vl_geo3k.yaml,
+#       close to verl/EasyR1's Qwen2.5-VL geo3k GRPO (lr 1e-6, n=5, low_var_kl 0.01, max_prompt_length 1024,
+#       max_response_length 2048, max_pixels 1003520). DATA_DIR (default ~/data/geo3k) holds train.parquet and
+#       test.parquet from examples/data/geo3k.py. More than one device runs Ray + FSDP2 workers (docs/distributed.md).
 #
 # Any key=value argument overrides the config (docs/config.md lists every key), e.g. trainer.total_steps=50.
 # PYTHON selects the interpreter (make demo passes the venv's).
@@ -25,14 +27,17 @@ SUFFIX=""
 if [[ "${VAL_ONLY:-0}" == "1" ]]; then
   SUFFIX="-val"  # validate-only writes beside a training run's output, not into it
 fi
-if [[ -n "${MODEL_PATH:-}" || "${DATA:-}" == "geo3k" ]]; then
+if [[ -n "${MODEL_PATH:-}" || -n "${DATA:-}" || -n "${N_GPUS:-}" || -n "${N_NODES:-}" ]]; then
+  if [[ -n "${DATA:-}" && "${DATA}" != "geo3k" ]]; then
+    echo "DATA=${DATA}: the recipe knows geo3k; for other data pass data.train_files=... data.val_files=..." >&2
+  fi
   # ---- the real recipe ------------------------------------------------------------------------------------------
   DATA_DIR=${DATA_DIR:-$HOME/data/geo3k}
   ARGS+=(config=examples/configs/qwen2_5_vl_geo3k.yaml
          "actor.model_path=${MODEL_PATH:-Qwen/Qwen2.5-VL-7B-Instruct}"
          "rollout.name=${ROLLOUT:-vllm}"
          "data.train_files=$DATA_DIR/train.parquet" "data.val_files=$DATA_DIR/test.parquet"
-         "trainer.n_gpus_per_node=${N_GPUS:-1}" "trainer.output_dir=${OUTPUT_DIR:-outputs/qwen2_5_vl_geo3k$SUFFIX}")
+         "trainer.n_gpus_per_node=${N_GPUS:-1}" "trainer.nnodes=${N_NODES:-1}" "trainer.output_dir=${OUTPUT_DIR:-outputs/qwen2_5_vl_geo3k$SUFFIX}")
 else
   # ---- the embedded default on a CPU -------------------------------------------------------------------------------
   if [[ -z "${ROLLOUT:-}" ]]; then
