@@ -159,7 +159,7 @@ class EngineContract:
 
     def test_pad_token_never_sampled_even_when_favoured(self, backend, hf, batch):
         """With lm_head pushed (through update_weights) to favour <|image_pad|>, HF without the ban picks it first
-        for every prompt; the backend never samples it (n=4, T=1), and its logprobs are still the raw ones."""
+        for every prompt; the backend never samples it (T=1), and its logprobs are still the raw ones."""
         pad = hf.processor.image_token_id
         original = clone_state(hf.model)
         favoured = favouring(hf, batch, pad)
@@ -168,10 +168,10 @@ class EngineContract:
             unbanned = hf.generate([without_ban(r) for r in batch], SamplingParams(temperature=0.0, max_new_tokens=1))
             assert all(r.response_ids == [pad] for r in unbanned), "the setting does not favour the pad token"
             backend.update_weights(favoured.items())
-            sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=6)
-            results = backend.generate(batch, sampling)
+            some = batch[::2]  # 0, 1 and 2 images; unbanned, nearly every one of these draws would be the pad token
+            results = backend.generate(some, SamplingParams(n=2, temperature=1.0, max_new_tokens=6))
             assert all(pad not in r.response_ids for r in results)
-            assert_logprobs_match_hf(hf, batch, results, 4, FAVOURED_LOGPROB_TOL, backend.name)
+            assert_logprobs_match_hf(hf, some, results, 2, FAVOURED_LOGPROB_TOL, backend.name)
         finally:
             hf.update_weights(original.items())
             backend.update_weights(original.items())

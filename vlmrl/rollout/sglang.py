@@ -11,8 +11,8 @@ banned tokens' own logprobs are requested too (`token_ids_logprob`) and the raw 
     raw = returned - log1p(sum_b exp(returned_b - BAN_LOGIT_BIAS))
 so every backend returns log_softmax of the raw logits over the whole vocabulary.
 Banned tokens: `logit_bias` of -1e4: their probability underflows to exactly 0 for any temperature below ~90.
-Seeds: SGLang honours `sampling_seed` only with `enable_deterministic_inference` (not with torch_native attention
-on CPU); seeded calls send each sample as its own request with `seed + position * n + i`, so samples differ.
+Samples: each of the n samples is its own entry of one batched call, with `sampling_seed = seed + position * n + i`
+(SGLang honours it only with `enable_deterministic_inference`, which torch_native attention on CPU refuses).
 Stale vision embeddings: SGLang's multimodal embedding cache survives weight updates and `flush_cache`. The engines
 vlmrl starts run with `SGLANG_VLM_CACHE_SIZE_MB=vlm_cache_size_mb` (0 by default), and every request also carries
 `mm_hashes` salted with the weight version, so a cache (e.g. a server given by URL) never serves old embeddings.
@@ -146,12 +146,12 @@ class _SGLangCommon(RolloutBackend):
         return list(images)
 
     def payload(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> dict[str, Any]:
-        """One batched /generate input. Request-major: entry per request (native n) or, when seeded, one entry per
-        sample with its own seed (SGLang's n would give all samples one seed)."""
+        """One batched /generate input, one entry per sample, request-major (verl sends n copies the same way).
+        SGLang's own `n` was slower here (it prefills each prompt alone, one after another, before sampling) and
+        would give all samples of a request one seed."""
         from vlmrl.processors import image_hash
 
         draws = 1 if sampling.greedy else sampling.n
-        per_sample = sampling.seed is not None and draws > 1
         entries: dict[str, list] = {"input_ids": [], "image_data": [], "sampling_params": [], "mm_hashes": []}
         for position, request in enumerate(requests):
             hashes = request.image_hashes or [image_hash(im) for im in request.images]
@@ -159,10 +159,9 @@ class _SGLangCommon(RolloutBackend):
             salted = [hashlib.sha256(f"{h}:{self.weight_version}".encode()).hexdigest()[:16] for h in hashes]
             images = self.encode_images(request.images)
             seed = sample_seed(sampling, position)
-            for i in range(draws if per_sample else 1):
-                params = {"n": 1 if per_sample else draws, "temperature": sampling.temperature,
-                          "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": sampling.max_new_tokens,
-                          "stop_token_ids": list(sampling.stop_token_ids),
+            for i in range(draws):
+                params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                          "max_new_tokens": sampling.max_new_tokens, "stop_token_ids": list(sampling.stop_token_ids),
                           "logit_bias": {str(t): BAN_LOGIT_BIAS for t in request.banned_token_ids} or None}
                 if seed is not None:
                     params["sampling_seed"] = seed + i
@@ -172,7 +171,7 @@ class _SGLangCommon(RolloutBackend):
                 entries["mm_hashes"].append(salted)
         body: dict[str, Any] = {**entries, "return_logprob": True}
         banned = sorted({t for r in requests for t in r.banned_token_ids})
-        if banned:  # one flat list for the batch (SGLang refuses per-request lists with n > 1)
+        if banned:  # one flat list for the whole batch: the union (only a request's own ids are biased)
             body["token_ids_logprob"] = banned
         if sampling.top_logprobs:
             body["top_logprobs_num"] = sampling.top_logprobs + len(banned)
@@ -299,8 +298,10 @@ class SGLangBackend(_SGLangCommon):
 
     def _start(self):
         env = self.engine_env()
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # inherited by the scheduler processes spawned below
+        # Inherited by the scheduler processes spawned below; SGLANG_USE_CPU_ENGINE stays set (this process's
+        # sglang reads it too), the two engine settings are put back afterwards.
+        saved = {k: os.environ.get(k) for k in env if k != "SGLANG_USE_CPU_ENGINE"}
+        os.environ.update(env)
         try:
             import sglang
 

@@ -1,0 +1,129 @@
+"""Rollout throughput: generated tokens/s of every backend at n=8, as a ratio to the `hf` reference, in one run.
+
+    .venv/bin/python benchmarks/bench_rollout.py                     # models tiny and tiny-large, all backends
+    .venv/bin/python benchmarks/bench_rollout.py --models tiny-large --backends hf vllm --requests 16
+
+The same requests (built by vlmrl.processors: a quarter text-only, half with one image, a quarter with two) go to
+each backend in turn; one backend is alive at a time. Per backend: start (timed apart), one warm-up call, then
+`--repeats` timed calls of all requests x n samples; reported: the median call's generated tokens / seconds.
+Before timing, every backend's greedy output on the requests is checked against hf's (fp32): a backend that does
+not reproduce hf is reported as MISMATCH instead of a speed. Writes JSON (atomically) with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+# Engine settings for a CPU run, before any engine is imported (the same as tests/conftest.py).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from vlmrl.models import ensure_built  # noqa: E402
+from vlmrl.processors import load_processor  # noqa: E402
+from vlmrl.rollout import get_backend  # noqa: E402
+from vlmrl.types import SamplingParams  # noqa: E402
+
+BACKENDS = ["hf", "vllm", "sglang", "sglang-server"]
+
+
+@dataclass
+class Row:
+    model: str
+    backend: str
+    start_s: float
+    call_s: float
+    tokens: int
+    tokens_per_s: float
+    greedy_matches_hf: bool
+    ratio_to_hf: float | None = None
+
+
+def build_requests(model_path: str, count: int) -> list:
+    """`count` requests from verl-style rows: 1/4 text-only, 1/2 one image, 1/4 two images, varied sizes."""
+    processor = load_processor(model_path)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(count):
+        images = [] if i % 4 == 0 else [None] * (2 if i % 4 == 3 else 1)
+        pictures = [Image.fromarray(rng.integers(0, 256, (int(rng.integers(80, 400)), int(rng.integers(80, 400)), 3),
+                                                 dtype=np.uint8)) for _ in images]
+        text = "".join("<image>" for _ in images) + f"Question {i}: describe what you see in detail."
+        rows.append({"prompt": [{"role": "user", "content": text}], "images": pictures})
+    return [processor.build_request(row, index=i) for i, row in enumerate(rows)]
+
+
+def measure(name: str, model: str, model_path: str, requests, sampling: SamplingParams, repeats: int,
+            reference: list | None) -> tuple[Row, list]:
+    t0 = time.perf_counter()
+    with get_backend(name, model_path, dtype="float32", max_model_len=2048, timeout_s=1800,
+                     start_timeout_s=1800) as backend:
+        start = time.perf_counter() - t0
+        greedy = backend.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=16))
+        matches = reference is None or [r.response_ids for r in greedy] == [r.response_ids for r in reference]
+        backend.generate(requests, sampling)  # warm-up
+        timings = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            results = backend.generate(requests, sampling)
+            timings.append((time.perf_counter() - t, sum(len(r.response_ids) for r in results)))
+    call_s, tokens = sorted(timings)[len(timings) // 2]
+    row = Row(model, name, round(start, 1), round(call_s, 3), tokens, round(tokens / call_s, 1), matches)
+    print(f"  {model:10s} {name:14s} start {start:6.1f} s  call {call_s:7.3f} s  {tokens:6d} tokens  "
+          f"{tokens / call_s:9.1f} tok/s  greedy==hf: {matches}", flush=True)
+    return row, greedy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["tiny", "tiny-large"])
+    parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="", help="write the rows as JSON here (atomically)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
+    rows: list[Row] = []
+    backends = ["hf"] + [b for b in args.backends if b != "hf"]  # hf first: the reference and the ratio's base
+    print(f"{args.requests} requests x n={args.n}, up to {args.max_new_tokens} new tokens, temperature 1.0, fp32; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    for model in args.models:
+        path = str(ensure_built(model))
+        requests = build_requests(path, args.requests)
+        reference = None
+        for name in backends:
+            row, greedy = measure(name, model, path, requests, sampling, args.repeats, reference)
+            reference = greedy if name == "hf" else reference
+            rows.append(row)
+        base = next(r.tokens_per_s for r in rows if r.model == model and r.backend == "hf")
+        for r in rows:
+            if r.model == model:
+                r.ratio_to_hf = round(r.tokens_per_s / base, 2)
+    print("\n| model | backend | start s | tokens/s | ratio to hf | greedy == hf |\n|---|---|---|---|---|---|")
+    for r in rows:
+        speed = f"{r.tokens_per_s:.0f}" if r.greedy_matches_hf else "MISMATCH"
+        print(f"| {r.model} | {r.backend} | {r.start_s} | {speed} | {r.ratio_to_hf}x | {r.greedy_matches_hf} |")
+    print(f"(load average {os.getloadavg()[0]:.1f} at the end)")
+    if args.out:
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        with tempfile.NamedTemporaryFile("w", dir=out_dir, delete=False, suffix=".tmp") as f:
+            json.dump({"args": vars(args), "rows": [asdict(r) for r in rows]}, f, indent=1)
+        os.replace(f.name, args.out)
+
+
+if __name__ == "__main__":
+    main()
