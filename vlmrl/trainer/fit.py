@@ -116,8 +116,8 @@ def fit(config: Config) -> dict[str, float]:
             run.sink.log(run.step, metrics)
             run.last_metrics = metrics
             progress.update(1)
-            progress.set_postfix({k.split("/")[-1]: round(metrics[k], 3) for k in ("reward/mean", "val/accuracy")
-                                  if k in metrics})
+            progress.set_postfix({short: round(metrics[key], 3) for key, short in
+                                  (("reward/mean", "reward"), ("val/accuracy", "val_acc")) if key in metrics})
             if _due(config.trainer.save_freq, run.step, run.total_steps):
                 save(run)
         progress.close()
