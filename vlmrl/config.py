@@ -25,11 +25,15 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from vlmrl.agent.config import AgentConfig
+
 logger = logging.getLogger(__name__)
 
 ROLLOUT_BACKENDS = ("hf", "vllm", "sglang", "sglang-server")
 LOGGERS = ("console", "tensorboard", "wandb")
-KL_LOSS_TYPES = ("low_var_kl", "k1", "k2", "mse")  # vlmrl.algorithms.grpo.KL_TYPES (config stays torch-free)
+KL_LOSS_TYPES = ("low_var_kl", "k1", "k2", "mse")  # vlmrl.algorithms.grpo.KL_TYPES (not imported: no torch math here)
+BAD_IMAGE_POLICIES = ("error", "filter")  # vlmrl.processors.config.BAD_IMAGE_POLICIES
+IMAGE_PATCH_PIXELS = 28 * 28  # pixels per image token of Qwen2/2.5-VL (14x14 patches, 2x2 merged)
 LR_SCHEDULERS = ("constant", "cosine")
 
 
@@ -68,6 +72,21 @@ class DataConfig:
     """Rows in the synthetic task's train split (only for `synthetic`)."""
     synthetic_val_size: int = 128
     """Rows in the synthetic task's held-out split (only for `synthetic`)."""
+    on_bad_image: str = "error"
+    """A corrupt, missing, empty, oversized or disallowed image, or a row whose image count differs from its
+    placeholders: "error" stops with the row named, "filter" skips the row (counted and logged)."""
+    data_root: str | None = None
+    """Folder image paths live in: relative paths resolve under it and no path may point outside it (symlinks and
+    '..' resolved first). null = paths are taken as given (relative to the working directory)."""
+    allow_remote_images: bool = False
+    """Fetch http(s) image URLs found in the data. Off: a dataset cannot make the trainer reach the network."""
+    remote_timeout_s: float = 10.0
+    """Timeout of one remote image fetch (connect and each read), when allow_remote_images."""
+    remote_max_bytes: int = 33554432
+    """Largest remote image accepted, in bytes (32 MiB); the download stops past it."""
+    max_image_pixels: int = 89478485
+    """Decompression-bomb guard: an image whose header declares more pixels than this is rejected before it is
+    decoded (PIL's default). Not a resize bound: see max_pixels."""
 
 
 @dataclass
@@ -153,6 +172,9 @@ class RolloutConfig:
     """Tensor parallel degree of the engine."""
     timeout_s: float = 600.0
     """Every engine call must finish within this, else the run stops with an error naming the backend."""
+    limit_images: int = 8
+    """Most images one engine request may carry (vLLM limit_mm_per_prompt): prompt images plus, with agent.enable,
+    the images tools add to the conversation."""
     server_url: str = ""
     """sglang-server only: URL of a running server; empty = vlmrl launches one on 127.0.0.1."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -230,6 +252,8 @@ class Config:
     """Reward function."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, validation, checkpoints, logging."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollout with tools and partial rollout (vlmrl.agent; docs/agent.md)."""
 
 
 def load_config(args: list[str] | None = None, check_model: bool = True) -> Config:
@@ -347,7 +371,47 @@ def validate(config: Config) -> list[str]:
              "tiny model): set it to 0 or run on one device")
         need(r.name != "sglang-server", "rollout.name=sglang-server cannot be colocated with multi-device training: "
              "use sglang (one engine per worker) or vllm")
+    problems += data_image_problems(d)
+    if config.agent.enable:
+        problems += agent_problems(config)
     return problems
+
+
+def data_image_problems(d: DataConfig) -> list[str]:
+    """The processor's image-safety keys (vlmrl.processors.ProcessorConfig checks them again when it is built)."""
+    out = []
+    if d.on_bad_image not in BAD_IMAGE_POLICIES:
+        out.append(f"data.on_bad_image={d.on_bad_image!r} is not one of {list(BAD_IMAGE_POLICIES)}")
+    for key, value in (("data.remote_timeout_s", d.remote_timeout_s), ("data.remote_max_bytes", d.remote_max_bytes),
+                       ("data.max_image_pixels", d.max_image_pixels)):
+        if value <= 0:
+            out.append(f"{key}={value} must be > 0")
+    if d.max_image_pixels < d.max_pixels:
+        out.append(f"data.max_image_pixels={d.max_image_pixels} rejects images data.max_pixels={d.max_pixels} allows "
+                   "after resizing: raise data.max_image_pixels")
+    return out
+
+
+def agent_problems(config: Config) -> list[str]:
+    """The agent section's own checks, and how it must fit the data and rollout sections."""
+    ag, d, r = config.agent, config.data, config.rollout
+    out = list(config.agent.problems())
+    if ag.max_response_tokens > d.max_response_length:
+        out.append(f"agent.max_response_tokens={ag.max_response_tokens} > data.max_response_length="
+                   f"{d.max_response_length}: a trajectory must fit the padded response; lower agent.max_response_tokens "
+                   "or raise data.max_response_length")
+    if ag.tools and ag.max_tool_images > 0:
+        if 1 + ag.max_tool_images > r.limit_images:
+            out.append(f"agent.max_tool_images={ag.max_tool_images} plus the prompt's image exceeds rollout.limit_images="
+                       f"{r.limit_images}: the engine would reject the conversation; raise rollout.limit_images or lower "
+                       "agent.max_tool_images")
+        image_tokens = d.max_pixels // IMAGE_PATCH_PIXELS
+        budget = min(ag.max_response_tokens, d.max_response_length)
+        if image_tokens >= budget:
+            out.append(f"one tool image at data.max_pixels={d.max_pixels} takes up to {image_tokens} response tokens, "
+                       f"the whole response budget of {budget}: lower data.max_pixels, raise agent.max_response_tokens "
+                       "and data.max_response_length, or set agent.max_tool_images=0")
+    return out
 
 
 def _largest_divisor(total: int, at_most: int) -> int:

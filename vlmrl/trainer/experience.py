@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from vlmrl.batch import pad_sample, prompt_inputs, required_batch_multiple, stack_samples, upsample_to_multiple
 from vlmrl.config import Config
 from vlmrl.processors import Processor, ProcessorConfig, load_processor
 from vlmrl.rewards import RewardFn, RewardInput, compute_rewards
 from vlmrl.rollout import RolloutBackend, backend_class, get_backend
-from vlmrl.types import RolloutRequest, RolloutResult, TrainBatch
+from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
+
+if TYPE_CHECKING:
+    from vlmrl.agent import AgentBatch, AgentLoop
+    from vlmrl.data import RLDataset
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +28,10 @@ def processor_config(config: Config) -> ProcessorConfig:
     """The processor settings a run's data section implies."""
     d = config.data
     return ProcessorConfig(min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
-                           on_overlong="filter" if d.filter_overlong_prompts else "error")
+                           on_overlong="filter" if d.filter_overlong_prompts else "error",
+                           on_bad_image=d.on_bad_image, data_root=d.data_root,
+                           allow_remote_images=d.allow_remote_images, remote_timeout_s=d.remote_timeout_s,
+                           remote_max_bytes=d.remote_max_bytes, max_image_pixels=d.max_image_pixels)
 
 
 def build_processor(config: Config, model_path: str | None = None) -> Processor:
@@ -34,7 +42,7 @@ def backend_options(config: Config, name: str) -> dict:
     """get_backend options from the rollout section; engine-specific ones only where the backend takes them."""
     r = config.rollout
     options = {"dtype": r.dtype, "max_model_len": config.data.max_prompt_length + config.data.max_response_length,
-               "timeout_s": r.timeout_s, "seed": config.trainer.seed, "engine_kwargs": dict(r.engine_kwargs)}
+               "limit_images": r.limit_images, "timeout_s": r.timeout_s, "seed": config.trainer.seed, "engine_kwargs": dict(r.engine_kwargs)}
     accepted = {f.name for f in dataclasses.fields(backend_class(name).options_class)}
     extra = {"gpu_memory_utilization": r.gpu_memory_utilization, "tensor_parallel_size": r.tensor_parallel_size,
              "server_url": r.server_url or None}
@@ -55,6 +63,12 @@ def score(reward_fn: RewardFn, requests: Sequence[RolloutRequest], results: Sequ
     """Reward every result (request-major, n per request): (scores, parts, failures). A failing reward function
     scores 0 with `reward_failed = 1` and the run goes on (vlmrl.rewards.compute_rewards)."""
     texts = tokenizer.batch_decode([r.response_ids for r in results], skip_special_tokens=True)
+    return score_texts(reward_fn, requests, texts, n)
+
+
+def score_texts(reward_fn: RewardFn, requests: Sequence[RolloutRequest], texts: Sequence[str],
+                n: int) -> tuple[list[float], list[dict[str, float]], int]:
+    """`score` on response texts already decoded (request-major, n per request)."""
     items = []
     for i, text in enumerate(texts):
         request = requests[i // n]
@@ -84,3 +98,72 @@ def build_train_batch(processor: Processor, config: Config, requests: Sequence[R
     multiple = required_batch_multiple(dp_size, config.actor.ppo_mini_batch_size, n)
     return upsample_to_multiple(batch, multiple, eos_token_id=processor.eos_token_ids[0],
                                 pad_token_id=processor.pad_token_id)
+
+
+# ---------------------------------------------------------------------------------------------------- agent rollout
+
+
+def start_agent(config: Config, backend: RolloutBackend, processor: Processor) -> AgentLoop:
+    """The multi-turn loop over the run's backend (tools built from agent.tools)."""
+    from vlmrl.agent import AgentLoop
+
+    return AgentLoop(backend, processor, config.agent, prompt_length=config.data.max_prompt_length,
+                     response_length=config.data.max_response_length)
+
+
+def final_answers(batch: AgentBatch) -> list[str]:
+    """What the reward reads: each trajectory's last assistant turn (tool replies are not the model's answer)."""
+    return [s.assistant_texts[-1] if s.assistant_texts else "" for s in batch.samples]
+
+
+def agent_results(batch: AgentBatch) -> list[RolloutResult]:
+    """The agent samples as RolloutResults (whole real response, tool turns included) for validation's metrics and
+    artifact; logprobs are 0 on tool tokens."""
+    results = []
+    for agent_sample in batch.samples:
+        s = agent_sample.sample
+        real = s.attention_mask[s.prompt_ids.shape[0]:].bool()
+        ids = s.response_ids[real].tolist()
+        logprobs = s.rollout_logprobs[real].tolist() if s.rollout_logprobs is not None else [0.0] * len(ids)
+        results.append(RolloutResult(s.uid, agent_sample.sample_index, ids, logprobs, s.finish_reason))
+    return results
+
+
+class PromptQueue:
+    """Dataset indices from the BatchSampler in any amount (partial rollout asks for more or fewer than a batch)."""
+
+    def __init__(self, sampler: Iterator[list[int]]):
+        self.sampler, self.pending = sampler, []
+
+    def take(self, count: int) -> list[int]:
+        while len(self.pending) < count:
+            self.pending.extend(next(self.sampler))
+        taken, self.pending = self.pending[:count], self.pending[count:]
+        return taken
+
+
+def agent_train_batch(agent: AgentLoop, processor: Processor, config: Config, dataset: RLDataset, queue: PromptQueue,
+                      reward_fn: RewardFn, sampling: SamplingParams, step: int,
+                      dp_size: int = 1) -> tuple[TrainBatch, dict[str, float], int, int]:
+    """One step's multi-turn rollout, scored on each trajectory's final answer and stacked like the plain path.
+    Returns (batch, agent metrics, reward failures, filtered prompts)."""
+    from vlmrl.data import build_requests
+
+    size = config.data.train_batch_size
+    built = build_requests(processor, dataset, queue.take(agent.prompts_needed(size)))
+    if not built.requests and not agent.carried:
+        raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
+    rollout = agent.step(built.requests, sampling, batch_size=size, policy_version=step - 1)
+    if not rollout.samples:
+        raise RuntimeError(f"step {step}: the agent loop finished no group (see the partial rollout warning)")
+    scores, parts, failures = score_texts(reward_fn, rollout.requests, final_answers(rollout), sampling.n)
+    samples = []
+    for agent_sample, value, extra in zip(rollout.samples, scores, parts):
+        sample = agent_sample.sample
+        sample.reward = float(value)
+        sample.reward_extra.update(extra)  # keeps the tools' own rewards (tool/<name>) next to the task's parts
+        samples.append(sample)
+    multiple = required_batch_multiple(dp_size, config.actor.ppo_mini_batch_size, sampling.n)
+    batch = upsample_to_multiple(stack_samples(samples), multiple, eos_token_id=processor.eos_token_ids[0],
+                                 pad_token_id=processor.pad_token_id)
+    return batch, rollout.metrics, failures, built.num_skipped

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,11 +36,22 @@ from vlmrl.trainer.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from vlmrl.trainer.experience import build_processor, build_train_batch, score, start_backend
+from vlmrl.trainer.experience import (
+    PromptQueue,
+    agent_train_batch,
+    build_processor,
+    build_train_batch,
+    score,
+    start_agent,
+    start_backend,
+)
 from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_curves, truncate_after
 from vlmrl.trainer.validation import load_val_dataset, run_validation
 from vlmrl.trainer.warmup import format_warmup
 from vlmrl.types import SamplingParams, TrainBatch
+
+if TYPE_CHECKING:
+    from vlmrl.agent import AgentLoop
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +96,14 @@ class Run:
     dp_size: int = 1
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
+    agent: AgentLoop | None = None
+    """The multi-turn loop over `backend` when agent.enable (training and validation rollouts go through it)."""
+    prompts: PromptQueue | None = None
+    """Prompt indices for the agent loop, which may ask for more or fewer than a batch (partial rollout)."""
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()  # releases the tools of carried trajectories before the backend goes
         self.backend.close()
         self.sink.close()
 
@@ -132,17 +150,29 @@ def train_step(run: Run) -> dict[str, float]:
     """One GRPO step on the next batch of prompts; returns its metrics (the caller logs them)."""
     cfg, step = run.config, run.step + 1
     timer = PhaseTimer()
-    with timer("rollout"):
-        built = build_requests(run.processor, run.train_data, next(run.sampler))
-        if not built.requests:
-            raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
-        results = run.backend.generate(built.requests, training_sampling(cfg, step))
-    with timer("reward"):
-        scores, parts, failures = score(run.reward_fn, built.requests, results, run.processor.tokenizer, cfg.rollout.n)
-        batch = build_train_batch(run.processor, cfg, built.requests, results, scores, parts, policy_version=step - 1,
-                                  dp_size=run.dp_size)
+    agent_metrics: dict[str, float] = {}
+    if run.agent is not None:  # rollout and reward together: the loop pads each trajectory as it ends
+        with timer("rollout"):
+            batch, agent_metrics, failures, filtered = agent_train_batch(
+                run.agent, run.processor, cfg, run.train_data, run.prompts, run.reward_fn, training_sampling(cfg, step),
+                step, run.dp_size)
+    else:
+        with timer("rollout"):
+            built = build_requests(run.processor, run.train_data, next(run.sampler))
+            if not built.requests:
+                raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
+            results = run.backend.generate(built.requests, training_sampling(cfg, step))
+        with timer("reward"):
+            scores, parts, failures = score(run.reward_fn, built.requests, results, run.processor.tokenizer,
+                                            cfg.rollout.n)
+            batch = build_train_batch(run.processor, cfg, built.requests, results, scores, parts,
+                                      policy_version=step - 1, dp_size=run.dp_size)
+        filtered = built.num_skipped
     old_logprobs = None  # one optimizer step on fresh samples: the update's own forward gives them (ratio 1)
-    if not run.actor.skips_old_logprobs(len(batch)):
+    # Carried partial-rollout tokens came from older policies: the current weights are not the ones that sampled them,
+    # so the trainer recomputes old logprobs with the weights about to be updated (verl's recompute).
+    carries = cfg.agent.enable and cfg.agent.partial.enable
+    if carries or not run.actor.skips_old_logprobs(len(batch)):
         with timer("old_logprobs"):
             old_logprobs, _ = run.actor.compute_logprobs(batch)
     ref_logprobs = None
@@ -156,8 +186,8 @@ def train_step(run: Run) -> dict[str, float]:
         actor_metrics = run.actor.update(batch, old_logprobs, advantages, ref_logprobs)
     with timer("weight_sync"):
         run.sync_weights()
-    return {**batch_metrics(batch), **actor_metrics, **timer.metrics(),
-            **step_metrics(batch, advantages, failures, built.num_skipped, run, timer)}
+    return {**batch_metrics(batch), **actor_metrics, **agent_metrics, **timer.metrics(),
+            **step_metrics(batch, advantages, failures, filtered, run, timer)}
 
 
 def step_metrics(batch: TrainBatch, advantages: torch.Tensor, failures: int, filtered: int, run: Run,
@@ -193,7 +223,7 @@ def training_sampling(config: Config, step: int) -> SamplingParams:
 
 def validate(run: Run) -> dict[str, float]:
     return run_validation(run.config, run.backend, step=run.step, processor=run.processor, dataset=run.val_data,
-                          reward_fn=run.reward_fn).metrics
+                          reward_fn=run.reward_fn, agent=run.agent).metrics
 
 
 def _due(freq: int, step: int, total: int) -> bool:
@@ -257,8 +287,11 @@ def setup_run(config: Config) -> Run:
     from tqdm import tqdm
 
     sink = MetricsLogger(output_dir, t.logger, to_dict(config), t.project_name, t.experiment_name, console=tqdm.write)
-    return Run(config, output_dir, processor, train_data, val_data, sampler, reward_fn, actor, backend, sink,
-               total_steps, sync_weights, dp_size, step)
+    run = Run(config, output_dir, processor, train_data, val_data, sampler, reward_fn, actor, backend, sink,
+              total_steps, sync_weights, dp_size, step)
+    if config.agent.enable:
+        run.agent, run.prompts = start_agent(config, backend, processor), PromptQueue(sampler)
+    return run
 
 
 def start_of_training(run: Run) -> None:

@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vlmrl.alignment.artifact import (
     ArtifactMeta,
@@ -39,8 +40,19 @@ from vlmrl.data import RLDataset, build_requests, load_dataset, sequential_batch
 from vlmrl.processors import Processor
 from vlmrl.rewards import RewardFn, get_reward_fn
 from vlmrl.rollout import RolloutBackend
-from vlmrl.trainer.experience import build_processor, score, start_backend
+from vlmrl.trainer.experience import (
+    agent_results,
+    build_processor,
+    final_answers,
+    score,
+    score_texts,
+    start_agent,
+    start_backend,
+)
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
+
+if TYPE_CHECKING:
+    from vlmrl.agent import AgentLoop
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +88,7 @@ def run_validation(
     processor: Processor | None = None,
     dataset: RLDataset | None = None,
     reward_fn: RewardFn | None = None,
+    agent: AgentLoop | None = None,
 ) -> ValidationResult:
     """Validate on `data.val_files`; write the per-sample artifact when `artifact_path` is given.
 
@@ -84,6 +97,8 @@ def run_validation(
             `config.actor.model_path` and closed here.
         step: the training step of the weights (recorded in the artifact).
         processor, dataset, reward_fn: reuse the caller's; built from the config when None.
+        agent: the run's multi-turn loop (over `backend`); with agent.enable and none given, one is built here.
+            Agent samples are scored on their last assistant turn; their response is the whole conversation.
     """
     processor = processor or build_processor(config)
     dataset = dataset or load_val_dataset(config)
@@ -93,21 +108,34 @@ def run_validation(
     running = owned or start_backend(config, backend)
     requests: list[RolloutRequest] = []
     results: list[RolloutResult] = []
+    answers: list[str] = []  # agent only: each trajectory's last assistant turn
     filtered = 0
+    own_agent = agent is None and config.agent.enable
     try:
+        if own_agent:
+            agent = start_agent(config, running, processor)
         for indices in sequential_batches(len(dataset), config.data.val_batch_size):
             built = build_requests(processor, dataset, indices)
             filtered += built.num_skipped
-            if built.requests:
+            if built.requests and agent is not None:
+                rolled = agent.run(built.requests, sampling, policy_version=step)
+                results.extend(agent_results(rolled))
+                answers.extend(final_answers(rolled))
+            elif built.requests:
                 results.extend(running.generate(built.requests, sampling))
-                requests.extend(built.requests)
+            requests.extend(built.requests)
     finally:
+        if own_agent and agent is not None:
+            agent.close()
         if owned is None:
             running.close()
     if not requests:
         raise ValueError(f"validation: every one of the {len(dataset)} rows of {dataset.spec} was filtered; raise "
                          "data.max_prompt_length or check the images")
-    scores, parts, failures = score(reward_fn, requests, results, processor.tokenizer, sampling.n)
+    if agent is not None:
+        scores, parts, failures = score_texts(reward_fn, requests, answers, sampling.n)
+    else:
+        scores, parts, failures = score(reward_fn, requests, results, processor.tokenizer, sampling.n)
     metrics = validation_metrics(requests, results, scores, parts, sampling.n)
     metrics.update({"val/filtered_prompts": float(filtered), "val/reward_failures": float(failures)})
     records = None
