@@ -140,3 +140,42 @@ def test_multi_device_settings_are_checked():
     message = problems_of("trainer.n_gpus_per_node=3", "trainer.format_warmup_steps=5")
     assert "does not split over 3 devices" in message and "format_warmup_steps is single-device only" in message
     assert load("trainer.n_gpus_per_node=2").trainer.n_gpus_per_node == 2
+
+
+@pytest.mark.parametrize("name", ["geo3k_check_answer.yaml", "geo3k_zoom.yaml"])
+def test_agent_examples_load_as_run_configs(name):
+    config = load_config([f"config={ROOT / 'examples' / 'agent' / name}"], check_model=False)
+    assert config.agent.enable and config.agent.tools
+    assert config.agent.max_response_tokens <= config.data.max_response_length
+
+
+def test_agent_section_is_checked_at_load():
+    agent = ["agent.enable=true", "agent.tools=[{path: 'vlmrl.agent.builtin:ImageZoomTool'}]",
+             "agent.max_response_tokens=64", "data.max_pixels=12544"]  # a tool image: at most 16 tokens
+    assert load(*agent).agent.tools[0].path == "vlmrl.agent.builtin:ImageZoomTool"
+    assert "agent.max_turns=0: must be >= 1" in problems_of(*agent, "agent.max_turns=0")
+    assert "agent.partial.unfinished='keep'" in problems_of(*agent, "agent.partial.unfinished=keep")
+    # a trajectory longer than the padded response cannot be stored
+    assert "agent.max_response_tokens=128 > data.max_response_length=64" in problems_of(
+        *agent, "agent.max_response_tokens=128")
+    # prompt image + tool images must fit the engine's per-request image limit
+    assert "rollout.limit_images=4" in problems_of(*agent, "agent.max_tool_images=4", "rollout.limit_images=4")
+    # one tool image at data.max_pixels (1280 tokens by default) cannot fit a 64-token response
+    assert "takes up to 1280 response tokens" in problems_of(*agent, "data.max_pixels=1003520")
+    assert load(*agent, "agent.max_tool_images=0", "data.max_pixels=1003520").agent.max_tool_images == 0
+    # off: the agent section's limits do not apply
+    assert not load("agent.max_response_tokens=4096").agent.enable
+
+
+def test_image_safety_keys_reach_the_processor_config(tmp_path):
+    from vlmrl.trainer.experience import processor_config
+
+    config = load("data.on_bad_image=filter", f"data.data_root={tmp_path}", "data.allow_remote_images=true",
+                  "data.remote_timeout_s=2.5", "data.remote_max_bytes=1024", "data.max_image_pixels=2000000")
+    processor = processor_config(config)
+    assert (processor.on_bad_image, processor.data_root, processor.allow_remote_images) == ("filter", str(tmp_path), True)
+    assert (processor.remote_timeout_s, processor.remote_max_bytes, processor.max_image_pixels) == (2.5, 1024, 2000000)
+    assert processor_config(load()).data_root is None and not processor_config(load()).allow_remote_images
+    assert "data.on_bad_image='skip'" in problems_of("data.on_bad_image=skip")
+    assert "data.remote_max_bytes=0 must be > 0" in problems_of("data.remote_max_bytes=0")
+    assert "raise data.max_image_pixels" in problems_of("data.max_image_pixels=1000")
