@@ -49,9 +49,6 @@ def test_engine_runs_the_multi_turn_conversation(engine, processor, hf_model):
 
 
 def test_engine_partial_rollout_carries_and_finishes(engine, processor):
-    if engine.name != "vllm":
-        # The scheduler is backend-independent (tested on hf); one engine keeps the suite within its time budget.
-        pytest.skip("partial rollout is checked on vllm only (SGLang's CPU calls are slow: ~50 s for this test)")
     config = AgentConfig(partial=PartialRolloutConfig(enable=True, oversample_factor=2.0, chunk_tokens=16))
     with AgentLoop(engine, processor, config, prompt_length=P, response_length=R, tools=tools()) as loop:
         new = [processor.build_request(scripted.row(q)) for q in (scripted.SHORT_QUESTION, scripted.LONG_QUESTION)]
