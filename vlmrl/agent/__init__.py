@@ -1,26 +1,25 @@
-"""Multi-turn rollout with tools (images in and out) and partial rollout; see `vlmrl.agent.loop` and docs/agent.md."""
+"""Multi-turn rollout with tools (images in and out) and partial rollout; see `vlmrl.agent.loop` and docs/agent.md.
+
+Only the config is imported eagerly: `vlmrl.config` needs `AgentConfig`, and loading a run config must not import
+torch. Everything else is imported on first use.
+"""
+
+from importlib import import_module
 
 from vlmrl.agent.config import AgentConfig, PartialRolloutConfig, ToolSpec
-from vlmrl.agent.loop import AgentBatch, AgentLoop, Group
-from vlmrl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
-from vlmrl.agent.tools import Tool, ToolContext, ToolOutput, ToolRegistry
-from vlmrl.agent.trajectory import TOOL_VERSION, AgentSample, Trajectory
 
-__all__ = [
-    "TOOL_VERSION",
-    "AgentBatch",
-    "AgentConfig",
-    "AgentLoop",
-    "AgentSample",
-    "Group",
-    "PartialRolloutConfig",
-    "Tool",
-    "ToolCall",
-    "ToolCallError",
-    "ToolContext",
-    "ToolOutput",
-    "ToolRegistry",
-    "ToolSpec",
-    "Trajectory",
-    "parse_tool_calls",
-]
+_LAZY = {
+    "AgentBatch": "loop", "AgentLoop": "loop", "Group": "loop",
+    "ToolCall": "parser", "ToolCallError": "parser", "parse_tool_calls": "parser",
+    "Tool": "tools", "ToolContext": "tools", "ToolOutput": "tools", "ToolRegistry": "tools",
+    "TOOL_VERSION": "trajectory", "AgentSample": "trajectory", "Trajectory": "trajectory",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"vlmrl.agent.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'vlmrl.agent' has no attribute {name!r}")
+
+
+__all__ = ["AgentConfig", "PartialRolloutConfig", "ToolSpec", *sorted(_LAZY)]

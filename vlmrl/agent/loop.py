@@ -35,7 +35,7 @@ from vlmrl.agent.tools import ToolContext, ToolRegistry, ToolTimeout, as_output,
 from vlmrl.agent.trajectory import AgentSample, Trajectory, to_sample
 from vlmrl.agent.turns import ToolReply, TurnRenderer
 from vlmrl.batch.padding import PromptInputs, prompt_inputs
-from vlmrl.processors.images import ImageInputError, ImageLimits, image_hash, load_image, resize_image
+from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
 from vlmrl.types import RolloutRequest, RolloutResult, Sample, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class AgentLoop:
                 traj.count("tool/images_over_limit")
                 continue
             try:
-                rgb = load_image(image, ImageLimits())
+                rgb = load_image(image, self.processor.image_limits)  # the data.* image-safety settings
                 shown.append(resize_image(rgb, self.processor.min_pixels, self.processor.max_pixels,
                                           self.processor.config.image_factor))
             except ImageInputError as err:

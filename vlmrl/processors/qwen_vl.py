@@ -75,7 +75,8 @@ class Processor:
         self.spatial_merge_size: int = int(self.image_processor.merge_size)
         self.temporal_patch_size: int = int(self.image_processor.temporal_patch_size)
         self.min_pixels, self.max_pixels = self._pixel_bounds()
-        self._limits = ImageLimits(config.data_root, config.allow_remote_images, config.remote_timeout_s,
+        # Where images may come from and how large they may be: shared with tool images in the agent loop.
+        self.image_limits = ImageLimits(config.data_root, config.allow_remote_images, config.remote_timeout_s,
                                    config.remote_max_bytes, config.max_image_pixels)
 
     def _pixel_bounds(self) -> tuple[int, int]:
@@ -117,7 +118,7 @@ class Processor:
         images = []
         for i, source in enumerate(sources):
             try:
-                loaded = load_image(source, self._limits)
+                loaded = load_image(source, self.image_limits)
                 images.append(resize_image(loaded, self.min_pixels, self.max_pixels, self.config.image_factor))
             except ImageInputError as err:
                 self._bad_image(index, f"image {i}: {err}")
