@@ -179,3 +179,12 @@ def test_image_safety_keys_reach_the_processor_config(tmp_path):
     assert "data.on_bad_image='skip'" in problems_of("data.on_bad_image=skip")
     assert "data.remote_max_bytes=0 must be > 0" in problems_of("data.remote_max_bytes=0")
     assert "raise data.max_image_pixels" in problems_of("data.max_image_pixels=1000")
+
+
+def test_readme_lists_every_key():
+    from vlmrl.config import readme_reference
+
+    readme = (ROOT / "README.md").read_text()
+    assert readme_reference() in readme, "README's configuration reference is stale: run scripts/update_readme_config.py"
+    missing = [key for key, _, _ in describe(Config) if f"`{key}`" not in readme]
+    assert not missing, f"keys missing from the README: {missing}"

@@ -499,6 +499,12 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
+def readme_reference() -> str:
+    """The README's configuration reference: the same tables one heading level down, without the title."""
+    body = markdown().split("\n", 2)[2]
+    return "\n".join("#" + line if line.startswith("## ") else line for line in body.splitlines()) + "\n"
+
+
 if __name__ == "__main__":
     import sys
 
