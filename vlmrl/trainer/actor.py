@@ -127,7 +127,165 @@ def _chunks(rows: Sequence[int], size: int) -> list[list[int]]:
     return [list(rows[i : i + size]) for i in range(0, len(rows), size)]
 
 
-class Actor:
+class BaseActor:
+    """What the single-process actor and one FSDP rank's actor (`vlmrl.distributed.actor.ShardedActor`) share: the
+    logprob pass and the PPO update loop. ONE loop serves both, so their math cannot drift apart.
+
+    A subclass builds `config`, `device`, `dtype`, `compute_dtype`, `temperature`, `model`, `reference` (or None),
+    `trainable`, `optimizer` and `scheduler`, and may override `clip_gradients` (a sharded model needs the norm over
+    every rank's shards).
+    """
+
+    config: ActorConfig
+    device: torch.device
+    dtype: torch.dtype
+    compute_dtype: torch.dtype
+    temperature: float
+    model: torch.nn.Module
+    reference: torch.nn.Module | None
+    trainable: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    def autocast(self):
+        """Mixed precision for a forward (and its backward) when compute and weight dtypes differ."""
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != self.dtype)
+
+    def clip_gradients(self) -> float:
+        """Clip the gradient norm to config.grad_clip (<= 0: measure only); returns the norm before clipping."""
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(self.trainable, max_norm))
+
+    # ---- logprobs ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, R) logprobs of the response tokens (0 on padding) and, optionally, their (B, R) entropy.
+        `reference=True` uses the frozen reference (only when the KL loss is on). On a sharded model every rank must
+        call it with the same number of rows (the forwards are collectives)."""
+        model = self.reference if reference else self.model
+        if model is None:
+            raise RuntimeError("no reference model: it is loaded only when actor.use_kl_loss is true")
+        was_training = model.training
+        model.eval()
+        width = batch.response_mask.shape[1]
+        logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        entropy = torch.zeros_like(logprobs) if with_entropy else None
+        for rows in _chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
+            with self.autocast():
+                lp, ent = forward_response(model, micro_batch(batch, rows, self.device), self.temperature, with_entropy)
+            logprobs[rows] = _pad_to(lp.cpu(), width)
+            if entropy is not None:
+                entropy[rows] = _pad_to(ent.cpu(), width)
+        model.train(was_training)
+        return logprobs * batch.response_mask, (entropy * batch.response_mask if entropy is not None else None)
+
+    # ---- update -----------------------------------------------------------------------------------------------------
+
+    def ppo_update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+                   ref_logprobs: torch.Tensor | None, mini_batch_rows: int, normalisers: Sequence[torch.Tensor],
+                   keep_empty_micro_batches: bool) -> dict[str, float]:
+        """PPO-clip updates: ppo_epochs x len(normalisers) optimizer steps, each accumulating micro-batch gradients;
+        then one lr-scheduler step (one per training step).
+
+        Args:
+            batch: B = len(normalisers) * mini_batch_rows rows; row block m is mini-batch m.
+            old_logprobs: (B, R), or None when there is exactly one optimizer step (ratio 1, see `update`).
+            advantages: (B,) sequence advantages (0 on padding rows).
+            ref_logprobs: (B, R) reference logprobs; required when the KL loss is on.
+            mini_batch_rows: rows per mini-batch.
+            normalisers: per mini-batch, the scalar its summed token loss is divided by: its token count (single
+                process), or the GLOBAL mini-batch's token count / world size (one FSDP rank: the ranks' gradient
+                average is then the global token mean). 0 = no token anywhere: the step is skipped (on every rank).
+            keep_empty_micro_batches: run micro-batches without a token too (zero loss): an FSDP rank must join
+                every collective the other ranks issue.
+
+        Returns:
+            metrics averaged over optimizer steps (see `Actor.update`).
+        """
+        cfg = self.config
+        if old_logprobs is None and not (cfg.ppo_epochs == 1 and len(normalisers) == 1):
+            raise ValueError("old_logprobs are needed when the batch gets more than one optimizer step")
+        if cfg.use_kl_loss and ref_logprobs is None:
+            raise ValueError("actor.use_kl_loss is on but no reference logprobs were given")
+        token_adv = broadcast_to_tokens(advantages.float(), batch.response_mask)
+        self.model.train()
+        totals: dict[str, float] = {}
+        steps = skipped = 0
+        for _ in range(cfg.ppo_epochs):
+            for num_tokens, mini_rows in zip(normalisers, _chunks(range(len(batch)), mini_batch_rows), strict=True):
+                if num_tokens == 0:  # only padding rows: nothing to learn, and no metric either
+                    skipped += 1
+                    continue
+                parts = self._accumulate(batch, mini_rows, num_tokens, old_logprobs, token_adv, ref_logprobs,
+                                         keep_empty_micro_batches)
+                grad_norm = self.clip_gradients()
+                if math.isfinite(grad_norm):  # sharded: the same global norm on every rank, so all step or none
+                    self.optimizer.step()
+                else:  # a NaN/inf gradient would poison the weights: skip the step, say so in the metrics
+                    logger.warning("non-finite gradient norm; optimizer step skipped")
+                    skipped += 1
+                parts["actor/grad_norm"] = grad_norm
+                for key, value in parts.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                steps += 1
+        metrics = {key: value / steps for key, value in totals.items()} if steps else {}
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["actor/skipped_steps"] = float(skipped)
+        self.scheduler.step()
+        return metrics
+
+    def _accumulate(self, batch: TrainBatch, mini_rows: list[int], num_tokens: torch.Tensor,
+                    old_logprobs: torch.Tensor | None, token_adv: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                    keep_empty_micro_batches: bool) -> dict[str, float]:
+        """Forward/backward every micro-batch of one mini-batch; returns the mini-batch's loss parts (each scaled by
+        `num_tokens`, so on FSDP ranks the average over ranks is the global mini-batch value)."""
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = dict.fromkeys(("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"), 0.0)
+        if cfg.entropy_coeff:
+            parts["actor/entropy_loss"] = 0.0
+        if cfg.use_kl_loss:
+            parts["actor/kl_loss"] = 0.0
+        compare_rollout = batch.rollout_logprobs is not None and self.temperature == 1.0
+        if compare_rollout:
+            parts["rollout/logprob_abs_diff"] = 0.0
+        for rows in _chunks(mini_rows, cfg.ppo_micro_batch_size_per_gpu):
+            mb = micro_batch(batch, rows, self.device)
+            width = mb.response_width
+            mask = batch.response_mask[rows, :width].to(self.device)
+            share = float(mask.sum() / num_tokens)  # this micro-batch's weight in the mini-batch token mean
+            if share == 0 and not keep_empty_micro_batches:
+                continue
+            with self.autocast():
+                logprobs, entropy = forward_response(self.model, mb, self.temperature, True, bool(cfg.entropy_coeff))
+            old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
+            adv = token_adv[rows, :width].to(self.device)
+            pg = ppo_clip_loss(logprobs, old, adv, mask, cfg.clip_ratio, cfg.clip_ratio_high or cfg.clip_ratio,
+                               num_tokens=num_tokens)
+            loss = pg.loss
+            entropy_mean = token_mean(entropy, mask, num_tokens)
+            parts["actor/entropy"] += float(entropy_mean.detach())
+            if cfg.entropy_coeff:
+                loss = loss - cfg.entropy_coeff * entropy_mean
+                parts["actor/entropy_loss"] += float(entropy_mean.detach())
+            if cfg.use_kl_loss:
+                ref = ref_logprobs[rows, :width].to(self.device)
+                kl_loss = token_mean(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, num_tokens)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                parts["actor/kl_loss"] += float(kl_loss.detach())
+            loss.backward()
+            parts["actor/pg_loss"] += float(pg.loss.detach())
+            parts["actor/pg_clipfrac"] += float(pg.clip_fraction) * share
+            parts["actor/ppo_kl"] += float(pg.approx_kl) * share
+            if compare_rollout:  # engine vs trainer: how off-policy the samples really are
+                gap = (old - batch.rollout_logprobs[rows, :width].to(self.device)).abs()
+                parts["rollout/logprob_abs_diff"] += float(token_mean(gap, mask, num_tokens))
+        return parts
+
+
+class Actor(BaseActor):
     """The policy being trained, its optimizer, and (when KL is on) a frozen reference copy of the initial weights.
 
     Single process, single device. `named_tensors()` feeds the rollout backend's weight sync.
@@ -171,34 +329,6 @@ class Actor:
         logger.info("actor %s: %.2fM trainable parameters, %s weights, %s compute on %s", config.model_path,
                     sum(p.numel() for p in self.trainable) / 1e6, self.dtype, self.compute_dtype, self.device)
 
-    def autocast(self):
-        """Mixed precision for a forward (and its backward) when compute and weight dtypes differ."""
-        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != self.dtype)
-
-    # ---- logprobs ---------------------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, R) logprobs of the response tokens (0 on padding) and, optionally, their (B, R) entropy.
-        `reference=True` uses the frozen reference (only when the KL loss is on)."""
-        model = self.reference if reference else self.model
-        if model is None:
-            raise RuntimeError("no reference model: it is loaded only when actor.use_kl_loss is true")
-        was_training = model.training
-        model.eval()
-        width = batch.response_mask.shape[1]
-        logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-        entropy = torch.zeros_like(logprobs) if with_entropy else None
-        for rows in _chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
-            with self.autocast():
-                lp, ent = forward_response(model, micro_batch(batch, rows, self.device), self.temperature, with_entropy)
-            logprobs[rows] = _pad_to(lp.cpu(), width)
-            if entropy is not None:
-                entropy[rows] = _pad_to(ent.cpu(), width)
-        model.train(was_training)
-        return logprobs * batch.response_mask, (entropy * batch.response_mask if entropy is not None else None)
-
     # ---- update -----------------------------------------------------------------------------------------------------
 
     def skips_old_logprobs(self, batch_rows: int) -> bool:
@@ -223,88 +353,12 @@ class Actor:
             actor/kl_loss, actor/entropy_loss, actor/grad_norm, actor/lr, actor/skipped_steps, and
             rollout/logprob_abs_diff (|old - backend| logprobs, at temperature 1 only).
         """
-        cfg = self.config
         if len(batch) % self.mini_batch_samples:
-            raise ValueError(f"batch of {len(batch)} rows is not a multiple of the mini-batch ({self.mini_batch_samples})"
-                             "; upsample it with padding rows first")
-        if old_logprobs is None and not self.skips_old_logprobs(len(batch)):
-            raise ValueError("old_logprobs are needed when the batch gets more than one optimizer step")
-        if cfg.use_kl_loss and ref_logprobs is None:
-            raise ValueError("actor.use_kl_loss is on but no reference logprobs were given")
-        token_adv = broadcast_to_tokens(advantages.float(), batch.response_mask)
-        self.model.train()
-        totals: dict[str, float] = {}
-        steps = skipped = 0
-        for _ in range(cfg.ppo_epochs):
-            for mini_rows in _chunks(range(len(batch)), self.mini_batch_samples):
-                num_tokens = batch.response_mask[mini_rows].sum()
-                if num_tokens == 0:  # only padding rows: nothing to learn, and no metric either
-                    skipped += 1
-                    continue
-                parts = self._accumulate(batch, mini_rows, num_tokens, old_logprobs, token_adv, ref_logprobs)
-                max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, max_norm))
-                if math.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:  # a NaN/inf gradient would poison the weights: skip the step, say so in the metrics
-                    logger.warning("non-finite gradient norm; optimizer step skipped")
-                    skipped += 1
-                parts["actor/grad_norm"] = grad_norm
-                for key, value in parts.items():
-                    totals[key] = totals.get(key, 0.0) + value
-                steps += 1
-        metrics = {key: value / steps for key, value in totals.items()} if steps else {}
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        metrics["actor/skipped_steps"] = float(skipped)
-        self.scheduler.step()
-        return metrics
-
-    def _accumulate(self, batch: TrainBatch, mini_rows: list[int], num_tokens: torch.Tensor,
-                    old_logprobs: torch.Tensor | None, token_adv: torch.Tensor, ref_logprobs: torch.Tensor | None
-                    ) -> dict[str, float]:
-        """Forward/backward every micro-batch of one mini-batch; returns the mini-batch's loss parts."""
-        cfg = self.config
-        self.optimizer.zero_grad(set_to_none=True)
-        parts = dict.fromkeys(("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"), 0.0)
-        if cfg.entropy_coeff:
-            parts["actor/entropy_loss"] = 0.0
-        if cfg.use_kl_loss:
-            parts["actor/kl_loss"] = 0.0
-        compare_rollout = batch.rollout_logprobs is not None and self.temperature == 1.0
-        if compare_rollout:
-            parts["rollout/logprob_abs_diff"] = 0.0
-        for rows in _chunks(mini_rows, cfg.ppo_micro_batch_size_per_gpu):
-            mb = micro_batch(batch, rows, self.device)
-            width = mb.response_width
-            mask = batch.response_mask[rows, :width].to(self.device)
-            share = float(mask.sum() / num_tokens)  # this micro-batch's weight in the mini-batch token mean
-            if share == 0:
-                continue
-            with self.autocast():
-                logprobs, entropy = forward_response(self.model, mb, self.temperature, True, bool(cfg.entropy_coeff))
-            old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
-            adv = token_adv[rows, :width].to(self.device)
-            pg = ppo_clip_loss(logprobs, old, adv, mask, cfg.clip_ratio, cfg.clip_ratio_high or cfg.clip_ratio,
-                               num_tokens=num_tokens)
-            loss = pg.loss
-            entropy_mean = token_mean(entropy, mask, num_tokens)
-            parts["actor/entropy"] += float(entropy_mean.detach())
-            if cfg.entropy_coeff:
-                loss = loss - cfg.entropy_coeff * entropy_mean
-                parts["actor/entropy_loss"] += float(entropy_mean.detach())
-            if cfg.use_kl_loss:
-                ref = ref_logprobs[rows, :width].to(self.device)
-                kl_loss = token_mean(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, num_tokens)
-                loss = loss + cfg.kl_loss_coef * kl_loss
-                parts["actor/kl_loss"] += float(kl_loss.detach())
-            loss.backward()
-            parts["actor/pg_loss"] += float(pg.loss.detach())
-            parts["actor/pg_clipfrac"] += float(pg.clip_fraction) * share
-            parts["actor/ppo_kl"] += float(pg.approx_kl) * share
-            if compare_rollout:  # engine vs trainer: how off-policy the samples really are
-                gap = (old - batch.rollout_logprobs[rows, :width].to(self.device)).abs()
-                parts["rollout/logprob_abs_diff"] += float(token_mean(gap, mask, num_tokens))
-        return parts
+            raise ValueError(f"batch of {len(batch)} rows is not a multiple of the mini-batch "
+                             f"({self.mini_batch_samples}); upsample it with padding rows first")
+        normalisers = [batch.response_mask[rows].sum() for rows in _chunks(range(len(batch)), self.mini_batch_samples)]
+        return self.ppo_update(batch, old_logprobs, advantages, ref_logprobs, self.mini_batch_samples, normalisers,
+                               keep_empty_micro_batches=False)
 
     def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:
         """One optimizer step of token-mean negative log-likelihood of the response tokens (the format warm-up).
