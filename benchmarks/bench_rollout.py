@@ -6,8 +6,9 @@
 The same requests (built by vlmrl.processors: a quarter text-only, half with one image, a quarter with two) go to
 each backend in turn; one backend is alive at a time. Per backend: start (timed apart), one warm-up call, then
 `--repeats` timed calls of all requests x n samples; reported: the median call's generated tokens / seconds.
-Before timing, every backend's greedy output on the requests is checked against hf's (fp32): a backend that does
-not reproduce hf is reported as MISMATCH instead of a speed. Writes JSON (atomically) with --out.
+Before timing, every backend's greedy output on the requests is checked against hf's: in float32 a backend that
+does not reproduce hf token for token is reported as MISMATCH instead of a speed; in bfloat16 (where greedy outputs
+part at near-ties) the check is only shown. Writes JSON (atomically) with --out.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+# One torch/OpenMP thread per process unless OMP_NUM_THREADS says otherwise: set before torch is imported, and
+# inherited by the engines' own processes. On a small shared CPU, multi-threaded OpenMP spin-waits against other
+# jobs (measured: SGLang's call on tiny-large took 9 s one run and 95 s the next at the default 2 threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Engine settings for a CPU run, before any engine is imported (the same as tests/conftest.py).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -65,9 +69,9 @@ def build_requests(model_path: str, count: int) -> list:
 
 
 def measure(name: str, model: str, model_path: str, requests, sampling: SamplingParams, repeats: int,
-            reference: list | None) -> tuple[Row, list]:
+            reference: list | None, dtype: str) -> tuple[Row, list]:
     t0 = time.perf_counter()
-    with get_backend(name, model_path, dtype="float32", max_model_len=2048, timeout_s=1800,
+    with get_backend(name, model_path, dtype=dtype, max_model_len=2048, timeout_s=1800,
                      start_timeout_s=1800) as backend:
         start = time.perf_counter() - t0
         greedy = backend.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=16))
@@ -93,20 +97,22 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", default="", help="write the rows as JSON here (atomically)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
     rows: list[Row] = []
     backends = ["hf"] + [b for b in args.backends if b != "hf"]  # hf first: the reference and the ratio's base
-    print(f"{args.requests} requests x n={args.n}, up to {args.max_new_tokens} new tokens, temperature 1.0, fp32; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{args.requests} requests x n={args.n}, up to {args.max_new_tokens} new tokens, temperature 1.0, "
+          f"{args.dtype}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; load average {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} CPUs")
     for model in args.models:
         path = str(ensure_built(model))
         requests = build_requests(path, args.requests)
         reference = None
         for name in backends:
-            row, greedy = measure(name, model, path, requests, sampling, args.repeats, reference)
+            row, greedy = measure(name, model, path, requests, sampling, args.repeats, reference, args.dtype)
             reference = greedy if name == "hf" else reference
             rows.append(row)
         base = next(r.tokens_per_s for r in rows if r.model == model and r.backend == "hf")
@@ -115,7 +121,7 @@ def main() -> None:
                 r.ratio_to_hf = round(r.tokens_per_s / base, 2)
     print("\n| model | backend | start s | tokens/s | ratio to hf | greedy == hf |\n|---|---|---|---|---|---|")
     for r in rows:
-        speed = f"{r.tokens_per_s:.0f}" if r.greedy_matches_hf else "MISMATCH"
+        speed = f"{r.tokens_per_s:.0f}" if r.greedy_matches_hf or args.dtype != "float32" else "MISMATCH"
         print(f"| {r.model} | {r.backend} | {r.start_s} | {speed} | {r.ratio_to_hf}x | {r.greedy_matches_hf} |")
     print(f"(load average {os.getloadavg()[0]:.1f} at the end)")
     if args.out:

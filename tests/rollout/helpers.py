@@ -84,7 +84,8 @@ def greedy_mismatch(ref: RolloutResult, got: RolloutResult, backend: str) -> str
         return f"{ref.uid}: lengths differ ({len(ref.response_ids)} hf vs {len(got.response_ids)} {backend})"
     a, b = ref.response_ids[pos], got.response_ids[pos]
     top_ref, top_got = ref.top_logprobs[pos], got.top_logprobs[pos]
-    tie = (b in top_ref and a in top_got and abs(top_ref[a] - top_ref[b]) < 1e-3 and abs(top_got[a] - top_got[b]) < 1e-3)
+    tie = (b in top_ref and a in top_got
+           and abs(top_ref[a] - top_ref[b]) < 1e-3 and abs(top_got[a] - top_got[b]) < 1e-3)
     return (f"{ref.uid}: first divergence at token {pos}: hf {a} vs {backend} {b} "
             f"({'near-tie' if tie else 'NOT a near-tie'}; hf top-5 {top_ref}, {backend} top-5 {top_got})")
 

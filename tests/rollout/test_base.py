@@ -22,7 +22,8 @@ from vlmrl.types import RolloutRequest, SamplingParams
 
 def test_placeholder_image_mismatch_names_the_request(hf, batch):
     bad = dataclasses.replace(batch[7], uid="u-bad", images=batch[7].images[:1])
-    with pytest.raises(InvalidRequestError, match=r"request 1 \(uid u-bad, dataset row 7\): 2 <\|image_pad\|>.*1 images"):
+    named = r"request 1 \(uid u-bad, dataset row 7\): 2 <\|image_pad\|>.*1 images"
+    with pytest.raises(InvalidRequestError, match=named):
         hf.check_requests([batch[0], bad], GREEDY)
 
 
@@ -104,7 +105,7 @@ def test_importing_the_package_and_backend_modules_imports_no_engine():
 
 
 def test_checkpoint_names_from_transformers_names():
-    assert checkpoint_name("model.language_model.layers.1.self_attn.q_proj.bias") == "model.layers.1.self_attn.q_proj.bias"
+    assert checkpoint_name("model.language_model.layers.1.mlp.up_proj.bias") == "model.layers.1.mlp.up_proj.bias"
     assert checkpoint_name("model.visual.merger.mlp.0.weight") == "visual.merger.mlp.0.weight"
     assert checkpoint_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
     assert checkpoint_name("lm_head.weight") == "lm_head.weight"

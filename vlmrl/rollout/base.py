@@ -70,7 +70,8 @@ class RolloutOptions:
     seed: int = 0
     """Engine seed (vLLM `seed`, SGLang `random_seed`, torch for hf); per-request seeds come from SamplingParams."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments given to the engine as they are (vLLM `LLM(...)`, SGLang `Engine(...)` / server flags)."""
+    """Extra keyword arguments given to the engine as they are (vLLM `LLM(...)`, SGLang `Engine(...)` or server
+    flags, transformers `from_pretrained(...)` for hf)."""
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -125,8 +125,8 @@ class _SGLangCommon(RolloutBackend):
     def engine_args(self) -> dict[str, Any]:
         """SGLang server arguments (Engine keywords; `--flag value` for the server)."""
         o = self.options
-        args: dict[str, Any] = dict(model_path=self.model_path, dtype=o.resolved_dtype(), context_length=o.max_model_len,
-                                    random_seed=o.seed, tp_size=o.tensor_parallel_size,
+        args: dict[str, Any] = dict(model_path=self.model_path, dtype=o.resolved_dtype(),
+                                    context_length=o.max_model_len, random_seed=o.seed, tp_size=o.tensor_parallel_size,
                                     mem_fraction_static=o.gpu_memory_utilization, log_level=o.log_level)
         if not self.on_cuda:
             args.update(device="cpu", disable_cuda_graph=True, max_total_tokens=o.max_total_tokens or 8192,
@@ -195,7 +195,8 @@ class _SGLangCommon(RolloutBackend):
         ids = self.processor.tokenizer.encode("Hello", add_special_tokens=False)
         greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
         hot = SamplingParams(temperature=5.0, top_p=1e-6, max_new_tokens=1)
-        probe = RolloutRequest(uid="raw-logprob-probe", prompt_ids=ids, banned_token_ids=self.processor.banned_token_ids)
+        probe = RolloutRequest(uid="raw-logprob-probe", prompt_ids=ids,
+                               banned_token_ids=self.processor.banned_token_ids)
         (g,), (h,) = (self.parse(generate(self.payload([probe], s)), [probe], s) for s in (greedy, hot))
         if g.response_ids == h.response_ids and abs(g.response_logprobs[0] - h.response_logprobs[0]) > 1e-3:
             raise RolloutError(

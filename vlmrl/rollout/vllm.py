@@ -213,7 +213,8 @@ class VLLMBackend(RolloutBackend):
         if missing or unknown:
             # vLLM's reload path re-processes whole layers: one given partly is left broken, and so is the model.
             raise ValueError(f"vllm: update_weights needs exactly the model's {len(self._weight_names)} weights: "
-                             f"{len(missing)} missing (e.g. {missing[:3]}), {len(unknown)} unknown (e.g. {unknown[:3]})")
+                             f"{len(missing)} missing (e.g. {missing[:3]}), {len(unknown)} unknown "
+                             f"(e.g. {unknown[:3]})")
         blob = save(state)
 
         def run() -> int:
