@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from tests.agent import scripted
 from vlmrl.agent import AgentSample, Tool, ToolContext
 from vlmrl.agent.builtin import ImageZoomTool
+from vlmrl.agent.carry import TRAJECTORY_FIELDS
 
 
 class Lifecycle:
@@ -52,6 +55,41 @@ class EchoTool(Tool):
 
     def release(self, state: str) -> None:
         self.log.add(state, "release")
+
+
+class CountingEcho(EchoTool):
+    """EchoTool on the event loop (no thread timing, so every run batches the turns alike) whose state counts its
+    calls: a state that `create` cannot rebuild, saved with save_state."""
+
+    async def create(self, context):
+        return {"trajectory": EchoTool.create(self, context), "calls": 0}
+
+    async def execute(self, state, arguments):
+        state["calls"] += 1
+        return EchoTool.execute(self, state["trajectory"], arguments)
+
+    async def reward(self, state):
+        return EchoTool.reward(self, state["trajectory"])
+
+    async def release(self, state):
+        EchoTool.release(self, state["trajectory"])
+
+    def save_state(self, state):
+        return dict(state)
+
+    def load_state(self, context, saved):
+        self.log.add(saved["trajectory"], "load_state")
+        return dict(saved)
+
+
+class AsyncZoom(ImageZoomTool):
+    """The zoom tool on the event loop; it saves no state (create rebuilds it from the prompt's images)."""
+
+    async def create(self, context):
+        return ImageZoomTool.create(self, context)
+
+    async def execute(self, state, arguments):
+        return ImageZoomTool.execute(self, state, arguments)
 
 
 class HangingZoomTool(ImageZoomTool):
@@ -127,3 +165,48 @@ def check_long_sample(agent_sample: AgentSample, processor, hf_model) -> None:
     policy = s.response_mask.bool()
     torch.testing.assert_close(logprobs[policy], s.rollout_logprobs[policy], atol=2e-4, rtol=0)
     assert float(s.rollout_logprobs[~policy].abs().sum()) == 0
+
+
+def pixels(image) -> tuple:
+    return image.mode, image.size, np.asarray(image).tobytes()
+
+
+def assert_same_sample(a, b, where: str) -> None:
+    """Two AgentSamples are equal in every tensor and field the trainer or the metrics read."""
+    for name, value in vars(a.sample).items():
+        other = getattr(b.sample, name)
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, other), f"{where}: sample.{name} differs"
+        elif name == "multi_modal_inputs":
+            assert value.keys() == other.keys(), where
+            assert all(torch.equal(value[k], other[k]) for k in value), f"{where}: pixel values / grids differ"
+        else:
+            assert value == other, f"{where}: sample.{name} {value!r} != {other!r}"
+    assert torch.equal(a.token_versions, b.token_versions), f"{where}: token versions differ"
+    assert (a.sample_index, a.num_turns, a.end_reason, a.assistant_texts, a.counters) == \
+           (b.sample_index, b.num_turns, b.end_reason, b.assistant_texts, b.counters), where
+
+
+def assert_same_groups(restored, original) -> None:
+    assert [g.request.uid for g in restored] == [g.request.uid for g in original]
+    for got, want in zip(restored, original):
+        uid = want.request.uid
+        for field in dataclasses.fields(want.request):
+            value = getattr(want.request, field.name)
+            if field.name == "images":
+                assert [pixels(im) for im in got.request.images] == [pixels(im) for im in value], uid
+            else:
+                assert getattr(got.request, field.name) == value, f"group {uid}: request.{field.name}"
+        assert got.resumed and len(got.trajectories) == len(want.trajectories)
+        for t_got, t_want in zip(got.trajectories, want.trajectories):
+            for name in TRAJECTORY_FIELDS:
+                assert getattr(t_got, name) == getattr(t_want, name), f"trajectory {t_want.key}: {name}"
+            assert [pixels(im) for im in t_got.tool_images] == [pixels(im) for im in t_want.tool_images]
+            assert t_got.tool_states.keys() == t_want.tool_states.keys()
+            if not t_want.done:
+                assert t_got.tool_states["echo"] == t_want.tool_states["echo"]  # its call count came back
+                assert [pixels(im) for im in t_got.tool_states["zoom"].images] == \
+                       [pixels(im) for im in t_want.tool_states["zoom"].images]
+        assert sorted(got.samples) == sorted(want.samples)
+        for index, sample in want.samples.items():
+            assert_same_sample(got.samples[index], sample, f"group {uid} sample {index}")

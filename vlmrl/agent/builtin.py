@@ -98,3 +98,9 @@ class Geo3kAnswerTool(Tool):
 
     def reward(self, state: _AnswerState) -> float:
         return state.scores[-1] if state.scores else 0.0
+
+    def save_state(self, state: _AnswerState) -> dict[str, Any]:
+        return {"scores": list(state.scores)}  # the ground truth comes back with the context
+
+    def load_state(self, context: ToolContext, saved: dict[str, Any]) -> _AnswerState:
+        return _AnswerState(context.request.ground_truth, [float(s) for s in saved["scores"]])

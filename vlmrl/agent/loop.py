@@ -13,7 +13,8 @@ batched into backend calls by `TurnBatcher`, so this works with every backend un
 Partial rollout (`agent.partial`): `step` starts ceil(B * oversample_factor) groups (carried ones first), returns as
 soon as B groups have finished, and carries the rest into the next step (or drops them). A trajectory stops only
 between backend calls (between turns, or between `chunk_tokens`-sized pieces of a turn), and every token keeps the
-policy version that generated it.
+policy version that generated it. `save_carried` / `restore_carried` put the carried groups into a checkpoint and
+back (`vlmrl.agent.carry`), so a resumed run continues them exactly where they parked.
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vlmrl.agent.batcher import TurnBatcher
+from vlmrl.agent.carry import ToolEntries, from_json, read_carried, to_json, write_carried
 from vlmrl.agent.config import AgentConfig
 from vlmrl.agent.metrics import step_metrics
 from vlmrl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
-from vlmrl.agent.tools import ToolContext, ToolRegistry, ToolTimeout, as_output, call_tool_method
+from vlmrl.agent.tools import Tool, ToolContext, ToolRegistry, ToolTimeout, as_output, call_tool_method
 from vlmrl.agent.trajectory import AgentSample, Trajectory, to_sample
 from vlmrl.agent.turns import ToolReply, TurnRenderer
 from vlmrl.batch.padding import PromptInputs, prompt_inputs
@@ -161,6 +165,47 @@ class AgentLoop:
             logger.warning("partial rollout: only %d of %d groups finished (too few prompts in flight)",
                            len(batch), batch_size)
         return self._batch(batch, stats, policy_version, counts)
+
+    def save_carried(self, directory: str | os.PathLike) -> int:
+        """Write the carried groups into `directory` (`vlmrl.agent.carry`: JSON + safetensors, no pickle); tool states
+        go through `Tool.save_state`. The groups stay carried here. Returns how many were written."""
+        entries = _run_sync(self._saved_tool_states(self._carried))
+        write_carried(Path(directory), [(g.request, g.trajectories) for g in self._carried], entries)
+        return len(self._carried)
+
+    def restore_carried(self, directory: str | os.PathLike) -> int | None:
+        """Carry the groups `save_carried` wrote into the next `step` of this fresh loop, exactly where they parked:
+        the same tokens, logprobs, version tags, images and turn state; finished trajectories padded again; tool
+        states rebuilt (`Tool.load_state`, or `create` for tools that save none). Returns how many groups, or None
+        when `directory` holds none (a checkpoint written before vlmrl saved them): then nothing is carried."""
+        if self._carried:
+            raise RuntimeError(f"restore_carried: this loop already carries {len(self._carried)} groups")
+        loaded = read_carried(Path(directory))
+        part = self.config.partial
+        if loaded is None:
+            if part.enable and part.unfinished == "carry":
+                logger.warning("%s holds no carried partial-rollout groups (an older checkpoint, or a run without "
+                               "the agent loop): the next step starts with none", directory)
+            return None
+        saved, entries = loaded
+        if not (part.enable and part.unfinished == "carry"):
+            if saved:
+                logger.warning("%s: %d carried groups are dropped: this run's partial rollout does not carry "
+                               "(agent.partial.enable / unfinished)", directory, len(saved))
+            return 0
+        groups = [Group(request, trajectories, resumed=True) for request, trajectories in saved]
+        for group in groups:
+            for traj in group.trajectories:
+                if traj.done:
+                    self._pad(group, traj)
+        recreated = _run_sync(self._restore_tool_states(groups, entries))
+        self._carried = groups
+        running = [t for g in groups for t in g.trajectories if not t.done]
+        logger.info("restored %d carried groups from %s (%d trajectories in flight, %d finished, %d unstarted "
+                    "groups)%s", len(groups), directory, len(running), sum(len(g.samples) for g in groups),
+                    sum(not g.started for g in groups),
+                    f"; tool states created again (the tools save none): {sorted(recreated)}" if recreated else "")
+        return len(groups)
 
     def close(self) -> None:
         """Release the tools of every carried trajectory and stop the thread pools."""
@@ -404,12 +449,71 @@ class AgentLoop:
     async def _finalize(self, group: Group, traj: Trajectory) -> None:
         """Reward and release the tools, then pad the sample right here, as it finishes."""
         await self._release(traj, with_reward=True)
+        self._pad(group, traj)
+
+    def _pad(self, group: Group, traj: Trajectory) -> None:
+        """A finished trajectory -> its group's padded sample (also when a checkpoint brings it back)."""
         if group.prompt is None:
             group.prompt = prompt_inputs(self.processor, group.request)
         agent_sample = to_sample(traj, self.processor, group.prompt, prompt_length=self.prompt_length,
                                  response_length=self.response_length)
         agent_sample.sample.reward_extra.update({f"tool/{k}": v for k, v in traj.tool_rewards.items()})
         group.samples[traj.sample_index] = agent_sample
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+
+    async def _saved_tool_states(self, groups: list[Group]) -> dict[str, ToolEntries]:
+        """Each unfinished trajectory's tool states as checkpoint entries, by trajectory key."""
+        entries: dict[str, ToolEntries] = {}
+        for group in groups:
+            for traj in group.trajectories:
+                if not traj.done:
+                    entries[traj.key] = {name: await self._saved_tool_state(traj, name, state)
+                                         for name, state in traj.tool_states.items()}
+        return entries
+
+    async def _saved_tool_state(self, traj: Trajectory, name: str, state: Any) -> dict[str, Any]:
+        if isinstance(state, CreateFailed):
+            return {"create_failed": state.message}
+        try:
+            saved = await self._method(self.tools.get(name).save_state, state)
+            return {"recreate": True} if saved is None else {"state": to_json(saved, f"tool {name!r} state")}
+        except Exception as err:  # the checkpoint still gets written; the resumed run creates this state again
+            logger.warning("tool %r: cannot save the state of trajectory %s (%s: %s); a resumed run creates it again",
+                           name, traj.key, type(err).__name__, err)
+            return {"recreate": True}
+
+    async def _restore_tool_states(self, groups: list[Group], entries: dict[str, ToolEntries]) -> set[str]:
+        """Rebuild the tool states of every unfinished trajectory; returns the tools whose state was created again."""
+        recreated: set[str] = set()
+
+        async def restore(traj: Trajectory) -> None:
+            saved = entries.get(traj.key, {})
+            for name in sorted(set(saved) - set(self.tools.names)):
+                logger.warning("trajectory %s: tool %r of the checkpoint is not configured; its state is dropped",
+                               traj.key, name)
+            context = ToolContext(traj.request, traj.sample_index)
+            for tool in self.tools:
+                entry = saved.get(tool.name, {"recreate": True})  # a tool configured since: created like a new one
+                if "state" not in entry and "create_failed" not in entry:
+                    recreated.add(tool.name)
+                traj.tool_states[tool.name] = await self._restored_tool_state(tool, context, entry, traj)
+
+        await asyncio.gather(*(restore(t) for g in groups for t in g.trajectories if not t.done))
+        return recreated
+
+    async def _restored_tool_state(self, tool: Tool, context: ToolContext, entry: dict[str, Any],
+                                   traj: Trajectory) -> Any:
+        if "create_failed" in entry:
+            return CreateFailed(entry["create_failed"])
+        try:
+            if "state" in entry:
+                return await self._method(tool.load_state, context, from_json(entry["state"]))
+            return await self._method(tool.create, context)
+        except Exception as err:  # like a failed create: the model is told the tool is unavailable
+            traj.count("tool/create_errors")
+            logger.warning("tool %r: cannot restore the state of trajectory %s: %s", tool.name, traj.key, err)
+            return CreateFailed(f"it failed to start ({type(err).__name__}: {err})")
 
     async def _drop(self, groups: list[Group]) -> None:
         for group in groups:

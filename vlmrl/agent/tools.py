@@ -7,6 +7,10 @@ A tool is a class with four methods, each either plain or `async`:
 - `reward(state) -> float | None`: once when the trajectory ends (logged as `reward_extra["tool/<name>"]`);
 - `release(state)`: once when the trajectory ends or is dropped, whatever happened before.
 
+Two more for checkpoints (partial rollout carries unfinished trajectories across a resume): `save_state(state)` gives a
+JSON-able copy of the state, `load_state(context, saved)` rebuilds it. The default (`save_state` returns None) calls
+`create(context)` again on resume, which is exact for a state that depends only on the context.
+
 Plain methods run in a thread pool, async ones on the event loop; every call has a timeout. A tool that raises or
 times out never crashes the step: the model gets an error message as the tool's reply.
 """
@@ -77,6 +81,16 @@ class Tool:
 
     def release(self, state: Any) -> None:
         return None
+
+    def save_state(self, state: Any) -> Any:
+        """A JSON-able copy of `state` for a checkpoint, or None (the default): then the resumed run calls
+        `create(context)` again, which is right when the state depends only on the context (the prompt, its images).
+        Override both this and `load_state` when `execute` changes the state (e.g. remembers earlier calls)."""
+        return None
+
+    def load_state(self, context: ToolContext, saved: Any) -> Any:
+        """The state `save_state` returned `saved` for, rebuilt in a resumed run."""
+        raise NotImplementedError(f"tool {self.name!r} saves its state but does not implement load_state")
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI / Qwen function schema of this tool."""

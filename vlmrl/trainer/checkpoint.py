@@ -5,6 +5,8 @@ Layout under OUTPUT_DIR/checkpoints/:
     global_step_12/          model.safetensors, config.json, generation_config.json, tokenizer + processor files,
                              trainer_state.pt   (optimizer, scheduler, RNG states; torch.load(weights_only=True))
                              trainer_state.json (step, data position, the config; readable by eye)
+                             agent_carried.json + .safetensors (partial rollout's carried groups, when agent.enable;
+                             vlmrl.agent.carry)
     latest                   the name of the newest complete checkpoint
 
 A checkpoint is written into a `.tmp-*` folder and renamed into place only when complete, then `latest` is replaced
@@ -21,6 +23,7 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +88,8 @@ def copy_processor_files(model_path: str, dst: Path) -> None:
 
 
 def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Module, source_model_path: str,
-                    trainer_state: dict[str, Any], info: dict[str, Any], keep: int | None) -> Path:
+                    trainer_state: dict[str, Any], info: dict[str, Any], keep: int | None,
+                    write_extra: Callable[[Path], Any] | None = None) -> Path:
     """Write checkpoint `global_step_{step}` atomically, point `latest` at it, keep the newest `keep`.
 
     Args:
@@ -93,6 +97,8 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
         source_model_path: where the processor files come from (the original model).
         trainer_state: tensors and plain values (optimizer, scheduler, RNG) -> trainer_state.pt.
         info: JSON-able facts (step, data position, config) -> trainer_state.json.
+        write_extra: writes more files into the (not yet visible) checkpoint folder it is given, e.g. the agent loop's
+            carried groups; they become visible with the rest, all at once.
     """
     root = checkpoints_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -103,7 +109,11 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
         model.save_pretrained(tmp, safe_serialization=True)
         torch.save(trainer_state, tmp / STATE_PT)
         (tmp / STATE_JSON).write_text(json.dumps({**info, "step": step}, indent=1, default=str))
+        if write_extra is not None:
+            write_extra(tmp)
         for path in tmp.iterdir():  # durable before it becomes visible
+            if not path.is_file():
+                continue
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
         if final.exists():  # the same step saved again (a resumed run): swap, never delete before replacing

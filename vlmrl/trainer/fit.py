@@ -291,7 +291,20 @@ def setup_run(config: Config) -> Run:
               total_steps, sync_weights, dp_size, step)
     if config.agent.enable:
         run.agent, run.prompts = start_agent(config, backend, processor), PromptQueue(sampler)
+        if checkpoint is not None:
+            resume_agent(run, checkpoint, info)
     return run
+
+
+def resume_agent(run: Run, checkpoint: Path, info: dict) -> None:
+    """The agent loop's share of a checkpoint: prompts taken from the sampler but not started (not re-issued, not
+    skipped), and the groups partial rollout carried into the next step, exactly where they parked."""
+    if "prompt_queue" in info:
+        run.prompts.pending = [int(i) for i in info["prompt_queue"]]
+    else:  # written before checkpoints kept it: those prompts are skipped
+        logger.warning("%s has no prompt-queue position (an older checkpoint): prompts drawn from the sampler but "
+                       "not started before it was saved are skipped", checkpoint)
+    run.agent.restore_carried(checkpoint)
 
 
 def start_of_training(run: Run) -> None:
@@ -316,11 +329,14 @@ def start_of_training(run: Run) -> None:
 def save(run: Run) -> Path:
     start = time.perf_counter()
     model = run.actor.model if isinstance(run.actor, Actor) else run.actor.full_model()  # gathered from the shards
+    info = {"data": run.sampler.state_dict(), "total_steps": run.total_steps, "config": to_dict(run.config)}
+    if run.agent is not None:
+        # Prompts taken from the sampler but not started yet; the carried groups go into files of their own.
+        info.update(prompt_queue=list(run.prompts.pending), agent_carried_groups=len(run.agent.carried))
     path = save_checkpoint(
         run.output_dir, run.step, model, run.config.actor.model_path,
-        trainer_state={"actor": run.actor.state_dict(), "rng": rng_state()},
-        info={"data": run.sampler.state_dict(), "total_steps": run.total_steps, "config": to_dict(run.config)},
-        keep=run.config.trainer.max_ckpt_to_keep)
+        trainer_state={"actor": run.actor.state_dict(), "rng": rng_state()}, info=info,
+        keep=run.config.trainer.max_ckpt_to_keep, write_extra=None if run.agent is None else run.agent.save_carried)
     logger.info("saved step %d in %.1f s", run.step, time.perf_counter() - start)
     return path
 
