@@ -193,6 +193,15 @@ class AlgorithmConfig:
 class RewardConfig:
     function: str = ""
     """Reward: empty = chosen per row by data_source (geo3k, synthetic), a built-in name, or `path/to/file.py:fn`."""
+    timeout_s: float | None = 10.0
+    """Most seconds the reward function may take on one sample. A sample that takes longer is stopped (its worker
+    process is killed and replaced), scores 0 and is flagged reward_failed=1 and reward_timeout=1 (metrics
+    reward/timeouts, val/reward_timeouts); the run goes on. With a limit the function runs in reward.num_workers worker
+    processes, so it must be defined at module level (built-ins, `path/to/file.py:fn` and `package.module:fn` are),
+    and module-level state in it is per worker. 0 or null: no limit, scored in the trainer's process."""
+    num_workers: int = 1
+    """Worker processes scoring under reward.timeout_s; each gets one contiguous share of every batch. More
+    score a batch in parallel (slow graders such as sympy-based ones)."""
 
 
 @dataclass
@@ -361,6 +370,9 @@ def validate(config: Config) -> list[str]:
     need(t.test_freq <= 0 or t.val_only or bool(d.val_files),
          f"trainer.test_freq={t.test_freq} needs data.val_files (or set trainer.test_freq=-1)")
     need(t.format_warmup_steps >= 0, f"trainer.format_warmup_steps={t.format_warmup_steps} must be >= 0")
+    need(config.reward.timeout_s is None or config.reward.timeout_s >= 0,
+         f"reward.timeout_s={config.reward.timeout_s} must be >= 0 (0 or null = no limit, scored in this process)")
+    need(config.reward.num_workers >= 1, f"reward.num_workers={config.reward.num_workers} must be >= 1")
     world = t.n_gpus_per_node * t.nnodes
     need(t.n_gpus_per_node >= 1 and t.nnodes >= 1, "trainer.n_gpus_per_node and trainer.nnodes must be >= 1")
     if world > 1:

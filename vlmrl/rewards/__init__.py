@@ -1,18 +1,31 @@
 """Rewards: geo3k (mathruler), the synthetic tasks, user functions as `path/to/file.py:function`, and batch scoring
-that contains failures (a failing sample scores 0 with `reward_failed = 1.0`; the run goes on)."""
+that contains failures (a failing sample scores 0 with `reward_failed = 1.0`; the run goes on) and, with a time limit,
+hangs (worker processes; an overrunning sample is stopped and also flagged `reward_timeout = 1.0`)."""
 
-from vlmrl.rewards.base import FAILED_KEY, RewardFn, RewardInput, RewardOutput, compute_rewards, to_output
+from vlmrl.rewards.base import (
+    FAILED_KEY,
+    TIMEOUT_KEY,
+    RewardFn,
+    RewardInput,
+    RewardOutput,
+    compute_rewards,
+    to_output,
+)
 from vlmrl.rewards.registry import BUILTINS, builtin_for, get_reward_fn, load_user_fn
+from vlmrl.rewards.workers import close_reward_workers, workers_for
 
 __all__ = [
     "BUILTINS",
     "FAILED_KEY",
+    "TIMEOUT_KEY",
     "RewardFn",
     "RewardInput",
     "RewardOutput",
     "builtin_for",
+    "close_reward_workers",
     "compute_rewards",
     "get_reward_fn",
     "load_user_fn",
     "to_output",
+    "workers_for",
 ]

@@ -9,6 +9,10 @@ It is called with keyword arguments. Numeric dict entries besides the score (acc
 logged apart; other entries (e.g. the extracted answer as a string) are ignored. A function that raises, or returns
 NaN, infinity or something that is not a number, fails that one sample: it scores 0, is flagged with
 `reward_failed = 1.0`, is counted, and the run goes on.
+
+With a time limit (`timeout_s`, the config's `reward.timeout_s`) the function runs in worker processes
+(`vlmrl.rewards.workers`): a sample that takes longer is stopped by killing its worker, scores 0 and is flagged with
+both `reward_failed = 1.0` and `reward_timeout = 1.0`. Without one it runs here, in this process, with no limit.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +35,9 @@ RewardFn = Callable[..., Any]
 
 FAILED_KEY = "reward_failed"
 """Part set to 1.0 on a sample whose reward function failed (0.0 otherwise): its mean is the failure rate."""
+TIMEOUT_KEY = "reward_timeout"
+"""Part set to 1.0 on a sample whose scoring overran the time limit (those are failures too), 0.0 otherwise; present
+only when scoring has a limit. Its mean is the timeout rate."""
 
 
 @dataclass
@@ -97,37 +105,85 @@ def to_output(value: Any) -> RewardOutput:
     return RewardOutput(_finite(value, "score"))
 
 
-def compute_rewards(fn: RewardFn, items: Sequence[RewardInput]) -> tuple[list[float], list[dict[str, float]], int]:
+@dataclass
+class Outcome:
+    """How scoring one sample went: its output, or why there is none."""
+
+    output: RewardOutput | None
+    error: str = ""
+    """The traceback (or reason) when there is no output."""
+    timed_out: bool = False
+
+
+def score_one(fn: RewardFn, item: RewardInput) -> Outcome:
+    """Calls `fn` on one item (here or in a worker process); an exception becomes a failed Outcome.
+
+    >>> score_one(lambda **kw: {"score": 1, "acc": 1.0}, RewardInput("s", "a", "a")).output
+    RewardOutput(score=1.0, parts={'acc': 1.0})
+    >>> score_one(lambda **kw: 1 / 0, RewardInput("s", "a", "a")).error.splitlines()[-1]
+    'ZeroDivisionError: division by zero'
+    """
+    try:
+        return Outcome(to_output(fn(data_source=item.data_source, solution_str=item.response,
+                                    ground_truth=item.ground_truth, extra_info=item.extra_info)))
+    except Exception as err:  # a broken reward must not stop a long run: the sample scores 0, flagged
+        return Outcome(None, "".join(traceback.format_exception(err)))
+
+
+def compute_rewards(fn: RewardFn, items: Sequence[RewardInput], timeout_s: float | None = None,
+                    num_workers: int = 1) -> tuple[list[float], list[dict[str, float]], int]:
     """Scores every item with `fn`: (scores, extras, failure_count).
 
-    extras[i] holds item i's named parts plus `reward_failed` (0.0 or 1.0). A failed item scores 0.0 and its parts
-    are 0.0 under the names the other items of the batch used, so every item has the same keys for the metrics.
-    The first failure is logged with its sample and traceback; the count of all of them follows.
+    extras[i] holds item i's named parts plus `reward_failed` (0.0 or 1.0), and `reward_timeout` (0.0 or 1.0) when
+    there is a limit. A failed item scores 0.0 and its parts are 0.0 under the names the other items of the batch
+    used, so every item has the same keys for the metrics. The first failure and the first timeout are logged with
+    their sample; the count of all of them follows. failure_count includes the timeouts.
+
+    Args:
+        timeout_s: per-sample limit in seconds; None or <= 0 scores here, in this process, with no limit. With a
+            limit, `num_workers` worker processes score the batch (see `vlmrl.rewards.workers`).
     """
-    outputs: list[RewardOutput | None] = []
-    first_failure: tuple[int, BaseException] | None = None
-    for position, item in enumerate(items):
-        try:
-            outputs.append(to_output(fn(data_source=item.data_source, solution_str=item.response,
-                                        ground_truth=item.ground_truth, extra_info=item.extra_info)))
-        except Exception as err:  # a broken reward must not stop a long run: the sample scores 0, flagged
-            outputs.append(None)
-            first_failure = first_failure or (position, err)
-    part_names = sorted({name for out in outputs if out is not None for name in out.parts})
+    limited = timeout_s is not None and timeout_s > 0
+    if not items:
+        return [], [], 0
+    if limited:
+        from vlmrl.rewards.workers import workers_for  # imported here: workers imports this module
+
+        outcomes = workers_for(fn, num_workers).score(items, timeout_s)
+    else:
+        outcomes = [score_one(fn, item) for item in items]
+    part_names = sorted({name for out in outcomes if out.output is not None for name in out.output.parts})
     scores, extras = [], []
-    for out in outputs:
-        if out is None:
+    for out in outcomes:
+        flags = {FAILED_KEY: float(out.output is None)}
+        if limited:
+            flags[TIMEOUT_KEY] = float(out.timed_out)
+        if out.output is None:
             scores.append(0.0)
-            extras.append({**dict.fromkeys(part_names, 0.0), FAILED_KEY: 1.0})
+            extras.append({**dict.fromkeys(part_names, 0.0), **flags})
         else:
-            scores.append(out.score)
-            extras.append({**out.parts, FAILED_KEY: 0.0})
-    failures = sum(out is None for out in outputs)
-    if first_failure is not None:
-        position, err = first_failure
-        item = items[position]
-        logger.warning("reward function %s failed on %d of %d samples; they score 0 (flag %s). First failure, "
-                       "sample %d: data_source=%r ground_truth=%r extra_info=%r response=%r",
-                       getattr(fn, "__name__", fn), failures, len(items), FAILED_KEY, position, item.data_source,
-                       item.ground_truth, item.extra_info, item.response[:1000], exc_info=err)
-    return scores, extras, failures
+            scores.append(out.output.score)
+            extras.append({**out.output.parts, **flags})
+    _log_failures(fn, items, outcomes, timeout_s)
+    return scores, extras, sum(out.output is None for out in outcomes)
+
+
+def _log_failures(fn: RewardFn, items: Sequence[RewardInput], outcomes: Sequence[Outcome],
+                  timeout_s: float | None) -> None:
+    """One warning per kind (timeout, other failure) per batch, with the first such sample and the count."""
+    name = getattr(fn, "__name__", fn)
+    timed_out = [i for i, out in enumerate(outcomes) if out.timed_out]
+    failed = [i for i, out in enumerate(outcomes) if out.output is None and not out.timed_out]
+    if timed_out:
+        logger.warning("reward function %s took longer than reward.timeout_s=%g s on %d of %d samples: they were "
+                       "stopped and score 0 (flags %s, %s). First one, %s", name, timeout_s, len(timed_out),
+                       len(items), FAILED_KEY, TIMEOUT_KEY, _describe(timed_out[0], items[timed_out[0]]))
+    if failed:
+        logger.warning("reward function %s failed on %d of %d samples; they score 0 (flag %s). First failure, %s\n%s",
+                       name, len(failed), len(items), FAILED_KEY, _describe(failed[0], items[failed[0]]),
+                       outcomes[failed[0]].error.rstrip())
+
+
+def _describe(position: int, item: RewardInput) -> str:
+    return (f"sample {position}: data_source={item.data_source!r} ground_truth={item.ground_truth!r} "
+            f"extra_info={item.extra_info!r} response={item.response[:1000]!r}")

@@ -25,6 +25,8 @@ from vlmrl.rewards.base import RewardFn
 BUILTINS: dict[str, RewardFn] = {"geo3k": geo3k.compute_score, "synthetic": synthetic.compute_score}
 AUTO = ("", "auto")
 GEO3K_SOURCES = ("hiyouga/geometry3k", "geometry3k", "geo3k")
+USER_MODULE_PREFIX = "vlmrl_user_reward_"
+"""Module names of reward files loaded by path start with this (a reward worker process loads the same files)."""
 
 
 def builtin_for(data_source: str) -> str:
@@ -76,7 +78,7 @@ def load_user_fn(spec: str) -> RewardFn:
     if not location or not name:
         raise ValueError(f"reward.function={spec!r}: expected path/to/file.py:function")
     if location.endswith(".py") or os.sep in location:
-        module = _load_file(location)
+        module = load_file(location)
     else:
         module = importlib.import_module(location)
     fn = getattr(module, name, None)
@@ -91,12 +93,14 @@ def load_user_fn(spec: str) -> RewardFn:
     return fn
 
 
-def _load_file(path: str):
+def load_file(path: str):
+    """The module of a reward file, loaded once per path (the same module name in every process)."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"reward function file {path} does not exist")
-    # A unique module name per file, registered in sys.modules so pickling and dataclasses in the file work.
-    module_name = "vlmrl_user_reward_" + hashlib.sha256(path.encode()).hexdigest()[:12]
+    # A unique module name per file, registered in sys.modules so pickling and dataclasses in the file work (a
+    # reward worker process loads the file under the same name, so a function pickled here unpickles there).
+    module_name = USER_MODULE_PREFIX + hashlib.sha256(path.encode()).hexdigest()[:12]
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)
