@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from vlmrl.batch import pad_sample, prompt_inputs, required_batch_multiple, stack_samples, upsample_to_multiple
-from vlmrl.config import Config
+from vlmrl.config import Config, RewardConfig
 from vlmrl.processors import Processor, ProcessorConfig, load_processor
-from vlmrl.rewards import RewardFn, RewardInput, compute_rewards
+from vlmrl.rewards import RewardFn, RewardInput, compute_rewards, get_reward_fn, workers_for
 from vlmrl.rollout import RolloutBackend, backend_class, get_backend
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 
@@ -58,22 +58,32 @@ def start_backend(config: Config, name: str | None = None, model_path: str | Non
     return get_backend(name, path, **backend_options(config, name))
 
 
+def load_reward_fn(config: Config, data_sources: Iterable[str]) -> RewardFn:
+    """The run's reward function (reward.function). With reward.timeout_s its worker processes start now, so a
+    function that cannot run in a worker stops the run here rather than after the first rollout."""
+    reward_fn = get_reward_fn(config.reward.function, data_sources)
+    if config.reward.timeout_s:
+        workers_for(reward_fn, config.reward.num_workers)
+    return reward_fn
+
+
 def score(reward_fn: RewardFn, requests: Sequence[RolloutRequest], results: Sequence[RolloutResult],
-          tokenizer, n: int) -> tuple[list[float], list[dict[str, float]], int]:
-    """Reward every result (request-major, n per request): (scores, parts, failures). A failing reward function
-    scores 0 with `reward_failed = 1` and the run goes on (vlmrl.rewards.compute_rewards)."""
+          tokenizer, n: int, reward: RewardConfig) -> tuple[list[float], list[dict[str, float]], int]:
+    """Reward every result (request-major, n per request): (scores, parts, failures). A failing reward function, or
+    one overrunning reward.timeout_s, scores 0 with `reward_failed = 1` and the run goes on
+    (vlmrl.rewards.compute_rewards)."""
     texts = tokenizer.batch_decode([r.response_ids for r in results], skip_special_tokens=True)
-    return score_texts(reward_fn, requests, texts, n)
+    return score_texts(reward_fn, requests, texts, n, reward)
 
 
 def score_texts(reward_fn: RewardFn, requests: Sequence[RolloutRequest], texts: Sequence[str],
-                n: int) -> tuple[list[float], list[dict[str, float]], int]:
+                n: int, reward: RewardConfig) -> tuple[list[float], list[dict[str, float]], int]:
     """`score` on response texts already decoded (request-major, n per request)."""
     items = []
     for i, text in enumerate(texts):
         request = requests[i // n]
         items.append(RewardInput(request.data_source, text, request.ground_truth, dict(request.extra_info)))
-    return compute_rewards(reward_fn, items)
+    return compute_rewards(reward_fn, items, timeout_s=reward.timeout_s, num_workers=reward.num_workers)
 
 
 def build_train_batch(processor: Processor, config: Config, requests: Sequence[RolloutRequest],
@@ -156,7 +166,8 @@ def agent_train_batch(agent: AgentLoop, processor: Processor, config: Config, da
     rollout = agent.step(built.requests, sampling, batch_size=size, policy_version=step - 1)
     if not rollout.samples:
         raise RuntimeError(f"step {step}: the agent loop finished no group (see the partial rollout warning)")
-    scores, parts, failures = score_texts(reward_fn, rollout.requests, final_answers(rollout), sampling.n)
+    scores, parts, failures = score_texts(reward_fn, rollout.requests, final_answers(rollout), sampling.n,
+                                          config.reward)
     samples = []
     for agent_sample, value, extra in zip(rollout.samples, scores, parts):
         sample = agent_sample.sample

@@ -26,7 +26,7 @@ from vlmrl.batch import batch_metrics
 from vlmrl.config import Config, to_dict, to_yaml
 from vlmrl.data import BatchSampler, RLDataset, build_requests, load_dataset
 from vlmrl.processors import Processor
-from vlmrl.rewards import RewardFn, get_reward_fn
+from vlmrl.rewards import TIMEOUT_KEY, RewardFn, close_reward_workers
 from vlmrl.rollout import RolloutBackend
 from vlmrl.trainer.actor import Actor
 from vlmrl.trainer.checkpoint import (
@@ -41,6 +41,7 @@ from vlmrl.trainer.experience import (
     agent_train_batch,
     build_processor,
     build_train_batch,
+    load_reward_fn,
     score,
     start_agent,
     start_backend,
@@ -106,6 +107,7 @@ class Run:
             self.agent.close()  # releases the tools of carried trajectories before the backend goes
         self.backend.close()
         self.sink.close()
+        close_reward_workers()
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
@@ -164,7 +166,7 @@ def train_step(run: Run) -> dict[str, float]:
             results = run.backend.generate(built.requests, training_sampling(cfg, step))
         with timer("reward"):
             scores, parts, failures = score(run.reward_fn, built.requests, results, run.processor.tokenizer,
-                                            cfg.rollout.n)
+                                            cfg.rollout.n, cfg.reward)
             batch = build_train_batch(run.processor, cfg, built.requests, results, scores, parts,
                                       policy_version=step - 1, dp_size=run.dp_size)
         filtered = built.num_skipped
@@ -192,11 +194,13 @@ def train_step(run: Run) -> dict[str, float]:
 
 def step_metrics(batch: TrainBatch, advantages: torch.Tensor, failures: int, filtered: int, run: Run,
                  timer: PhaseTimer) -> dict[str, float]:
-    """Metrics beyond batch_metrics and the actor's: reward failures, filtered prompts, groups with signal."""
+    """Metrics beyond batch_metrics and the actor's: reward failures and timeouts (timeouts are failures too),
+    filtered prompts, groups with signal."""
     real = ~batch.is_padding
     tokens = float((batch.response_mask * real.unsqueeze(-1)).sum())
     return {
         "reward/failures": float(failures),
+        "reward/timeouts": float(sum(extra.get(TIMEOUT_KEY, 0.0) for extra in batch.reward_extra)),  # padding rows: {}
         "batch/filtered_prompts": float(filtered),
         "batch/groups_with_signal": _share_of_groups_with_signal(batch, advantages),
         "epoch": float(run.sampler.epoch),
@@ -253,7 +257,7 @@ def setup_run(config: Config) -> Run:
                               synthetic_seed=t.seed)
     val_data = load_val_dataset(config) if d.val_files else None
     sources = train_data.data_sources() + (val_data.data_sources() if val_data else [])
-    reward_fn = get_reward_fn(config.reward.function, sources)
+    reward_fn = load_reward_fn(config, sources)
     sampler = BatchSampler(len(train_data), d.train_batch_size, shuffle=d.shuffle, seed=t.seed)
     total_steps = t.total_steps or t.total_epochs * sampler.batches_per_epoch
     checkpoint = latest_checkpoint(output_dir) if t.resume else None
@@ -351,7 +355,10 @@ def validate_only(config: Config) -> dict[str, float]:
     step = _checkpoint_step(config.actor.model_path)
     name = config.rollout.name
     artifact = output_dir / f"validation_{name}_step{step}.jsonl"
-    result = run_validation(config, name, step=step, artifact_path=artifact)
+    try:
+        result = run_validation(config, name, step=step, artifact_path=artifact)
+    finally:
+        close_reward_workers()
     sink = MetricsLogger(output_dir, config.trainer.logger, to_dict(config), config.trainer.project_name,
                          config.trainer.experiment_name, console=print)
     sink.log(step, result.metrics)

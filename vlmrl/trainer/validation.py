@@ -14,6 +14,7 @@ Metrics (a sample's accuracy is its reward part `accuracy` when the reward funct
   val/reward_extra/<part>                       mean of each named reward part
   val/mean@k, val/pass@k (+ per data source)    when k > 1: mean accuracy, and the share of prompts with a correct sample
   val/response_length/mean, val/num_prompts, val/num_samples, val/filtered_prompts, val/reward_failures
+  val/reward_timeouts                           samples whose reward overran reward.timeout_s (also failures)
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ from vlmrl.alignment.artifact import (
 from vlmrl.config import Config, to_dict
 from vlmrl.data import RLDataset, build_requests, load_dataset, sequential_batches
 from vlmrl.processors import Processor
-from vlmrl.rewards import RewardFn, get_reward_fn
+from vlmrl.rewards import TIMEOUT_KEY, RewardFn
 from vlmrl.rollout import RolloutBackend
 from vlmrl.trainer.experience import (
     agent_results,
     build_processor,
     final_answers,
+    load_reward_fn,
     score,
     score_texts,
     start_agent,
@@ -102,7 +104,7 @@ def run_validation(
     """
     processor = processor or build_processor(config)
     dataset = dataset or load_val_dataset(config)
-    reward_fn = reward_fn or get_reward_fn(config.reward.function, dataset.data_sources())
+    reward_fn = reward_fn or load_reward_fn(config, dataset.data_sources())
     sampling = validation_sampling(config, config.rollout.val_top_logprobs if artifact_path else 0)
     owned = backend if isinstance(backend, RolloutBackend) else None
     running = owned or start_backend(config, backend)
@@ -133,11 +135,12 @@ def run_validation(
         raise ValueError(f"validation: every one of the {len(dataset)} rows of {dataset.spec} was filtered; raise "
                          "data.max_prompt_length or check the images")
     if agent is not None:
-        scores, parts, failures = score_texts(reward_fn, requests, answers, sampling.n)
+        scores, parts, failures = score_texts(reward_fn, requests, answers, sampling.n, config.reward)
     else:
-        scores, parts, failures = score(reward_fn, requests, results, processor.tokenizer, sampling.n)
+        scores, parts, failures = score(reward_fn, requests, results, processor.tokenizer, sampling.n, config.reward)
     metrics = validation_metrics(requests, results, scores, parts, sampling.n)
-    metrics.update({"val/filtered_prompts": float(filtered), "val/reward_failures": float(failures)})
+    metrics.update({"val/filtered_prompts": float(filtered), "val/reward_failures": float(failures),
+                    "val/reward_timeouts": float(sum(p.get(TIMEOUT_KEY, 0.0) for p in parts))})
     records = None
     path = None
     if artifact_path is not None:
