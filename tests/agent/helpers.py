@@ -14,6 +14,11 @@ from tests.agent import scripted
 from vlmrl.agent import AgentSample, Tool, ToolContext
 from vlmrl.agent.builtin import ImageZoomTool
 from vlmrl.agent.carry import TRAJECTORY_FIELDS
+from vlmrl.types import SamplingParams
+
+P, R = 128, 256
+"""Padded prompt and response lengths of the agent tests' loops."""
+GREEDY = SamplingParams(n=2, temperature=0.0, max_new_tokens=64)
 
 
 class Lifecycle:
@@ -97,6 +102,11 @@ class HangingZoomTool(ImageZoomTool):
 
     async def execute(self, state, arguments):
         await asyncio.Event().wait()
+
+
+def requests(processor, *questions: str) -> list:
+    """One RolloutRequest per scripted question (each with the scripted prompt image)."""
+    return [processor.build_request(scripted.row(q)) for q in questions]
 
 
 def full_ids(sample) -> torch.Tensor:

@@ -11,33 +11,18 @@ import logging
 import pytest
 
 from tests.agent import scripted
-from tests.agent.helpers import AsyncZoom, CountingEcho, Lifecycle, assert_same_groups, assert_same_sample
+from tests.agent.helpers import (GREEDY, P, R, AsyncZoom, CountingEcho, Lifecycle, assert_same_groups,
+                                assert_same_sample, requests)
 from vlmrl.agent import AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry, Trajectory
 from vlmrl.agent.builtin import Geo3kAnswerTool
 from vlmrl.agent.carry import CARRIED_JSON, TRAJECTORY_FIELDS
 from vlmrl.agent.tools import ToolContext
-from vlmrl.types import SamplingParams
-
-P, R = 128, 256
-GREEDY = SamplingParams(n=2, temperature=0.0, max_new_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def backend(taught_model_path):
-    from vlmrl.rollout import get_backend
-
-    with get_backend("hf", taught_model_path, max_model_len=1024, timeout_s=120) as backend:
-        yield backend
 
 
 def make_loop(backend, processor, log: Lifecycle) -> AgentLoop:
     config = AgentConfig(partial=PartialRolloutConfig(enable=True, oversample_factor=2.0))
     return AgentLoop(backend, processor, config, prompt_length=P, response_length=R,
                      tools=ToolRegistry([CountingEcho(log), AsyncZoom()]))
-
-
-def requests(processor, *questions):
-    return [processor.build_request(scripted.row(q)) for q in questions]
 
 
 def test_restored_groups_are_equal_and_the_next_step_matches_the_uninterrupted_loop(backend, processor, tmp_path):

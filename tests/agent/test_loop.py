@@ -7,31 +7,12 @@ by the backend.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.agent import scripted
-from tests.agent.helpers import EchoTool, HangingZoomTool, Lifecycle, check_long_sample, tool_turn_texts
+from tests.agent.helpers import GREEDY, P, R, EchoTool, HangingZoomTool, Lifecycle, check_long_sample, tool_turn_texts
 from vlmrl.agent import AgentConfig, AgentLoop, Tool, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
 from vlmrl.types import SamplingParams
-
-P, R = 128, 256
-GREEDY = SamplingParams(n=2, temperature=0.0, max_new_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def backend(taught_model_path):
-    from vlmrl.rollout import get_backend
-
-    with get_backend("hf", taught_model_path, max_model_len=1024, timeout_s=120) as backend:
-        yield backend
-
-
-@pytest.fixture(scope="module")
-def hf_model(taught_model_path):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(taught_model_path, dtype=torch.float32).eval()
 
 
 def make_loop(backend, processor, tools, **config) -> AgentLoop:

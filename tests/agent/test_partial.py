@@ -3,34 +3,16 @@ the next step with each token tagged by the policy version that generated it; dr
 
 from __future__ import annotations
 
-import pytest
-
 from tests.agent import scripted
-from tests.agent.helpers import EchoTool, Lifecycle, full_ids
+from tests.agent.helpers import GREEDY, P, R, EchoTool, Lifecycle, full_ids, requests
 from vlmrl.agent import TOOL_VERSION, AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
-from vlmrl.types import SamplingParams
-
-P, R = 128, 256
-GREEDY = SamplingParams(n=2, temperature=0.0, max_new_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def backend(taught_model_path):
-    from vlmrl.rollout import get_backend
-
-    with get_backend("hf", taught_model_path, max_model_len=1024, timeout_s=120) as backend:
-        yield backend
 
 
 def make_loop(backend, processor, log: Lifecycle, **partial) -> AgentLoop:
     config = AgentConfig(partial=PartialRolloutConfig(enable=True, oversample_factor=2.0, **partial))
     return AgentLoop(backend, processor, config, prompt_length=P, response_length=R,
                      tools=ToolRegistry([EchoTool(log), ImageZoomTool()]))
-
-
-def requests(processor, *questions):
-    return [processor.build_request(scripted.row(q)) for q in questions]
 
 
 def test_carried_groups_finish_next_step_with_their_version_tags(backend, processor):
