@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/bench_rollout.py                     # models tiny and tiny-large, all backends
     .venv/bin/python benchmarks/bench_rollout.py --models tiny-large --backends hf vllm --requests 16
+    python benchmarks/bench_rollout.py --models tiny-large --dtype bfloat16 \
+        --engine-kwargs 'vllm={"attention_backend": "TRITON_ATTN"}'      # on a GPU; engine arguments per backend
 
 The same requests (built by vlmrl.processors: a quarter text-only, half with one image, a quarter with two) go to
 each backend in turn; one backend is alive at a time. Per backend: start (timed apart), one warm-up call, then
@@ -25,10 +27,10 @@ from dataclasses import asdict, dataclass
 # inherited by the engines' own processes. On a small shared CPU, multi-threaded OpenMP spin-waits against other
 # jobs (measured: SGLang's call on tiny-large took 9 s one run and 95 s the next at the default 2 threads).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Engine settings for a CPU run, before any engine is imported (the same as tests/conftest.py).
+# Engine settings before any engine is imported: vLLM in-process; its KV cache size on CPU (ignored on a GPU). The
+# sglang backend sets SGLANG_USE_CPU_ENGINE itself when there is no GPU (set here, it would force CPU on a GPU).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
@@ -69,10 +71,10 @@ def build_requests(model_path: str, count: int) -> list:
 
 
 def measure(name: str, model: str, model_path: str, requests, sampling: SamplingParams, repeats: int,
-            reference: list | None, dtype: str) -> tuple[Row, list]:
+            reference: list | None, dtype: str, engine_kwargs: dict) -> tuple[Row, list]:
     t0 = time.perf_counter()
     with get_backend(name, model_path, dtype=dtype, max_model_len=2048, timeout_s=1800,
-                     start_timeout_s=1800) as backend:
+                     start_timeout_s=1800, engine_kwargs=engine_kwargs) as backend:
         start = time.perf_counter() - t0
         greedy = backend.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=16))
         matches = reference is None or [r.response_ids for r in greedy] == [r.response_ids for r in reference]
@@ -89,6 +91,26 @@ def measure(name: str, model: str, model_path: str, requests, sampling: Sampling
     return row, greedy
 
 
+def device_name() -> str:
+    import torch
+
+    return f"GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
+
+
+def parse_engine_kwargs(items: list[str]) -> dict[str, dict]:
+    """{"vllm": {...}} from ["vllm={...}"]: each backend's extra engine arguments (its `engine_kwargs` option)."""
+    parsed: dict[str, dict] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in BACKENDS:
+            raise SystemExit(f"--engine-kwargs {item!r}: expected BACKEND=JSON with BACKEND one of {BACKENDS}")
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise SystemExit(f"--engine-kwargs {item!r}: the JSON must be an object")
+        parsed.setdefault(name, {}).update(value)
+    return parsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "tiny-large"])
@@ -98,21 +120,25 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--engine-kwargs", nargs="*", default=[], metavar="BACKEND=JSON",
+                        help='extra engine arguments of one backend, e.g. vllm=\'{"attention_backend": "TRITON_ATTN"}\'')
     parser.add_argument("--out", default="", help="write the rows as JSON here (atomically)")
     args = parser.parse_args()
+    engine_kwargs = parse_engine_kwargs(args.engine_kwargs)
     logging.basicConfig(level=logging.WARNING)
     sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
     rows: list[Row] = []
     backends = ["hf"] + [b for b in args.backends if b != "hf"]  # hf first: the reference and the ratio's base
     print(f"{args.requests} requests x n={args.n}, up to {args.max_new_tokens} new tokens, temperature 1.0, "
           f"{args.dtype}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; load average {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} CPUs")
+          f"on {os.cpu_count()} CPUs; {device_name()}")
     for model in args.models:
         path = str(ensure_built(model))
         requests = build_requests(path, args.requests)
         reference = None
         for name in backends:
-            row, greedy = measure(name, model, path, requests, sampling, args.repeats, reference, args.dtype)
+            row, greedy = measure(name, model, path, requests, sampling, args.repeats, reference, args.dtype,
+                                  engine_kwargs.get(name, {}))
             reference = greedy if name == "hf" else reference
             rows.append(row)
         base = next(r.tokens_per_s for r in rows if r.model == model and r.backend == "hf")
