@@ -44,8 +44,10 @@ def test_text_and_image_tools_match_the_processor_on_the_whole_conversation(back
     assert sorted(log.events.values()) == [["create", "execute", "reward", "release"]] * 2 + [
         ["create", "reward", "release"]] * 2
     assert batch.metrics["agent/turns/max"] == 3 and batch.metrics["agent/tool/images/mean"] == 0.5
-    # the first turns of both groups went to the backend in one call, later turns two at a time
-    assert batch.metrics["agent/generate_calls"] == 3 and batch.metrics["agent/requests_per_call/mean"] == 2
+    # every turn went to the backend once (2 first turns + 2 x 2 later LONG turns), and concurrent turns shared calls:
+    # the first turns of both groups go together; later turns pair up unless the threaded tools finish far apart
+    calls = batch.metrics["agent/generate_calls"]
+    assert calls * batch.metrics["agent/requests_per_call/mean"] == 6 and 3 <= calls <= 5
 
 
 @pytest.mark.parametrize("case", ["raise", "sync-timeout", "async-timeout", "create-fails"])
