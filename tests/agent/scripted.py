@@ -27,6 +27,12 @@ ZOOM_BOX = [0, 0, 56, 56]
 ZOOM_CALL = {"name": "zoom", "arguments": {"box": ZOOM_BOX}}
 FINAL_ANSWER = "The answer is 7."
 SHORT_ANSWER = "7"
+REWARD_FILE = f'''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # exact match on the LAST assistant turn: the whole conversation (tool calls, tool replies) would not match
+    return 1.0 if solution_str.strip() in ({FINAL_ANSWER!r}, {SHORT_ANSWER!r}) else 0.0
+'''
+"""A reward file (reward.function=<file>:compute_score) giving 1 to either scripted final answer, else 0."""
 
 
 def prompt_image() -> Image.Image:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.conftest import make_batch
+from tests.batches import make_batch
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.config import ActorConfig, OptimConfig
 from vlmrl.distributed.actor import ShardedActor, UpdateShard

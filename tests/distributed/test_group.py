@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.conftest import make_batch
+from tests.batches import make_batch
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch import required_batch_multiple, upsample_to_multiple
 from vlmrl.config import ActorConfig, OptimConfig

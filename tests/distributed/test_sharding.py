@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.conftest import make_batch
+from tests.batches import make_batch
 from vlmrl.batch import required_batch_multiple, upsample_to_multiple
 from vlmrl.distributed.sharding import (
     engine_hosts,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.conftest import make_batch
+from tests.batches import make_batch
 from vlmrl.distributed.vision import VisionAlwaysOn
 from vlmrl.trainer.actor import load_policy, micro_batch
 

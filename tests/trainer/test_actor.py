@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tests.trainer.conftest import make_batch
+from tests.batches import make_batch
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch.padding import upsample_to_multiple
 from vlmrl.config import ActorConfig, OptimConfig

@@ -14,12 +14,6 @@ from vlmrl.config import load_config
 from vlmrl.trainer.fit import fit
 from vlmrl.trainer.metrics import read_metrics
 
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    # exact match on the LAST assistant turn: the whole conversation (tool calls, tool replies) would not match
-    return 1.0 if solution_str.strip() in ("The answer is 7.", "7") else 0.0
-'''
-
 AGENT = """
 agent:
   enable: true
@@ -59,7 +53,7 @@ def _write_data(path) -> None:
 def test_two_agent_steps_with_tool_calls_partial_rollout_and_agent_validation(taught_model, tmp_path):
     data, reward, agent_yaml = tmp_path / "agent.parquet", tmp_path / "reward.py", tmp_path / "agent.yaml"
     _write_data(data)
-    reward.write_text(REWARD)
+    reward.write_text(scripted.REWARD_FILE)
     agent_yaml.write_text(AGENT)
     out = tmp_path / "run"
     config = load_config([

@@ -22,11 +22,6 @@ from vlmrl.config import load_config
 from vlmrl.trainer.checkpoint import checkpoints_root, rng_state, set_rng_state
 from vlmrl.trainer.fit import save, setup_process, setup_run, train_step
 
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return 1.0 if solution_str.strip() in ("The answer is 7.", "7") else 0.0
-'''
-
 # 5 groups in flight for a batch of 2: the two SHORT groups fill step 1's batch after one call, and the three LONG
 # groups park mid-turn (8-token chunks). The sampler hands out batches of 2, so one prompt waits in the queue.
 AGENT = """
@@ -65,7 +60,7 @@ def make_config(taught_model, tmp_path, out):
             row["images"][0].save(buffer, format="PNG")
             rows.append(dict(row, images=[{"bytes": buffer.getvalue()}]))
         pq.write_table(pa.Table.from_pylist(rows), data)
-        reward.write_text(REWARD)
+        reward.write_text(scripted.REWARD_FILE)
         agent_yaml.write_text(AGENT)
     return load_config([
         f"config={agent_yaml}", f"actor.model_path={taught_model}", f"data.train_files={data}",

@@ -1,0 +1,40 @@
+"""Real inputs shared by the trainer and distributed tests: synthetic rows and padded TrainBatches built through the
+tiny model's processor, exactly as the trainer builds them."""
+
+from __future__ import annotations
+
+import torch
+
+from vlmrl.batch import pad_sample, prompt_inputs, stack_samples
+from vlmrl.types import TrainBatch
+
+
+def synthetic_rows(root, train_size: int, val_size: int) -> list[dict]:
+    """The synthetic training rows (images included) written under `root`."""
+    from vlmrl.data import load_dataset
+
+    dataset = load_dataset("synthetic", "train", synthetic_train_size=train_size, synthetic_val_size=val_size,
+                           root=root)
+    return [dataset[i] for i in range(len(dataset))]
+
+
+def make_batch(processor, rows, n: int, text_only_rows: tuple[int, ...] = (), response_length: int = 6,
+               prompt_length: int = 64, seed: int = 0) -> TrainBatch:
+    """A real TrainBatch: each row sampled `n` times with random (never banned) response tokens of random length and
+    random 0/1 rewards. Rows in text_only_rows lose their image (a text prompt in a VLM batch)."""
+    gen = torch.Generator().manual_seed(seed)
+    banned = set(processor.banned_token_ids)
+    vocab = [t for t in range(100, 900) if t not in banned]
+    samples = []
+    for i, row in enumerate(rows):
+        if i in text_only_rows:
+            row = dict(row, prompt=[{"role": "user", "content": f"Name colour number {i}."}], images=[])
+        prompt = prompt_inputs(processor, processor.build_request(row, i))
+        for _ in range(n):
+            length = int(torch.randint(1, response_length + 1, (1,), generator=gen))
+            ids = [vocab[int(j)] for j in torch.randint(0, len(vocab), (length,), generator=gen)]
+            sample = pad_sample(prompt, ids, prompt_length=prompt_length, response_length=response_length,
+                                pad_token_id=processor.pad_token_id)
+            sample.reward = float(torch.rand(1, generator=gen) > 0.5)
+            samples.append(sample)
+    return stack_samples(samples)
