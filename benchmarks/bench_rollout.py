@@ -121,7 +121,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--engine-kwargs", nargs="*", default=[], metavar="BACKEND=JSON",
-                        help='extra engine arguments of one backend, e.g. vllm=\'{"attention_backend": "TRITON_ATTN"}\'')
+                        help="extra engine arguments of one backend, e.g. "
+                             'vllm=\'{"attention_backend": "TRITON_ATTN"}\'')
     parser.add_argument("--out", default="", help="write the rows as JSON here (atomically)")
     args = parser.parse_args()
     engine_kwargs = parse_engine_kwargs(args.engine_kwargs)

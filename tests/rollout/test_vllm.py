@@ -3,6 +3,8 @@ seeds, and the full-state-dict rule of vLLM's weight reload."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.rollout.helpers import GREEDY, EngineContract, clone_state, greedy_mismatch
@@ -47,4 +49,24 @@ def test_partial_state_dict_is_refused_and_engine_unharmed(backend, hf, batch, h
     state = clone_state(hf.model)
     with pytest.raises(ValueError, match="needs exactly the model's"):
         backend.update_weights([("lm_head.weight", state["lm_head.weight"])])
+    assert backend.generate([batch[3]], GREEDY)[0].response_ids == hf_greedy[3].response_ids
+
+
+def test_weight_sync_does_not_warn_about_derived_buffers(backend, hf, batch, hf_greedy):
+    """vLLM warns "<Layer>: Failed to load weights" on every sync for layers holding only buffers that no checkpoint
+    has (rotary caches, image mean/std); vlmrl filters exactly those, and the sync still lands."""
+    from vlmrl.rollout.vllm import RELOAD_LOGGER
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    reload_logger = logging.getLogger(RELOAD_LOGGER)
+    reload_logger.addHandler(handler)
+    try:
+        backend.update_weights(clone_state(hf.model).items())
+    finally:
+        reload_logger.removeHandler(handler)
+    assert not [m for m in seen if "Failed to load weights" in m]
+    assert [f for f in reload_logger.filters if type(f).__name__ == "_DerivedBufferFilter"][0].classes >= {
+        "RotaryEmbedding", "MRotaryEmbedding"}
     assert backend.generate([batch[3]], GREEDY)[0].response_ids == hf_greedy[3].response_ids

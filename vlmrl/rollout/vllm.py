@@ -10,8 +10,10 @@ Seeds: sample i of the request at batch position j uses `seed + j * n + i` (vLLM
 Weight sync: tensors travel as safetensors bytes (they survive vLLM's IPC; tensors would arrive as lists) to
 `WeightSyncWorkerExtension.vlmrl_reload_weights`, which runs the worker's `reload_weights` (after start-up
 `model.load_weights` fails on CPU: linear weights are repacked). Then the encoder cache (vision embeddings) and the
-prefix cache (KV of old weights) are reset. Only full state dicts are accepted: a partial reload was measured to
-leave the engine's other layers broken (even a later full reload did not restore them).
+prefix cache (KV of old weights) are reset. vLLM's per-sync warning "Failed to load weights" for layers that hold only
+derived buffers (rotary caches, image mean/std: nothing in a checkpoint, values kept) is filtered out. Only full
+state dicts are accepted: a partial reload was measured to leave the engine's other layers broken (even a later full
+reload did not restore them).
 On CPU: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, ~3 s start); sleep mode is not supported there.
 """
 
@@ -65,6 +67,9 @@ class VLLMOptions(RolloutOptions):
     """Run the engine core in its own process; None = vLLM's default (VLLM_ENABLE_V1_MULTIPROCESSING)."""
 
 
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
 class WeightSyncWorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`); `self` is the worker."""
 
@@ -72,8 +77,40 @@ class WeightSyncWorkerExtension:
         from safetensors.torch import load
 
         state = load(blob)
+        _quiet_derived_buffer_warnings(self.get_model())
         self.reload_weights(weights_iterator=iter(state.items()))
         return len(state)
+
+
+class _DerivedBufferFilter(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" reload warning for layer classes that hold only buffers.
+
+    Such layers (rotary cos/sin caches, the fused image mean/std) have nothing in a checkpoint; vLLM puts their
+    values back as they were, which is right, but warns on every sync. A layer class with parameters keeps its warning.
+    """
+
+    def __init__(self, classes: set[str]):
+        super().__init__()
+        self.classes = classes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.endswith(": Failed to load weights") and message.split(":", 1)[0] in self.classes)
+
+
+def _quiet_derived_buffer_warnings(model: torch.nn.Module) -> None:
+    """Installs (once per process) the filter for the model's buffer-only layer classes."""
+    reload_logger = logging.getLogger(RELOAD_LOGGER)
+    if any(isinstance(f, _DerivedBufferFilter) for f in reload_logger.filters):
+        return
+    with_params, with_buffers = set(), set()
+    for module in model.modules():
+        name = type(module).__name__
+        if any(True for _ in module.parameters(recurse=False)):
+            with_params.add(name)
+        elif any(True for _ in module.buffers(recurse=False)):
+            with_buffers.add(name)
+    reload_logger.addFilter(_DerivedBufferFilter(with_buffers - with_params))
 
 
 class VLLMBackend(RolloutBackend):
