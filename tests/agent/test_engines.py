@@ -4,16 +4,11 @@ the trajectory equals the processor's rendering of the whole conversation) and a
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.agent import scripted
-from tests.agent.helpers import EchoTool, check_long_sample, full_ids
+from tests.agent.helpers import GREEDY, P, R, EchoTool, check_long_sample, full_ids
 from vlmrl.agent import TOOL_VERSION, AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
-from vlmrl.types import SamplingParams
-
-P, R = 128, 256
-GREEDY = SamplingParams(n=2, temperature=0.0, max_new_tokens=64)
 
 
 @pytest.fixture(scope="module", params=[pytest.param("vllm", marks=pytest.mark.vllm),
@@ -25,13 +20,6 @@ def engine(request, taught_model_path):
     with get_backend(request.param, taught_model_path, max_model_len=1024, dtype="float32", timeout_s=120,
                      start_timeout_s=300) as backend:
         yield backend
-
-
-@pytest.fixture(scope="module")
-def hf_model(taught_model_path):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(taught_model_path, dtype=torch.float32).eval()
 
 
 def tools():
