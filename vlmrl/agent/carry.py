@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ import torch
 from PIL import Image
 
 from vlmrl.agent.trajectory import Trajectory
+from vlmrl.atomic import replace_atomically, write_text_atomically
 from vlmrl.processors.images import image_hash
 from vlmrl.types import RolloutRequest
 
@@ -64,9 +63,8 @@ def write_carried(directory: Path, groups: Sequence[tuple[RolloutRequest, Sequen
                   "trajectories": [_trajectory_record(t, f"g{g}/t{i}", tensors, tool_entries.get(t.key, {}))
                                    for i, t in enumerate(trajectories)]}
         records.append(record)
-    _replace(directory / CARRIED_TENSORS, lambda tmp: save_file(tensors, tmp))
-    text = json.dumps({"format": FORMAT, "groups": records})
-    _replace(directory / CARRIED_JSON, lambda tmp: Path(tmp).write_text(text))
+    replace_atomically(directory / CARRIED_TENSORS, lambda tmp: save_file(tensors, tmp))
+    write_text_atomically(directory / CARRIED_JSON, json.dumps({"format": FORMAT, "groups": records}))
 
 
 def _request_record(request: RolloutRequest, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -92,19 +90,6 @@ def _trajectory_record(traj: Trajectory, prefix: str, tensors: dict[str, torch.T
 def _put_image(tensors: dict[str, torch.Tensor], key: str, image: Image.Image) -> dict[str, Any]:
     tensors[key] = torch.from_numpy(np.frombuffer(image.tobytes(), dtype=np.uint8).copy())
     return {"tensor": key, "mode": image.mode, "size": list(image.size)}
-
-
-def _replace(path: Path, write: Callable[[str], None]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---------------------------------------------------------------------------------------------------- reading

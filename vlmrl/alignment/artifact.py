@@ -18,13 +18,13 @@ import io
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlmrl import __version__ as VLMRL_VERSION
+from vlmrl.atomic import replace_atomically
 
 if TYPE_CHECKING:  # the compare tool reads artifacts without importing torch
     from vlmrl.processors import Processor
@@ -167,19 +167,13 @@ def write_artifact(path: str | os.PathLike, meta: ArtifactMeta, records: Iterabl
     if not meta.created_at:
         meta.created_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     header = {"kind": FORMAT_KIND, "format_version": FORMAT_VERSION, "num_records": len(records), "meta": asdict(meta)}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
             handle.write(json.dumps(header, default=_json_default) + "\n")
             for record in records:
                 handle.write(json.dumps(asdict(record), default=_json_default) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+
+    return replace_atomically(path, write)
 
 
 def _parse_header(line: str, path: Path) -> tuple[ArtifactMeta, int]:

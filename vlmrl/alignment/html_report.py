@@ -12,7 +12,8 @@ from pathlib import Path
 
 from vlmrl.alignment.artifact import ValidationRecord
 from vlmrl.alignment.diff import CAUSE_LABELS, Cause, Comparison, SampleDiff
-from vlmrl.alignment.report import _atomic_write_text, _ci, _fmt, _p, _side
+from vlmrl.alignment.report import _ci, _fmt, _p, _side
+from vlmrl.atomic import write_text_atomically
 
 MAX_TEXT = 3000
 """Characters of each response shown; longer responses are cut with a note."""
@@ -218,4 +219,4 @@ def render_html(comparison: Comparison, records_a: list[ValidationRecord], recor
 
 def write_html_report(comparison: Comparison, records_a: list[ValidationRecord], records_b: list[ValidationRecord],
                       path: str | os.PathLike) -> Path:
-    return _atomic_write_text(Path(path), render_html(comparison, records_a, records_b))
+    return write_text_atomically(path, render_html(comparison, records_a, records_b))

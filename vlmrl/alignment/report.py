@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
@@ -17,22 +16,10 @@ from rich.table import Table
 from rich.text import Text
 
 from vlmrl.alignment.diff import CAUSE_LABELS, Cause, Comparison
+from vlmrl.atomic import write_text_atomically
 
 EXAMPLES_ON_SCREEN = 5
 _IDENTITY_KEYS = {"backend", "engine", "config.rollout.name"}
-
-
-def _atomic_write_text(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -110,7 +97,7 @@ def report_dict(comparison: Comparison) -> dict[str, Any]:
 
 def write_json_report(comparison: Comparison, path: str | os.PathLike) -> Path:
     text = json.dumps(report_dict(comparison), indent=1, default=str, allow_nan=False)
-    return _atomic_write_text(Path(path), text + "\n")
+    return write_text_atomically(path, text + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- terminal

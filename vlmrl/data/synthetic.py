@@ -17,13 +17,14 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from vlmrl.atomic import replace_atomically
 
 GENERATOR_VERSION = 1
 """Bump when the drawn images or the row layout change (it names the cache folder)."""
@@ -232,16 +233,8 @@ def write_rows(rows: list[dict], path: str | os.PathLike) -> Path:
                        **{key: datasets.Value("string") for key in _DETAIL_KEYS}},
     })
     table = datasets.Dataset.from_list(rows, features=features)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        # The arrow table carries the features in its schema metadata, as `Dataset.to_parquet` writes it.
-        pq.write_table(table.data.table, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    # The arrow table carries the features in its schema metadata, as `Dataset.to_parquet` writes it.
+    return replace_atomically(path, lambda tmp: pq.write_table(table.data.table, tmp))
 
 
 def write_synthetic(out_dir: str | os.PathLike, task: str = DEFAULT_TASK, n_train: int = 2048, n_val: int = 128,

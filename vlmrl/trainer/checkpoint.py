@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlmrl.atomic import write_text_atomically
+
 logger = logging.getLogger(__name__)
 
 STATE_PT = "trainer_state.pt"
@@ -126,19 +128,10 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_atomic(root / LATEST, final.name + "\n")
+    write_text_atomically(root / LATEST, final.name + "\n")
     _prune(root, keep, final)
     logger.info("checkpoint saved: %s", final)
     return final
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:

@@ -11,9 +11,10 @@ import json
 import logging
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from vlmrl.atomic import replace_atomically, write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,7 @@ def truncate_after(path: str | os.PathLike, step: int) -> None:
     if not path.exists():
         return
     kept = [row for row in read_metrics(path) if row.get("step", 0) <= step]
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
-        handle.writelines(json.dumps(row) + "\n" for row in kept)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(json.dumps(row) + "\n" for row in kept))
 
 
 class MetricsLogger:
@@ -138,10 +134,7 @@ def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike) ->
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
     fig.tight_layout()
-    out_path = Path(out_path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".png", dir=out_path.parent)
-    os.close(fd)
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out_path)
-    return out_path
+    try:
+        return replace_atomically(out_path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)
