@@ -330,20 +330,22 @@ def validate(config: Config) -> list[str]:
     need(r.val_n == 1 or r.val_temperature > 0,
          f"rollout.val_n={r.val_n} with val_temperature=0 gives {r.val_n} identical greedy samples: "
          "set rollout.val_temperature > 0 or rollout.val_n=1")
-    for key, value in (("data.train_batch_size", d.train_batch_size), ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+    for key, value in (("data.train_batch_size", d.train_batch_size),
+                       ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
                        ("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
                        ("actor.ppo_epochs", a.ppo_epochs), ("data.max_prompt_length", d.max_prompt_length),
                        ("data.max_response_length", d.max_response_length)):
         need(value >= 1, f"{key}={value} must be >= 1")
     if not problems:
         need(d.train_batch_size % a.ppo_mini_batch_size == 0,
-             f"data.train_batch_size * rollout.n = {d.train_batch_size * r.n} samples do not split into mini-batches of "
-             f"actor.ppo_mini_batch_size * rollout.n = {a.ppo_mini_batch_size * r.n}: make data.train_batch_size a "
-             f"multiple of actor.ppo_mini_batch_size (e.g. ppo_mini_batch_size={_largest_divisor(d.train_batch_size, a.ppo_mini_batch_size)})")
+             f"data.train_batch_size * rollout.n = {d.train_batch_size * r.n} samples do not split into "
+             f"mini-batches of actor.ppo_mini_batch_size * rollout.n = {a.ppo_mini_batch_size * r.n}: make "
+             "data.train_batch_size a multiple of actor.ppo_mini_batch_size (e.g. ppo_mini_batch_size="
+             f"{_largest_divisor(d.train_batch_size, a.ppo_mini_batch_size)})")
         need((a.ppo_mini_batch_size * r.n) % a.ppo_micro_batch_size_per_gpu == 0,
-             f"a mini-batch of {a.ppo_mini_batch_size * r.n} samples (ppo_mini_batch_size * rollout.n) does not split into "
-             f"micro-batches of actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}: pick a divisor of "
-             f"{a.ppo_mini_batch_size * r.n}")
+             f"a mini-batch of {a.ppo_mini_batch_size * r.n} samples (ppo_mini_batch_size * rollout.n) does not "
+             f"split into micro-batches of actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}: "
+             f"pick a divisor of {a.ppo_mini_batch_size * r.n}")
     need(not (a.use_kl_loss and a.kl_loss_coef <= 0),
          "actor.use_kl_loss=true with kl_loss_coef=0 loads a reference model for nothing: set actor.kl_loss_coef > 0 "
          "(e.g. 0.01) or actor.use_kl_loss=false")
@@ -360,7 +362,8 @@ def validate(config: Config) -> list[str]:
     for key, value in (("actor.compute_dtype", a.compute_dtype), ("rollout.dtype", r.dtype)):
         need(value in ("auto", "float32", "bfloat16"), f"{key}={value!r} must be auto, float32 or bfloat16")
     need(d.min_pixels <= d.max_pixels, f"data.min_pixels={d.min_pixels} > data.max_pixels={d.max_pixels}")
-    need(d.min_pixels >= 28 * 28, f"data.min_pixels={d.min_pixels} is below one 28x28 patch ({28 * 28})")
+    need(d.min_pixels >= IMAGE_PATCH_PIXELS,
+         f"data.min_pixels={d.min_pixels} is below one 28x28 patch ({IMAGE_PATCH_PIXELS})")
     need(t.total_steps is None or t.total_steps >= 1, f"trainer.total_steps={t.total_steps} must be >= 1 (or null)")
     need(t.total_epochs >= 1, f"trainer.total_epochs={t.total_epochs} must be >= 1")
     need(t.max_ckpt_to_keep is None or t.max_ckpt_to_keep >= 1,
@@ -410,13 +413,13 @@ def agent_problems(config: Config) -> list[str]:
     out = list(config.agent.problems())
     if ag.max_response_tokens > d.max_response_length:
         out.append(f"agent.max_response_tokens={ag.max_response_tokens} > data.max_response_length="
-                   f"{d.max_response_length}: a trajectory must fit the padded response; lower agent.max_response_tokens "
-                   "or raise data.max_response_length")
+                   f"{d.max_response_length}: a trajectory must fit the padded response; lower "
+                   "agent.max_response_tokens or raise data.max_response_length")
     if ag.tools and ag.max_tool_images > 0:
         if 1 + ag.max_tool_images > r.limit_images:
-            out.append(f"agent.max_tool_images={ag.max_tool_images} plus the prompt's image exceeds rollout.limit_images="
-                       f"{r.limit_images}: the engine would reject the conversation; raise rollout.limit_images or lower "
-                       "agent.max_tool_images")
+            out.append(f"agent.max_tool_images={ag.max_tool_images} plus the prompt's image exceeds "
+                       f"rollout.limit_images={r.limit_images}: the engine would reject the conversation; raise "
+                       "rollout.limit_images or lower agent.max_tool_images")
         image_tokens = d.max_pixels // IMAGE_PATCH_PIXELS
         budget = min(ag.max_response_tokens, d.max_response_length)
         if image_tokens >= budget:

@@ -418,12 +418,18 @@ class AgentLoop:
     async def _create_tools(self, traj: Trajectory) -> None:
         context = ToolContext(traj.request, traj.sample_index)
         for tool in self.tools:
-            try:
-                traj.tool_states[tool.name] = await self._method(tool.create, context)
-            except Exception as err:
-                traj.count("tool/create_errors")
-                logger.warning("tool %r: create failed for trajectory %s: %s", tool.name, traj.key, err)
-                traj.tool_states[tool.name] = CreateFailed(f"it failed to start ({type(err).__name__}: {err})")
+            traj.tool_states[tool.name] = await self._start_tool(traj, tool, tool.create, context)
+
+    async def _start_tool(self, traj: Trajectory, tool: Tool, start, *args) -> Any:
+        """`start(*args)` (the tool's create, or load_state on resume) -> its state for `traj`. A failure is counted
+        and becomes CreateFailed: the model is told the tool is unavailable."""
+        try:
+            return await self._method(start, *args)
+        except Exception as err:
+            traj.count("tool/create_errors")
+            logger.warning("tool %r: %s failed for trajectory %s: %s", tool.name, getattr(start, "__name__", start),
+                           traj.key, err)
+            return CreateFailed(f"it failed to start ({type(err).__name__}: {err})")
 
     async def _release(self, traj: Trajectory, with_reward: bool) -> None:
         """reward (when the trajectory finished) then release, for every tool; failures are counted, not raised."""
@@ -506,14 +512,9 @@ class AgentLoop:
                                    traj: Trajectory) -> Any:
         if "create_failed" in entry:
             return CreateFailed(entry["create_failed"])
-        try:
-            if "state" in entry:
-                return await self._method(tool.load_state, context, from_json(entry["state"]))
-            return await self._method(tool.create, context)
-        except Exception as err:  # like a failed create: the model is told the tool is unavailable
-            traj.count("tool/create_errors")
-            logger.warning("tool %r: cannot restore the state of trajectory %s: %s", tool.name, traj.key, err)
-            return CreateFailed(f"it failed to start ({type(err).__name__}: {err})")
+        if "state" in entry:
+            return await self._start_tool(traj, tool, tool.load_state, context, from_json(entry["state"]))
+        return await self._start_tool(traj, tool, tool.create, context)
 
     async def _drop(self, groups: list[Group]) -> None:
         for group in groups:
