@@ -8,15 +8,20 @@ import dataclasses
 import json
 import logging
 
+import numpy as np
 import pytest
+import torch
+from PIL import Image
 
 from tests.agent import scripted
 from tests.agent.helpers import (GREEDY, P, R, AsyncZoom, CountingEcho, Lifecycle, assert_same_groups,
                                 assert_same_sample, requests)
 from vlmrl.agent import AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry, Trajectory
 from vlmrl.agent.builtin import Geo3kAnswerTool
-from vlmrl.agent.carry import CARRIED_JSON, TRAJECTORY_FIELDS
+from vlmrl.agent.carry import CARRIED_JSON, CARRIED_TENSORS, PNG_MODES, TRAJECTORY_FIELDS, read_carried, write_carried
 from vlmrl.agent.tools import ToolContext
+from vlmrl.processors.images import image_hash
+from vlmrl.types import RolloutRequest
 
 
 def make_loop(backend, processor, log: Lifecycle) -> AgentLoop:
@@ -88,3 +93,67 @@ def test_the_answer_tool_keeps_its_checked_answers(processor):
     tool.execute(state, {"answer": "8"})
     restored = tool.load_state(context, json.loads(json.dumps(tool.save_state(state))))
     assert restored == state and tool.reward(restored) == 0.0
+
+
+def _image(mode: str, size=(40, 24)) -> Image.Image:
+    """A noisy image in `mode` (noise, so that no encoding can get it right by accident)."""
+    rng = np.random.default_rng(sum(map(ord, mode)))
+    if mode in ("I;16", "F"):
+        array = rng.integers(0, 60_000, size[::-1]).astype(np.uint16 if mode == "I;16" else np.float32)
+        return Image.fromarray(array, mode=mode) if mode == "F" else Image.frombytes(mode, size, array.tobytes())
+    bands = len(Image.new(mode, (1, 1)).getbands())
+    array = rng.integers(0, 256, (*size[::-1], bands), dtype=np.uint8)
+    return Image.frombytes(mode, size, array.tobytes()) if mode != "1" else Image.fromarray(array[..., 0] > 127)
+
+
+def _group(images: list[Image.Image], tool_images: list[Image.Image]) -> tuple[RolloutRequest, list[Trajectory]]:
+    request = RolloutRequest(uid="u", prompt_ids=[1, 2], images=images, image_hashes=[image_hash(i) for i in images])
+    traj = Trajectory(request, 0, response_ids=[3], response_mask=[1], logprobs=[-0.5], token_versions=[0],
+                      tool_images=tool_images, tool_image_hashes=[image_hash(i) for i in tool_images])
+    return request, [traj]
+
+
+def test_images_of_every_mode_come_back_byte_for_byte_and_photos_are_stored_compressed(tmp_path):
+    modes = ["RGB", "RGBA", "L", "LA", "1", "P", "CMYK", "I;16", "F"]
+    tool_images = [_image(m) for m in modes]
+    flat = Image.new("RGB", (448, 448), (200, 30, 30))
+    write_carried(tmp_path, [_group([flat], tool_images)], {})
+    [(request, [traj])], _ = read_carried(tmp_path)
+    assert [(im.mode, im.size, im.tobytes()) for im in traj.tool_images] == \
+           [(im.mode, im.size, im.tobytes()) for im in tool_images]
+    assert request.images[0].tobytes() == flat.tobytes()
+    saved = json.loads((tmp_path / CARRIED_JSON).read_text())
+    encodings = {item["mode"]: item["encoding"] for item in saved["groups"][0]["trajectories"][0]["tool_images"]}
+    assert encodings == {m: "png" if m in PNG_MODES else "raw" for m in modes}
+    assert (tmp_path / CARRIED_TENSORS).stat().st_size < len(flat.tobytes()) / 10  # 588 kB raw
+
+
+def test_a_format_1_checkpoint_with_raw_images_still_loads(tmp_path):
+    from safetensors.torch import save_file
+
+    images = [_image("RGB"), _image("RGB", (28, 56))]
+    write_carried(tmp_path, [_group(images[:1], images[1:])], {})
+    saved = json.loads((tmp_path / CARRIED_JSON).read_text())
+    saved["format"] = 1  # what vlmrl wrote before PNG: no "encoding" key, raw bytes
+    group = saved["groups"][0]
+    for item in group["request"]["images"] + group["trajectories"][0]["tool_images"]:
+        del item["encoding"]
+    save_file({"g0/request/0": torch.frombuffer(bytearray(images[0].tobytes()), dtype=torch.uint8),
+               "g0/t0/0": torch.frombuffer(bytearray(images[1].tobytes()), dtype=torch.uint8)},
+              tmp_path / CARRIED_TENSORS)
+    (tmp_path / CARRIED_JSON).write_text(json.dumps(saved))
+    [(request, [traj])], _ = read_carried(tmp_path)
+    assert request.images[0].tobytes() == images[0].tobytes()
+    assert traj.tool_images[0].tobytes() == images[1].tobytes()
+
+
+def test_a_damaged_image_is_refused_naming_the_checkpoint(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    write_carried(tmp_path, [_group([_image("RGB")], [])], {})
+    tensors = load_file(tmp_path / CARRIED_TENSORS)
+    raw = tensors["g0/request/0"].clone()
+    raw[-20:] ^= 0xFF  # inside the PNG's last data chunk / checksum
+    save_file({"g0/request/0": raw}, tmp_path / CARRIED_TENSORS)
+    with pytest.raises(ValueError, match=r"agent_carried.json: image 'g0/request/0' .*a damaged checkpoint"):
+        read_carried(tmp_path)
