@@ -47,7 +47,7 @@ class DataConfig:
     """Training data: parquet file(s) in the verl/EasyR1 schema (comma-separated, globs allowed), or `synthetic` for
     the embedded visual task."""
     val_files: str = ""
-    """Validation data, same forms as train_files (`synthetic` gives the task's held-out split). Empty: no validation."""
+    """Validation data, same forms as train_files (`synthetic`: the task's held-out split). Empty: no validation."""
     prompt_key: str = "prompt"
     """Column holding the chat messages."""
     image_key: str = "images"
@@ -506,7 +506,8 @@ def markdown() -> str:
     ]
     docs = field_docs(Config)
     for section in dataclasses.fields(Config):
-        lines += [f"## `{section.name}` — {docs.get(section.name, '')}", "", "| key | default | meaning |", "|---|---|---|"]
+        lines += [f"## `{section.name}` — {docs.get(section.name, '')}", "", "| key | default | meaning |",
+                  "|---|---|---|"]
         for key, default, doc in describe(type(getattr(Config(), section.name)), prefix=f"{section.name}."):
             escaped = doc.replace("|", "\\|")
             lines.append(f"| `{key}` | `{default}` | {escaped} |")

@@ -78,7 +78,8 @@ class RolloutResult:
 
 @dataclass
 class Sample:
-    """One trajectory padded right where it finished (see `vlmrl.batch.padding.pad_sample`); the batch step only stacks."""
+    """One trajectory padded right where it finished (see `vlmrl.batch.padding.pad_sample`); the batch step only
+    stacks."""
 
     uid: str
     """Group id (the request's uid); padding rows get their own unique uid."""
@@ -93,7 +94,8 @@ class Sample:
     position_ids: torch.Tensor
     """(3, L) long: mrope (temporal, height, width) position ids, continued across the response."""
     multi_modal_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """`pixel_values` (num_patches, C*T*p*p) and `image_grid_thw` (num_images, 3); EMPTY for text-only and padding rows."""
+    """`pixel_values` (num_patches, C*T*p*p) and `image_grid_thw` (num_images, 3); EMPTY for text-only and padding
+    rows."""
     rollout_logprobs: torch.Tensor | None = None
     """(R,) float: the backend's logprobs of the response tokens (0 on padding)."""
     reward: float = 0.0

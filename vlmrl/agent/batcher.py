@@ -127,7 +127,8 @@ class TurnBatcher:
             self.stats.requests += len(requests)
             self.stats.per_call.append(len(requests))
             for j, item in enumerate(batch):
-                mine = [self._cut(r, item.sampling.max_new_tokens) for r in results[j * sampling.n:(j + 1) * sampling.n]]
+                own = results[j * sampling.n:(j + 1) * sampling.n]
+                mine = [self._cut(r, item.sampling.max_new_tokens) for r in own]
                 if not item.future.done():
                     item.future.set_result(mine)
         except Exception as err:  # the backend failed: every turn of this call sees the error (a step failure)

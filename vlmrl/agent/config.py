@@ -1,4 +1,4 @@
-"""Agent loop configuration: tools, turn and token limits, and partial rollout (the `agent` section of the run config)."""
+"""Agent loop configuration: tools, turn and token limits, and partial rollout (the run config's `agent` section)."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ class AgentConfig:
             out.append(f"agent.tool_turn_format={self.tool_turn_format!r}: use one of {TOOL_TURN_FORMATS}")
         for i, spec in enumerate(self.tools):
             if ":" not in spec.path:
-                out.append(f"agent.tools[{i}].path={spec.path!r}: write it as `module:ClassName` or `file.py:ClassName`")
+                out.append(f"agent.tools[{i}].path={spec.path!r}: write it as `module:ClassName` or "
+                           "`file.py:ClassName`")
         names = [spec.name for spec in self.tools if spec.name]
         if len(names) != len(set(names)):
             out.append(f"agent.tools: duplicate tool names {sorted(n for n in set(names) if names.count(n) > 1)}")

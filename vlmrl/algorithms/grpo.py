@@ -70,7 +70,8 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum()
 
 
-def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
+def token_mean(values: torch.Tensor, mask: torch.Tensor,
+               num_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
     """Sum over masked tokens / num_tokens (default: this mask's token count). Returns a scalar; 0 when no tokens.
 
     Args:
@@ -112,7 +113,8 @@ def ppo_clip_loss(
         old_logprobs: (B, R) logprobs of the policy that generated the data (no gradient).
         advantages: (B, R) token advantages.
         response_mask: (B, R) float, 1 on policy tokens.
-        clip_ratio_low, clip_ratio_high: the trust region (0.2 / 0.2 is standard PPO; a larger high is DAPO's clip-higher).
+        clip_ratio_low, clip_ratio_high: the trust region (0.2 / 0.2 is standard PPO; a larger high is DAPO's
+            clip-higher).
         num_tokens: see `token_mean`.
 
     >>> lp = torch.zeros(1, 2); out = ppo_clip_loss(lp, lp, torch.ones(1, 2), torch.ones(1, 2))

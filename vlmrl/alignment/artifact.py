@@ -269,7 +269,8 @@ def records_from_rollout(
         grid, expanded_length, thumbs = per_request[request.uid]
         top = None
         if result.top_logprobs is not None:
-            top = [sorted(([int(t), float(lp)] for t, lp in pos.items()), key=lambda p: -p[1]) for pos in result.top_logprobs]
+            top = [sorted(([int(t), float(lp)] for t, lp in pos.items()), key=lambda p: -p[1])
+                   for pos in result.top_logprobs]
         records.append(
             ValidationRecord(
                 uid=request.uid,

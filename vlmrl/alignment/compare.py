@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="two artifacts; with --backends: config=FILE.yaml and dotted key=value overrides")
     parser.add_argument("--backends", metavar="X,Y",
                         help="run validation on these two backends (of hf, vllm, sglang, sglang-server) and compare")
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder for report.json/report.html (default {DEFAULT_OUT})")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"folder for report.json/report.html (default {DEFAULT_OUT})")
     parser.add_argument("--no-html", action="store_true", help="skip the HTML report")
     docs = _threshold_docs()
     group = parser.add_argument_group("thresholds (when the two sides count as aligned)")

@@ -41,7 +41,8 @@ class Cause(str, Enum):
     NEAR_TIE = "near_tie"
     """Greedy outputs split where the top two tokens were within numerical noise: expected across kernels/dtypes."""
     REAL_DIVERGENCE = "real_divergence"
-    """Outputs split where one side's token was clearly not what the other would pick: the models compute differently."""
+    """Outputs split where one side's token was clearly not what the other would pick: the models compute
+    differently."""
     UNCLASSIFIED_DIVERGENCE = "divergence_without_topk"
     """Outputs split but an artifact has no top-k logprobs there, so near-tie vs real cannot be told."""
     LENGTH_OR_FINISH = "length_or_finish"
@@ -333,7 +334,8 @@ def _logprob_deltas(a: ValidationRecord, b: ValidationRecord, upto: int) -> np.n
     return np.where(np.isneginf(la) & np.isneginf(lb), 0.0, deltas)
 
 
-def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool, thresholds: Thresholds) -> tuple[Cause | None, str]:
+def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool,
+              thresholds: Thresholds) -> tuple[Cause | None, str]:
     """One cause per differing sample: the earliest level that explains the difference."""
     if sample.input_diffs:
         return Cause.INPUT_MISMATCH, "; ".join(sample.input_diffs)
@@ -342,7 +344,8 @@ def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool, thresholds
     if outputs_differ and not greedy:
         return None, "sampled decoding: different tokens are expected; compared statistically only"
     if split is not None:
-        where = f"token {split.position}: A chose {split.token_a} ({split.logprob_a:.4f}), B chose {split.token_b} ({split.logprob_b:.4f})"
+        where = (f"token {split.position}: A chose {split.token_a} ({split.logprob_a:.4f}), "
+                 f"B chose {split.token_b} ({split.logprob_b:.4f})")
         if split.b_in_top_a is None or split.a_in_top_b is None:
             return Cause.UNCLASSIFIED_DIVERGENCE, f"{where}; no top-k logprobs to judge it"
         if split.b_in_top_a and split.a_in_top_b:
@@ -360,7 +363,8 @@ def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool, thresholds
     if rewards_differ:
         parts = ", ".join(f"{k} {v:+.3g}" for k, v in sample.reward_extra_deltas.items() if v)
         return Cause.REWARD_DISAGREEMENT, (
-            f"identical response scored {sample.reward_a:.4g} vs {sample.reward_b:.4g}" + (f" ({parts})" if parts else ""))
+            f"identical response scored {sample.reward_a:.4g} vs {sample.reward_b:.4g}"
+            + (f" ({parts})" if parts else ""))
     drift = sample.max_abs_logprob_delta
     if drift is not None and not drift <= thresholds.drift_tolerance:  # `not <=` also catches NaN
         return Cause.LOGPROB_DRIFT, (f"same {sample.length_a} tokens, but logprobs differ by up to {drift:.4g} nats "
@@ -421,7 +425,8 @@ def _scores(records_a: list[ValidationRecord], records_b: list[ValidationRecord]
             for name, rows in groups.items()}
 
 
-def _reward_parts(records_a: list[ValidationRecord], records_b: list[ValidationRecord]) -> dict[str, tuple[float, float]]:
+def _reward_parts(records_a: list[ValidationRecord],
+                  records_b: list[ValidationRecord]) -> dict[str, tuple[float, float]]:
     def means(records):
         values: dict[str, list[float]] = defaultdict(list)
         for record in records:

@@ -164,7 +164,8 @@ def _head_tables(comparison: Comparison) -> str:
     parts = "".join(f"<tr><td>{_e(k)}</td><td class=num>{_fmt(a)}</td><td class=num>{_fmt(b)}</td></tr>"
                     for k, (a, b) in comparison.reward_parts.items())
     return (
-        f"<h2>Checks</h2><table><tr><th></th><th>check</th><th>value</th><th>limit</th><th>detail</th></tr>{checks}</table>"
+        "<h2>Checks</h2><table><tr><th></th><th>check</th><th>value</th><th>limit</th><th>detail</th></tr>"
+        f"{checks}</table>"
         f'<h2>Samples</h2><table><tr><th>outcome</th><th>count</th><th>share</th></tr>{outcomes}</table>'
         f'<p class="muted">logprobs over common prefixes: max |delta| {_fmt(comparison.max_abs_logprob_delta, 6)}, '
         f"mean |delta| {_fmt(comparison.mean_abs_logprob_delta, 6)} nats</p>"
@@ -194,7 +195,8 @@ def render_html(comparison: Comparison, records_a: list[ValidationRecord], recor
     buttons = '<button class="on" onclick="filt(\'all\',this)">all differing</button>' + "".join(
         f'<button onclick="filt(\'{c.value}\',this)">{_e(CAUSE_LABELS[c])} ({comparison.cause_counts[c]})</button>'
         for c in Cause if comparison.cause_counts.get(c))
-    verdict = '<span class="verdict ok">ALIGNED</span>' if comparison.ok else '<span class="verdict bad">NOT ALIGNED</span>'
+    verdict = ('<span class="verdict ok">ALIGNED</span>' if comparison.ok
+               else '<span class="verdict bad">NOT ALIGNED</span>')
     meta = comparison.meta_a
     return (
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>vlmrl alignment: {_e(comparison.label_a)} '

@@ -110,7 +110,8 @@ def _samples_table(comparison: Comparison) -> Table:
     table.add_column("count", justify="right")
     table.add_column("share", justify="right")
     total = max(comparison.total, 1)
-    table.add_row("exact (same inputs, tokens, finish, reward)", str(comparison.exact), f"{comparison.exact / total:.1%}")
+    table.add_row("exact (same inputs, tokens, finish, reward)", str(comparison.exact),
+                  f"{comparison.exact / total:.1%}")
     for cause in Cause:
         count = comparison.cause_counts.get(cause, 0)
         if count == 0:  # one screen: only the outcomes that happened (the reports list every cause)

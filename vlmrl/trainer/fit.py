@@ -218,7 +218,8 @@ def _share_of_groups_with_signal(batch: TrainBatch, advantages: torch.Tensor) ->
 
 
 def training_sampling(config: Config, step: int) -> SamplingParams:
-    """Sampling of step `step`: seeded by (trainer.seed, step) so a resumed run draws what an uninterrupted one would."""
+    """Sampling of step `step`: seeded by (trainer.seed, step), so a resumed run draws what an uninterrupted one
+    would."""
     r = config.rollout
     seed = (config.trainer.seed * 7_919 + step * 1_000_003) % (2**31)
     return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,

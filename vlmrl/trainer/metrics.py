@@ -89,7 +89,8 @@ class MetricsLogger:
             handle.write(json.dumps(row) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
-        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        numeric = {k: v for k, v in row.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
         if self.tensorboard is not None:
             for key, value in numeric.items():
                 self.tensorboard.add_scalar(key, value, step)

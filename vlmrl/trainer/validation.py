@@ -12,7 +12,8 @@ Metrics (a sample's accuracy is its reward part `accuracy` when the reward funct
   val/accuracy, val/<data_source>/accuracy      mean over samples (= mean@k when rollout.val_n = k > 1)
   val/reward, val/<data_source>/reward          mean score (e.g. geo3k: 0.9 * accuracy + 0.1 * format)
   val/reward_extra/<part>                       mean of each named reward part
-  val/mean@k, val/pass@k (+ per data source)    when k > 1: mean accuracy, and the share of prompts with a correct sample
+  val/mean@k, val/pass@k (+ per data source)    when k > 1: mean accuracy, and the share of prompts with a correct
+                                                sample
   val/response_length/mean, val/num_prompts, val/num_samples, val/filtered_prompts, val/reward_failures
   val/reward_timeouts                           samples whose reward overran reward.timeout_s (also failures)
 """
