@@ -163,6 +163,7 @@ def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
         ray_cluster, tiny_model_path, processor, synthetic_rows):
     from vlmrl.distributed.engines import ColocatedEngines
     from vlmrl.distributed.worker import EngineSpec
+    from vlmrl.rollout import get_backend
     from vlmrl.types import SamplingParams
 
     rows = [dict(row, prompt=[{"role": "user", "content": "Say a colour."}], images=[]) if i % 2 else row
@@ -178,6 +179,12 @@ def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
         assert actor.hosts == [0, 1]
         first = engines.generate(requests, sampling)  # requests 0-1 on rank 0's engine, 2-3 on rank 1's
         assert [r.uid for r in first] == [q.uid for q in requests for _ in range(2)]
+        # Requests 1 and 3 are the same text prompt, each second in its engine's run: seeded, every request draws
+        # what one engine would draw for the whole batch (not the other engine's samples for the same prompt).
+        with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=128, timeout_s=120) as one:
+            alone = one.generate(requests, sampling)
+        assert [r.response_ids for r in first] == [r.response_ids for r in alone]
+        assert [r.response_ids for r in first[2:4]] != [r.response_ids for r in first[6:8]]
         batch = _batch_of(processor, requests, first)
         start, _ = actor.compute_logprobs(batch)
         assert _max_gap(start, batch) < 1e-4, "engines and actor must start from the same weights"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from vlmrl.distributed.sharding import (
     update_shards,
 )
 from vlmrl.distributed.worker import TrainWorker, WorkerSpec
+from vlmrl.rollout.base import sample_seed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -245,11 +246,16 @@ class DistributedActor:
     # ---- rollout ----------------------------------------------------------------------------------------------------
 
     def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
-        """Data-parallel generation: the requests cut into contiguous runs, one per engine; results request-major."""
+        """Data-parallel generation: the requests cut into contiguous runs, one per engine; results request-major.
+        A seeded request draws what it would draw on a single engine: each engine numbers its run from 0, so the
+        run's seed starts at its first request's (`sample_seed`); with the same seed everywhere, the requests at the
+        same place of two runs (the same prompt, or two trajectories of one group) would draw the same samples."""
         if self.spec.engine is None:
             raise RuntimeError("this DistributedActor was built without a rollout engine (WorkerSpec.engine)")
         runs = split_contiguous(requests, len(self.hosts))
-        refs = [self.workers[rank].generate.remote(run, sampling) for rank, run in zip(self.hosts, runs)]
+        starts = [sum(len(run) for run in runs[:k]) for k in range(len(runs))]
+        refs = [self.workers[rank].generate.remote(run, replace(sampling, seed=sample_seed(sampling, start)))
+                for rank, run, start in zip(self.hosts, runs, starts)]
         return [result for part in self._get(refs, "generation") for result in part]
 
     def sync_weights(self) -> int:
