@@ -2,87 +2,27 @@
 equal, the prompt queue and data position go on where they were, and the resumed step gives what the uninterrupted
 run gives. A checkpoint written before this state was saved still loads, with a log line saying what is missing.
 
-The tiny model taught the scripted conversations of tests/agent/scripted.py generates through the hf backend; the
-tools run on the event loop (tests.agent.helpers), so the turns are batched alike in every run."""
+The run (tests/agent/training.py): the tiny model taught the scripted conversations generates through the hf backend
+in this process; tests/distributed/test_agent_resume.py checks the same with two Ray workers (dp=2)."""
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import shutil
 
 import pytest
-import torch
 
-from tests.agent import scripted
 from tests.agent.helpers import assert_same_groups
+from tests.agent.training import make_config, shape, step, teach_model
 from vlmrl.agent.carry import CARRIED_JSON, CARRIED_TENSORS
-from vlmrl.config import load_config
 from vlmrl.trainer.checkpoint import checkpoints_root, rng_state, set_rng_state
-from vlmrl.trainer.fit import save, setup_process, setup_run, train_step
-
-# 5 groups in flight for a batch of 2: the two SHORT groups fill step 1's batch after one call, and the three LONG
-# groups park mid-turn (8-token chunks). The sampler hands out batches of 2, so one prompt waits in the queue.
-AGENT = """
-agent:
-  enable: true
-  tools:
-    - path: tests.agent.helpers:CountingEcho
-    - path: tests.agent.helpers:AsyncZoom
-  max_turns: 4
-  max_response_tokens: 256
-  partial:
-    enable: true
-    oversample_factor: 2.5
-    unfinished: carry
-    chunk_tokens: 8
-"""
+from vlmrl.trainer.fit import save, setup_process, setup_run
 
 
 @pytest.fixture(scope="module")
 def taught_model(tiny_model_path, tmp_path_factory) -> str:
-    from vlmrl.processors import load_processor
-
-    torch.set_num_threads(1)
-    return str(scripted.teach(tiny_model_path, tmp_path_factory.mktemp("taught"), load_processor(tiny_model_path)))
-
-
-def make_config(taught_model, tmp_path, out):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    data, reward, agent_yaml = tmp_path / "agent.parquet", tmp_path / "reward.py", tmp_path / "agent.yaml"
-    if not data.exists():
-        rows = []
-        for question in (scripted.LONG_QUESTION, scripted.SHORT_QUESTION):
-            row, buffer = scripted.row(question), io.BytesIO()
-            row["images"][0].save(buffer, format="PNG")
-            rows.append(dict(row, images=[{"bytes": buffer.getvalue()}]))
-        pq.write_table(pa.Table.from_pylist(rows), data)
-        reward.write_text(scripted.REWARD_FILE)
-        agent_yaml.write_text(AGENT)
-    return load_config([
-        f"config={agent_yaml}", f"actor.model_path={taught_model}", f"data.train_files={data}",
-        "data.train_batch_size=2", "data.max_prompt_length=96", "data.max_response_length=256",
-        "data.max_pixels=12544", "data.shuffle=false", "actor.ppo_mini_batch_size=2",
-        "actor.ppo_micro_batch_size_per_gpu=4", "actor.optim.lr=1e-5", "rollout.name=hf", "rollout.n=2",
-        "rollout.temperature=0.05", f"reward.function={reward}:compute_score", "trainer.total_steps=3",
-        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.torch_threads=1",
-        f"trainer.output_dir={out}"])
-
-
-def step(run) -> dict[str, float]:
-    """One step as fit takes it (without logging): the metrics a user sees, timings and throughput left out."""
-    metrics = train_step(run)
-    run.step += 1
-    return {k: v for k, v in metrics.items() if not k.startswith(("timing/", "throughput/"))}
-
-
-def shape(groups) -> list:
-    """Carried groups without their uids (fresh requests get random ones in each run)."""
-    return [(g.request.index, [(t.response_ids, t.logprobs, t.token_versions, t.done) for t in g.trajectories])
-            for g in groups]
+    return teach_model(tiny_model_path, tmp_path_factory)
 
 
 def test_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run(taught_model, tmp_path, caplog):
