@@ -109,6 +109,7 @@ class RolloutBackend(abc.ABC):
         """The processes the engine runs in (empty when it runs in this process): watched while waiting on calls,
         and the only processes close() ends."""
         self._logged_once: set[str] = set()
+        self._checkpoint_names: set[str] | None = None
 
     @abc.abstractmethod
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
@@ -137,6 +138,13 @@ class RolloutBackend(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def sync_state(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """What `update_weights` loads: {checkpoint name: CPU tensor}, tied copies the model's checkpoint does not
+        hold left out (see `drop_tied_copies`)."""
+        if self._checkpoint_names is None:
+            self._checkpoint_names = checkpoint_names(self.model_path)
+        return drop_tied_copies(checkpoint_state(named_tensors), self._checkpoint_names, self.name)
 
     def log_once(self, key: str, message: str) -> None:
         if key not in self._logged_once:
@@ -283,6 +291,31 @@ def checkpoint_state(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[
         state[key] = tensor.detach().to("cpu").contiguous()
     if not state:
         raise ValueError("update_weights got no tensors")
+    return state
+
+
+TIED_COPIES = {"lm_head.weight": "model.embed_tokens.weight"}
+"""Checkpoint name of a tensor that tied-embedding models (Qwen2.5-VL-3B) share with another -> that other one. Their
+checkpoints hold only the latter (save_pretrained drops the copy), while transformers' state_dict() lists both."""
+
+
+def drop_tied_copies(state: dict[str, torch.Tensor], model_names: set[str], backend: str) -> dict[str, torch.Tensor]:
+    """`state` without the tied copies the model's checkpoint (`model_names`) does not hold, so a tied model's sync
+    sends what its engine loads. A copy that differs from the tensor it should be tied to is refused: the engine has
+    one tensor for both, and serving either would differ from the trainer. Unknown names (empty set): unchanged.
+
+    >>> e = torch.ones(2, 2)
+    >>> sorted(drop_tied_copies({"model.embed_tokens.weight": e, "lm_head.weight": e.clone()},
+    ...                         {"model.embed_tokens.weight"}, "doc"))
+    ['model.embed_tokens.weight']
+    """
+    for copy, source in TIED_COPIES.items():
+        if not model_names or copy in model_names or copy not in state or source not in state:
+            continue
+        if not torch.equal(state[copy], state[source]):
+            raise ValueError(f"{backend}: the model ties {copy} to {source} (its checkpoint holds only the latter), "
+                             "but the weights sent differ: the trainer untied them, which the engine cannot follow")
+        state = {k: v for k, v in state.items() if k != copy}
     return state
 
 

@@ -55,7 +55,6 @@ from vlmrl.rollout.base import (
     RolloutError,
     RolloutOptions,
     assert_nothing_banned,
-    checkpoint_state,
     sample_seed,
     top_allowed,
 )
@@ -341,7 +340,7 @@ class SGLangBackend(_SGLangCommon):
         return results
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        state = list(checkpoint_state(named_tensors).items())
+        state = list(self.sync_state(named_tensors).items())
 
         def run() -> None:
             self.engine.begin_weight_update()  # outside begin/end the update returns (False, ...) and changes nothing
@@ -469,7 +468,7 @@ class SGLangServerBackend(_SGLangCommon):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         from safetensors.torch import save_file
 
-        state = checkpoint_state(named_tensors)
+        state = self.sync_state(named_tensors)
         target = self.weights_dir / "model.safetensors"
         partial = self.weights_dir / ".model.safetensors.partial"
         save_file(state, str(partial))

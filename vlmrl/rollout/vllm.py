@@ -33,7 +33,6 @@ from vlmrl.rollout.base import (
     RolloutOptions,
     assert_nothing_banned,
     checkpoint_names,
-    checkpoint_state,
     sample_seed,
     top_allowed,
 )
@@ -77,16 +76,34 @@ class WeightSyncWorkerExtension:
         from safetensors.torch import load
 
         state = load(blob)
-        _quiet_derived_buffer_warnings(self.get_model())
+        model = self.get_model()
+        _quiet_derived_buffer_warnings(model)
         self.reload_weights(weights_iterator=iter(state.items()))
+        for head in _tied_heads(model):
+            # A tied lm_head shares the embedding's weight, so the reload gives it nothing to load and skips its
+            # post-load step; on CPU that step packs a private copy of the weight for the GEMM (`cpu_linear`), which
+            # would keep computing logits with the old embedding. Rebuild it (on CUDA the step is a no-op).
+            head.quant_method.process_weights_after_loading(head)
         return len(state)
 
 
+def _tied_heads(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's lm_head layers whose weight is an input embedding's (tie_word_embeddings: Qwen2.5-VL-3B)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    embeddings = {m.weight.data_ptr() for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
+    return [m for m in model.modules() if isinstance(m, ParallelLMHead) and m.weight.data_ptr() in embeddings]
+
+
 class _DerivedBufferFilter(logging.Filter):
-    """Drops vLLM's "<Layer>: Failed to load weights" reload warning for layer classes that hold only buffers.
+    """Drops vLLM's "<Layer>: Failed to load weights" reload warning for layer classes that hold only buffers, and
+    for a tied lm_head.
 
     Such layers (rotary cos/sin caches, the fused image mean/std) have nothing in a checkpoint; vLLM puts their
-    values back as they were, which is right, but warns on every sync. A layer class with parameters keeps its warning.
+    values back as they were, which is right, but warns on every sync. A tied lm_head's weight is the embedding's,
+    loaded through the embedding (and its GEMM rebuilt after the reload). Any other layer class with parameters keeps
+    its warning.
     """
 
     def __init__(self, classes: set[str]):
@@ -110,7 +127,8 @@ def _quiet_derived_buffer_warnings(model: torch.nn.Module) -> None:
             with_params.add(name)
         elif any(True for _ in module.buffers(recurse=False)):
             with_buffers.add(name)
-    reload_logger.addFilter(_DerivedBufferFilter(with_buffers - with_params))
+    tied = {type(m).__name__ for m in _tied_heads(model)}
+    reload_logger.addFilter(_DerivedBufferFilter((with_buffers - with_params) | tied))
 
 
 class VLLMBackend(RolloutBackend):
@@ -127,7 +145,7 @@ class VLLMBackend(RolloutBackend):
         self._runner = DeadlineRunner(self.name, self._health)
         self.llm = self._runner.call("start the engine", self._start, options.start_timeout_s)
         self._bad_words = self._ban_texts()
-        self._weight_names = checkpoint_names(model_path)
+        self._checkpoint_names = checkpoint_names(model_path)  # what update_weights must receive, exactly
         self.stop_ids = set(self.processor.eos_token_ids)
         self._sleeping = False
 
@@ -245,11 +263,11 @@ class VLLMBackend(RolloutBackend):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         from safetensors.torch import save
 
-        state = checkpoint_state(named_tensors)
-        missing, unknown = sorted(self._weight_names - set(state)), sorted(set(state) - self._weight_names)
+        state = self.sync_state(named_tensors)
+        missing, unknown = sorted(self._checkpoint_names - set(state)), sorted(set(state) - self._checkpoint_names)
         if missing or unknown:
             # vLLM's reload path re-processes whole layers: one given partly is left broken, and so is the model.
-            raise ValueError(f"vllm: update_weights needs exactly the model's {len(self._weight_names)} weights: "
+            raise ValueError(f"vllm: update_weights needs exactly the model's {len(self._checkpoint_names)} weights: "
                              f"{len(missing)} missing (e.g. {missing[:3]}), {len(unknown)} unknown "
                              f"(e.g. {unknown[:3]})")
         blob = save(state)
