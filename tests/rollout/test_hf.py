@@ -54,3 +54,22 @@ def test_sleep_and_wake_up_log_once_on_cpu(hf, batch, hf_greedy, caplog):
             hf.wake_up()
     assert sum("sleep() is not supported" in r.message for r in caplog.records) <= 1
     assert hf.generate(batch[:1], GREEDY)[0].response_ids == hf_greedy[0].response_ids
+
+
+def test_sampling_settings_of_the_model_folder_are_not_inherited(tiny_model_path, batch, hf_greedy, tmp_path):
+    """A model's generation_config.json (Qwen2.5-Instruct ships repetition_penalty=1.05) must not change what the
+    reference samples: the engines use only the settings vlmrl passes."""
+    import json
+    import shutil
+
+    from vlmrl.rollout import get_backend
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_path, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    config.update(repetition_penalty=1.5, no_repeat_ngram_size=2, top_k=1, temperature=0.01, do_sample=True)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    with get_backend("hf", str(folder), dtype="float32", max_model_len=1024) as penalised:
+        got = penalised.generate(batch, GREEDY)
+    assert [r.response_ids for r in got] == [r.response_ids for r in hf_greedy]
+    assert any(len(set(r.response_ids)) < len(r.response_ids) for r in got), "no repeated token: nothing tested"

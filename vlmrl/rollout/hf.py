@@ -23,7 +23,6 @@ from vlmrl.rollout.base import (
     RolloutOptions,
     assert_nothing_banned,
     checkpoint_name,
-    checkpoint_state,
     finish_at_stop,
     sample_seed,
     top_allowed,
@@ -55,11 +54,15 @@ class HFBackend(RolloutBackend):
         self._on_cpu_for_sleep = False
 
     def _load(self):
-        from transformers import AutoModelForImageTextToText
+        from transformers import AutoModelForImageTextToText, GenerationConfig
 
         dtype = getattr(torch, self.options.resolved_dtype())
         model = AutoModelForImageTextToText.from_pretrained(self.model_path, dtype=dtype,
                                                             **self.options.engine_kwargs)
+        # generate() fills every field a GenerationConfig leaves at its default from the model's
+        # generation_config.json (Qwen2.5-Instruct ships repetition_penalty 1.05, top_k, top_p...). The engines take
+        # the sampling settings vlmrl passes and nothing else, so the reference must not inherit those either.
+        model.generation_config = GenerationConfig()
         return model.to(self.device).eval()
 
     # ------------------------------------------------------------------------------------------------ generate
@@ -148,7 +151,7 @@ class HFBackend(RolloutBackend):
     # ------------------------------------------------------------------------------------------------ weights
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        state = checkpoint_state(named_tensors)
+        state = self.sync_state(named_tensors)
         unknown = sorted(set(state) - set(self._params))
         if unknown:
             raise ValueError(f"{self.name}: update_weights got {len(unknown)} name(s) the model does not have, "
