@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from tests.rollout.helpers import GREEDY, EngineContract, greedy_mismatch
-from vlmrl.rollout import EngineDeadError, get_backend
+from vlmrl.rollout import EngineDeadError, RolloutError, get_backend
 
 pytestmark = pytest.mark.sglang
 
@@ -50,3 +50,19 @@ def test_killed_server_fails_next_call_fast_with_clear_error(backend, tiny_model
     with pytest.raises(EngineDeadError, match="^sglang-server: .*does not answer"):
         client.generate(batch[:2], GREEDY)
     client.close()
+
+
+def test_a_server_that_is_not_ready_in_time_is_stopped(tiny_model_path):
+    """start_timeout_s runs out while the launched server is still loading: the error says so and the server (in its
+    own session, so nothing else would ever stop it) is gone when the error arrives."""
+    import psutil
+
+    def servers() -> list[int]:
+        return [p.pid for p in psutil.Process().children(recursive=True)
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                and "sglang.launch_server" in " ".join(p.cmdline()) and p.pid not in before]
+
+    before = set(p.pid for p in psutil.Process().children(recursive=True))
+    with pytest.raises(RolloutError, match="sglang-server: .* not ready in time"):
+        get_backend("sglang-server", tiny_model_path, max_model_len=1024, start_timeout_s=2)
+    assert servers() == []

@@ -292,10 +292,14 @@ class SGLangBackend(_SGLangCommon):
         self._runner = DeadlineRunner(self.name, self._health)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGQUIT, _quit_signal_survivor)
-        self.engine = self._runner.call("start the engine", self._start, options.start_timeout_s)
-        atexit.register(self.close)
-        self.check_raw_logprobs(lambda body: self._runner.call("probe", lambda: self.engine.generate(**body),
-                                                               options.timeout_s))
+        try:
+            self.engine = self._runner.call("start the engine", self._start, options.start_timeout_s)
+            atexit.register(self.close)
+            self.check_raw_logprobs(lambda body: self._runner.call("probe", lambda: self.engine.generate(**body),
+                                                                   options.timeout_s))
+        except BaseException:
+            self.close()  # a failed start must not leave the engine's processes behind
+            raise
 
     def _start(self):
         env = self.engine_env()
@@ -387,14 +391,18 @@ class SGLangServerBackend(_SGLangCommon):
         self.log_path = ""
         self.weights_dir = Path(tempfile.mkdtemp(prefix="vlmrl-sglang-weights-"))
         self._runner = DeadlineRunner(self.name, self._health)
-        if options.server_url:
-            self.url = options.server_url.rstrip("/")
-            self._runner.call("reach the server", lambda: self._wait_ready(deadline=time.monotonic() + 30),
-                              options.start_timeout_s)
-        else:
-            self.url = self._launch()
-        atexit.register(self.close)
-        self.check_raw_logprobs(lambda body: self._post("/generate", body, "probe"))
+        try:
+            if options.server_url:
+                self.url = options.server_url.rstrip("/")
+                self._runner.call("reach the server", lambda: self._wait_ready(deadline=time.monotonic() + 30),
+                                  options.start_timeout_s)
+            else:
+                self.url = self._launch()
+            atexit.register(self.close)
+            self.check_raw_logprobs(lambda body: self._post("/generate", body, "probe"))
+        except BaseException:
+            self.close()  # a server that was launched but never became ready would otherwise run on, unowned
+            raise
 
     def _launch(self) -> str:
         o: SGLangServerOptions = self.options  # type: ignore[assignment]

@@ -143,8 +143,12 @@ class VLLMBackend(RolloutBackend):
         if options.enable_sleep_mode and not self.on_cuda:
             raise ValueError("vllm: enable_sleep_mode needs CUDA (vLLM refuses it on CPU); set it to false")
         self._runner = DeadlineRunner(self.name, self._health)
-        self.llm = self._runner.call("start the engine", self._start, options.start_timeout_s)
-        self._bad_words = self._ban_texts()
+        try:
+            self.llm = self._runner.call("start the engine", self._start, options.start_timeout_s)
+            self._bad_words = self._ban_texts()
+        except BaseException:
+            self.close()  # a failed start must not leave the engine core process behind
+            raise
         self._checkpoint_names = checkpoint_names(model_path)  # what update_weights must receive, exactly
         self.stop_ids = set(self.processor.eos_token_ids)
         self._sleeping = False
