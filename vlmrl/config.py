@@ -171,7 +171,10 @@ class RolloutConfig:
     tensor_parallel_size: int = 1
     """Tensor parallel degree of the engine."""
     timeout_s: float = 600.0
-    """Every engine call must finish within this, else the run stops with an error naming the backend."""
+    """Every engine call must finish within this, else the run stops with an error naming the backend. One call
+    generates the whole step's batch: raise it for large batches x n on one engine."""
+    start_timeout_s: float = 600.0
+    """The engine's start-up (loading, compiling, CUDA graphs) must finish within this; raise it for large models."""
     limit_images: int = 8
     """Most images one engine request may carry (vLLM limit_mm_per_prompt): prompt images plus, with agent.enable,
     the images tools add to the conversation."""
@@ -373,6 +376,8 @@ def validate(config: Config) -> list[str]:
     need(t.test_freq <= 0 or t.val_only or bool(d.val_files),
          f"trainer.test_freq={t.test_freq} needs data.val_files (or set trainer.test_freq=-1)")
     need(t.format_warmup_steps >= 0, f"trainer.format_warmup_steps={t.format_warmup_steps} must be >= 0")
+    for key, value in (("rollout.timeout_s", r.timeout_s), ("rollout.start_timeout_s", r.start_timeout_s)):
+        need(value > 0, f"{key}={value} must be > 0 (seconds): every engine call has a deadline")
     need(config.reward.timeout_s is None or config.reward.timeout_s >= 0,
          f"reward.timeout_s={config.reward.timeout_s} must be >= 0 (0 or null = no limit, scored in this process)")
     need(config.reward.num_workers >= 1, f"reward.num_workers={config.reward.num_workers} must be >= 1")

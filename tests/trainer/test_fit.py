@@ -186,3 +186,39 @@ def test_demo_config_learns_the_synthetic_task(tmp_path):
     assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"
     assert max(acc for _, acc in curve) >= start + 0.3, f"validation accuracy did not rise by 0.3: {curve}"
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
+
+
+def _reward_workers() -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "vlmrl.rewards.workers" in " ".join(p.cmdline())]
+
+
+def test_setup_refuses_mixing_runs_keeps_old_metrics_and_cleans_up_after_a_failure(tiny_model_path, tmp_path):
+    from vlmrl.trainer.fit import setup_run
+
+    out = tmp_path / "run"
+    fit(load_config(base_args(tiny_model_path, out, "trainer.total_steps=2", "trainer.save_freq=2",
+                              "trainer.test_freq=-1", "trainer.val_before_train=false")))
+    # resume=false on a folder with another run's checkpoints: refused before anything starts (pruning by step
+    # number would otherwise delete the new run's checkpoints and keep the old ones)
+    with pytest.raises(ValueError, match=r"trainer.resume=false but .* holds checkpoints of an earlier run "
+                                         r"\(global_step_2\)"):
+        setup_run(load_config(base_args(tiny_model_path, out, "trainer.resume=false")))
+    assert (out / "checkpoints" / "global_step_2").is_dir()
+
+    # a resume that fails after the backend and the reward workers started closes them before the error goes on
+    before = set(_reward_workers())
+    with pytest.raises(ValueError, match="batch_size=4 but this run has batch_size=8"):
+        setup_run(load_config(base_args(tiny_model_path, out, "data.train_batch_size=8")))
+    assert [pid for pid in _reward_workers() if pid not in before] == []
+
+    # metrics.jsonl without a checkpoint to resume from: the new run starts over and the old lines are kept aside
+    shutil.rmtree(out / "checkpoints")
+    old_lines = (out / "metrics.jsonl").read_text()
+    run = setup_run(load_config(base_args(tiny_model_path, out)))
+    run.close()
+    kept = [p for p in out.iterdir() if p.name.startswith("metrics.jsonl.")]
+    assert len(kept) == 1 and kept[0].read_text() == old_lines
+    assert not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").read_text() == ""

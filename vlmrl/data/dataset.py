@@ -255,7 +255,7 @@ class BatchSampler:
             if state[key] != getattr(self, key):
                 raise ValueError(f"data position was saved with {key}={state[key]!r} but this run has "
                                  f"{key}={getattr(self, key)!r}: resuming would not continue the same batches; "
-                                 f"use the saved settings or start a fresh run (trainer.resume=false)")
+                                 f"use the saved settings or start a fresh run in a new trainer.output_dir")
         if not (0 <= state["offset"] <= self.num_rows and state["epoch"] >= 0):
             raise ValueError(f"corrupt data position {state}")
         self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), None

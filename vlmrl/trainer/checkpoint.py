@@ -156,6 +156,18 @@ def _prune(root: Path, keep: int | None, newest: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def refuse_earlier_checkpoints(output_dir: str | os.PathLike) -> None:
+    """For a run that must not resume (trainer.resume=false): refuse an output_dir that holds another run's
+    checkpoints. Sharing it would mix the two runs' checkpoints (keep-last-K counts steps across both, so it could
+    delete the new run's and keep the old ones, and a later resume would pick the wrong run)."""
+    complete = _complete_checkpoints(checkpoints_root(output_dir))
+    if complete:
+        names = ", ".join(path.name for _, path in complete[-3:])
+        raise ValueError(f"trainer.resume=false but {checkpoints_root(output_dir)} holds checkpoints of an earlier "
+                         f"run ({names}): use a new trainer.output_dir, set trainer.resume=true to continue that "
+                         "run, or delete its checkpoints folder")
+
+
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint: the one `latest` names, else the highest complete step; None when none."""
     root = checkpoints_root(output_dir)

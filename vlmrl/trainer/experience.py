@@ -42,7 +42,8 @@ def backend_options(config: Config, name: str) -> dict:
     """get_backend options from the rollout section; engine-specific ones only where the backend takes them."""
     r = config.rollout
     options = {"dtype": r.dtype, "max_model_len": config.data.max_prompt_length + config.data.max_response_length,
-               "limit_images": r.limit_images, "timeout_s": r.timeout_s, "seed": config.trainer.seed,
+               "limit_images": r.limit_images, "timeout_s": r.timeout_s, "start_timeout_s": r.start_timeout_s,
+               "seed": config.trainer.seed,
                "engine_kwargs": dict(r.engine_kwargs)}
     accepted = {f.name for f in dataclasses.fields(backend_class(name).options_class)}
     extra = {"gpu_memory_utilization": r.gpu_memory_utilization, "tensor_parallel_size": r.tensor_parallel_size,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlmrl.algorithms.grpo import group_advantages
+from vlmrl.atomic import write_text_atomically
 from vlmrl.batch import batch_metrics
 from vlmrl.config import Config, to_dict, to_yaml
 from vlmrl.data import BatchSampler, RLDataset, build_requests, load_dataset
@@ -32,6 +33,7 @@ from vlmrl.trainer.actor import Actor
 from vlmrl.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint_state,
+    refuse_earlier_checkpoints,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -248,10 +250,27 @@ def setup_process(config: Config) -> None:
 
 
 def setup_run(config: Config) -> Run:
-    """Build every component; resume from the newest complete checkpoint in output_dir when there is one."""
+    """Build every component; resume from the newest complete checkpoint in output_dir when there is one. When a
+    step fails, what was already started (engines, Ray workers, reward workers) is closed before the error goes on."""
+    opened: list[Callable[[], None]] = [close_reward_workers]
+    try:
+        return _build_run(config, opened)
+    except BaseException:
+        for close in reversed(opened):
+            try:
+                close()
+            except Exception as err:  # noqa: BLE001 - the original error is the one to report
+                logger.warning("closing after a failed setup: %s", err)
+        raise
+
+
+def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
+    """setup_run's body; appends each started component's close to `opened`."""
     t, d = config.trainer, config.data
     output_dir = Path(t.output_dir)
-    (output_dir / "config.yaml").write_text(to_yaml(config))
+    if not t.resume:
+        refuse_earlier_checkpoints(output_dir)
+    write_text_atomically(output_dir / "config.yaml", to_yaml(config))
     processor = build_processor(config)
     train_data = load_dataset(d.train_files, "train", prompt_key=d.prompt_key, image_key=d.image_key,
                               synthetic_train_size=d.synthetic_train_size, synthetic_val_size=d.synthetic_val_size,
@@ -268,12 +287,14 @@ def setup_run(config: Config) -> Run:
         from vlmrl.distributed.launch import start_distributed
 
         actor, backend = start_distributed(config, total_steps, init_path)
+        opened.append(backend.close)  # stops the workers too
         sync_weights = actor.sync_weights
     else:
         actor = Actor(config.actor, total_steps, config.actor.ppo_mini_batch_size * config.rollout.n,
                       temperature=config.rollout.temperature, init_path=init_path)
         # A resumed backend starts from the checkpoint folder (HF format): weights already in sync.
         backend = start_backend(config, model_path=init_path)
+        opened.append(backend.close)
 
         def sync_weights() -> None:
             backend.update_weights(actor.named_tensors())
@@ -285,17 +306,21 @@ def setup_run(config: Config) -> Run:
         sampler.load_state_dict(info["data"])
         step = int(info["step"])
         logger.info("resuming from %s (step %d of %d)", checkpoint, step, total_steps)
+        truncate_after(output_dir / METRICS_FILE, step)
     elif (output_dir / METRICS_FILE).exists():
-        logger.warning("%s exists but there is no checkpoint to resume from: starting over (old lines dropped)",
-                       output_dir / METRICS_FILE)
-    truncate_after(output_dir / METRICS_FILE, step if checkpoint else -1)
+        kept = output_dir / f"{METRICS_FILE}.{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(output_dir / METRICS_FILE, kept)
+        logger.warning("%s exists but there is no checkpoint to resume from: starting over (old lines kept in %s)",
+                       output_dir / METRICS_FILE, kept)
     from tqdm import tqdm
 
     sink = MetricsLogger(output_dir, t.logger, to_dict(config), t.project_name, t.experiment_name, console=tqdm.write)
+    opened.append(sink.close)
     run = Run(config, output_dir, processor, train_data, val_data, sampler, reward_fn, actor, backend, sink,
               total_steps, sync_weights, dp_size, step)
     if config.agent.enable:
         run.agent, run.prompts = start_agent(config, backend, processor), PromptQueue(sampler)
+        opened.append(run.agent.close)
         if checkpoint is not None:
             resume_agent(run, checkpoint, info)
     return run
