@@ -188,3 +188,15 @@ def test_readme_lists_every_key():
     assert readme_reference() in readme, "README's configuration reference is stale: run scripts/update_readme_config.py"
     missing = [key for key, _, _ in describe(Config) if f"`{key}`" not in readme]
     assert not missing, f"keys missing from the README: {missing}"
+
+
+def test_engine_deadlines_reach_every_backend_and_must_be_positive():
+    from vlmrl.trainer.experience import backend_options
+
+    base = ["actor.model_path=m", "data.train_files=synthetic", "data.val_files=synthetic"]
+    config = load_config([*base, "rollout.start_timeout_s=1800", "rollout.timeout_s=900"])
+    for name in ("hf", "vllm", "sglang", "sglang-server"):
+        options = backend_options(config, name)
+        assert (options["start_timeout_s"], options["timeout_s"]) == (1800, 900), name
+    with pytest.raises(ConfigError, match=r"rollout.start_timeout_s=0.0 must be > 0"):
+        load_config([*base, "rollout.start_timeout_s=0"])
