@@ -38,15 +38,13 @@ def teach_model(tiny_model_path: str, tmp_path_factory) -> str:
     return str(scripted.teach(tiny_model_path, tmp_path_factory.mktemp("taught"), load_processor(tiny_model_path)))
 
 
-def make_config(taught_model, tmp_path, out, *overrides: str):
-    """The run's config (2 prompts per step, n=2, hf rollout), writing its data, reward and agent files into tmp_path
-    once; `overrides` are more key=value arguments (e.g. trainer.n_gpus_per_node=2)."""
+def write_run_files(tmp_path, agent_yaml: str = AGENT):
+    """(data parquet, reward file, agent YAML) in tmp_path, written once: a LONG and a SHORT question, each with the
+    scripted image, the scripted reward, and the agent section."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from vlmrl.config import load_config
-
-    data, reward, agent_yaml = tmp_path / "agent.parquet", tmp_path / "reward.py", tmp_path / "agent.yaml"
+    data, reward, agent_file = tmp_path / "agent.parquet", tmp_path / "reward.py", tmp_path / "agent.yaml"
     if not data.exists():
         rows = []
         for question in (scripted.LONG_QUESTION, scripted.SHORT_QUESTION):
@@ -55,7 +53,16 @@ def make_config(taught_model, tmp_path, out, *overrides: str):
             rows.append(dict(row, images=[{"bytes": buffer.getvalue()}]))
         pq.write_table(pa.Table.from_pylist(rows), data)
         reward.write_text(scripted.REWARD_FILE)
-        agent_yaml.write_text(AGENT)
+        agent_file.write_text(agent_yaml)
+    return data, reward, agent_file
+
+
+def make_config(taught_model, tmp_path, out, *overrides: str):
+    """The run's config (2 prompts per step, n=2, hf rollout), writing its data, reward and agent files into tmp_path
+    once; `overrides` are more key=value arguments (e.g. trainer.n_gpus_per_node=2)."""
+    from vlmrl.config import load_config
+
+    data, reward, agent_yaml = write_run_files(tmp_path)
     return load_config([
         f"config={agent_yaml}", f"actor.model_path={taught_model}", f"data.train_files={data}",
         "data.train_batch_size=2", "data.max_prompt_length=96", "data.max_response_length=256",

@@ -4,12 +4,9 @@ trajectory's final answer, trains on it with partial rollout on, and validates t
 
 from __future__ import annotations
 
-import io
-
 import pytest
-import torch
 
-from tests.agent import scripted
+from tests.agent.training import teach_model, write_run_files
 from vlmrl.config import load_config
 from vlmrl.trainer.fit import fit
 from vlmrl.trainer.metrics import read_metrics
@@ -31,30 +28,11 @@ agent:
 
 @pytest.fixture(scope="module")
 def taught_model(tiny_model_path, tmp_path_factory) -> str:
-    from vlmrl.processors import load_processor
-
-    torch.set_num_threads(1)
-    return str(scripted.teach(tiny_model_path, tmp_path_factory.mktemp("taught"), load_processor(tiny_model_path)))
-
-
-def _write_data(path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = []
-    for question in (scripted.LONG_QUESTION, scripted.SHORT_QUESTION):
-        row = scripted.row(question)
-        buffer = io.BytesIO()
-        row["images"][0].save(buffer, format="PNG")
-        rows.append(dict(row, images=[{"bytes": buffer.getvalue()}]))
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    return teach_model(tiny_model_path, tmp_path_factory)
 
 
 def test_two_agent_steps_with_tool_calls_partial_rollout_and_agent_validation(taught_model, tmp_path):
-    data, reward, agent_yaml = tmp_path / "agent.parquet", tmp_path / "reward.py", tmp_path / "agent.yaml"
-    _write_data(data)
-    reward.write_text(scripted.REWARD_FILE)
-    agent_yaml.write_text(AGENT)
+    data, reward, agent_yaml = write_run_files(tmp_path, AGENT)
     out = tmp_path / "run"
     config = load_config([
         f"config={agent_yaml}", f"actor.model_path={taught_model}", f"data.train_files={data}",
