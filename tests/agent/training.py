@@ -30,6 +30,13 @@ agent:
 """
 
 
+WITH_GRADIENT = ("rollout.temperature=1.0", "actor.entropy_coeff=0.01")
+"""Overrides that give both resume tests' steps a gradient. At the config's temperature 0.05 a group's two samples are
+the same conversation, every advantage is 0 and the update only decays the weights (optimizer moments stay 0, so a
+resume that lost them would pass). At 1.0 with an entropy bonus, step 1 has a gradient and step 2 has groups whose
+samples got different rewards; everything is seeded, so the comparisons stay exact."""
+
+
 def teach_model(tiny_model_path: str, tmp_path_factory) -> str:
     """The tiny model taught the scripted conversations, in a fresh temp folder (for a module fixture)."""
     from vlmrl.processors import load_processor

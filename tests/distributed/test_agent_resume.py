@@ -29,12 +29,12 @@ import pytest
 import torch
 
 from tests.agent.helpers import assert_same_groups
-from tests.agent.training import make_config, shape, step, teach_model
+from tests.agent.training import WITH_GRADIENT, make_config, shape, step, teach_model
 from vlmrl.trainer.checkpoint import checkpoints_root, rng_state, set_rng_state
 from vlmrl.trainer.fit import save, setup_process, setup_run
 
 pytestmark = pytest.mark.ray
-DP2 = ("trainer.n_gpus_per_node=2", "rollout.temperature=1.0", "actor.entropy_coeff=0.01")
+DP2 = ("trainer.n_gpus_per_node=2", *WITH_GRADIENT)
 
 
 @pytest.fixture(scope="module")

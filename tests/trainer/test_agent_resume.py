@@ -12,9 +12,10 @@ import logging
 import shutil
 
 import pytest
+import torch
 
 from tests.agent.helpers import assert_same_groups
-from tests.agent.training import make_config, shape, step, teach_model
+from tests.agent.training import WITH_GRADIENT, make_config, shape, step, teach_model
 from vlmrl.agent.carry import CARRIED_JSON, CARRIED_TENSORS
 from vlmrl.trainer.checkpoint import checkpoints_root, rng_state, set_rng_state
 from vlmrl.trainer.fit import save, setup_process, setup_run
@@ -26,22 +27,23 @@ def taught_model(tiny_model_path, tmp_path_factory) -> str:
 
 
 def test_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run(taught_model, tmp_path, caplog):
-    config = make_config(taught_model, tmp_path, tmp_path / "run")
+    config = make_config(taught_model, tmp_path, tmp_path / "run", *WITH_GRADIENT)
     setup_process(config)
     run = setup_run(config)
     resumed = None
     try:
-        step(run)
+        assert step(run)["actor/grad_norm"] > 0
         carried = run.agent.carried
-        assert carried and all(not t.done and t.open_turn for g in carried for t in g.trajectories), \
-            "step 1 should park the LONG groups mid-turn"
+        assert carried and not any(t.done for g in carried for t in g.trajectories), \
+            "step 1 should park the LONG groups unfinished"
+        assert any(t.open_turn for g in carried for t in g.trajectories), "no group parked mid-turn"
         assert run.prompts.pending == [1]
         checkpoint = save(run)
         rng = rng_state()
 
         # A fresh run from a copy of the checkpoint, next to the original (which simply goes on).
         shutil.copytree(checkpoints_root(tmp_path / "run"), checkpoints_root(tmp_path / "resumed"))
-        resumed = setup_run(make_config(taught_model, tmp_path, tmp_path / "resumed"))
+        resumed = setup_run(make_config(taught_model, tmp_path, tmp_path / "resumed", *WITH_GRADIENT))
         assert resumed.step == 1
         assert_same_groups(resumed.agent.carried, carried)
         assert resumed.prompts.pending == run.prompts.pending
@@ -55,6 +57,9 @@ def test_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run(tau
         assert got == expected
         assert shape(resumed.agent.carried) == shape(run.agent.carried)
         assert resumed.prompts.pending == run.prompts.pending
+        after = resumed.actor.model.state_dict()
+        for name, tensor in run.actor.model.state_dict().items():  # same update: optimizer state came back too
+            assert torch.equal(after[name], tensor), name
     finally:
         run.close()
         if resumed is not None:
@@ -70,7 +75,7 @@ def test_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run(tau
     del info["prompt_queue"], info["agent_carried_groups"]
     (old / "trainer_state.json").write_text(json.dumps(info))
     with caplog.at_level(logging.WARNING):
-        run = setup_run(make_config(taught_model, tmp_path, old_dir))
+        run = setup_run(make_config(taught_model, tmp_path, old_dir, *WITH_GRADIENT))
     try:
         assert "holds no carried partial-rollout groups" in caplog.text
         assert "has no prompt-queue position" in caplog.text
