@@ -203,3 +203,12 @@ def test_synthetic_rows_become_requests_with_one_short_token_answer(tmp_path, ti
             assert request.ground_truth == data[index]["reward_model"]["ground_truth"]
             assert request.data_source == f"synthetic/{task}"
             assert request.images[0].size == (TASKS[task].image_size,) * 2, "already a multiple of 28: not resized"
+
+
+def test_easyr1_schema_without_data_source_loads_as_unknown(tmp_path):
+    """EasyR1's geometry3k columns are images/problem/answer: no data_source, the ground truth in `answer`."""
+    pq.write_table(pa.table({"problem": ["<image>Find x."], "answer": ["60"],
+                             "images": [[{"bytes": _png((0, 0, 255)), "path": None}]]}), tmp_path / "e.parquet")
+    data = RLDataset([tmp_path / "e.parquet"], prompt_key="problem")
+    assert data.data_sources() == ["unknown"]
+    assert data[0]["data_source"] == "unknown" and data[0]["answer"] == "60"

@@ -196,3 +196,39 @@ def test_overlong_prompt_filtered_or_rejected_counting_image_tokens(tiny_model_p
 def test_prompt_must_be_messages_or_text(processor):
     with pytest.raises(BadRowError, match="prompt must be"):
         processor.build_request({"prompt": None}, index=ROW)
+
+
+@pytest.mark.parametrize("size", [(71, 1), (1, 71)])
+def test_a_size_the_engines_would_resize_again_is_refused_by_row(processor, size):
+    """qwen-vl-utils turns a 71x1 sliver into 476x28 (over the tiny model's max_pixels 12544); transformers' processor,
+    which the engines and the trainer's pixel values use, would make it 448x28: one token fewer than the request."""
+    _bad(processor, [noise_image(*size)], r"resizes to .* but the engines' image processor resizes it again")
+
+
+def test_video_rows_are_refused_not_sent_as_text(processor):
+    _bad(processor, [], "holds video", question="<video>What happens?")
+    with pytest.raises(BadRowError, match="holds video"):
+        processor.build_request(dict(image_row("What happens?", []), videos=[{"path": "clip.mp4"}]), index=ROW)
+
+
+def test_content_part_prompts_from_parquet_carry_their_images_inline(processor, tmp_path):
+    """Parquet gives every content part every struct field (a text part gets image=None); the inline image is used
+    when the `images` column is empty, and one given in both places is refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmrl.data import RLDataset
+
+    image = noise_image(56, 56)
+    row = {"data_source": "parts", "reward_model": {"ground_truth": "red"}, "images": [],
+           "prompt": [{"role": "user", "content": [{"type": "image", "image": png_bytes(image)},
+                                                   {"type": "text", "text": "What colour?"}]}]}
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "parts.parquet")
+    loaded = RLDataset([str(tmp_path / "parts.parquet")])[0]
+    assert loaded["prompt"][0]["content"][1]["image"] is None  # what pyarrow hands back
+    request = processor.build_request(loaded, index=0)
+    assert len(request.images) == 1 and request.prompt_ids.count(processor.image_token_id) == 1
+    direct = processor.build_request(row, index=0)
+    assert request.prompt_ids == direct.prompt_ids and request.image_hashes == direct.image_hashes
+    with pytest.raises(BadRowError, match="both in the `images` column"):
+        processor.build_request(dict(row, images=[image]), index=ROW)

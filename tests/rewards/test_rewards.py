@@ -135,3 +135,10 @@ def test_reward_input_from_a_request_carries_its_row_metadata():
     item = RewardInput.from_request(request, "Red")
     assert item == RewardInput("synthetic/colour", "Red", "red", {"split": "val"})
     assert compute_rewards(get_reward_fn("auto"), [item])[0] == [1.0]
+
+
+@pytest.mark.parametrize("name, response", [("geo3k", r"<think>x</think> \boxed{None}"), ("synthetic", "None")])
+def test_a_sample_without_ground_truth_is_a_counted_failure_not_a_right_answer(name, response):
+    """str(None) == "None": without the check, answering None to a row missing its ground truth scored 1.0."""
+    scores, extras, failures = compute_rewards(get_reward_fn(name), [RewardInput("src", response, None)])
+    assert (scores, failures, extras[0][FAILED_KEY]) == ([0.0], 1, 1.0)

@@ -175,7 +175,11 @@ class RLDataset:
 
     def data_sources(self) -> list[str]:
         """The distinct data sources, sorted (for per-source metrics and for checking a reward covers them all)."""
-        return sorted({source or "unknown" for source in self.column("data_source")})
+        sources: set[str] = set()
+        for table in self._tables:  # a file without the column (EasyR1's images/problem/answer) is "unknown"
+            names = table.column("data_source").to_pylist() if "data_source" in table.column_names else [None]
+            sources.update(source or "unknown" for source in names)
+        return sorted(sources)
 
 
 def _resolve_image_path(image: Any, base: Path) -> Any:

@@ -66,10 +66,32 @@ def resize_image(image: Image.Image, min_pixels: int, max_pixels: int, factor: i
     if factor % SPATIAL_MERGE_SIZE:
         raise ValueError(f"image factor {factor} must be a multiple of the spatial merge size {SPATIAL_MERGE_SIZE}")
     try:
-        return fetch_image({"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels},
-                           image_patch_size=factor // SPATIAL_MERGE_SIZE)
+        resized = fetch_image({"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels},
+                              image_patch_size=factor // SPATIAL_MERGE_SIZE)
     except (ValueError, OSError) as err:  # an aspect ratio over 200:1; a lazily opened PIL image that is truncated
         raise ImageInputError(f"cannot resize a {image.width}x{image.height} image: {err}") from err
+    _check_engines_keep(resized, image, min_pixels, max_pixels, factor)
+    return resized
+
+
+def _check_engines_keep(resized: Image.Image, original: Image.Image, min_pixels: int, max_pixels: int,
+                        factor: int) -> None:
+    """The engines (and the trainer's pixel values) run transformers' image processor, which resizes again by its own
+    smart_resize. For a few extreme shapes qwen-vl-utils' rounding lands on a size that one changes (over max_pixels
+    when scaling a sliver up, or an aspect ratio just over 200:1), so the token count would differ between the
+    request and the engines: refuse such an image here, by name, instead of failing later inside a step."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    try:
+        again = smart_resize(resized.height, resized.width, factor, min_pixels, max_pixels)
+    except ValueError as err:
+        again, reason = None, str(err)
+    else:
+        reason = f"resizes it again to {again[1]}x{again[0]}"
+    if again != (resized.height, resized.width):
+        raise ImageInputError(f"a {original.width}x{original.height} image resizes to {resized.width}x"
+                              f"{resized.height} (qwen-vl-utils), but the engines' image processor {reason}: "
+                              "its token count would differ between the trainer and the engines (crop or pad it)")
 
 
 def image_hash(image: Image.Image) -> str:

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
 IMAGE_MARKER = "<image>"  # verl/EasyR1 rows mark image positions in the prompt text with it
+VIDEO_MARKER = "<video>"  # ... and video positions with this (not supported: such rows are refused)
 
 
 def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Processor:
@@ -111,7 +112,14 @@ class Processor:
             BadRowError: the row is unusable and the config says to fail.
         """
         messages, inline_images = _normalise_messages(row.get("prompt"), index)
-        sources = list(row["images"]) if row.get("images") is not None else inline_images
+        if row.get("videos") or any(_has_video(m["content"]) for m in messages):
+            self._bad_image(index, "the row holds video (a `videos` column or <video> in the prompt): vlmrl's "
+                                   "processor takes images only")
+        listed = list(row.get("images") or [])
+        if listed and inline_images:
+            self._bad_image(index, f"images both in the `images` column ({len(listed)}) and inline in the prompt's "
+                                   f"content parts ({len(inline_images)}): give them in one place")
+        sources = listed or inline_images
         placeholders = sum(_count_image_parts(m["content"]) for m in messages)
         if placeholders != len(sources):
             self._bad_image(index, f"{placeholders} image placeholders in the prompt but {len(sources)} images")
@@ -213,7 +221,9 @@ def _normalise_messages(prompt: Any, index: int) -> tuple[list[dict[str, Any]], 
             if IMAGE_MARKER in content:
                 content = _split_markers(content)
         elif content is not None:
-            content = [dict(part) for part in content]
+            # Parquet gives every content part every struct field (None where unset): drop those, so a text part
+            # does not look like an image part to the counting below and to the chat template.
+            content = [{k: v for k, v in dict(part).items() if v is not None} for part in content]
             for part in content:
                 if part.get("type") == "image" and part.get("image") is not None:
                     inline.append(part.pop("image"))
@@ -232,6 +242,13 @@ def _split_markers(text: str) -> list[dict[str, str]]:
         if piece:
             parts.append({"type": "text", "text": piece})
     return parts
+
+
+def _has_video(content: Any) -> bool:
+    if isinstance(content, str):
+        return VIDEO_MARKER in content
+    return any(part.get("type") == "video" or "video" in part or VIDEO_MARKER in str(part.get("text", ""))
+               for part in content)
 
 
 def _count_image_parts(content: Any) -> int:

@@ -23,8 +23,10 @@ def format_reward(response: str) -> float:
     0.0
     >>> format_reward(r"\boxed{60} <think>late</think>")
     0.0
+    >>> format_reward(r" <think>x</think> \boxed{60}")  # verl matches the response as it is, without stripping
+    0.0
     """
-    return 1.0 if _FORMAT.fullmatch(response.strip()) else 0.0
+    return 1.0 if _FORMAT.fullmatch(response) else 0.0
 
 
 def accuracy_reward(response: str, ground_truth: str) -> float:
@@ -39,6 +41,8 @@ def accuracy_reward(response: str, ground_truth: str) -> float:
     """
     from mathruler.grader import extract_boxed_content, grade_answer
 
+    if ground_truth is None:  # str(None) would make \boxed{None} a right answer
+        raise ValueError("the sample has no ground truth (reward_model.ground_truth / answer): it cannot be graded")
     if r"\boxed{" not in response:
         return 0.0  # mathruler's "None" for a missing box must never match a ground truth of "None"
     return 1.0 if grade_answer(extract_boxed_content(response), str(ground_truth)) else 0.0
