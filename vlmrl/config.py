@@ -329,7 +329,9 @@ def validate(config: Config) -> list[str]:
     need(r.n >= 2, f"rollout.n={r.n}: GRPO compares samples within a group, so it needs rollout.n >= 2")
     need(r.temperature > 0, f"rollout.temperature={r.temperature}: training rollouts must sample (set > 0, e.g. 1.0)")
     need(r.val_n >= 1, f"rollout.val_n={r.val_n} must be >= 1")
-    need(r.val_top_logprobs >= 0, f"rollout.val_top_logprobs={r.val_top_logprobs} must be >= 0")
+    need(r.val_top_logprobs == 0 or r.val_top_logprobs >= 2,
+         f"rollout.val_top_logprobs={r.val_top_logprobs} must be 0 (none) or >= 2: the compare tool looks for each "
+         "side's token among the other side's top-k, which a top-1 list can never hold")
     need(r.val_n == 1 or r.val_temperature > 0,
          f"rollout.val_n={r.val_n} with val_temperature=0 gives {r.val_n} identical greedy samples: "
          "set rollout.val_temperature > 0 or rollout.val_n=1")

@@ -105,3 +105,22 @@ def test_bad_usage_exits_2(argv, message, capsys):
 
 def test_unknown_flag_exits_2():
     assert main(["a", "b", "--no-such-flag"]) == 2
+
+
+def test_an_artifact_cannot_put_markup_into_the_report(tmp_path):
+    """A shared artifact is data: a thumbnail or image size carrying HTML must not become part of the page."""
+    import dataclasses
+
+    from tests.alignment.toy_artifacts import make_side
+    from vlmrl.alignment.artifact import write_artifact
+
+    meta, records = make_side(rows=2)
+    hostile = '"><script>alert(1)</script><img src="'
+    records[0] = dataclasses.replace(records[0], thumbnails=[hostile], image_sizes=[["<b>28</b>", 28]])
+    a = write_artifact(tmp_path / "a.jsonl", meta, records)
+    b = write_side(tmp_path / "b.jsonl", rows=2, backend="sglang")
+    main([str(a), str(b), "--out", str(tmp_path / "out")])
+    text = (tmp_path / "out" / "report.html").read_text()
+    assert "<script>alert" not in text and "<b>28</b>" not in text
+    assert "thumbnail is not base64" in text
+    _html(tmp_path / "out" / "report.html")

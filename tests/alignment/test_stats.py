@@ -55,3 +55,13 @@ def test_paired_score_reports_both_sides_and_the_delta():
     assert score.delta == pytest.approx(1 / 3) and score.p_value == pytest.approx(0.5)  # 2 discordant rows
     with pytest.raises(ValueError, match="same rows"):
         paired_score(a, b[:3])
+
+
+def test_mcnemar_on_thousands_of_discordant_rows():
+    """2**1024 overflows a float: a big sampled validation set (>= 1024 rows that differ) used to crash here."""
+    balanced = np.array([1.0, -1.0] * 700)
+    p, test = sign_flip_test(balanced)
+    assert p == pytest.approx(1.0) and "McNemar" in test
+    shifted = np.array([1.0] * 800 + [-1.0] * 600)  # 800 vs 600 of 1400: z ~ 5.3
+    p, _ = sign_flip_test(shifted)
+    assert 0.0 < p < 1e-6

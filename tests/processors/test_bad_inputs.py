@@ -4,6 +4,7 @@ never a truncated prompt."""
 from __future__ import annotations
 
 import http.server
+import io
 import os
 import re
 import struct
@@ -232,3 +233,12 @@ def test_content_part_prompts_from_parquet_carry_their_images_inline(processor, 
     assert request.prompt_ids == direct.prompt_ids and request.image_hashes == direct.image_hashes
     with pytest.raises(BadRowError, match="both in the `images` column"):
         processor.build_request(dict(row, images=[image]), index=ROW)
+
+
+def test_vector_formats_are_not_decoded(processor):
+    """PIL recognises EPS and would run Ghostscript on it where installed: dataset bytes are read as raster only."""
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n%%EOF\n"
+    _bad(processor, [{"bytes": eps}], "is not a readable image")
+    jpeg = io.BytesIO()
+    noise_image(56, 56).save(jpeg, format="JPEG")
+    assert processor.build_request(image_row("<image>?", [{"bytes": jpeg.getvalue()}]), ROW).images

@@ -297,7 +297,10 @@ def diff_inputs(a: ValidationRecord, b: ValidationRecord) -> list[str]:
 
 
 def _top_lookup(top: list[list[list[float]]] | None, position: int) -> dict[int, float] | None:
-    if top is None or position >= len(top) or top[position] is None:
+    """The top-k at `position` as {token: logprob}; None when not recorded, or when it holds fewer than 2 entries
+    (a top-1 list is the side's own token: the other side's could never be found in it, which would judge every
+    near-tie a real divergence)."""
+    if top is None or position >= len(top) or top[position] is None or len(top[position]) < 2:
         return None
     return {int(token): float(logprob) for token, logprob in top[position]}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import os
+import re
 from pathlib import Path
 
 from vlmrl.alignment.artifact import ValidationRecord
@@ -67,6 +68,9 @@ c.style.display=(cause==='all'||c.dataset.cause===cause)?'':'none';});}
 """
 
 
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
 def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
@@ -94,8 +98,12 @@ def _images(record: ValidationRecord, caption: str) -> str:
     figures = []
     for i, b64 in enumerate(record.thumbnails):
         size = record.image_sizes[i] if i < len(record.image_sizes) else ["?", "?"]
+        if not isinstance(b64, str) or not _BASE64.fullmatch(b64):  # an artifact is data, never markup
+            figures.append(f"<figure><figcaption>{_e(caption)}image {i}: thumbnail is not base64 (left out)"
+                           "</figcaption></figure>")
+            continue
         figures.append(f'<figure><img alt="image {i}" src="data:image/png;base64,{b64}"><figcaption>{_e(caption)}'
-                       f"image {i}: {size[0]}x{size[1]}</figcaption></figure>")
+                       f"image {i}: {_e(size[0])}x{_e(size[1])}</figcaption></figure>")
     return '<div class="imgs">' + "".join(figures) + "</div>"
 
 
@@ -129,8 +137,8 @@ def _card(comparison: Comparison, sample: SampleDiff, a: ValidationRecord, b: Va
     logprob = (f" | max |dlogprob| {_fmt(sample.max_abs_logprob_delta, 6)} over {sample.compared_positions} tokens"
                if sample.compared_positions else "")
     return (
-        f'<div class="{cls}" data-cause="{cause}" id="row{sample.index}-{sample.sample_index}">'
-        f"<h3>row {sample.index} &middot; sample {sample.sample_index} &middot; {_e(sample.data_source)} "
+        f'<div class="{cls}" data-cause="{cause}" id="row{_e(sample.index)}-{_e(sample.sample_index)}">'
+        f"<h3>row {_e(sample.index)} &middot; sample {_e(sample.sample_index)} &middot; {_e(sample.data_source)} "
         f"{_badge(sample.cause)}</h3>"
         f'<div class="muted mono">reward {sample.reward_a:.4g} vs {sample.reward_b:.4g} | tokens {sample.length_a} vs '
         f"{sample.length_b} | finish {_e(sample.finish_a)} vs {_e(sample.finish_b)}{logprob} | "

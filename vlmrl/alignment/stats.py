@@ -56,7 +56,7 @@ def _binomial_two_sided(k: int, m: int) -> float:
     """P(|2K - m| >= |2k - m|) for K ~ Binomial(m, 1/2): the exact McNemar test on m discordant pairs."""
     observed = abs(2 * k - m)
     tail = sum(math.comb(m, j) for j in range(m + 1) if abs(2 * j - m) >= observed)
-    return min(1.0, tail / 2.0**m)
+    return min(1.0, tail / (1 << m))  # int / int: exact, no float overflow at m >= 1024
 
 
 def sign_flip_test(differences: np.ndarray) -> tuple[float, str]:

@@ -159,6 +159,10 @@ def _fetch(url: str, limits: ImageLimits) -> bytes:
         raise ImageInputError(f"cannot fetch remote image {url[:200]}: {err}") from err
 
 
+DECODED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
+"""Image formats read from dataset bytes and files (JPEG includes the MPO variant phone cameras write)."""
+
+
 def _decode(data: bytes, limits: ImageLimits, what: str) -> Image.Image:
     if not data:
         raise ImageInputError(f"{what} is empty (0 bytes)")
@@ -166,7 +170,9 @@ def _decode(data: bytes, limits: ImageLimits, what: str) -> Image.Image:
         # Our own pixel limit below decides; PIL's global warning threshold must not (it is process-wide state).
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
-            image = Image.open(io.BytesIO(data))  # reads the header only: size is known before decoding
+            # reads the header only: size is known before decoding. Raster formats only: PIL would hand EPS/PDF
+            # bytes from a dataset to Ghostscript when it is installed.
+            image = Image.open(io.BytesIO(data), formats=DECODED_FORMATS)
         except Image.DecompressionBombError as err:
             raise ImageInputError(f"{what}: decompression bomb rejected ({err})") from err
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
