@@ -46,3 +46,19 @@ def test_one_rank_update_equals_the_single_process_actor(tiny_model_path, proces
     weights = dict(sharded.named_tensors())
     for name, tensor in single.named_tensors():
         assert torch.allclose(weights[name], tensor, rtol=0, atol=1e-12), name
+
+
+def test_compute_dtype_autocasts_as_on_one_device(tiny_model_path, processor, synthetic_rows):
+    """fp32 weights with bf16 compute (the GPU default: compute_dtype=auto): the sharded actor autocasts like the
+    single-device one, rather than computing in fp32 (other numbers, more memory, slower)."""
+    batch = make_batch(processor, synthetic_rows[:2], n=2, text_only_rows=(1,))
+    config = ActorConfig(model_path=tiny_model_path, device="cpu", dtype="float32", compute_dtype="bfloat16")
+    single = Actor(config, total_steps=1, mini_batch_samples=4)
+    sharded = ShardedActor(config, world_size=1)
+    assert sharded.compute_dtype == single.compute_dtype == torch.bfloat16
+    expected, _ = single.compute_logprobs(batch)
+    got, _ = sharded.compute_logprobs(batch)
+    assert torch.equal(got, expected)
+    config.compute_dtype = "float32"
+    full, _ = ShardedActor(config, world_size=1).compute_logprobs(batch)
+    assert (full - expected).abs().max() > 1e-3, "bf16 autocast should move the logprobs"

@@ -85,7 +85,7 @@ class ShardedActor(BaseActor):
         self.temperature = temperature
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.compute_dtype = self.dtype  # no autocast (BaseActor.autocast is then a no-op)
+        self.compute_dtype = resolve_dtype(config.compute_dtype, self.device)  # autocast as the single-device actor
         policy = load_policy(init_path or config.model_path, self.dtype, self.device)
         policy.config.use_cache = False
         if config.gradient_checkpointing:

@@ -36,7 +36,9 @@ def start_distributed(config: Config, total_steps: int, init_path: str | None = 
     and return the actor and its engines as a rollout backend. Close the backend to stop everything."""
     t = config.trainer
     cluster = cluster or ClusterConfig(devices_per_node=t.n_gpus_per_node, nnodes=t.nnodes,
-                                       timeout_s=config.rollout.timeout_s)
+                                       timeout_s=config.rollout.timeout_s,
+                                       # worker setup starts the engine too: its deadline plus the actor's loading
+                                       startup_timeout_s=config.rollout.start_timeout_s + 300.0)
     actor = DistributedActor(cluster, worker_spec(config, total_steps, init_path),
                              mini_batch_samples=config.actor.ppo_mini_batch_size * config.rollout.n)
     return actor, ColocatedEngines(actor)

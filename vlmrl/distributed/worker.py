@@ -117,9 +117,11 @@ class TrainWorker:
     # ---- training (collectives: every rank, same calls) --------------------------------------------------------------
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool, with_entropy: bool):
+        self._rest_engine()
         return self.actor.compute_logprobs(batch, reference=reference, with_entropy=with_entropy)
 
     def update(self, shard) -> dict[str, float]:
+        self._rest_engine()
         return self.actor.update(shard)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -135,8 +137,8 @@ class TrainWorker:
         Returns the number of tensors loaded (0 without an engine)."""
         named = []
         for name, tensor in self.actor.named_tensors():  # every rank joins each gather; only hosts keep the tensor
-            if self.engine is not None:
-                named.append((name, tensor))
+            if self.engine is not None:  # in host memory: the whole model gathered on the device would not fit
+                named.append((name, tensor.to("cpu")))
         if self.engine is None:
             return 0
         self._wake_engine()
@@ -167,11 +169,14 @@ class TrainWorker:
         if not requests:
             return []
         self._wake_engine()
-        results = self.engine.generate(requests, sampling)
-        if self.engine_sleeps:  # give the memory back to the actor until the next weight sync or generation
+        return self.engine.generate(requests, sampling)  # awake until training starts: an agent step calls once a turn
+
+    def _rest_engine(self) -> None:
+        """Training is next: the engine gives its memory back to the actor until the next weight sync or generation
+        (once per step, not after every generate call)."""
+        if self.engine is not None and self.engine_sleeps and not self.engine_asleep:
             self.engine.sleep()
             self.engine_asleep = True
-        return results
 
     def _wake_engine(self) -> None:
         if self.engine_asleep:
