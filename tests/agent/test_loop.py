@@ -114,3 +114,19 @@ def test_unknown_tools_and_bad_return_values_are_reported_to_the_model(backend, 
     first_reply = tool_turn_texts(agent_sample, processor.tokenizer)[0]
     assert "Error: there is no tool named 'echo'; available: broken, zoom." in first_reply
     assert agent_sample.counters["tool/unknown_tool"] == 1
+
+
+def test_a_rollout_that_fails_mid_conversation_releases_every_tool_state(taught_model_path, processor):
+    """The engine refuses the conversation once the zoom tool's image takes it over its image limit (a real failure,
+    raised by the backend on the third turn): run() raises it, and every started trajectory's tool state (a sandbox,
+    a connection) is released on the way out."""
+    from vlmrl.rollout import InvalidRequestError, get_backend
+
+    log = Lifecycle()
+    with get_backend("hf", taught_model_path, max_model_len=1024, limit_images=1) as strict, \
+            make_loop(strict, processor, [EchoTool(log), ImageZoomTool()]) as loop:
+        with pytest.raises(InvalidRequestError, match="images"):
+            loop.run([processor.build_request(scripted.row(scripted.LONG_QUESTION))], GREEDY)
+        assert len(log.events) == 2 and all(events[0] == "create" for events in log.events.values())
+        assert all(events.count("release") == 1 for events in log.events.values()), dict(log.events)
+    assert all(events.count("release") == 1 for events in log.events.values()), "released twice on close"

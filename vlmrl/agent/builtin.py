@@ -67,6 +67,10 @@ class _AnswerState:
     scores: list[float] = field(default_factory=list)
 
 
+MAX_ANSWER_CHARS = 64
+"""Longest answer Geo3kAnswerTool grades (geometry answers are short; sympy's cost is not)."""
+
+
 class Geo3kAnswerTool(Tool):
     r"""Checks a candidate answer against the row's ground truth with the geo3k grader (mathruler) and says whether it
     is right. Its reward (`reward_extra["tool/check_answer"]`) is the score of the LAST answer checked, 0 when none,
@@ -92,6 +96,10 @@ class Geo3kAnswerTool(Tool):
         answer = arguments.get("answer")
         if not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
             raise ValueError(f'arguments must be {{"answer": "..."}}, got {arguments!r}')
+        # The grader hands the answer to sympy in this process: `9**9**8` computes for minutes holding the GIL
+        # (mathruler guards `^` powers, not `**`), which would freeze every rollout thread past any tool timeout.
+        if len(str(answer)) > MAX_ANSWER_CHARS or "**" in str(answer):
+            raise ValueError(f"an answer must be at most {MAX_ANSWER_CHARS} characters, with ^ for powers (not **)")
         score = accuracy_reward("\\boxed{" + str(answer) + "}", state.ground_truth)
         state.scores.append(score)
         return f"The answer {answer} is {'correct' if score else 'not correct'}."

@@ -35,7 +35,8 @@ from vlmrl.agent.carry import ToolEntries, from_json, read_carried, to_json, wri
 from vlmrl.agent.config import AgentConfig
 from vlmrl.agent.metrics import step_metrics
 from vlmrl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
-from vlmrl.agent.tools import Tool, ToolContext, ToolRegistry, ToolTimeout, as_output, call_tool_method
+from vlmrl.agent.tools import (DaemonThreadPool, Tool, ToolContext, ToolRegistry, ToolTimeout, as_output,
+                               call_tool_method)
 from vlmrl.agent.trajectory import AgentSample, Trajectory, to_sample
 from vlmrl.agent.turns import ToolReply, TurnRenderer
 from vlmrl.batch.padding import PromptInputs, prompt_inputs
@@ -100,7 +101,7 @@ class AgentLoop:
         self.tools = tools if tools is not None else ToolRegistry.from_specs(config.tools)
         self.renderer = TurnRenderer(processor.hf_processor, processor.tokenizer, processor.image_token_id,
                                      config.tool_turn_format)
-        self._tool_pool = ThreadPoolExecutor(config.tool_workers, thread_name_prefix="vlmrl-tool")
+        self._tool_pool = DaemonThreadPool(config.tool_workers, "vlmrl-tool")  # an overrun call cannot block exit
         self._backend_pool = ThreadPoolExecutor(config.max_concurrent_generate, thread_name_prefix="vlmrl-agent")
         self._carried: list[Group] = []
         logger.info("agent loop: tools %s, max_turns %d, response budget %d tokens, partial rollout %s",
@@ -124,7 +125,11 @@ class AgentLoop:
     def run(self, requests: list[RolloutRequest], sampling: SamplingParams, *, policy_version: int = 0) -> AgentBatch:
         """Roll out every request's group to the end (validation; training without partial rollout)."""
         groups = [Group(r) for r in requests]
-        finished, unfinished, stats = _run_sync(self._collect(groups, sampling, policy_version, need=None))
+        try:
+            finished, unfinished, stats = _run_sync(self._collect(groups, sampling, policy_version, need=None))
+        except BaseException:
+            _run_sync(self._drop(groups))  # release every started trajectory's tool state (sandboxes, connections)
+            raise
         assert not unfinished, "without a batch size every group runs to the end"
         return self._batch(groups, stats, policy_version, {})  # in request order, not finishing order
 
