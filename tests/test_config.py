@@ -193,10 +193,16 @@ def test_readme_lists_every_key():
 def test_engine_deadlines_reach_every_backend_and_must_be_positive():
     from vlmrl.trainer.experience import backend_options
 
-    base = ["actor.model_path=m", "data.train_files=synthetic", "data.val_files=synthetic"]
+    base = ["actor.model_path=org/m", "data.train_files=synthetic", "data.val_files=synthetic"]
     config = load_config([*base, "rollout.start_timeout_s=1800", "rollout.timeout_s=900"])
     for name in ("hf", "vllm", "sglang", "sglang-server"):
         options = backend_options(config, name)
         assert (options["start_timeout_s"], options["timeout_s"]) == (1800, 900), name
     with pytest.raises(ConfigError, match=r"rollout.start_timeout_s=0.0 must be > 0"):
         load_config([*base, "rollout.start_timeout_s=0"])
+
+
+def test_a_model_folder_that_does_not_exist_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"actor.model_path='.*nope': no such folder"):
+        load_config([f"actor.model_path={tmp_path / 'nope'}", "data.train_files=synthetic",
+                     "data.val_files=synthetic"])

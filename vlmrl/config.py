@@ -446,10 +446,13 @@ def check_model_context(config: Config) -> list[str]:
     from vlmrl.models import is_embedded, resolve_model_path
 
     path = config.actor.model_path
-    if not (is_embedded(path) or Path(path).is_dir()):
+    if not (is_embedded(path) or Path(path).expanduser().is_dir()):
+        if path.startswith(("/", ".", "~")) or path.count("/") != 1:
+            return [f"actor.model_path={path!r}: no such folder (nor an embedded name like `tiny`, or a hub id like "
+                    "Qwen/Qwen2.5-VL-7B-Instruct)"]
         logger.info("model %s is not a local folder: its context length is checked when it loads", path)
         return []
-    config_file = Path(resolve_model_path(path)) / "config.json"
+    config_file = Path(resolve_model_path(path)).expanduser() / "config.json"
     if not config_file.exists():
         return [f"actor.model_path={path!r} has no config.json: is it a HF model folder?"]
     model_config = json.loads(config_file.read_text())

@@ -23,9 +23,37 @@ def test_rebuild_is_byte_identical(tmp_path):
     assert {"model.safetensors", "config.json", "tokenizer.json", "processor_config.json"} <= set(a)
 
 
-def test_name_resolves_to_cached_build(tiny_model_path):
+def test_name_resolves_to_cached_build(tiny_model_path, tmp_path):
     assert resolve_model_path("tiny") == tiny_model_path
-    assert resolve_model_path("/some/other/path") == "/some/other/path"
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(FileNotFoundError, match="'/some/other/path': no such folder"):
+        resolve_model_path("/some/other/path")
+
+
+def test_a_hub_id_resolves_to_its_snapshot_in_the_hf_cache(tiny_model_path, tmp_path, monkeypatch):
+    """`Qwen/Qwen2.5-VL-7B-Instruct`-style ids: the processor, checkpoint copier and engines all need a folder. No hub
+    here, so the snapshot is laid out in a cache the way huggingface_hub stores it, and the hub is offline."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from vlmrl.models import tiny
+    from vlmrl.processors import load_processor
+
+    repo = tmp_path / "hub" / "models--org--tiny-vl"
+    shutil.copytree(tiny_model_path, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    tiny._hub_snapshot.cache_clear()
+    try:
+        assert resolve_model_path("org/tiny-vl") == str(repo / "snapshots" / "abc123")
+        assert load_processor("org/tiny-vl").image_token_id == load_processor(tiny_model_path).image_token_id
+        with pytest.raises(FileNotFoundError, match="'org/missing' is not a local folder and could not be fetched"):
+            resolve_model_path("org/missing")
+    finally:
+        tiny._hub_snapshot.cache_clear()
 
 
 def test_unknown_embedded_name_is_rejected():

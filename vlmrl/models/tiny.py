@@ -13,10 +13,12 @@ Variants (pass the name wherever a model path is taken):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -101,12 +103,38 @@ def is_embedded(name: str) -> bool:
     return name in VARIANTS
 
 
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
+"""What a hub snapshot fetches: configs, safetensors weights, tokenizer and processor files (no pickled *.bin)."""
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
-    """Map `tiny` / `tiny-large` to a built local folder (building it once); pass any other path through."""
+    """A local model folder for `name_or_path`: `tiny` / `tiny-large` built once; a local folder as it is; a hub id
+    (`Qwen/Qwen2.5-VL-7B-Instruct`) downloaded once into the Hugging Face cache (safetensors only; with
+    HF_HUB_OFFLINE=1 the cached copy). Anything else raises FileNotFoundError naming it."""
     name = str(name_or_path)
     if name in VARIANTS:
         return str(ensure_built(name))
-    return name
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return str(local)
+    if _HUB_ID.fullmatch(name):
+        return _hub_snapshot(name)
+    raise FileNotFoundError(f"model {name!r}: no such folder (nor an embedded name {sorted(VARIANTS)} or a hub id "
+                            "like Qwen/Qwen2.5-VL-7B-Instruct)")
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_snapshot(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_FILES)
+    except Exception as err:  # noqa: BLE001 - offline, unknown repo, gated, network: all say the same to the user
+        raise FileNotFoundError(f"model {repo_id!r} is not a local folder and could not be fetched from the "
+                                f"Hugging Face hub ({type(err).__name__}: {err}); download it first "
+                                f"(`huggingface-cli download {repo_id}`) or give a local folder") from err
 
 
 def ensure_built(variant: str = "tiny") -> Path:
