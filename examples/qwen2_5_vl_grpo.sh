@@ -17,19 +17,28 @@
 #       test.parquet from examples/data/geo3k.py. More than one device runs Ray + FSDP2 workers (docs/distributed.md).
 #
 # Any key=value argument overrides the config (docs/config.md lists every key), e.g. trainer.total_steps=50.
-# PYTHON selects the interpreter (make demo passes the venv's).
+# OUTPUT_DIR sets trainer.output_dir (defaults: outputs/demo, outputs/qwen2_5_vl_geo3k; "-val" added for VAL_ONLY).
+# PYTHON selects the interpreter (make demo passes the venv's). -h / --help prints this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit 0
+fi
 
 ARGS=()
 SUFFIX=""
-if [[ "${VAL_ONLY:-0}" == "1" ]]; then
-  SUFFIX="-val"  # validate-only writes beside a training run's output, not into it
-fi
+case "${VAL_ONLY:-0}" in
+  1|true|yes) VAL_ONLY=1; SUFFIX="-val" ;;  # validate-only writes beside a training run's output, not into it
+  0|false|no|"") VAL_ONLY=0 ;;
+  *) echo "VAL_ONLY=${VAL_ONLY}: use 1 (validate only) or 0" >&2; exit 2 ;;
+esac
 if [[ -n "${MODEL_PATH:-}" || -n "${DATA:-}" || -n "${N_GPUS:-}" || -n "${N_NODES:-}" ]]; then
   if [[ -n "${DATA:-}" && "${DATA}" != "geo3k" ]]; then
-    echo "DATA=${DATA}: the recipe knows geo3k; for other data pass data.train_files=... data.val_files=..." >&2
+    echo "DATA=${DATA}: the recipe knows geo3k; for other data leave DATA unset and pass" \
+         "data.train_files=... data.val_files=... (with MODEL_PATH or N_GPUS to pick the real recipe)" >&2
+    exit 2
   fi
   # ---- the real recipe ------------------------------------------------------------------------------------------
   DATA_DIR=${DATA_DIR:-$HOME/data/geo3k}
@@ -56,7 +65,7 @@ else
   ARGS+=(config=examples/configs/tiny_synthetic.yaml "rollout.name=$ROLLOUT"
          "trainer.output_dir=${OUTPUT_DIR:-outputs/demo$SUFFIX}")
 fi
-if [[ "${VAL_ONLY:-0}" == "1" ]]; then
+if [[ "$VAL_ONLY" == "1" ]]; then
   ARGS+=(trainer.val_only=true)
 fi
 

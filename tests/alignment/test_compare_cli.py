@@ -124,3 +124,17 @@ def test_an_artifact_cannot_put_markup_into_the_report(tmp_path):
     assert "<script>alert" not in text and "<b>28</b>" not in text
     assert "thumbnail is not base64" in text
     _html(tmp_path / "out" / "report.html")
+
+
+def test_python_dash_m_gives_exit_2_for_bad_usage():
+    """Run as documented (python -m): a usage error raised in vlmrl.alignment.runner must still be exit 2, not a
+    traceback with exit 1, which a CI gate would read as 'not aligned'."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-m", "vlmrl.alignment.compare", "--backends", "vllm,foo",
+                           "config=examples/configs/tiny_synthetic.yaml"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "unknown backend(s) ['foo']" in done.stdout + done.stderr and "Traceback" not in done.stderr

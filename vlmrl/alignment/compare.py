@@ -110,4 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of main: under `python -m` this file is also loaded as __main__, whose UsageError is a
+    # different class from the one vlmrl.alignment.runner raises, so bad usage would escape as a traceback (exit 1).
+    from vlmrl.alignment.compare import main as package_main
+
+    sys.exit(package_main())
