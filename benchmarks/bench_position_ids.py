@@ -53,6 +53,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    for name in ('prompts', 'repeats', 'threads'):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     torch.set_num_threads(args.threads)
 
     from transformers import Qwen2_5_VLForConditionalGeneration

@@ -237,6 +237,9 @@ def main() -> None:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for name in ('prompts', 'n', 'repeats'):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     torch.set_num_threads(1)
 
     if args.side == "verl":

@@ -125,6 +125,9 @@ def main() -> None:
                              'vllm=\'{"attention_backend": "TRITON_ATTN"}\'')
     parser.add_argument("--out", default="", help="write the rows as JSON here (atomically)")
     args = parser.parse_args()
+    for name in ('requests', 'n', 'max_new_tokens', 'repeats'):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     engine_kwargs = parse_engine_kwargs(args.engine_kwargs)
     logging.basicConfig(level=logging.WARNING)
     sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)

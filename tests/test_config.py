@@ -206,3 +206,14 @@ def test_a_model_folder_that_does_not_exist_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"actor.model_path='.*nope': no such folder"):
         load_config([f"actor.model_path={tmp_path / 'nope'}", "data.train_files=synthetic",
                      "data.val_files=synthetic"])
+
+
+def test_an_engine_that_is_not_installed_is_named_at_config_load(monkeypatch):
+    """Found before data loading and the actor's weights (minutes on a 7B), with what to install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sglang", None)  # what importlib sees when the package is absent
+    base = ["actor.model_path=org/m", "data.train_files=synthetic", "data.val_files=synthetic"]
+    with pytest.raises(ConfigError, match=r"rollout.name=sglang needs sglang, which is not installed.*\.\[sglang\]"):
+        load_config([*base, "rollout.name=sglang"])
+    load_config([*base, "rollout.name=sglang-server", "rollout.server_url=http://127.0.0.1:30000"])  # a client only

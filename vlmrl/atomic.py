@@ -19,6 +19,7 @@ def replace_atomically(path: str | os.PathLike, write: Callable[[str], Any]) -> 
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; the user's files get the usual permissions
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -31,3 +32,17 @@ def replace_atomically(path: str | os.PathLike, write: Callable[[str], Any]) -> 
 def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
     """`text` (UTF-8) into `path`, atomically."""
     return replace_atomically(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def _umask() -> int:
+    """The process umask: from /proc on Linux; elsewhere by setting it and straight back (racy with other threads
+    creating files at that instant, hence the /proc read first)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

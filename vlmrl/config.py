@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import json
 import logging
@@ -325,6 +326,11 @@ def validate(config: Config) -> list[str]:
         need(not t.val_before_train or bool(d.val_files),
              "trainer.val_before_train=true needs data.val_files (or set trainer.val_before_train=false)")
     need(r.name in ROLLOUT_BACKENDS, f"rollout.name={r.name!r} is not one of {list(ROLLOUT_BACKENDS)}")
+    engine = {"vllm": "vllm", "sglang": "sglang", "sglang-server": "sglang"}.get(r.name)
+    if engine and not (r.name == "sglang-server" and r.server_url):  # found now, not after the model has loaded
+        need(importlib.util.find_spec(engine) is not None,
+             f"rollout.name={r.name} needs {engine}, which is not installed in this environment: `make setup` "
+             f"(CPU) or `pip install -e '.[{engine}]'` (GPU), or pick another rollout.name")
     need(config.algorithm.adv_estimator == "grpo", "algorithm.adv_estimator must be `grpo` (the only estimator)")
     need(r.n >= 2, f"rollout.n={r.n}: GRPO compares samples within a group, so it needs rollout.n >= 2")
     need(r.temperature > 0, f"rollout.temperature={r.temperature}: training rollouts must sample (set > 0, e.g. 1.0)")
@@ -536,5 +542,12 @@ if __name__ == "__main__":
 
     if sys.argv[1:] == ["--markdown"]:
         print(markdown(), end="")
+    elif sys.argv[1:2] in (["-h"], ["--help"]):
+        print("python -m vlmrl.config [config=FILE.yaml] [key=value ...]   print the resolved config as YAML\n"
+              "python -m vlmrl.config --markdown                        the reference of every key (docs/config.md)")
     else:
-        print(to_yaml(load_config(sys.argv[1:])), end="")
+        try:
+            print(to_yaml(load_config(sys.argv[1:])), end="")
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
