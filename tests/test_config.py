@@ -217,3 +217,12 @@ def test_an_engine_that_is_not_installed_is_named_at_config_load(monkeypatch):
     with pytest.raises(ConfigError, match=r"rollout.name=sglang needs sglang, which is not installed.*\.\[sglang\]"):
         load_config([*base, "rollout.name=sglang"])
     load_config([*base, "rollout.name=sglang-server", "rollout.server_url=http://127.0.0.1:30000"])  # a client only
+
+
+def test_tensor_parallel_engines_are_refused_when_colocated_on_several_devices():
+    base = ["actor.model_path=org/m", "data.train_files=synthetic", "data.val_files=synthetic",
+            "trainer.n_gpus_per_node=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2",
+            "trainer.format_warmup_steps=0"]
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2: with 2 devices each colocated engine"):
+        load_config([*base, "rollout.tensor_parallel_size=2"])
+    load_config(base)

@@ -399,6 +399,8 @@ def validate(config: Config) -> list[str]:
              "tiny model): set it to 0 or run on one device")
         need(r.name != "sglang-server", "rollout.name=sglang-server cannot be colocated with multi-device training: "
              "use sglang (one engine per worker) or vllm")
+        need(r.tensor_parallel_size == 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: with "
+             f"{world} devices each colocated engine runs on its worker's one device; set it to 1")
     problems += data_image_problems(d)
     if config.agent.enable:
         problems += agent_problems(config)

@@ -149,7 +149,9 @@ class BaseActor:
 
     def autocast(self):
         """Mixed precision for a forward (and its backward) when compute and weight dtypes differ."""
-        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != self.dtype)
+        lower = self.compute_dtype in (torch.bfloat16, torch.float16)  # autocast only casts down
+        return torch.autocast(self.device.type, dtype=self.compute_dtype,
+                              enabled=lower and self.compute_dtype != self.dtype)
 
     def clip_gradients(self) -> float:
         """Clip the gradient norm to config.grad_clip (<= 0: measure only); returns the norm before clipping."""
