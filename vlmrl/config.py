@@ -451,11 +451,11 @@ def _largest_divisor(total: int, at_most: int) -> int:
 def check_model_context(config: Config) -> list[str]:
     """Check prompt + response lengths fit the model's context, for local folders and embedded models.
     Hub ids that are not downloaded are skipped (the engine checks again when it loads them)."""
-    from vlmrl.models import is_embedded, resolve_model_path
+    from vlmrl.models import is_embedded, is_hub_id, resolve_model_path
 
     path = config.actor.model_path
     if not (is_embedded(path) or Path(path).expanduser().is_dir()):
-        if path.startswith(("/", ".", "~")) or path.count("/") != 1:
+        if not is_hub_id(path):
             return [f"actor.model_path={path!r}: no such folder (nor an embedded name like `tiny`, or a hub id like "
                     "Qwen/Qwen2.5-VL-7B-Instruct)"]
         logger.info("model %s is not a local folder: its context length is checked when it loads", path)

@@ -1,5 +1,5 @@
 """Model helpers: the embedded tiny Qwen2.5-VL and model-path resolution (`tiny` -> a locally built folder)."""
 
-from vlmrl.models.tiny import ensure_built, is_embedded, resolve_model_path
+from vlmrl.models.tiny import ensure_built, is_embedded, is_hub_id, resolve_model_path
 
-__all__ = ["ensure_built", "is_embedded", "resolve_model_path"]
+__all__ = ["ensure_built", "is_embedded", "is_hub_id", "resolve_model_path"]

@@ -119,10 +119,15 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     local = Path(name).expanduser()
     if local.is_dir():
         return str(local)
-    if _HUB_ID.fullmatch(name):
+    if is_hub_id(name):
         return _hub_snapshot(name)
     raise FileNotFoundError(f"model {name!r}: no such folder (nor an embedded name {sorted(VARIANTS)} or a hub id "
                             "like Qwen/Qwen2.5-VL-7B-Instruct)")
+
+
+def is_hub_id(name: str) -> bool:
+    """`org/name` as the Hugging Face hub spells a repository (not a path: no leading /, . or ~, one slash)."""
+    return _HUB_ID.fullmatch(name) is not None
 
 
 @functools.lru_cache(maxsize=None)

@@ -68,6 +68,14 @@ class RewardValueError(ValueError):
     """A reward function returned something that is not a finite score."""
 
 
+def require_ground_truth(ground_truth: Any) -> Any:
+    """`ground_truth`, or a ValueError (a counted reward failure) when the row has none: a grader comparing with
+    str(None) would score the answer "None" right."""
+    if ground_truth is None:
+        raise ValueError("the sample has no ground truth (reward_model.ground_truth / answer): it cannot be graded")
+    return ground_truth
+
+
 def _finite(value: Any, what: str) -> float:
     if isinstance(value, bool):
         return float(value)

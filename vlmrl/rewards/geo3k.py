@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from vlmrl.rewards.base import require_ground_truth
+
 FORMAT_WEIGHT = 0.1
 _FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
 
@@ -41,8 +43,7 @@ def accuracy_reward(response: str, ground_truth: str) -> float:
     """
     from mathruler.grader import extract_boxed_content, grade_answer
 
-    if ground_truth is None:  # str(None) would make \boxed{None} a right answer
-        raise ValueError("the sample has no ground truth (reward_model.ground_truth / answer): it cannot be graded")
+    require_ground_truth(ground_truth)
     if r"\boxed{" not in response:
         return 0.0  # mathruler's "None" for a missing box must never match a ground truth of "None"
     return 1.0 if grade_answer(extract_boxed_content(response), str(ground_truth)) else 0.0

@@ -12,6 +12,8 @@ import re
 import string
 from typing import Any
 
+from vlmrl.rewards.base import require_ground_truth
+
 _SPECIAL = re.compile(r"<\|[^|]*\|>")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
@@ -38,9 +40,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
     >>> compute_score("synthetic/count", " 3", "3")
     {'score': 1.0, 'accuracy': 1.0, 'format': 1.0}
     """
-    if ground_truth is None:  # str(None) would make the answer "None" right
-        raise ValueError("the sample has no ground truth (reward_model.ground_truth / answer): it cannot be graded")
     answer = normalise(solution_str)
-    accuracy = 1.0 if answer == normalise(ground_truth) else 0.0
+    accuracy = 1.0 if answer == normalise(require_ground_truth(ground_truth)) else 0.0
     fmt = 1.0 if len(answer.split()) == 1 else 0.0
     return {"score": accuracy, "accuracy": accuracy, "format": fmt}
