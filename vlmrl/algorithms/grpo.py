@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-KL_TYPES = ("low_var_kl", "k1", "k2", "mse")
+from vlmrl.algorithms.config import KL_TYPES
 
 
 def group_advantages(

@@ -8,23 +8,25 @@
 from __future__ import annotations
 
 from vlmrl.config import Config
+from vlmrl.distributed.config import ClusterConfig
 from vlmrl.distributed.engines import ColocatedEngines
-from vlmrl.distributed.group import ClusterConfig, DistributedActor
+from vlmrl.distributed.group import DistributedActor
 from vlmrl.distributed.worker import EngineSpec, WorkerSpec
+from vlmrl.rollout import backend_options
 
 
 def worker_spec(config: Config, total_steps: int, init_path: str | None = None) -> WorkerSpec:
     """What every worker builds: the actor from `actor.*`, its engine from `rollout.*` (starting from the same
     weights as the actor: the checkpoint when resuming)."""
     from vlmrl.trainer.actor import _lr_lambda  # the single-process actor's schedule, so both paths share it
-    from vlmrl.trainer.experience import backend_options
 
     name = config.rollout.name
     if name == "sglang-server":
         raise ValueError("rollout.name=sglang-server runs outside the workers; colocated engines are hf, vllm or "
                          "sglang")
     engine = EngineSpec(name=name, model_path=init_path or config.actor.model_path,
-                        options=backend_options(config, name))
+                        options=backend_options(config.rollout, config.data.max_prompt_length
+                                                + config.data.max_response_length, config.trainer.seed))
     return WorkerSpec(actor=config.actor, temperature=config.rollout.temperature, init_path=init_path,
                       lr_lambda=_lr_lambda(config.actor, total_steps), engine=engine,
                       torch_threads=config.trainer.torch_threads, timeout_s=config.rollout.timeout_s)
@@ -34,11 +36,9 @@ def start_distributed(config: Config, total_steps: int, init_path: str | None = 
                       cluster: ClusterConfig | None = None) -> tuple[DistributedActor, ColocatedEngines]:
     """Start trainer.n_gpus_per_node x trainer.nnodes workers (joining the Ray cluster at $RAY_ADDRESS when set)
     and return the actor and its engines as a rollout backend. Close the backend to stop everything."""
-    t = config.trainer
-    cluster = cluster or ClusterConfig(devices_per_node=t.n_gpus_per_node, nnodes=t.nnodes,
-                                       timeout_s=config.rollout.timeout_s,
-                                       # worker setup starts the engine too: its deadline plus the actor's loading
-                                       startup_timeout_s=config.rollout.start_timeout_s + 300.0)
-    actor = DistributedActor(cluster, worker_spec(config, total_steps, init_path),
-                             mini_batch_samples=config.actor.ppo_mini_batch_size * config.rollout.n)
+    actor = DistributedActor(cluster or config.trainer, worker_spec(config, total_steps, init_path),
+                             mini_batch_samples=config.actor.ppo_mini_batch_size * config.rollout.n,
+                             timeout_s=config.rollout.timeout_s,
+                             # worker setup starts the engine too: its deadline plus the actor's loading
+                             startup_timeout_s=config.rollout.start_timeout_s + 300.0)
     return actor, ColocatedEngines(actor)

@@ -1,37 +1,40 @@
 """Rollout backends behind one interface: `hf` (transformers reference), `vllm`, `sglang` (in-process Engine) and
 `sglang-server` (HTTP, launched by vlmrl on 127.0.0.1 or given by URL).
 
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout import get_backend, start_backend
     with get_backend("vllm", "tiny", max_model_len=2048) as backend:
         results = backend.generate(requests, SamplingParams(n=8, temperature=1.0, max_new_tokens=256))
         backend.update_weights(actor.named_parameters())
+    backend = start_backend(config.rollout, model_path, max_model_len=3072, seed=config.trainer.seed)  # for a run
 
 Each engine is imported lazily, in exactly one module (`vlmrl.rollout.vllm`, `vlmrl.rollout.sglang`), only when
-that backend is created. See `vlmrl.rollout.base` for the contract (request-major results, raw logprobs, banned pad
-tokens, deadlines).
+that backend is created; this package imports torch only when a backend or `vlmrl.rollout.base` is asked for (the
+run config imports `vlmrl.rollout.config`). See `vlmrl.rollout.base` for the contract (request-major results, raw
+logprobs, banned pad tokens, deadlines).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
-from vlmrl.rollout.base import (
-    EngineDeadError,
-    EngineTimeoutError,
-    InvalidRequestError,
-    RolloutBackend,
-    RolloutError,
-    RolloutOptions,
-)
+from vlmrl.rollout.config import BACKENDS, EngineOptions, RolloutConfig
 
-# name -> (module, class); modules import their engine only inside the backend's methods.
-BACKENDS: dict[str, tuple[str, str]] = {
-    "hf": ("vlmrl.rollout.hf", "HFBackend"),
-    "vllm": ("vlmrl.rollout.vllm", "VLLMBackend"),
-    "sglang": ("vlmrl.rollout.sglang", "SGLangBackend"),
-    "sglang-server": ("vlmrl.rollout.sglang", "SGLangServerBackend"),
-}
+if TYPE_CHECKING:
+    from vlmrl.rollout.base import RolloutBackend
+
+logger = logging.getLogger(__name__)
+
+_FROM_BASE = ("EngineDeadError", "EngineTimeoutError", "InvalidRequestError", "RolloutBackend", "RolloutError",
+              "RolloutOptions")
+
+
+def __getattr__(name: str):
+    if name in _FROM_BASE:
+        return getattr(importlib.import_module("vlmrl.rollout.base"), name)
+    raise AttributeError(f"module 'vlmrl.rollout' has no attribute {name!r}")
 
 
 def backend_class(name: str) -> type[RolloutBackend]:
@@ -46,13 +49,30 @@ def get_backend(name: str, model_path: str, **options: Any) -> RolloutBackend:
     """Start a rollout backend on a model folder (or an embedded name: `tiny`, `tiny-large`).
 
     Options are the fields of the backend's options class (`backend_class(name).options_class`): common ones are
-    dtype, max_model_len, limit_images, timeout_s, start_timeout_s, seed, engine_kwargs; engines add their own
-    (gpu_memory_utilization, tensor_parallel_size, ...; sglang-server: server_url, port, log_file).
+    dtype, max_model_len, limit_images, timeout_s, start_timeout_s, seed, gpu_memory_utilization,
+    tensor_parallel_size, server_url, engine_kwargs; engines add their own (vllm: enforce_eager, ...; sglang:
+    attention_backend, ...; sglang-server: port, log_file).
     """
     from vlmrl.models import resolve_model_path
 
     cls = backend_class(name)
     return cls(resolve_model_path(model_path), cls.options_class.from_kwargs(name, options))
+
+
+def backend_options(rollout: RolloutConfig, max_model_len: int, seed: int) -> dict[str, Any]:
+    """get_backend options of a run: the rollout section's engine options, the context the run's lengths need
+    (data.max_prompt_length + data.max_response_length) and its seed (trainer.seed)."""
+    options = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(EngineOptions)}
+    options["engine_kwargs"] = dict(rollout.engine_kwargs)
+    return {**options, "max_model_len": max_model_len, "seed": seed}
+
+
+def start_backend(rollout: RolloutConfig, model_path: str, max_model_len: int, seed: int,
+                  name: str | None = None) -> RolloutBackend:
+    """Start the run's rollout backend (rollout.name, or `name`) on `model_path` (the actor's model or a checkpoint)."""
+    name = name or rollout.name
+    logger.info("starting rollout backend %s on %s", name, model_path)
+    return get_backend(name, model_path, **backend_options(rollout, max_model_len, seed))
 
 
 __all__ = [
@@ -61,8 +81,11 @@ __all__ = [
     "EngineTimeoutError",
     "InvalidRequestError",
     "RolloutBackend",
+    "RolloutConfig",
     "RolloutError",
     "RolloutOptions",
     "backend_class",
+    "backend_options",
     "get_backend",
+    "start_backend",
 ]

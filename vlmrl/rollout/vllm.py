@@ -45,12 +45,9 @@ WORKER_EXTENSION = "vlmrl.rollout.vllm.WeightSyncWorkerExtension"
 
 @dataclass
 class VLLMOptions(RolloutOptions):
-    """Options of the `vllm` backend (names as in verl/EasyR1 and vLLM's own arguments)."""
+    """Options of the `vllm` backend (names as in verl/EasyR1 and vLLM's own arguments); gpu_memory_utilization and
+    tensor_parallel_size come with the shared ones. On CPU, KV memory is cpu_kv_cache_gb."""
 
-    gpu_memory_utilization: float = 0.6
-    """Fraction of GPU memory vLLM may take (weights + KV cache). Ignored on CPU (see cpu_kv_cache_gb)."""
-    tensor_parallel_size: int = 1
-    """Tensor parallel degree."""
     enforce_eager: bool | None = None
     """Disable CUDA graphs; None = True on CPU, False on CUDA."""
     max_num_batched_tokens: int = 16384

@@ -5,16 +5,16 @@ Shared by training steps and validation, so both build requests, start backends 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from vlmrl.batch import pad_sample, prompt_inputs, required_batch_multiple, stack_samples, upsample_to_multiple
 from vlmrl.config import Config, RewardConfig
-from vlmrl.processors import Processor, ProcessorConfig, load_processor
+from vlmrl.processors import Processor, load_processor
 from vlmrl.rewards import RewardFn, RewardInput, compute_rewards, get_reward_fn, workers_for
-from vlmrl.rollout import RolloutBackend, backend_class, get_backend
+from vlmrl.rollout import RolloutBackend
+from vlmrl.rollout import start_backend as start_rollout_backend
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 
 if TYPE_CHECKING:
@@ -24,40 +24,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def processor_config(config: Config) -> ProcessorConfig:
-    """The processor settings a run's data section implies."""
-    d = config.data
-    return ProcessorConfig(min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
-                           on_overlong="filter" if d.filter_overlong_prompts else "error",
-                           on_bad_image=d.on_bad_image, data_root=d.data_root,
-                           allow_remote_images=d.allow_remote_images, remote_timeout_s=d.remote_timeout_s,
-                           remote_max_bytes=d.remote_max_bytes, max_image_pixels=d.max_image_pixels)
-
-
 def build_processor(config: Config, model_path: str | None = None) -> Processor:
-    return load_processor(model_path or config.actor.model_path, processor_config(config))
-
-
-def backend_options(config: Config, name: str) -> dict:
-    """get_backend options from the rollout section; engine-specific ones only where the backend takes them."""
-    r = config.rollout
-    options = {"dtype": r.dtype, "max_model_len": config.data.max_prompt_length + config.data.max_response_length,
-               "limit_images": r.limit_images, "timeout_s": r.timeout_s, "start_timeout_s": r.start_timeout_s,
-               "seed": config.trainer.seed,
-               "engine_kwargs": dict(r.engine_kwargs)}
-    accepted = {f.name for f in dataclasses.fields(backend_class(name).options_class)}
-    extra = {"gpu_memory_utilization": r.gpu_memory_utilization, "tensor_parallel_size": r.tensor_parallel_size,
-             "server_url": r.server_url or None}
-    options.update({key: value for key, value in extra.items() if key in accepted and value is not None})
-    return options
+    return load_processor(model_path or config.actor.model_path, config.data)
 
 
 def start_backend(config: Config, name: str | None = None, model_path: str | None = None) -> RolloutBackend:
     """Start the configured rollout backend (or `name`) on the actor's model (or `model_path`, e.g. a checkpoint)."""
-    name = name or config.rollout.name
-    path = model_path or config.actor.model_path
-    logger.info("starting rollout backend %s on %s", name, path)
-    return get_backend(name, path, **backend_options(config, name))
+    return start_rollout_backend(config.rollout, model_path or config.actor.model_path,
+                                 config.data.max_prompt_length + config.data.max_response_length, config.trainer.seed,
+                                 name=name)
 
 
 def load_reward_fn(config: Config, data_sources: Iterable[str]) -> RewardFn:
