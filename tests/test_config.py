@@ -178,6 +178,13 @@ def test_agent_section_is_checked_at_load():
     assert not load("agent.max_response_tokens=4096").agent.enable
 
 
+def test_a_tool_image_at_the_models_max_pixels_is_checked_when_data_max_pixels_is_null(tiny_model_path):
+    agent = ["agent.enable=true", "agent.tools=[{path: 'vlmrl.agent.builtin:ImageZoomTool'}]",
+             "agent.max_response_tokens=16"]  # the tiny model's 12544 pixels: 16 image tokens
+    assert "one tool image at the model's max_pixels=12544" in problems_of(*agent, check_model=True)
+    assert load(*agent, "agent.max_response_tokens=17", check_model=True).data.max_pixels is None
+
+
 def test_image_safety_keys_are_the_processors(tmp_path, tiny_model_path):
     """The data section IS the processor's config: nothing is copied between them."""
     from vlmrl.processors import ProcessorConfig, load_processor
