@@ -44,6 +44,7 @@ class TokenLoss:
 
 
 def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ratio_mean / _min / _max and approx_kl over the real tokens of (B, R) ratio / log_ratio."""
     keep = mask != 0
     ratio = ratio.detach()
     inf = torch.tensor(math.inf, dtype=ratio.dtype, device=ratio.device)
@@ -74,7 +75,7 @@ def _clipped_objective(ratio: torch.Tensor, log_ratio: torch.Tensor, advantages:
             "clipfrac_high": token_mean((clip_binds & (advantages > 0)).float(), response_mask),
         }
     if clip_ratio_c is None:
-        metrics["dual_clip_fraction"] = torch.zeros((), dtype=metrics["clipfrac_low"].dtype)
+        metrics["dual_clip_fraction"] = torch.zeros_like(metrics["clipfrac_low"])
     else:
         cap = -advantages * clip_ratio_c
         negative = advantages < 0
@@ -157,7 +158,7 @@ def cispo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
     metrics = {
         "clipfrac_low": token_mean((ratio < 1.0 - clip_ratio_low).float(), response_mask),
         "clipfrac_high": token_mean((ratio > 1.0 + clip_ratio_high).float(), response_mask),
-        "dual_clip_fraction": torch.zeros((), dtype=ratio.dtype),
+        "dual_clip_fraction": torch.zeros((), dtype=ratio.dtype, device=ratio.device),
     }
     metrics.update(_ratio_metrics(ratio, log_ratio, response_mask))
     return TokenLoss(loss, metrics)
