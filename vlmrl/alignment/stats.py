@@ -1,7 +1,8 @@
 """Paired statistics for "is 0.33 vs 0.40 noise?": cluster bootstrap intervals and an exact paired sign-flip test.
 
-On scipy.stats (bootstrap, binomtest, permutation_test). The unit is the dataset ROW: its n samples share a prompt and are not independent, so
-every statistic first averages a row's samples (mean@n) and then treats rows as the independent draws.
+On scipy.stats (bootstrap, binomtest, permutation_test). The unit is the dataset ROW: its n samples share a prompt
+and are not independent, so every statistic first averages a row's samples (mean@n) and then treats rows as the
+independent draws.
 """
 
 from __future__ import annotations
