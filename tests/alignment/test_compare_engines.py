@@ -90,6 +90,9 @@ def test_hf_vs_vllm_fp32_is_aligned_and_exact(hf_vs_vllm):
     assert report["summary"]["exact"] == report["summary"]["samples"] == 7
     assert report["summary"]["max_abs_logprob_delta"] < 1e-4, "fp32 engines agree to float rounding"
     assert (out / "report.html").stat().st_size > 0 and (out / "val_a_hf.jsonl").exists()
+    # Each side ran as its own validate-only process: its log is kept, its artifact was moved into place.
+    assert "trainer.val_only=true rollout.name=vllm" in (out / "val_b_vllm.log").read_text().splitlines()[0]
+    assert not list((out / "run_b_vllm").glob("validation_*.jsonl"))
 
 
 def _fp32_margins(overrides, splits):

@@ -35,13 +35,13 @@ from vlmrl.agent.carry import ToolEntries, from_json, read_carried, to_json, wri
 from vlmrl.agent.config import AgentConfig
 from vlmrl.agent.metrics import step_metrics
 from vlmrl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
-from vlmrl.agent.tools import (DaemonThreadPool, Tool, ToolContext, ToolRegistry, ToolTimeout, as_output,
-                               call_tool_method)
+from vlmrl.agent.tools import Tool, ToolContext, ToolRegistry, ToolTimeout, as_output, call_tool_method
 from vlmrl.agent.trajectory import AgentSample, Trajectory, to_sample
 from vlmrl.agent.turns import ToolReply, TurnRenderer
 from vlmrl.batch.padding import PromptInputs, prompt_inputs
 from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
 from vlmrl.types import RolloutRequest, RolloutResult, Sample, SamplingParams
+from vlmrl.utils.executor import DaemonExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class AgentLoop:
         self.tools = tools if tools is not None else ToolRegistry.from_specs(config.tools)
         self.renderer = TurnRenderer(processor.hf_processor, processor.tokenizer, processor.image_token_id,
                                      config.tool_turn_format)
-        self._tool_pool = DaemonThreadPool(config.tool_workers, "vlmrl-tool")  # an overrun call cannot block exit
+        self._tool_pool = DaemonExecutor(config.tool_workers, "vlmrl-tool")  # an overrun call cannot block exit
         self._backend_pool = ThreadPoolExecutor(config.max_concurrent_generate, thread_name_prefix="vlmrl-agent")
         self._carried: list[Group] = []
         logger.info("agent loop: tools %s, max_turns %d, response budget %d tokens, partial rollout %s",

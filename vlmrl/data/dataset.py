@@ -23,9 +23,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from vlmrl.data import synthetic
-from vlmrl.models.tiny import cache_root
 from vlmrl.processors.errors import BadRowError, FilteredRow
 from vlmrl.types import RolloutRequest
+from vlmrl.utils.paths import cache_root
+from vlmrl.utils.sequences import chunks
 
 logger = logging.getLogger(__name__)
 
@@ -272,8 +273,7 @@ def sequential_batches(num_rows: int, batch_size: int) -> list[list[int]]:
     >>> sequential_batches(5, 2)
     [[0, 1], [2, 3], [4]]
     """
-    size = batch_size if batch_size > 0 else max(num_rows, 1)
-    return [list(range(start, min(start + size, num_rows))) for start in range(0, num_rows, size)]
+    return chunks(range(num_rows), batch_size if batch_size > 0 else max(num_rows, 1))
 
 
 # ---------------------------------------------------------------------------------------------------- requests

@@ -8,10 +8,10 @@ from vlmrl.rewards.base import (
     RewardFn,
     RewardInput,
     RewardOutput,
-    compute_rewards,
     to_output,
 )
 from vlmrl.rewards.registry import BUILTINS, builtin_for, get_reward_fn, load_user_fn
+from vlmrl.rewards.scoring import compute_rewards
 from vlmrl.rewards.workers import close_reward_workers, workers_for
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Validation: generate on the held-out set, score, aggregate per data source, optionally write the artifact.
 
 `run_validation(config, backend)` is the one entry point: the fit loop calls it with its running backend, validate-only
-mode and `python -m vlmrl.alignment.compare --backends` call it with a backend name (it then starts and closes that
-backend on `config.actor.model_path`).
+mode (which `python -m vlmrl.alignment.compare --backends` runs once per backend) with a backend name (it then starts
+and closes that backend on `config.actor.model_path`).
 
 Every dataset row is validated exactly once, in order, in generate calls of `data.val_batch_size` prompts; a short
 last call is simply shorter. Validation builds no training batch, so it never needs padding rows, and it never
