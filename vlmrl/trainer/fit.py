@@ -136,10 +136,7 @@ def fit(config: Config) -> dict[str, float]:
 
 
 def run_step(run: Run) -> dict[str, float]:
-    """One training step, then validation and a checkpoint when due; logs and returns the step's metrics.
-
-    The checkpoint is written before the metrics line so that the line carries timing/save; a run killed between
-    the two resumes from that checkpoint without the line of its step."""
+    """One training step, then validation and a checkpoint when due; logs and returns the step's metrics."""
     t = run.config.trainer
     timer = PhaseTimer()
     metrics = train_step(run, timer)
@@ -147,11 +144,14 @@ def run_step(run: Run) -> dict[str, float]:
     if _due(t.test_freq, run.step, run.total_steps) and run.val_data is not None:
         with timer("validate"):
             metrics.update(validate(run))
+    metrics.update(timer.metrics())
+    run.sink.log(run.step, metrics)  # before the checkpoint: a run resumed from it finds the line of its step
     if _due(t.save_freq, run.step, run.total_steps):
         with timer("save"):
             save(run)
-    metrics.update(timer.metrics())
-    run.sink.log(run.step, metrics)
+        saved = {"timing/save": timer.seconds["save"], "timing/step": timer.elapsed()}  # the step grows by the save
+        run.sink.amend(run.step, saved)
+        metrics.update(saved)
     run.last_metrics = metrics
     return metrics
 
