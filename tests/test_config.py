@@ -168,14 +168,15 @@ def test_agent_section_is_checked_at_load():
 
 
 def test_image_safety_keys_reach_the_processor_config(tmp_path):
-    from vlmrl.trainer.experience import processor_config
+    from vlmrl.processors import processor_config
 
     config = load("data.on_bad_image=filter", f"data.data_root={tmp_path}", "data.allow_remote_images=true",
                   "data.remote_timeout_s=2.5", "data.remote_max_bytes=1024", "data.max_image_pixels=2000000")
-    processor = processor_config(config)
+    processor = processor_config(config.data)
     assert (processor.on_bad_image, processor.data_root, processor.allow_remote_images) == ("filter", str(tmp_path), True)
     assert (processor.remote_timeout_s, processor.remote_max_bytes, processor.max_image_pixels) == (2.5, 1024, 2000000)
-    assert processor_config(load()).data_root is None and not processor_config(load()).allow_remote_images
+    default = processor_config(load().data)
+    assert default.data_root is None and not default.allow_remote_images
     assert "data.on_bad_image='skip'" in problems_of("data.on_bad_image=skip")
     assert "data.remote_max_bytes=0 must be > 0" in problems_of("data.remote_max_bytes=0")
     assert "raise data.max_image_pixels" in problems_of("data.max_image_pixels=1000")
@@ -191,12 +192,12 @@ def test_readme_lists_every_key():
 
 
 def test_engine_deadlines_reach_every_backend_and_must_be_positive():
-    from vlmrl.trainer.experience import backend_options
+    from vlmrl.rollout import backend_options
 
     base = ["actor.model_path=org/m", "data.train_files=synthetic", "data.val_files=synthetic"]
     config = load_config([*base, "rollout.start_timeout_s=1800", "rollout.timeout_s=900"])
     for name in ("hf", "vllm", "sglang", "sglang-server"):
-        options = backend_options(config, name)
+        options = backend_options(config.rollout, name, max_model_len=128, seed=0)
         assert (options["start_timeout_s"], options["timeout_s"]) == (1800, 900), name
     with pytest.raises(ConfigError, match=r"rollout.start_timeout_s=0.0 must be > 0"):
         load_config([*base, "rollout.start_timeout_s=0"])

@@ -86,7 +86,26 @@ class AgentBatch:
 
     @property
     def train_samples(self) -> list[Sample]:
+        """The padded samples the trainer stacks (`vlmrl.batch.scored_batch`), in `samples` order."""
         return [s.sample for s in self.samples]
+
+    @property
+    def final_answers(self) -> list[str]:
+        """What the reward reads: each trajectory's last assistant turn (tool replies are not the model's answer)."""
+        return [s.assistant_texts[-1] if s.assistant_texts else "" for s in self.samples]
+
+    @property
+    def results(self) -> list[RolloutResult]:
+        """The samples as RolloutResults (the whole real response, tool turns included) for validation's metrics
+        and artifact; logprobs are 0 on tool tokens."""
+        results = []
+        for agent_sample in self.samples:
+            s = agent_sample.sample
+            real = s.attention_mask[s.prompt_ids.shape[0]:].bool()
+            ids = s.response_ids[real].tolist()
+            logprobs = s.rollout_logprobs[real].tolist() if s.rollout_logprobs is not None else [0.0] * len(ids)
+            results.append(RolloutResult(s.uid, agent_sample.sample_index, ids, logprobs, s.finish_reason))
+        return results
 
 
 class AgentLoop:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -264,6 +264,29 @@ class BatchSampler:
         if not (0 <= state["offset"] <= self.num_rows and state["epoch"] >= 0):
             raise ValueError(f"corrupt data position {state}")
         self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), None
+
+
+class PromptQueue:
+    """Row indices from a BatchSampler in any amount: partial rollout asks for more or fewer prompts than a batch.
+
+    `pending` (taken from the sampler, not handed out yet) is part of a run's position: a checkpoint saves it.
+
+    >>> queue = PromptQueue(BatchSampler(5, 2, shuffle=False))
+    >>> queue.take(3), queue.pending
+    ([0, 1, 2], [3])
+    >>> queue.take(1), queue.take(0), queue.pending
+    ([3], [], [])
+    """
+
+    def __init__(self, sampler: Iterator[list[int]]):
+        self.sampler = sampler
+        self.pending: list[int] = []
+
+    def take(self, count: int) -> list[int]:
+        while len(self.pending) < count:
+            self.pending.extend(next(self.sampler))
+        taken, self.pending = self.pending[:count], self.pending[count:]
+        return taken
 
 
 def sequential_batches(num_rows: int, batch_size: int) -> list[list[int]]:

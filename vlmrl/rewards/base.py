@@ -51,7 +51,7 @@ class RewardInput:
     @classmethod
     def from_request(cls, request: RolloutRequest, response: str) -> RewardInput:
         """The reward input of one response to a request (its row's data_source, ground truth and extra_info)."""
-        return cls(request.data_source, response, request.ground_truth, request.extra_info)
+        return cls(request.data_source, response, request.ground_truth, dict(request.extra_info))  # a copy per response
 
 
 @dataclass

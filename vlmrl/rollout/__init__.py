@@ -13,8 +13,10 @@ tokens, deadlines).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 from vlmrl.rollout.base import (
     EngineDeadError,
@@ -24,6 +26,11 @@ from vlmrl.rollout.base import (
     RolloutError,
     RolloutOptions,
 )
+
+if TYPE_CHECKING:
+    from vlmrl.config import RolloutConfig
+
+logger = logging.getLogger(__name__)
 
 # name -> (module, class); modules import their engine only inside the backend's methods.
 BACKENDS: dict[str, tuple[str, str]] = {
@@ -55,6 +62,29 @@ def get_backend(name: str, model_path: str, **options: Any) -> RolloutBackend:
     return cls(resolve_model_path(model_path), cls.options_class.from_kwargs(name, options))
 
 
+def backend_options(rollout: RolloutConfig, name: str, *, max_model_len: int, seed: int) -> dict[str, Any]:
+    """`get_backend` options from a run's rollout section; engine-specific ones only where backend `name` takes them.
+
+    max_model_len: the longest request, prompt + response (data.max_prompt_length + data.max_response_length).
+    """
+    options = {"dtype": rollout.dtype, "max_model_len": max_model_len, "limit_images": rollout.limit_images,
+               "timeout_s": rollout.timeout_s, "start_timeout_s": rollout.start_timeout_s, "seed": seed,
+               "engine_kwargs": dict(rollout.engine_kwargs)}
+    accepted = {f.name for f in dataclasses.fields(backend_class(name).options_class)}
+    extra = {"gpu_memory_utilization": rollout.gpu_memory_utilization,
+             "tensor_parallel_size": rollout.tensor_parallel_size, "server_url": rollout.server_url or None}
+    options.update({key: value for key, value in extra.items() if key in accepted and value is not None})
+    return options
+
+
+def start_backend(rollout: RolloutConfig, model_path: str, *, max_model_len: int, seed: int,
+                  name: str | None = None) -> RolloutBackend:
+    """Start the rollout section's backend (or `name`) on `model_path` (the actor's model, or a checkpoint)."""
+    name = name or rollout.name
+    logger.info("starting rollout backend %s on %s", name, model_path)
+    return get_backend(name, model_path, **backend_options(rollout, name, max_model_len=max_model_len, seed=seed))
+
+
 __all__ = [
     "BACKENDS",
     "EngineDeadError",
@@ -64,5 +94,7 @@ __all__ = [
     "RolloutError",
     "RolloutOptions",
     "backend_class",
+    "backend_options",
     "get_backend",
+    "start_backend",
 ]
