@@ -82,9 +82,9 @@ def make_config(taught_model, tmp_path, out, *overrides: str):
 
 def step(run) -> dict[str, float]:
     """One step as fit takes it (without logging): the metrics a user sees, timings and throughput left out."""
-    from vlmrl.trainer.fit import train_step
+    from vlmrl.trainer.fit import PhaseTimer, train_step
 
-    metrics = train_step(run)
+    metrics = train_step(run, PhaseTimer())
     run.step += 1
     return {k: v for k, v in metrics.items() if not k.startswith(("timing/", "throughput/"))}
 

@@ -161,3 +161,16 @@ def test_engine_info_names_the_package_and_its_version():
 
     assert engine_info("hf") == ("transformers", transformers.__version__)
     assert engine_info("no-such-engine") == ("no-such-engine", "unknown")
+
+
+def test_the_format_and_the_compare_tool_load_without_torch():
+    """An artifact can be read (and two compared) on a machine without torch: the format imports none of it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, vlmrl.alignment.artifact, vlmrl.alignment.compare\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'vlmrl.trainer') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.stdout.strip() == "[]", done.stdout

@@ -127,7 +127,7 @@ def test_an_artifact_cannot_put_markup_into_the_report(tmp_path):
 
 
 def test_python_dash_m_gives_exit_2_for_bad_usage():
-    """Run as documented (python -m): a usage error raised in vlmrl.alignment.runner must still be exit 2, not a
+    """Run as documented (python -m): a usage error raised by the --backends checks must still be exit 2, not a
     traceback with exit 1, which a CI gate would read as 'not aligned'."""
     import subprocess
     import sys
@@ -138,3 +138,39 @@ def test_python_dash_m_gives_exit_2_for_bad_usage():
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 2, done.stderr[-2000:]
     assert "unknown backend(s) ['foo']" in done.stdout + done.stderr and "Traceback" not in done.stderr
+
+
+def _failing_val_data(tmp_path):
+    """A parquet without a prompt column: the config is valid, the validation run fails when it reads the data."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "no_prompt.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "What colour?"}]), path)
+    return path
+
+
+def test_a_failed_backend_run_exits_2_naming_the_backend_and_its_log(tmp_path, tiny_model_path, capsys):
+    """`--backends` runs each side as `python -m vlmrl.train ... trainer.val_only=true`: a run that fails is a clear
+    error (which side, which backend, where its log is), not a traceback, and the second side never starts."""
+    out = tmp_path / "out"
+    status = main(["--backends", "hf,vllm", f"actor.model_path={tiny_model_path}",
+                   f"data.val_files={_failing_val_data(tmp_path)}", "data.min_pixels=3136", "data.max_pixels=12544",
+                   "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2
+    message = " ".join(err.split())  # the error line is wrapped to the terminal width
+    assert f"side A hf: the validation run exited with status 1; its log: {out / 'val_a_hf.log'}" in message
+    assert "no prompt column 'prompt'" in (out / "val_a_hf.log").read_text(), "the child's own error is kept"
+    assert "[A hf] " in err, "the run's output is shown as it comes"
+    assert not (out / "val_b_vllm.log").exists() and not (out / "report.json").exists()
+
+
+def test_a_backend_run_past_its_bound_is_stopped_and_exits_2(tmp_path, tiny_model_path, capsys, monkeypatch):
+    import vlmrl.alignment.compare as compare
+
+    monkeypatch.setattr(compare, "run_timeout_s", lambda config: 0.5)
+    status = main(["--backends", "hf,vllm", f"actor.model_path={tiny_model_path}",
+                   f"data.val_files={_failing_val_data(tmp_path)}", "--out", str(tmp_path / "out")])
+    assert status == 2
+    assert "side A hf: the validation run did not finish within 0.5 s" in " ".join(capsys.readouterr().err.split())

@@ -90,19 +90,22 @@ def test_hf_vs_vllm_fp32_is_aligned_and_exact(hf_vs_vllm):
     assert report["summary"]["exact"] == report["summary"]["samples"] == 7
     assert report["summary"]["max_abs_logprob_delta"] < 1e-4, "fp32 engines agree to float rounding"
     assert (out / "report.html").stat().st_size > 0 and (out / "val_a_hf.jsonl").exists()
+    # Each side ran as its own validate-only process: its log is kept, its artifact was moved into place.
+    assert "trainer.val_only=true rollout.name=vllm" in (out / "val_b_vllm.log").read_text().splitlines()[0]
+    assert not list((out / "run_b_vllm").glob("validation_*.jsonl"))
 
 
 def _fp32_margins(overrides, splits):
     """For each (row, token position, A's response, B's response) that split there: |lp(A's token) - lp(B's token)|
     under the HF fp32 reference, teacher-forced on the shared prefix (the two responses agree before the split)."""
     from vlmrl.config import load_config
-    from vlmrl.trainer.experience import build_processor, start_backend
+    from vlmrl.trainer.components import load_run_processor, start_run_backend
     from vlmrl.trainer.validation import load_val_dataset
 
     config = load_config([*overrides, "trainer.val_only=true", "rollout.name=hf", "rollout.dtype=float32"])
-    dataset, processor = load_val_dataset(config), build_processor(config)
+    dataset, processor = load_val_dataset(config), load_run_processor(config)
     margins = []
-    with start_backend(config, "hf") as hf:
+    with start_run_backend(config, "hf") as hf:
         for index, position, ids_a, ids_b in splits:
             request = processor.build_request(dataset[index], index)
             lp_a = hf.score(request, ids_a[: position + 1])[position]

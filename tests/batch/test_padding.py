@@ -15,16 +15,18 @@ from vlmrl.batch.padding import (
     MetricSkips,
     PromptInputs,
     batch_metrics,
+    pad_results,
     pad_sample,
     prompt_inputs,
     real_row_mean,
     real_token_mean,
     required_batch_multiple,
+    scored_batch,
     stack_samples,
     upsample_to_multiple,
 )
 from vlmrl.processors import load_processor
-from vlmrl.types import TrainBatch
+from vlmrl.types import RolloutResult, TrainBatch
 
 P, R = 64, 12
 PAD, EOS = 805, 804
@@ -247,3 +249,25 @@ def stack_samples_subset(batch, rows: slice):
         prompt_length=batch.prompt_length, multi_modal_inputs=batch.multi_modal_inputs[rows],
         uids=batch.uids[rows], is_padding=batch.is_padding[rows], rewards=batch.rewards[rows],
     )
+
+
+def test_results_are_padded_per_request_then_scored_stacked_and_filled_to_the_multiple():
+    prompts = [_text_prompt("a", n=2), _text_prompt("b", n=3)]
+    results = [RolloutResult(uid, k, [7] * (k + 1) + [EOS], [-0.25] * (k + 2), "stop")
+               for uid in ("a", "b") for k in range(2)]
+    samples = pad_results(prompts, results, prompt_length=4, response_length=5, pad_token_id=PAD, policy_version=3)
+    assert [s.uid for s in samples] == ["a", "a", "b", "b"]
+    assert [int(s.attention_mask.sum()) for s in samples] == [2 + 2, 2 + 3, 3 + 2, 3 + 3]
+    assert all(s.policy_version == 3 and s.rollout_logprobs is not None for s in samples)
+    # an agent sample arrives with its tools' own rewards in reward_extra: the task's parts are added next to them
+    samples[0].reward_extra["tool/echo"] = 0.5
+    parts = [{"accuracy": float(i % 2)} for i in range(4)]
+    batch = scored_batch(samples, [0.0, 1.0, 0.0, 1.0], parts, multiple=required_batch_multiple(2, 3, 2),
+                         eos_token_id=EOS, pad_token_id=PAD)
+    assert len(batch) == 6 and batch.is_padding.tolist() == [False] * 4 + [True] * 2
+    assert batch.rewards.tolist() == [0.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    assert batch.reward_extra[:2] == [{"tool/echo": 0.5, "accuracy": 0.0}, {"accuracy": 1.0}]
+    with pytest.raises(ValueError, match="3 results for 2 prompts"):
+        pad_results(prompts, results[:3], prompt_length=4, response_length=5, pad_token_id=PAD, policy_version=0)
+    with pytest.raises(ValueError, match="4 samples, 3 rewards"):
+        scored_batch(samples, [0.0] * 3, parts, multiple=1, eos_token_id=EOS, pad_token_id=PAD)

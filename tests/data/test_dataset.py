@@ -13,6 +13,7 @@ from PIL import Image
 
 from vlmrl.data.dataset import (
     BatchSampler,
+    PromptQueue,
     RLDataset,
     build_requests,
     load_dataset,
@@ -212,3 +213,13 @@ def test_easyr1_schema_without_data_source_loads_as_unknown(tmp_path):
     data = RLDataset([tmp_path / "e.parquet"], prompt_key="problem")
     assert data.data_sources() == ["unknown"]
     assert data[0]["data_source"] == "unknown" and data[0]["answer"] == "60"
+
+
+def test_prompt_queue_hands_out_the_sampler_order_in_any_amounts():
+    """Partial rollout takes more or fewer prompts than a batch: together they are the sampler's batches, in order."""
+    sampler = BatchSampler(6, 2, seed=3)
+    expected = [i for _ in range(6) for i in next(sampler)]
+    queue = PromptQueue(BatchSampler(6, 2, seed=3))
+    taken = [queue.take(count) for count in (3, 0, 1, 5, 2)]
+    assert [len(t) for t in taken] == [3, 0, 1, 5, 2]
+    assert sum(taken, []) + queue.pending == expected  # 11 handed out of the 12 drawn (6 batches of 2)

@@ -13,7 +13,6 @@ from vlmrl.distributed.sharding import (
     even_row_blocks,
     mean_metrics,
     select_rows,
-    split_contiguous,
     update_row_blocks,
     update_shards,
 )
@@ -67,14 +66,6 @@ def test_select_rows_takes_every_per_row_field(processor, synthetic_rows):
     assert torch.equal(picked.position_ids, batch.position_ids[[3, 0]])
     assert picked.multi_modal_inputs[0] == {} and "pixel_values" in picked.multi_modal_inputs[1]
     assert picked.prompt_length == batch.prompt_length
-
-
-def test_generation_runs_rejoin_in_request_order():
-    items = list(range(7))
-    runs = split_contiguous(items, 3)
-    assert [len(r) for r in runs] == [3, 2, 2]
-    assert [x for run in runs for x in run] == items
-    assert split_contiguous([1], 2) == [[1], []]
 
 
 def test_metric_parts_average_over_ranks():

@@ -113,7 +113,7 @@ def test_failing_nan_and_non_numeric_rewards_score_zero_flagged_and_the_batch_go
     """)
     responses = ["ok", "raise", "nan", "ok", "inf", "text", "none"]
     items = [RewardInput("mine", r, "x") for r in responses]
-    with caplog.at_level(logging.WARNING, logger="vlmrl.rewards.base"):
+    with caplog.at_level(logging.WARNING, logger="vlmrl.rewards.scoring"):
         scores, extras, failures = compute_rewards(get_reward_fn(f"{path}:compute_score"), items)
     assert failures == 5
     assert scores == [0.5, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0]

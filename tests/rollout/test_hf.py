@@ -73,3 +73,17 @@ def test_sampling_settings_of_the_model_folder_are_not_inherited(tiny_model_path
         got = penalised.generate(batch, GREEDY)
     assert [r.response_ids for r in got] == [r.response_ids for r in hf_greedy]
     assert any(len(set(r.response_ids)) < len(r.response_ids) for r in got), "no repeated token: nothing tested"
+
+
+def test_a_run_backend_starts_from_its_rollout_section(tiny_model_path):
+    from vlmrl.config import RolloutConfig
+    from vlmrl.rollout import start_backend
+
+    section = RolloutConfig(name="vllm", dtype="float32", timeout_s=90.0, start_timeout_s=120.0, limit_images=3,
+                            gpu_memory_utilization=0.3)
+    with start_backend(section, tiny_model_path, max_model_len=512, seed=7, name="hf") as started:
+        options = started.options
+        assert started.name == "hf", "`name` picks the backend over rollout.name"
+        assert (options.dtype, options.max_model_len, options.seed, options.limit_images) == ("float32", 512, 7, 3)
+        assert (options.timeout_s, options.start_timeout_s) == (90.0, 120.0)
+        assert not hasattr(options, "gpu_memory_utilization"), "engine-only options go only to the engines"

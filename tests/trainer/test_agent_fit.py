@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.agent.training import teach_model, write_run_files
+from tests.trainer.test_fit import STEP_PHASES, assert_timed
 from vlmrl.config import load_config
 from vlmrl.trainer.fit import fit
 from vlmrl.trainer.metrics import read_metrics
@@ -40,8 +41,8 @@ def test_two_agent_steps_with_tool_calls_partial_rollout_and_agent_validation(ta
         "data.max_response_length=256", "data.max_pixels=12544", "data.shuffle=false",
         "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4", "actor.optim.lr=1e-6",
         "rollout.name=hf", "rollout.n=2", "rollout.temperature=0.05", f"reward.function={reward}:compute_score",
-        "trainer.total_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false", "trainer.torch_threads=1",
-        f"trainer.output_dir={out}"])
+        "trainer.total_steps=2", "trainer.test_freq=2", "trainer.save_freq=2", "trainer.val_before_train=false",
+        "trainer.torch_threads=1", f"trainer.output_dir={out}"])
     fit(config)
 
     rows = read_metrics(out / "metrics.jsonl")
@@ -54,6 +55,9 @@ def test_two_agent_steps_with_tool_calls_partial_rollout_and_agent_validation(ta
         # 4 real rows = one mini-batch would skip the old-logprob pass; partial rollout forces it
         assert "timing/old_logprobs" in row
         assert row["batch/real_rows"] == 4
+    # the same timed phases as a plain step: scoring is timed apart from the multi-turn rollout
+    assert_timed(rows[0], *STEP_PHASES)
+    assert_timed(rows[1], *STEP_PHASES, "validate", "save")
     first = rows[0]
     # The taught model calls echo then zoom on "Look closer." (3 turns) and answers "Answer now." at once.
     assert first["agent/turns/max"] == 3

@@ -29,6 +29,18 @@ TRAIN_KEYS = ("step", "reward/mean", "reward/failures", "actor/pg_loss", "actor/
               "timing/rollout", "timing/reward", "timing/old_logprobs", "timing/advantages", "timing/update",
               "timing/weight_sync", "timing/step")
 VAL_KEYS = ("val/accuracy", "val/reward", "val/synthetic/colour/accuracy", "val/num_samples", "val/reward_failures")
+STEP_PHASES = ("rollout", "reward", "old_logprobs", "advantages", "update", "weight_sync")
+"""Phases every training step times, plain or multi-turn (old_logprobs: with more than one mini-batch, or carried
+partial-rollout tokens)."""
+
+
+def assert_timed(row: dict, *phases: str) -> None:
+    """The metrics line times each phase (timing/<phase>), and timing/step covers them all: one timer per step, its
+    phases one after another."""
+    missing = [phase for phase in phases if f"timing/{phase}" not in row]
+    assert not missing, f"step {row['step']} lacks the timing of {missing}"
+    timed = sum(value for key, value in row.items() if key.startswith("timing/") and key != "timing/step")
+    assert 0 < timed <= row["timing/step"], row
 
 
 def base_args(model_path: str, output_dir: Path, *extra: str) -> list[str]:
@@ -43,7 +55,8 @@ def base_args(model_path: str, output_dir: Path, *extra: str) -> list[str]:
 def test_short_run_writes_documented_metrics_checkpoint_and_plot(tiny_model_path, tmp_path):
     out = tmp_path / "run"
     fit(load_config(base_args(tiny_model_path, out, "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01",
-                              "trainer.save_freq=3")))
+                              "trainer.save_freq=3", "trainer.format_warmup_steps=1",
+                              "trainer.format_warmup_batch_size=4")))
     rows = read_metrics(out / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     for row in rows[1:]:
@@ -52,6 +65,13 @@ def test_short_run_writes_documented_metrics_checkpoint_and_plot(tiny_model_path
     for row in (rows[0], rows[2], rows[3]):  # val_before_train, test_freq=2, and after the last step
         assert all(key in row for key in VAL_KEYS), row.keys()
     assert "val/accuracy" not in rows[1]
+    # one timer per step: the start (warm-up, validation), the steps, and validation / checkpoint where due
+    assert_timed(rows[0], "format_warmup", "validate")
+    assert_timed(rows[1], *STEP_PHASES, "ref_logprobs")
+    assert_timed(rows[2], *STEP_PHASES, "ref_logprobs", "validate")
+    assert_timed(rows[3], *STEP_PHASES, "ref_logprobs", "validate", "save")
+    assert not {"timing/validate", "timing/save"} & rows[1].keys() and "timing/save" not in rows[2]
+    assert "warmup/loss_first" in rows[0]
     assert rows[1]["batch/real_rows"] == 16 and rows[1]["reward/failures"] == 0
     assert (out / "curves.png").stat().st_size > 0
     assert (out / "checkpoints" / "global_step_3" / "model.safetensors").exists()

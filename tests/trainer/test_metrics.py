@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vlmrl.trainer.metrics import MetricsLogger, plot_curves, read_metrics, truncate_after
 
 
@@ -59,3 +61,16 @@ def test_tensorboard_sink_writes_events_or_says_how_to_install(tmp_path):
     sink.log(1, {"reward/mean": 0.5})
     sink.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_amend_adds_to_the_last_line_only(tmp_path):
+    sink = MetricsLogger(tmp_path, [])
+    sink.log(1, {"reward/mean": 0.5})
+    sink.log(2, {"reward/mean": 0.7, "timing/step": 1.0})
+    sink.amend(2, {"timing/save": 0.25, "timing/step": 1.25})
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "reward/mean": 0.5},
+        {"step": 2, "reward/mean": 0.7, "timing/save": 0.25, "timing/step": 1.25},
+    ]
+    with pytest.raises(ValueError, match="the last line is not step 1"):
+        sink.amend(1, {"timing/save": 0.1})

@@ -35,13 +35,13 @@ from vlmrl.agent.carry import ToolEntries, from_json, read_carried, to_json, wri
 from vlmrl.agent.config import AgentConfig
 from vlmrl.agent.metrics import step_metrics
 from vlmrl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
-from vlmrl.agent.tools import (DaemonThreadPool, Tool, ToolContext, ToolRegistry, ToolTimeout, as_output,
-                               call_tool_method)
+from vlmrl.agent.tools import Tool, ToolContext, ToolRegistry, ToolTimeout, as_output, call_tool_method
 from vlmrl.agent.trajectory import AgentSample, Trajectory, to_sample
 from vlmrl.agent.turns import ToolReply, TurnRenderer
 from vlmrl.batch.padding import PromptInputs, prompt_inputs
 from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
 from vlmrl.types import RolloutRequest, RolloutResult, Sample, SamplingParams
+from vlmrl.utils.executor import DaemonExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,26 @@ class AgentBatch:
 
     @property
     def train_samples(self) -> list[Sample]:
+        """The padded samples the trainer stacks (`vlmrl.batch.scored_batch`), in `samples` order."""
         return [s.sample for s in self.samples]
+
+    @property
+    def final_answers(self) -> list[str]:
+        """What the reward reads: each trajectory's last assistant turn (tool replies are not the model's answer)."""
+        return [s.assistant_texts[-1] if s.assistant_texts else "" for s in self.samples]
+
+    @property
+    def results(self) -> list[RolloutResult]:
+        """The samples as RolloutResults (the whole real response, tool turns included) for validation's metrics
+        and artifact; logprobs are 0 on tool tokens."""
+        results = []
+        for agent_sample in self.samples:
+            s = agent_sample.sample
+            real = s.attention_mask[s.prompt_ids.shape[0]:].bool()
+            ids = s.response_ids[real].tolist()
+            logprobs = s.rollout_logprobs[real].tolist() if s.rollout_logprobs is not None else [0.0] * len(ids)
+            results.append(RolloutResult(s.uid, agent_sample.sample_index, ids, logprobs, s.finish_reason))
+        return results
 
 
 class AgentLoop:
@@ -101,7 +120,7 @@ class AgentLoop:
         self.tools = tools if tools is not None else ToolRegistry.from_specs(config.tools)
         self.renderer = TurnRenderer(processor.hf_processor, processor.tokenizer, processor.image_token_id,
                                      config.tool_turn_format)
-        self._tool_pool = DaemonThreadPool(config.tool_workers, "vlmrl-tool")  # an overrun call cannot block exit
+        self._tool_pool = DaemonExecutor(config.tool_workers, "vlmrl-tool")  # an overrun call cannot block exit
         self._backend_pool = ThreadPoolExecutor(config.max_concurrent_generate, thread_name_prefix="vlmrl-agent")
         self._carried: list[Group] = []
         logger.info("agent loop: tools %s, max_turns %d, response budget %d tokens, partial rollout %s",

@@ -23,11 +23,9 @@ import importlib
 import importlib.util
 import inspect
 import json
-import queue
 import sys
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,62 +98,6 @@ class Tool:
                 "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
 
 
-class DaemonThreadPool(Executor):
-    """ThreadPoolExecutor's contract on daemon threads, started as needed up to `workers`.
-
-    A plain tool method that overruns its timeout keeps its thread (Python cannot stop one). ThreadPoolExecutor
-    joins its threads when the interpreter exits, so one call blocked forever (a network call without a timeout)
-    would keep a finished training run from ever exiting; a daemon thread does not.
-    """
-
-    def __init__(self, workers: int, name: str):
-        self._workers, self._name = workers, name
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Semaphore(0)
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._shut = False
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        with self._lock:
-            if self._shut:
-                raise RuntimeError("cannot schedule new futures after shutdown")
-            future: Future = Future()
-            self._queue.put((future, fn, args, kwargs))
-            if not self._idle.acquire(blocking=False) and len(self._threads) < self._workers:
-                thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
-                thread.start()
-                self._threads.append(thread)
-            return future
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args, kwargs = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as err:  # noqa: BLE001 - handed to the caller through the future
-                    future.set_exception(err)
-            self._idle.release()
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._lock:
-            self._shut = True
-            if cancel_futures:
-                while True:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is not None:
-                        item[0].cancel()
-            for _ in self._threads:
-                self._queue.put(None)
-        if wait:
-            for thread in self._threads:
-                thread.join()
-
-
 class ToolTimeout(Exception):
     """A tool method ran past `agent.tool_timeout_s`."""
 
@@ -164,7 +106,7 @@ async def call_tool_method(method: Callable[..., Any], *args: Any, timeout_s: fl
     """Run one lifecycle method with a timeout: async methods on the loop, plain ones in `executor`.
 
     A plain method that overruns keeps its thread until it returns (Python cannot kill a thread); the caller moves on
-    (give a `DaemonThreadPool`, so such a thread cannot hold up the interpreter's exit).
+    (give a `vlmrl.utils.executor.DaemonExecutor`, so such a thread cannot hold up the interpreter's exit).
     """
     if inspect.iscoroutinefunction(method):
         work = method(*args)

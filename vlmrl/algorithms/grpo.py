@@ -1,4 +1,5 @@
-"""GRPO math: group-normalised advantages, the PPO-clip token-mean loss, KL estimators and entropy.
+"""GRPO math: the PPO-clip token-mean loss, KL estimators and entropy (advantages live in `advantages`, the loss
+modes in `aggregation`, the other policy losses in `policy_loss`; their GRPO names are re-exported here).
 
 Pure functions over tensors: no config objects, no process groups, no device assumptions.
 Shapes: B = rows in the batch (rollout.n samples per prompt, plus padding rows), R = padded response length, V = vocab.
@@ -10,77 +11,25 @@ the mini-batch's token mean whatever the micro-batch split (1 x 8 == 8 x 1).
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from vlmrl.algorithms.advantages import group_advantages
+from vlmrl.algorithms.aggregation import masked_sum, token_mean
 from vlmrl.algorithms.config import KL_TYPES
+from vlmrl.algorithms.policy_loss import ppo_clip_token_loss
 
-
-def group_advantages(
-    rewards: torch.Tensor,
-    uids: Sequence[str],
-    is_padding: torch.Tensor | None = None,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """GRPO outcome advantages: each sample's reward minus its group's mean, divided by the group's std (optional).
-
-    Args:
-        rewards: (B,) float, one sequence-level reward per row.
-        uids: B group ids; rows with the same uid were sampled from the same prompt.
-        is_padding: (B,) bool; padding rows get advantage 0 and never enter any group's statistics.
-        norm_by_std: divide by the group std (GRPO); False gives Dr. GRPO-style mean-centred advantages.
-        eps: added to the std so that a group with equal rewards gets 0, not NaN.
-
-    Returns:
-        (B,) float advantages. A group of one real sample gets 0: with nothing to compare against it carries no signal.
-
-    >>> [round(a, 4) for a in group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), ["a", "a", "b", "b"]).tolist()]
-    [0.7071, -0.7071, 0.0, 0.0]
-    """
-    if rewards.dim() != 1 or rewards.shape[0] != len(uids):
-        raise ValueError(f"rewards must be (B,) with B == len(uids); got {tuple(rewards.shape)} and {len(uids)} uids")
-    padding = torch.zeros_like(rewards, dtype=torch.bool) if is_padding is None else is_padding.to(torch.bool)
-    groups: dict[str, list[int]] = defaultdict(list)
-    for row, uid in enumerate(uids):
-        if not padding[row]:
-            groups[uid].append(row)
-    scores = rewards.detach().to(torch.float32)
-    advantages = torch.zeros_like(scores)
-    for rows in groups.values():
-        if len(rows) < 2:
-            continue
-        index = torch.tensor(rows)
-        group = scores[index]
-        centred = group - group.mean()
-        advantages[index] = centred / (group.std() + eps) if norm_by_std else centred
-    return advantages
+__all__ = [
+    "KL_TYPES", "PolicyLoss", "broadcast_to_tokens", "entropy_from_logits", "group_advantages", "kl_penalty",
+    "logprobs_from_logits", "masked_sum", "ppo_clip_loss", "token_mean",
+]
 
 
 def broadcast_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) sequence advantages -> (B, R) token advantages, 0 where response_mask is 0."""
-    return advantages.unsqueeze(-1) * response_mask
-
-
-def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum of `values` where mask is 1 (any shape, same for both). Returns a scalar."""
-    return (values * mask).sum()
-
-
-def token_mean(values: torch.Tensor, mask: torch.Tensor,
-               num_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
-    """Sum over masked tokens / num_tokens (default: this mask's token count). Returns a scalar; 0 when no tokens.
-
-    Args:
-        values: (B, R).
-        mask: (B, R), 1 on tokens that count.
-        num_tokens: the token count to divide by; pass the whole mini-batch's count from a micro-batch.
-    """
-    denominator = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=values.dtype)
-    return masked_sum(values, mask) / torch.clamp(denominator, min=1.0)
+    """(B,) sequence advantages -> (B, R) token advantages (the advantages' dtype), 0 where response_mask is 0."""
+    values = advantages.unsqueeze(-1).expand(response_mask.shape)
+    return torch.where(response_mask != 0, values, torch.zeros((), dtype=advantages.dtype, device=advantages.device))
 
 
 @dataclass
@@ -90,9 +39,11 @@ class PolicyLoss:
     loss: torch.Tensor
     """Scalar: sum of clipped token losses / num_tokens."""
     clip_fraction: torch.Tensor
-    """Scalar: fraction of tokens where the clipped objective was the active one."""
+    """Scalar: fraction of tokens where the trust-region clip was the active one (either side)."""
     approx_kl: torch.Tensor
     """Scalar: token mean of old_logprobs - logprobs (how far the policy moved since the rollout)."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """All of `TokenLoss.metrics`: clipfrac_low / clipfrac_high, dual_clip_fraction, ratio_mean / _min / _max."""
 
 
 def ppo_clip_loss(
@@ -103,10 +54,12 @@ def ppo_clip_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     num_tokens: float | torch.Tensor | None = None,
+    clip_ratio_c: float | None = 3.0,
 ) -> PolicyLoss:
-    """PPO-clip policy loss, token-mean aggregated.
+    """PPO-clip policy loss with dual-clip, token-mean aggregated (`policy_loss.ppo_clip_token_loss` + `token_mean`).
 
-    loss_t = max(-A_t * r_t, -A_t * clip(r_t, 1 - low, 1 + high)),  r_t = exp(logprobs_t - old_logprobs_t).
+    loss_t = max(-A_t * r_t, -A_t * clip(r_t, 1 - low, 1 + high)),  r_t = exp(logprobs_t - old_logprobs_t);
+    where A_t < 0 the loss is capped at -A_t * clip_ratio_c (verl / EasyR1 default 3).
 
     Args:
         logprobs: (B, R) current policy logprobs of the response tokens (carry the gradient).
@@ -116,20 +69,19 @@ def ppo_clip_loss(
         clip_ratio_low, clip_ratio_high: the trust region (0.2 / 0.2 is standard PPO; a larger high is DAPO's
             clip-higher).
         num_tokens: see `token_mean`.
+        clip_ratio_c: the dual-clip cap (> 1); None turns it off.
 
     >>> lp = torch.zeros(1, 2); out = ppo_clip_loss(lp, lp, torch.ones(1, 2), torch.ones(1, 2))
     >>> out.loss.item(), out.clip_fraction.item()
     (-1.0, 0.0)
+    >>> ppo_clip_loss(torch.tensor([[2.0]]), torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1)).loss.item()
+    3.0
     """
-    log_ratio = torch.clamp(logprobs - old_logprobs.detach(), -20.0, 20.0)  # exp() must not overflow on a wild token
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    token_loss = torch.maximum(unclipped, clipped)
-    with torch.no_grad():
-        clip_fraction = token_mean((clipped > unclipped).float(), response_mask)
-        approx_kl = token_mean(-log_ratio, response_mask)
-    return PolicyLoss(token_mean(token_loss, response_mask, num_tokens), clip_fraction, approx_kl)
+    out = ppo_clip_token_loss(logprobs, old_logprobs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+                              clip_ratio_c)
+    clip_fraction = out.metrics["clipfrac_low"] + out.metrics["clipfrac_high"]  # disjoint: A < 0 vs A > 0
+    return PolicyLoss(token_mean(out.loss_mat, response_mask, num_tokens), clip_fraction, out.metrics["approx_kl"],
+                      out.metrics)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:

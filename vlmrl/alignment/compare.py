@@ -7,7 +7,15 @@ The first form diffs two artifacts written by validate-only mode (`trainer.val_o
 validation on both backends itself (same data, images and seeds; greedy by default), then diffs. Writes
 DIR/report.json and DIR/report.html and prints a one-screen summary.
 
-Exit status: 0 aligned within the thresholds, 1 not aligned, 2 bad usage or unreadable / incomparable artifacts.
+`--backends X,Y` checks both sides' configs first (a bad one exits 2 before any engine starts), then runs the
+validate-only CLI once per backend, each in its own process, one after the other (two engines never share memory):
+`python -m vlmrl.train <overrides> trainer.val_only=true rollout.name=X trainer.output_dir=DIR/run_a_X`. Each run's
+output is shown as it comes and kept in DIR/val_a_X.log; its artifact becomes DIR/val_a_X.jsonl (val_b_Y for the
+second side). A run must end within rollout.start_timeout_s + 4 x rollout.timeout_s (x agent.max_turns with
+agent.enable) + 10 minutes; every engine call inside it has its own deadline as well.
+
+Exit status: 0 aligned within the thresholds, 1 not aligned, 2 bad usage, unreadable / incomparable artifacts, or a
+backend's validation run that failed.
 """
 
 from __future__ import annotations
@@ -15,7 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -25,19 +37,26 @@ from vlmrl.alignment.artifact import ArtifactError, read_artifact
 from vlmrl.alignment.diff import NotComparableError, Thresholds, compare_artifacts
 from vlmrl.alignment.html_report import write_html_report
 from vlmrl.alignment.report import print_summary, write_json_report
+from vlmrl.config import ROLLOUT_BACKENDS, Config, ConfigError, field_docs, load_config
+from vlmrl.utils.processes import kill_tree
+
+logger = logging.getLogger(__name__)
 
 EXIT_ALIGNED, EXIT_NOT_ALIGNED, EXIT_USAGE = 0, 1, 2
 DEFAULT_OUT = "outputs/alignment"
+RUN_CALLS_MARGIN = 4
+"""A backend's run may take this many engine calls' worth of rollout.timeout_s (times agent.max_turns)."""
+RUN_SETUP_S = 600.0
+"""Besides engine calls and start-up: interpreter, imports, data, scoring and writing the artifact."""
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding `vlmrl`, for the child's sys.path
 
 
 class UsageError(ValueError):
-    """Bad command line (exit 2)."""
+    """Bad command line or config (exit 2)."""
 
 
-def _threshold_docs() -> dict[str, str]:
-    from vlmrl.config import field_docs  # one reader of field docstrings for the whole project
-
-    return field_docs(Thresholds)
+class BackendRunError(RuntimeError):
+    """A backend's validate-only run failed or overran (exit 2: there is nothing to compare)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,16 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m vlmrl.alignment.compare",
         description="Diff two backends' validation outputs at four levels (inputs, tokens, logprobs, rewards), "
         "bucket every differing sample by cause, and exit 0 when they agree within the thresholds.",
-        epilog="Exit status: 0 aligned, 1 not aligned, 2 bad usage or unreadable/incomparable artifacts.",
+        epilog="Exit status: 0 aligned, 1 not aligned, 2 bad usage, unreadable/incomparable artifacts or a failed "
+        f"backend run. With --backends each backend validates in its own `python -m vlmrl.train` process, which must "
+        f"end within rollout.start_timeout_s + {RUN_CALLS_MARGIN} x rollout.timeout_s (x agent.max_turns with "
+        f"agent.enable) + {RUN_SETUP_S:g} s.",
     )
     parser.add_argument("inputs", nargs="*", metavar="A.jsonl B.jsonl | key=value",
                         help="two artifacts; with --backends: config=FILE.yaml and dotted key=value overrides")
     parser.add_argument("--backends", metavar="X,Y",
-                        help="run validation on these two backends (of hf, vllm, sglang, sglang-server) and compare")
+                        help="run validation on these two backends (of hf, vllm, sglang, sglang-server), each in its "
+                        "own process, and compare")
     parser.add_argument("--out", default=DEFAULT_OUT,
-                        help=f"folder for report.json/report.html (default {DEFAULT_OUT})")
+                        help=f"folder for report.json/report.html, and with --backends the artifacts and run logs "
+                        f"(default {DEFAULT_OUT})")
     parser.add_argument("--no-html", action="store_true", help="skip the HTML report")
-    docs = _threshold_docs()
+    docs = field_docs(Thresholds)
     group = parser.add_argument_group("thresholds (when the two sides count as aligned)")
     for f in dataclasses.fields(Thresholds):
         group.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default, metavar="X",
@@ -79,9 +103,102 @@ def _artifact_paths(args: argparse.Namespace, out: Path) -> list[Path]:
     bad = [item for item in args.inputs if "=" not in item]
     if bad:
         raise UsageError(f"with --backends, arguments must be config=FILE.yaml or key=value; got {bad}")
-    from vlmrl.alignment.runner import run_backends  # loads config, data and engines only on this path
-
     return run_backends(backends, list(args.inputs), out)
+
+
+# ---------------------------------------------------------------------------------------------------- --backends
+
+
+def _side_overrides(overrides: list[str], backend: str, run_dir: Path) -> list[str]:
+    return [*overrides, "trainer.val_only=true", f"rollout.name={backend}", f"trainer.output_dir={run_dir}"]
+
+
+def run_timeout_s(config: Config) -> float:
+    """How long one backend's validate-only process may run (the bound in the module docstring)."""
+    turns = config.agent.max_turns if config.agent.enable else 1
+    return config.rollout.start_timeout_s + RUN_CALLS_MARGIN * turns * config.rollout.timeout_s + RUN_SETUP_S
+
+
+def run_backends(backends: list[str], overrides: list[str], out_dir: Path) -> list[Path]:
+    """Validate with each backend under the same config, each in its own `python -m vlmrl.train` process; returns
+    the artifact paths (out_dir/val_a_<backend>.jsonl, out_dir/val_b_<backend>.jsonl).
+
+    Both sides run what validate-only mode runs under the same config: the same rows, images resized by the same
+    processor, the same prompt ids, sampling settings and seeds (greedy by default: `rollout.val_temperature=0`);
+    only `rollout.name` differs. Config problems raise UsageError; a failed run raises BackendRunError naming its log.
+    """
+    unknown = [name for name in backends if name not in ROLLOUT_BACKENDS]
+    if unknown:
+        raise UsageError(f"unknown backend(s) {unknown}; choose two of {list(ROLLOUT_BACKENDS)}")
+    sides = [(side, backend, out_dir / f"run_{side}_{backend}") for side, backend in zip("ab", backends)]
+    configs = []
+    for _, backend, run_dir in sides:  # check both configs before starting any engine
+        try:
+            configs.append(load_config(_side_overrides(overrides, backend, run_dir)))
+        except ConfigError as err:
+            raise UsageError(str(err)) from None
+    if configs[0].rollout.val_top_logprobs == 0:
+        logger.warning("rollout.val_top_logprobs=0: divergences cannot be judged near-tie or real (set it to 5)")
+    paths = []
+    for (side, backend, run_dir), config in zip(sides, configs):
+        path = out_dir / f"val_{side}_{backend}.jsonl"
+        for stale in [path, *run_dir.glob(f"validation_{backend}_step*.jsonl")]:  # a failed run leaves none behind
+            stale.unlink(missing_ok=True)
+        logger.info("side %s: validating %s with %s in its own process -> %s", side.upper(), config.actor.model_path,
+                    backend, path)
+        started = time.perf_counter()
+        _validate_in_subprocess(_side_overrides(overrides, backend, run_dir), f"{side.upper()} {backend}",
+                                out_dir / f"val_{side}_{backend}.log", run_timeout_s(config))
+        _take_artifact(run_dir, backend, path)
+        logger.info("side %s: %s done in %.1f s", side.upper(), backend, time.perf_counter() - started)
+        paths.append(path)
+    return paths
+
+
+def _validate_in_subprocess(overrides: list[str], label: str, log_path: Path, timeout_s: float) -> None:
+    """Runs `python -m vlmrl.train <overrides>`; its output goes to stderr (each line prefixed `[label]`) and to
+    log_path. Raises BackendRunError when it exits non-zero or runs past timeout_s (then it is killed)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "vlmrl.train", *overrides]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write(" ".join(command) + "\n")
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env, text=True, errors="replace", bufsize=1)
+        copier = threading.Thread(target=_copy_lines, args=(process.stdout, log, f"[{label}] "), daemon=True)
+        copier.start()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise BackendRunError(f"side {label}: the validation run did not finish within {timeout_s:g} s (the "
+                                  "bound in --help; raise rollout.timeout_s for a longer validation) and was "
+                                  f"stopped; its log: {log_path}") from None
+        finally:
+            if process.poll() is None:  # overran, or Ctrl-C here: the engine must not outlive the compare tool
+                kill_tree(process.pid, grace_s=10)
+                process.wait()
+            copier.join(timeout=10)
+    if process.returncode != 0:
+        raise BackendRunError(f"side {label}: the validation run exited with status {process.returncode}; "
+                              f"its log: {log_path} (last lines above)")
+
+
+def _copy_lines(stream, log, prefix: str) -> None:
+    """The child's output, line by line, to its log and (prefixed) to stderr, so a person sees the run progress."""
+    for line in stream:
+        log.write(line)
+        log.flush()
+        sys.stderr.write(prefix + line)
+
+
+def _take_artifact(run_dir: Path, backend: str, path: Path) -> None:
+    """Moves the run's artifact (run_dir/validation_<backend>_step<N>.jsonl, as validate-only mode names it) to
+    `path` in one rename, so `path` is either the whole new artifact or absent."""
+    found = sorted(run_dir.glob(f"validation_{backend}_step*.jsonl"))
+    if len(found) != 1:
+        raise BackendRunError(f"{backend}: expected one validation_{backend}_step<N>.jsonl in {run_dir}, found "
+                              f"{[f.name for f in found]}")
+    os.replace(found[0], path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         meta_a, records_a = read_artifact(path_a)
         meta_b, records_b = read_artifact(path_b)
         comparison = compare_artifacts(meta_a, records_a, meta_b, records_b, thresholds_from(args))
-    except (UsageError, ArtifactError, NotComparableError) as error:
+    except (UsageError, BackendRunError, ArtifactError, NotComparableError) as error:
         err.print(Text("error: ", style="bold red") + Text(str(error)))
         return EXIT_USAGE
     written = [write_json_report(comparison, out / "report.json")]
@@ -109,9 +226,6 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_ALIGNED if comparison.ok else EXIT_NOT_ALIGNED
 
 
-if __name__ == "__main__":
-    # Run the package's copy of main: under `python -m` this file is also loaded as __main__, whose UsageError is a
-    # different class from the one vlmrl.alignment.runner raises, so bad usage would escape as a traceback (exit 1).
-    from vlmrl.alignment.compare import main as package_main
 
-    sys.exit(package_main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,8 @@
 """Paired statistics for "is 0.33 vs 0.40 noise?": cluster bootstrap intervals and an exact paired sign-flip test.
 
-Pure numpy (no scipy needed). The unit is the dataset ROW: its n samples share a prompt and are not independent, so
-every statistic first averages a row's samples (mean@n) and then treats rows as the independent draws.
+On scipy.stats (bootstrap, binomtest, permutation_test). The unit is the dataset ROW: its n samples share a prompt
+and are not independent, so every statistic first averages a row's samples (mean@n) and then treats rows as the
+independent draws.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import stats
 
 BOOTSTRAP_RESAMPLES = 2000
 PERMUTATION_RESAMPLES = 20000
@@ -42,21 +44,15 @@ def bootstrap_ci(values: np.ndarray, level: float = 0.95, resamples: int = BOOTS
     values = np.asarray(values, dtype=np.float64)
     if values.size == 0:
         return (math.nan, math.nan)
-    if values.size == 1 or np.all(values == values[0]):
+    if values.size == 1 or np.all(values == values[0]):  # scipy has no interval of a constant (it warns, gives nan)
         return (float(values[0]), float(values[0]))
-    rng = np.random.default_rng(SEED)
-    picks = rng.integers(0, values.size, size=(resamples, values.size))  # (resamples, R)
-    means = values[picks].mean(axis=1)
-    tail = (1.0 - level) / 2.0
-    low, high = np.quantile(means, [tail, 1.0 - tail])
-    return (float(low), float(high))
+    result = stats.bootstrap((values,), np.mean, n_resamples=resamples, confidence_level=level, method="percentile",
+                             rng=np.random.default_rng(SEED))
+    return (float(result.confidence_interval.low), float(result.confidence_interval.high))
 
 
-def _binomial_two_sided(k: int, m: int) -> float:
-    """P(|2K - m| >= |2k - m|) for K ~ Binomial(m, 1/2): the exact McNemar test on m discordant pairs."""
-    observed = abs(2 * k - m)
-    tail = sum(math.comb(m, j) for j in range(m + 1) if abs(2 * j - m) >= observed)
-    return min(1.0, tail / (1 << m))  # int / int: exact, no float overflow at m >= 1024
+def _abs_sum(d: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.abs(d.sum(axis=axis))
 
 
 def sign_flip_test(differences: np.ndarray) -> tuple[float, str]:
@@ -72,20 +68,14 @@ def sign_flip_test(differences: np.ndarray) -> tuple[float, str]:
         return 1.0, "no differing rows"
     magnitudes = np.abs(d)
     if np.allclose(magnitudes, magnitudes[0], rtol=1e-9, atol=1e-12):
-        return _binomial_two_sided(int((d > 0).sum()), m), "exact McNemar (binomial on discordant rows)"
-    observed = abs(d.sum()) - 1e-12 * m
-    if m <= EXACT_ENUMERATION_MAX:
-        patterns = ((np.arange(2**m)[:, None] >> np.arange(m)) & 1) * 2 - 1  # (2^m, m) of +-1
-        sums = np.abs(patterns @ d)
-        return float((sums >= observed).mean()), "exact sign-flip"
-    rng = np.random.default_rng(SEED)
-    hits = 0
-    for start in range(0, PERMUTATION_RESAMPLES, 1000):
-        count = min(1000, PERMUTATION_RESAMPLES - start)
-        signs = rng.integers(0, 2, size=(count, m)) * 2 - 1  # (count, m)
-        hits += int((np.abs(signs @ d) >= observed).sum())
-    # +1: the observed pattern itself is one of the possible ones (keeps p > 0 and the test valid).
-    return (hits + 1) / (PERMUTATION_RESAMPLES + 1), f"Monte Carlo sign-flip ({PERMUTATION_RESAMPLES} draws)"
+        return float(stats.binomtest(int((d > 0).sum()), m).pvalue), "exact McNemar (binomial on discordant rows)"
+    # One sample with permutation_type="samples" flips the sign of each difference; P(|sum| >= |observed sum|).
+    exact = m <= EXACT_ENUMERATION_MAX
+    result = stats.permutation_test((d,), _abs_sum, permutation_type="samples", vectorized=True,
+                                    n_resamples=2**m if exact else PERMUTATION_RESAMPLES, alternative="greater",
+                                    rng=np.random.default_rng(SEED))
+    # Sampled: scipy counts the observed pattern as one of the draws ((hits + 1) / (draws + 1)), so p > 0.
+    return float(result.pvalue), "exact sign-flip" if exact else f"Monte Carlo sign-flip ({PERMUTATION_RESAMPLES} draws)"
 
 
 def paired_score(row_scores_a: np.ndarray, row_scores_b: np.ndarray, level: float = 0.95) -> PairedScore:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.types import RolloutRequest, Sample, TrainBatch
+from vlmrl.types import RolloutRequest, RolloutResult, Sample, TrainBatch
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +246,35 @@ def upsample_to_multiple(batch: TrainBatch, multiple: int, *, eos_token_id: int,
         reward_extra=list(batch.reward_extra) + [{} for _ in range(missing)] if batch.reward_extra else [],
         finish_reasons=list(batch.finish_reasons) + [PADDING_SOURCE] * missing if batch.finish_reasons else [],
     )
+
+
+def pad_results(prompts: Sequence[PromptInputs], results: Sequence[RolloutResult], *, prompt_length: int,
+                response_length: int, pad_token_id: int, policy_version: int) -> list[Sample]:
+    """Pad every result of a plain (single-turn) rollout: results are request-major, len(results) // len(prompts)
+    per request, and prompts[j] holds request j's shared inputs (`prompt_inputs`, computed once per request)."""
+    if not prompts or len(results) % len(prompts):
+        raise ValueError(f"{len(results)} results for {len(prompts)} prompts: need the same number per prompt")
+    n = len(results) // len(prompts)
+    return [pad_sample(prompts[i // n], result.response_ids, prompt_length=prompt_length,
+                       response_length=response_length, pad_token_id=pad_token_id,
+                       rollout_logprobs=result.response_logprobs, finish_reason=result.finish_reason,
+                       policy_version=policy_version)
+            for i, result in enumerate(results)]
+
+
+def scored_batch(samples: Sequence[Sample], rewards: Sequence[float], reward_parts: Sequence[dict[str, float]], *,
+                 multiple: int, eos_token_id: int, pad_token_id: int) -> TrainBatch:
+    """The batch a step trains on, from its padded samples (plain or multi-turn) and their scores: sample i gets
+    rewards[i] and reward_parts[i] (added to its reward_extra, which keeps what the agent's tools put there), then
+    the samples are stacked and padding rows appended up to a multiple of `multiple` (`required_batch_multiple`)."""
+    if not len(samples) == len(rewards) == len(reward_parts):
+        raise ValueError(f"{len(samples)} samples, {len(rewards)} rewards and {len(reward_parts)} reward parts: "
+                         "need one score per sample")
+    for sample, reward, parts in zip(samples, rewards, reward_parts):
+        sample.reward = float(reward)
+        sample.reward_extra.update(parts)
+    return upsample_to_multiple(stack_samples(samples), multiple, eos_token_id=eos_token_id,
+                                pad_token_id=pad_token_id)
 
 
 # ---------------------------------------------------------------- metrics that never see padding rows

@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,9 +23,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from vlmrl.data import synthetic
-from vlmrl.models.tiny import cache_root
 from vlmrl.processors.errors import BadRowError, FilteredRow
 from vlmrl.types import RolloutRequest
+from vlmrl.utils.paths import cache_root
+from vlmrl.utils.sequences import chunks
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +266,29 @@ class BatchSampler:
         self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), None
 
 
+class PromptQueue:
+    """Row indices from a BatchSampler in any amount: partial rollout asks for more or fewer prompts than a batch.
+
+    `pending` (taken from the sampler, not handed out yet) is part of a run's position: a checkpoint saves it.
+
+    >>> queue = PromptQueue(BatchSampler(5, 2, shuffle=False))
+    >>> queue.take(3), queue.pending
+    ([0, 1, 2], [3])
+    >>> queue.take(1), queue.take(0), queue.pending
+    ([3], [], [])
+    """
+
+    def __init__(self, sampler: Iterator[list[int]]):
+        self.sampler = sampler
+        self.pending: list[int] = []
+
+    def take(self, count: int) -> list[int]:
+        while len(self.pending) < count:
+            self.pending.extend(next(self.sampler))
+        taken, self.pending = self.pending[:count], self.pending[count:]
+        return taken
+
+
 def sequential_batches(num_rows: int, batch_size: int) -> list[list[int]]:
     """Every row once, in order, in batches of batch_size (the last one may be shorter); batch_size <= 0 = one batch.
     For validation: a short last batch is filled with padding rows by the batch module, never with repeated rows.
@@ -272,8 +296,7 @@ def sequential_batches(num_rows: int, batch_size: int) -> list[list[int]]:
     >>> sequential_batches(5, 2)
     [[0, 1], [2, 3], [4]]
     """
-    size = batch_size if batch_size > 0 else max(num_rows, 1)
-    return [list(range(start, min(start + size, num_rows))) for start in range(0, num_rows, size)]
+    return chunks(range(num_rows), batch_size if batch_size > 0 else max(num_rows, 1))
 
 
 # ---------------------------------------------------------------------------------------------------- requests

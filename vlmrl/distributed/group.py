@@ -32,12 +32,12 @@ from vlmrl.distributed.sharding import (
     even_row_blocks,
     mean_metrics,
     select_rows,
-    split_contiguous,
     update_shards,
 )
 from vlmrl.distributed.worker import TrainWorker, WorkerSpec
 from vlmrl.rollout.base import sample_seed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
+from vlmrl.utils.sequences import split_evenly
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class DistributedActor:
         same place of two runs (the same prompt, or two trajectories of one group) would draw the same samples."""
         if self.spec.engine is None:
             raise RuntimeError("this DistributedActor was built without a rollout engine (WorkerSpec.engine)")
-        runs = split_contiguous(requests, len(self.hosts))
+        runs = split_evenly(requests, len(self.hosts))
         starts = [sum(len(run) for run in runs[:k]) for k in range(len(runs))]
         refs = [self.workers[rank].generate.remote(run, replace(sampling, seed=sample_seed(sampling, start)))
                 for rank, run, start in zip(self.hosts, runs, starts)]

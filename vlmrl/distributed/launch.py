@@ -25,8 +25,9 @@ def worker_spec(config: Config, total_steps: int, init_path: str | None = None) 
         raise ValueError("rollout.name=sglang-server runs outside the workers; colocated engines are hf, vllm or "
                          "sglang")
     engine = EngineSpec(name=name, model_path=init_path or config.actor.model_path,
-                        options=backend_options(config.rollout, config.data.max_prompt_length
-                                                + config.data.max_response_length, config.trainer.seed))
+                        options=backend_options(config.rollout, name, seed=config.trainer.seed,
+                                                max_model_len=config.data.max_prompt_length
+                                                + config.data.max_response_length))
     return WorkerSpec(actor=config.actor, temperature=config.rollout.temperature, init_path=init_path,
                       lr_lambda=_lr_lambda(config.actor, total_steps), engine=engine,
                       torch_threads=config.trainer.torch_threads, timeout_s=config.rollout.timeout_s)

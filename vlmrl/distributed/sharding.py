@@ -7,14 +7,12 @@ divisible beforehand by padding rows (`vlmrl.batch.padding.upsample_to_multiple`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
 
 import torch
 
 from vlmrl.distributed.actor import UpdateShard
 from vlmrl.types import TrainBatch
-
-T = TypeVar("T")
+from vlmrl.utils.sequences import chunks, split_evenly
 
 
 def select_rows(batch: TrainBatch, rows: Sequence[int]) -> TrainBatch:
@@ -52,8 +50,7 @@ def even_row_blocks(num_rows: int, world_size: int) -> list[list[int]]:
         raise ValueError(f"{num_rows} rows do not split evenly over {world_size} data-parallel ranks: upsample the "
                          f"batch with padding rows (vlmrl.batch.padding.upsample_to_multiple) to a multiple of "
                          f"required_batch_multiple(dp_size={world_size}, ...)")
-    size = num_rows // world_size
-    return [list(range(r * size, (r + 1) * size)) for r in range(world_size)]
+    return split_evenly(range(num_rows), world_size)
 
 
 def update_row_blocks(num_rows: int, mini_batch_rows: int, world_size: int) -> list[list[int]]:
@@ -71,12 +68,10 @@ def update_row_blocks(num_rows: int, mini_batch_rows: int, world_size: int) -> l
     if mini_batch_rows % world_size:
         raise ValueError(f"a mini-batch of {mini_batch_rows} rows does not split over {world_size} ranks: choose "
                          f"actor.ppo_mini_batch_size x rollout.n as a multiple of the dp size")
-    local = mini_batch_rows // world_size
     blocks: list[list[int]] = [[] for _ in range(world_size)]
-    for start in range(0, num_rows, mini_batch_rows):
-        for rank in range(world_size):
-            first = start + rank * local
-            blocks[rank].extend(range(first, first + local))
+    for mini_batch in chunks(range(num_rows), mini_batch_rows):
+        for rank, rows in enumerate(split_evenly(mini_batch, world_size)):
+            blocks[rank].extend(rows)
     return blocks
 
 
@@ -91,8 +86,7 @@ def update_shards(batch: TrainBatch, old_logprobs: torch.Tensor | None, advantag
         world_size: dp ranks; must divide mini_batch_rows.
     """
     blocks = update_row_blocks(len(batch), mini_batch_rows, world_size)
-    tokens = [float(batch.response_mask[start: start + mini_batch_rows].sum())
-              for start in range(0, len(batch), mini_batch_rows)]
+    tokens = [float(batch.response_mask[rows].sum()) for rows in chunks(range(len(batch)), mini_batch_rows)]
     return [
         UpdateShard(
             batch=select_rows(batch, rows),
@@ -104,22 +98,6 @@ def update_shards(batch: TrainBatch, old_logprobs: torch.Tensor | None, advantag
         )
         for rows in blocks
     ]
-
-
-def split_contiguous(items: Sequence[T], parts: int) -> list[list[T]]:
-    """Cut items into `parts` contiguous runs whose sizes differ by at most one (the first ones longer).
-    Joining the runs in order gives items back (generation results stay request-major).
-
-    >>> split_contiguous([1, 2, 3, 4, 5], 2)
-    [[1, 2, 3], [4, 5]]
-    """
-    size, extra = divmod(len(items), parts)
-    runs, start = [], 0
-    for part in range(parts):
-        end = start + size + (1 if part < extra else 0)
-        runs.append(list(items[start:end]))
-        start = end
-    return runs
 
 
 def engine_hosts(nodes: Sequence[str], placement: str) -> list[int]:

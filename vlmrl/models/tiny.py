@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from vlmrl.utils.paths import cache_root
+
 logger = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).parent / "tiny_assets"
@@ -81,11 +83,6 @@ VARIANTS: dict[str, TinySpec] = {
     "tiny": TinySpec(128, 2, 2, 256, (8, 12, 12), 2, 64, 2, 128, 28 * 28 * 4, 28 * 28 * 16),
     "tiny-large": TinySpec(768, 6, 6, 2048, (16, 24, 24), 4, 256, 4, 512, 28 * 28 * 4, 28 * 28 * 64),
 }
-
-
-def cache_root() -> Path:
-    """Where built models go: $VLMRL_CACHE, else ~/.cache/vlmrl."""
-    return Path(os.environ.get("VLMRL_CACHE", Path.home() / ".cache" / "vlmrl"))
 
 
 def _fingerprint(variant: str) -> str:

@@ -10,25 +10,23 @@ logged apart; other entries (e.g. the extracted answer as a string) are ignored.
 NaN, infinity or something that is not a number, fails that one sample: it scores 0, is flagged with
 `reward_failed = 1.0`, is counted, and the run goes on.
 
-With a time limit (`timeout_s`, the config's `reward.timeout_s`) the function runs in worker processes
-(`vlmrl.rewards.workers`): a sample that takes longer is stopped by killing its worker, scores 0 and is flagged with
-both `reward_failed = 1.0` and `reward_timeout = 1.0`. Without one it runs here, in this process, with no limit.
+Batches are scored by `vlmrl.rewards.scoring.compute_rewards`. With a time limit (`timeout_s`, the config's
+`reward.timeout_s`) the function runs in worker processes (`vlmrl.rewards.workers`): a sample that takes longer is
+stopped by killing its worker, scores 0 and is flagged with both `reward_failed = 1.0` and `reward_timeout = 1.0`.
+Without one it runs here, in this process, with no limit.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # scoring needs no torch
     from vlmrl.types import RolloutRequest
-
-logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Any]
 """`fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...) -> float | dict | RewardOutput`."""
@@ -53,7 +51,7 @@ class RewardInput:
     @classmethod
     def from_request(cls, request: RolloutRequest, response: str) -> RewardInput:
         """The reward input of one response to a request (its row's data_source, ground truth and extra_info)."""
-        return cls(request.data_source, response, request.ground_truth, request.extra_info)
+        return cls(request.data_source, response, request.ground_truth, dict(request.extra_info))  # a copy per response
 
 
 @dataclass
@@ -136,62 +134,3 @@ def score_one(fn: RewardFn, item: RewardInput) -> Outcome:
                                     ground_truth=item.ground_truth, extra_info=item.extra_info)))
     except Exception as err:  # a broken reward must not stop a long run: the sample scores 0, flagged
         return Outcome(None, "".join(traceback.format_exception(err)))
-
-
-def compute_rewards(fn: RewardFn, items: Sequence[RewardInput], timeout_s: float | None = None,
-                    num_workers: int = 1) -> tuple[list[float], list[dict[str, float]], int]:
-    """Scores every item with `fn`: (scores, extras, failure_count).
-
-    extras[i] holds item i's named parts plus `reward_failed` (0.0 or 1.0), and `reward_timeout` (0.0 or 1.0) when
-    there is a limit. A failed item scores 0.0 and its parts are 0.0 under the names the other items of the batch
-    used, so every item has the same keys for the metrics. The first failure and the first timeout are logged with
-    their sample; the count of all of them follows. failure_count includes the timeouts.
-
-    Args:
-        timeout_s: per-sample limit in seconds; None or <= 0 scores here, in this process, with no limit. With a
-            limit, `num_workers` worker processes score the batch (see `vlmrl.rewards.workers`).
-    """
-    limited = timeout_s is not None and timeout_s > 0
-    if not items:
-        return [], [], 0
-    if limited:
-        from vlmrl.rewards.workers import workers_for  # imported here: workers imports this module
-
-        outcomes = workers_for(fn, num_workers).score(items, timeout_s)
-    else:
-        outcomes = [score_one(fn, item) for item in items]
-    part_names = sorted({name for out in outcomes if out.output is not None for name in out.output.parts})
-    scores, extras = [], []
-    for out in outcomes:
-        flags = {FAILED_KEY: float(out.output is None)}
-        if limited:
-            flags[TIMEOUT_KEY] = float(out.timed_out)
-        if out.output is None:
-            scores.append(0.0)
-            extras.append({**dict.fromkeys(part_names, 0.0), **flags})
-        else:
-            scores.append(out.output.score)
-            extras.append({**out.output.parts, **flags})
-    _log_failures(fn, items, outcomes, timeout_s)
-    return scores, extras, sum(out.output is None for out in outcomes)
-
-
-def _log_failures(fn: RewardFn, items: Sequence[RewardInput], outcomes: Sequence[Outcome],
-                  timeout_s: float | None) -> None:
-    """One warning per kind (timeout, other failure) per batch, with the first such sample and the count."""
-    name = getattr(fn, "__name__", fn)
-    timed_out = [i for i, out in enumerate(outcomes) if out.timed_out]
-    failed = [i for i, out in enumerate(outcomes) if out.output is None and not out.timed_out]
-    if timed_out:
-        logger.warning("reward function %s took longer than reward.timeout_s=%g s on %d of %d samples: they were "
-                       "stopped and score 0 (flags %s, %s). First one, %s", name, timeout_s, len(timed_out),
-                       len(items), FAILED_KEY, TIMEOUT_KEY, _describe(timed_out[0], items[timed_out[0]]))
-    if failed:
-        logger.warning("reward function %s failed on %d of %d samples; they score 0 (flag %s). First failure, %s\n%s",
-                       name, len(failed), len(items), FAILED_KEY, _describe(failed[0], items[failed[0]]),
-                       outcomes[failed[0]].error.rstrip())
-
-
-def _describe(position: int, item: RewardInput) -> str:
-    return (f"sample {position}: data_source={item.data_source!r} ground_truth={item.ground_truth!r} "
-            f"extra_info={item.extra_info!r} response={item.response[:1000]!r}")

@@ -28,14 +28,13 @@ import os
 import pickle
 import pickletools
 import select
-import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
@@ -43,6 +42,8 @@ from pathlib import Path
 
 from vlmrl.rewards import registry
 from vlmrl.rewards.base import Outcome, RewardFn, RewardInput, score_one
+from vlmrl.utils.processes import kill_process_group
+from vlmrl.utils.sequences import split_evenly
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class RewardWorkers:
                 raise RuntimeError("the reward workers are closed")
             outcomes: list[Outcome | None] = [None] * len(items)
             try:
-                for worker, chunk in zip(self.workers, _chunks(len(items), len(self.workers))):
+                for worker, chunk in zip(self.workers, split_evenly(range(len(items)), len(self.workers))):
                     worker.pending = deque(chunk)
                     if worker.process.poll() is not None:  # died while idle (killed from outside)
                         self._replace(worker)
@@ -225,20 +226,6 @@ def _reward_files(payload: bytes) -> list[str]:
     return [sys.modules[name].__file__ for name in sorted(names) if name in sys.modules]
 
 
-def _chunks(count: int, parts: int) -> Iterator[range]:
-    """`parts` contiguous ranges covering range(count), sizes differing by at most one.
-
-    >>> [list(r) for r in _chunks(5, 2)], [list(r) for r in _chunks(1, 3)]
-    ([[0, 1, 2], [3, 4]], [[0], [], []])
-    """
-    size, extra = divmod(count, parts)
-    start = 0
-    for i in range(parts):
-        end = start + size + (i < extra)
-        yield range(start, end)
-        start = end
-
-
 def _readable(conn: Connection) -> bool:
     """A message (or the end of a dead worker) is waiting; select() on one socket, much cheaper than conn.poll()."""
     return bool(select.select([conn], [], [], 0)[0])
@@ -246,12 +233,7 @@ def _readable(conn: Connection) -> bool:
 
 def _kill(worker: _Worker) -> None:
     worker.conn.close()
-    if worker.process.poll() is None:  # not reaped yet, so its pid (= its process group) is still ours to kill
-        try:
-            os.killpg(worker.process.pid, signal.SIGKILL)  # the group: also any process the reward function started
-        except ProcessLookupError:
-            pass
-    worker.process.wait()
+    kill_process_group(worker.process)  # the group: also any process the reward function started
 
 
 # ---------------------------------------------------------------------------------------------------- the pool

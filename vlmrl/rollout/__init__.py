@@ -20,7 +20,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from vlmrl.rollout.config import BACKENDS, EngineOptions, RolloutConfig
+from vlmrl.rollout.config import BACKENDS, RolloutConfig
 
 if TYPE_CHECKING:
     from vlmrl.rollout.base import RolloutBackend
@@ -48,10 +48,10 @@ def backend_class(name: str) -> type[RolloutBackend]:
 def get_backend(name: str, model_path: str, **options: Any) -> RolloutBackend:
     """Start a rollout backend on a model folder (or an embedded name: `tiny`, `tiny-large`).
 
-    Options are the fields of the backend's options class (`backend_class(name).options_class`): common ones are
-    dtype, max_model_len, limit_images, timeout_s, start_timeout_s, seed, gpu_memory_utilization,
-    tensor_parallel_size, server_url, engine_kwargs; engines add their own (vllm: enforce_eager, ...; sglang:
-    attention_backend, ...; sglang-server: port, log_file).
+    Options are the fields of the backend's options class (`backend_class(name).options_class`): every backend takes
+    dtype, max_model_len, limit_images, timeout_s, start_timeout_s, seed, engine_kwargs; vllm and sglang add
+    gpu_memory_utilization, tensor_parallel_size and their own (enforce_eager, attention_backend, ...); sglang-server
+    also server_url, port, log_file.
     """
     from vlmrl.models import resolve_model_path
 
@@ -59,20 +59,22 @@ def get_backend(name: str, model_path: str, **options: Any) -> RolloutBackend:
     return cls(resolve_model_path(model_path), cls.options_class.from_kwargs(name, options))
 
 
-def backend_options(rollout: RolloutConfig, max_model_len: int, seed: int) -> dict[str, Any]:
-    """get_backend options of a run: the rollout section's engine options, the context the run's lengths need
-    (data.max_prompt_length + data.max_response_length) and its seed (trainer.seed)."""
-    options = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(EngineOptions)}
+def backend_options(rollout: RolloutConfig, name: str, *, max_model_len: int, seed: int) -> dict[str, Any]:
+    """get_backend options of a run for backend `name`: the rollout section's engine options that this backend takes
+    (each declared once, in the class of the backends that take it: vlmrl.rollout.config), the longest request
+    (data.max_prompt_length + data.max_response_length) and the seed (trainer.seed)."""
+    accepted = {f.name for f in dataclasses.fields(backend_class(name).options_class)}
+    options = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout) if f.name in accepted}
     options["engine_kwargs"] = dict(rollout.engine_kwargs)
     return {**options, "max_model_len": max_model_len, "seed": seed}
 
 
-def start_backend(rollout: RolloutConfig, model_path: str, max_model_len: int, seed: int,
+def start_backend(rollout: RolloutConfig, model_path: str, *, max_model_len: int, seed: int,
                   name: str | None = None) -> RolloutBackend:
     """Start the run's rollout backend (rollout.name, or `name`) on `model_path` (the actor's model or a checkpoint)."""
     name = name or rollout.name
     logger.info("starting rollout backend %s on %s", name, model_path)
-    return get_backend(name, model_path, **backend_options(rollout, max_model_len, seed))
+    return get_backend(name, model_path, **backend_options(rollout, name, max_model_len=max_model_len, seed=seed))
 
 
 __all__ = [

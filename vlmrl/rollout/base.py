@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import abc
 import logging
-import queue
-import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -28,6 +23,7 @@ import torch
 
 from vlmrl.rollout.config import EngineOptions
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
+from vlmrl.utils.executor import DaemonExecutor, DeadlineExceeded
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +143,7 @@ class RolloutBackend(abc.ABC):
         validate_requests(requests, sampling, image_token_id=self.processor.image_token_id,
                           video_token_id=self.processor.video_token_id,
                           tokens_per_image=self.processor.image_token_count,
-                          image_factor=self.processor.patch_size * self.processor.spatial_merge_size,
+                          image_factor=self.processor.image_factor,
                           max_model_len=self.options.max_model_len, limit_images=self.options.limit_images,
                           backend=self.name)
 
@@ -340,21 +336,7 @@ class DeadlineRunner:
         self.health = health
         self.poll_s = poll_s
         self.broken: str | None = None
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name=f"vlmrl-{backend}-engine", daemon=True)
-        self._thread.start()
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, future = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-                    future.set_exception(err)
+        self._engine_thread = DaemonExecutor(1, f"vlmrl-{backend}-engine")
 
     def call(self, what: str, fn: Callable[[], T], timeout_s: float) -> T:
         """fn() on the engine thread; raises EngineDeadError / EngineTimeoutError / RolloutError naming the backend."""
@@ -362,23 +344,18 @@ class DeadlineRunner:
             raise EngineDeadError(f"{self.backend}: cannot {what}: the engine is unusable ({self.broken}); "
                                   "close this backend and start a new one")
         self._check_health(what)
-        future: Future = Future()
-        self._jobs.put((fn, future))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return future.result(timeout=max(0.0, min(self.poll_s, deadline - time.monotonic())))
-            except FutureTimeout:  # the builtin TimeoutError only from Python 3.11
-                self._check_health(what)
-                if time.monotonic() >= deadline:
-                    self.broken = f"{what} ran past its {timeout_s:g} s deadline"
-                    raise EngineTimeoutError(f"{self.backend}: {what} did not finish within {timeout_s:g} s "
-                                             "(timeout_s); the engine is considered hung") from None
-            except (RolloutError, InvalidRequestError):
-                raise
-            except Exception as err:
-                self._check_health(what)
-                raise RolloutError(f"{self.backend}: {what} failed: {type(err).__name__}: {err}") from err
+        try:
+            return self._engine_thread.call(what, fn, timeout_s, check=lambda: self._check_health(what),
+                                            poll_s=self.poll_s)
+        except DeadlineExceeded:
+            self.broken = f"{what} ran past its {timeout_s:g} s deadline"
+            raise EngineTimeoutError(f"{self.backend}: {what} did not finish within {timeout_s:g} s "
+                                     "(timeout_s); the engine is considered hung") from None
+        except (RolloutError, InvalidRequestError):
+            raise
+        except Exception as err:
+            self._check_health(what)
+            raise RolloutError(f"{self.backend}: {what} failed: {type(err).__name__}: {err}") from err
 
     def _check_health(self, what: str) -> None:
         problem = self.health()
@@ -388,4 +365,4 @@ class DeadlineRunner:
 
     def stop(self) -> None:
         """Let the thread end after its current job (a stuck one stays, as a daemon)."""
-        self._jobs.put(None)
+        self._engine_thread.shutdown(wait=False)

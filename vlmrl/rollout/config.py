@@ -1,11 +1,12 @@
 """Rollout configuration: the backend, its sampling, and the engine options every backend takes (the run config's
 `rollout` section).
 
-Each engine option is declared once, in `EngineOptions`: `RolloutConfig` (the `rollout.*` keys) inherits it, and so
-does every backend's options class (`vlmrl.rollout.base.RolloutOptions`, which adds what the run derives:
-max_model_len from the data lengths and seed from trainer.seed). Knobs only one engine has stay in that backend's
-options class (`VLLMOptions.enforce_eager`, `SGLangOptions.attention_backend`...), reachable through
-`rollout.engine_kwargs` or `get_backend(name, path, **options)`.
+Each engine option is declared once, in the class of the backends that take it: `EngineOptions` (every backend),
+`ServingEngineOptions` (vllm and sglang) and `ServerOptions` (sglang-server). `RolloutConfig` (the `rollout.*` keys)
+inherits all three; each backend's options class inherits those it takes (`vlmrl.rollout.base.RolloutOptions`, the
+base of them all, adds what the run derives: max_model_len from the data lengths and seed from trainer.seed). Knobs
+only one engine has stay in that backend's options class (`VLLMOptions.enforce_eager`,
+`SGLangOptions.attention_backend`...), set through `get_backend(name, path, **options)`.
 """
 
 from __future__ import annotations
@@ -29,15 +30,10 @@ ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "sglang-server": "sglang"
 
 @dataclass
 class EngineOptions:
-    """Engine options of the run's rollout section that every backend's options inherit."""
+    """Engine options of the run's rollout section that every backend takes."""
 
     dtype: str = "auto"
     """Engine dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
-    gpu_memory_utilization: float = 0.6
-    """Fraction of GPU memory the engine may take, weights + KV cache (vllm; sglang's mem_fraction_static). Ignored
-    by hf and on CPU."""
-    tensor_parallel_size: int = 1
-    """Tensor parallel degree of the engine (vllm; sglang's tp_size). hf runs on one device."""
     timeout_s: float = 600.0
     """Every engine call must finish within this, else the run stops with an error naming the backend. One call
     generates the whole step's batch: raise it for large batches x n on one engine."""
@@ -46,17 +42,34 @@ class EngineOptions:
     limit_images: int = 8
     """Most images one engine request may carry (vLLM limit_mm_per_prompt): prompt images plus, with agent.enable,
     the images tools add to the conversation."""
-    server_url: str = ""
-    """sglang-server only: URL of a running server (e.g. http://10.0.0.5:30000); empty = vlmrl launches one on
-    127.0.0.1. A server given by URL must run with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (checked at connect) and see this
-    machine's temp folder for weight updates (update_weights_from_disk)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments given to the engine as they are (vLLM `LLM(...)`, SGLang `Engine(...)` or server
     flags, transformers `from_pretrained(...)` for hf)."""
 
 
 @dataclass
-class RolloutConfig(EngineOptions):
+class ServingEngineOptions:
+    """Engine options only the serving engines take (vllm, sglang, sglang-server; not the hf reference)."""
+
+    gpu_memory_utilization: float = 0.6
+    """Fraction of GPU memory the engine may take, weights + KV cache (vllm; sglang's mem_fraction_static). Not used
+    on CPU."""
+    tensor_parallel_size: int = 1
+    """Tensor parallel degree of the engine (vllm; sglang's tp_size)."""
+
+
+@dataclass
+class ServerOptions:
+    """What only the sglang-server backend takes."""
+
+    server_url: str = ""
+    """sglang-server only: URL of a running server (e.g. http://10.0.0.5:30000); empty = vlmrl launches one on
+    127.0.0.1. A server given by URL must run with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (checked at connect) and see this
+    machine's temp folder for weight updates (update_weights_from_disk)."""
+
+
+@dataclass
+class RolloutConfig(EngineOptions, ServingEngineOptions, ServerOptions):
     name: str = "vllm"
     """Rollout backend: vllm, sglang, sglang-server or hf (the reference, slowest)."""
     n: int = 5

@@ -58,7 +58,9 @@ from vlmrl.rollout.base import (
     sample_seed,
     top_allowed,
 )
+from vlmrl.rollout.config import ServerOptions, ServingEngineOptions
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
+from vlmrl.utils.processes import env_override, is_alive, kill_process_group, kill_tree
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +68,8 @@ BAN_LOGIT_BIAS = -1e4
 
 
 @dataclass
-class SGLangOptions(RolloutOptions):
-    """Options of the `sglang` backend (names as in verl/EasyR1; SGLang's own in engine_kwargs);
-    gpu_memory_utilization (mem_fraction_static) and tensor_parallel_size (tp_size) come with the shared ones."""
+class SGLangOptions(ServingEngineOptions, RolloutOptions):
+    """Options of the `sglang` backend (names as in verl/EasyR1; SGLang's own in engine_kwargs)."""
 
     max_total_tokens: int | None = None
     """KV cache size in tokens; None = SGLang's choice on GPU, 8192 on CPU (else it allocates ~6 GB)."""
@@ -84,8 +85,8 @@ class SGLangOptions(RolloutOptions):
 
 
 @dataclass
-class SGLangServerOptions(SGLangOptions):
-    """Options of the `sglang-server` backend (server_url comes with the shared ones)."""
+class SGLangServerOptions(ServerOptions, SGLangOptions):
+    """Options of the `sglang-server` backend."""
 
     port: int = 0
     """Port of the launched server; 0 = a free one."""
@@ -233,37 +234,6 @@ def _result(out: dict, request: RolloutRequest, sample_index: int, top_k: int) -
                          finish_reason=reason if reason in ("stop", "length") else "abort", top_logprobs=tops)
 
 
-def _process_gone(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _kill_tree(pid: int, grace_s: float = 5.0) -> None:
-    """SIGTERM a process and its children, then SIGKILL what is left after `grace_s`."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
 def _quit_signal_survivor(signum, frame) -> None:
     """SGLang children send SIGQUIT to their parent when they fail; its own handler would kill the whole process
     tree, the trainer included. Log instead: the backend's health check fails its next call."""
@@ -298,20 +268,14 @@ class SGLangBackend(_SGLangCommon):
         env = self.engine_env()
         # Inherited by the scheduler processes spawned below; SGLANG_USE_CPU_ENGINE stays set (this process's
         # sglang reads it too), the two engine settings are put back afterwards.
-        saved = {k: os.environ.get(k) for k in env if k != "SGLANG_USE_CPU_ENGINE"}
-        os.environ.update(env)
-        try:
+        if "SGLANG_USE_CPU_ENGINE" in env:
+            os.environ["SGLANG_USE_CPU_ENGINE"] = env.pop("SGLANG_USE_CPU_ENGINE")
+        with env_override(env):
             import sglang
 
             # Built on this engine thread: no signal handlers are installed and the engine's event loop is this
             # thread's, which every later call runs on.
             engine = sglang.Engine(**self.engine_args())
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
         atexit.unregister(engine.shutdown)  # it would kill every child of this process at exit
         watchdog = getattr(engine.tokenizer_manager, "_subprocess_watchdog", None)
         if watchdog is not None:
@@ -323,7 +287,7 @@ class SGLangBackend(_SGLangCommon):
 
     def _health(self) -> str | None:
         for pid in self.engine_pids:
-            if _process_gone(pid):
+            if not is_alive(pid):
                 return f"an SGLang engine process (pid {pid}: scheduler or detokenizer) has exited"
         return None
 
@@ -360,7 +324,7 @@ class SGLangBackend(_SGLangCommon):
         if self.engine is not None:
             manager = self.engine.tokenizer_manager
             for pid in self.engine_pids:
-                _kill_tree(pid)
+                kill_tree(pid)
             mm_processor = getattr(manager, "mm_processor", None)
             if mm_processor is not None:
                 mm_processor.shutdown()
@@ -496,14 +460,7 @@ class SGLangServerBackend(_SGLangCommon):
     def close(self) -> None:
         atexit.unregister(self.close)
         if self.process is not None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)  # SIGTERM exits the server and its children in ~3 s
-                self.process.wait(timeout=15)
-            except ProcessLookupError:
-                pass
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=15)
+            kill_process_group(self.process, grace_s=15)  # SIGTERM exits the server and its children in ~3 s
             self.process = None
         import shutil
 

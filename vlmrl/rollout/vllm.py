@@ -36,7 +36,9 @@ from vlmrl.rollout.base import (
     sample_seed,
     top_allowed,
 )
+from vlmrl.rollout.config import ServingEngineOptions
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
+from vlmrl.utils.processes import env_override, is_alive, kill_tree
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +46,9 @@ WORKER_EXTENSION = "vlmrl.rollout.vllm.WeightSyncWorkerExtension"
 
 
 @dataclass
-class VLLMOptions(RolloutOptions):
-    """Options of the `vllm` backend (names as in verl/EasyR1 and vLLM's own arguments); gpu_memory_utilization and
-    tensor_parallel_size come with the shared ones. On CPU, KV memory is cpu_kv_cache_gb."""
+class VLLMOptions(ServingEngineOptions, RolloutOptions):
+    """Options of the `vllm` backend (names as in verl/EasyR1 and vLLM's own arguments). On CPU, the KV cache is
+    cpu_kv_cache_gb instead of a share of gpu_memory_utilization."""
 
     enforce_eager: bool | None = None
     """Disable CUDA graphs; None = True on CPU, False on CUDA."""
@@ -167,14 +169,10 @@ class VLLMBackend(RolloutBackend):
         if o.enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
         kwargs.update(o.engine_kwargs)
-        previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        if o.multiprocess is not None:  # read by vLLM when the engine is built, so set it only around that
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if o.multiprocess else "0"
-        try:
+        # Read by vLLM when the engine is built, so set only around that.
+        env = {} if o.multiprocess is None else {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if o.multiprocess else "0"}
+        with env_override(env):
             llm = LLM(**kwargs)
-        finally:
-            if o.multiprocess is not None:
-                _restore_env("VLLM_ENABLE_V1_MULTIPROCESSING", previous)
         manager = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
         self.engine_pids = [p.pid for p in getattr(manager, "processes", [])]
         logger.info("vllm: engine up on %s (%s, %s)", self.model_path, kwargs["dtype"],
@@ -183,15 +181,9 @@ class VLLMBackend(RolloutBackend):
 
     def _health(self) -> str | None:
         """Engine core processes (multiprocess mode) must be alive; in-process there is none to lose."""
-        import psutil
-
         for pid in self.engine_pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    continue
-            except psutil.NoSuchProcess:
-                pass
-            return f"the vLLM engine core process (pid {pid}) has exited"
+            if not is_alive(pid):
+                return f"the vLLM engine core process (pid {pid}) has exited"
         return None
 
     def _ban_texts(self) -> dict[int, str]:
@@ -303,25 +295,7 @@ class VLLMBackend(RolloutBackend):
                 self._runner.call("shut down", llm.llm_engine.engine_core.shutdown, 60.0)
             except Exception as err:  # noqa: BLE001 - closing must not raise over a dying engine
                 logger.warning("vllm: shutdown: %s", err)
-        _kill_pids(self.engine_pids)
+        for pid in self.engine_pids:  # only these processes (and their children), if still there
+            kill_tree(pid, grace_s=0)
         self._runner.stop()
 
-
-def _restore_env(key: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(key, None)
-    else:
-        os.environ[key] = value
-
-
-def _kill_pids(pids: Sequence[int]) -> None:
-    """SIGKILL these processes (only those) and their children, if still there."""
-    import psutil
-
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            for p in [*proc.children(recursive=True), proc]:
-                p.kill()
-        except psutil.NoSuchProcess:
-            continue

@@ -1,10 +1,12 @@
 """The GRPO fit loop: each step is a sequence of named, timed phases.
 
     rollout -> reward -> old_logprobs (when the batch gets more than one optimizer step) -> ref_logprobs (KL only)
-            -> advantages -> update -> weight_sync -> [validate]
+            -> advantages -> update -> weight_sync -> [validate] -> [save]
 
-Everything else (setup, resume, checkpoints, validate-only mode) is a small function around it. Step numbering: the
-initial weights are step 0 (validated when trainer.val_before_train); step k is the state after k updates.
+A plain and a multi-turn (agent.enable) rollout differ only inside `collect_step`; both give a `StepBatch`. One
+`PhaseTimer` per step times every phase (timing/<phase>; timing/step is the whole step). Everything else (setup,
+resume, checkpoints, validate-only mode) is a small function around it. Step numbering: the initial weights are
+step 0 (validated when trainer.val_before_train); step k is the state after k updates.
 """
 
 from __future__ import annotations
@@ -17,17 +19,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from vlmrl.agent.loop import AgentLoop
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.atomic import write_text_atomically
-from vlmrl.batch import batch_metrics
+from vlmrl.batch import batch_metrics, pad_results, prompt_inputs, required_batch_multiple, scored_batch
 from vlmrl.config import Config, to_dict, to_yaml
-from vlmrl.data import BatchSampler, RLDataset, build_requests, load_dataset
+from vlmrl.data import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset
 from vlmrl.processors import Processor
-from vlmrl.rewards import TIMEOUT_KEY, RewardFn, close_reward_workers
+from vlmrl.rewards import TIMEOUT_KEY, RewardFn, close_reward_workers, load_reward_fn, response_texts, score_texts
 from vlmrl.rollout import RolloutBackend
 from vlmrl.trainer.actor import Actor
 from vlmrl.trainer.checkpoint import (
@@ -38,23 +40,11 @@ from vlmrl.trainer.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from vlmrl.trainer.experience import (
-    PromptQueue,
-    agent_train_batch,
-    build_processor,
-    build_train_batch,
-    load_reward_fn,
-    score,
-    start_agent,
-    start_backend,
-)
+from vlmrl.trainer.components import load_run_processor, start_agent, start_run_backend
 from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_curves, truncate_after
 from vlmrl.trainer.validation import load_val_dataset, run_validation
 from vlmrl.trainer.warmup import format_warmup
-from vlmrl.types import SamplingParams, TrainBatch
-
-if TYPE_CHECKING:
-    from vlmrl.agent import AgentLoop
+from vlmrl.types import RolloutRequest, Sample, SamplingParams, TrainBatch
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +64,12 @@ class PhaseTimer:
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - begin
 
+    def elapsed(self) -> float:
+        """Seconds since the timer started."""
+        return time.perf_counter() - self.start
+
     def metrics(self) -> dict[str, float]:
-        return {**{f"timing/{k}": v for k, v in self.seconds.items()}, "timing/step": time.perf_counter() - self.start}
+        return {**{f"timing/{k}": v for k, v in self.seconds.items()}, "timing/step": self.elapsed()}
 
 
 @dataclass
@@ -129,19 +123,10 @@ def fit(config: Config) -> dict[str, float]:
         progress = tqdm(total=run.total_steps, initial=run.step, desc="GRPO", unit="step", file=sys.stderr,
                         dynamic_ncols=True, disable=None)
         while run.step < run.total_steps:
-            metrics = train_step(run)
-            run.step += 1
-            if _due(config.trainer.test_freq, run.step, run.total_steps) and run.val_data is not None:
-                start = time.perf_counter()
-                metrics.update(validate(run))
-                metrics["timing/validate"] = time.perf_counter() - start
-            run.sink.log(run.step, metrics)
-            run.last_metrics = metrics
+            metrics = run_step(run)
             progress.update(1)
             progress.set_postfix({short: round(metrics[key], 3) for key, short in
                                   (("reward/mean", "reward"), ("val/accuracy", "val_acc")) if key in metrics})
-            if _due(config.trainer.save_freq, run.step, run.total_steps):
-                save(run)
         progress.close()
         plot = plot_curves(run.output_dir / METRICS_FILE, run.output_dir / PLOT_FILE)
         logger.info("done: %d steps; metrics %s; curves %s", run.step, run.output_dir / METRICS_FILE, plot)
@@ -150,28 +135,60 @@ def fit(config: Config) -> dict[str, float]:
         run.close()
 
 
-def train_step(run: Run) -> dict[str, float]:
-    """One GRPO step on the next batch of prompts; returns its metrics (the caller logs them)."""
-    cfg, step = run.config, run.step + 1
+def run_step(run: Run) -> dict[str, float]:
+    """One training step, then validation and a checkpoint when due; logs and returns the step's metrics."""
+    t = run.config.trainer
     timer = PhaseTimer()
-    agent_metrics: dict[str, float] = {}
-    if run.agent is not None:  # rollout and reward together: the loop pads each trajectory as it ends
-        with timer("rollout"):
-            batch, agent_metrics, failures, filtered = agent_train_batch(
-                run.agent, run.processor, cfg, run.train_data, run.prompts, run.reward_fn, training_sampling(cfg, step),
-                step, run.dp_size)
-    else:
-        with timer("rollout"):
-            built = build_requests(run.processor, run.train_data, next(run.sampler))
-            if not built.requests:
-                raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
-            results = run.backend.generate(built.requests, training_sampling(cfg, step))
-        with timer("reward"):
-            scores, parts, failures = score(run.reward_fn, built.requests, results, run.processor.tokenizer,
-                                            cfg.rollout.n, cfg.reward)
-            batch = build_train_batch(run.processor, cfg, built.requests, results, scores, parts,
-                                      policy_version=step - 1, dp_size=run.dp_size)
-        filtered = built.num_skipped
+    metrics = train_step(run, timer)
+    run.step += 1
+    if _due(t.test_freq, run.step, run.total_steps) and run.val_data is not None:
+        with timer("validate"):
+            metrics.update(validate(run))
+    metrics.update(timer.metrics())
+    run.sink.log(run.step, metrics)  # before the checkpoint: a run resumed from it finds the line of its step
+    if _due(t.save_freq, run.step, run.total_steps):
+        with timer("save"):
+            save(run)
+        saved = {"timing/save": timer.seconds["save"], "timing/step": timer.elapsed()}  # the step grows by the save
+        run.sink.amend(run.step, saved)
+        metrics.update(saved)
+    run.last_metrics = metrics
+    return metrics
+
+
+@dataclass
+class StepBatch:
+    """What a step's rollout and scoring hand the update, the same for a plain and a multi-turn rollout."""
+
+    batch: TrainBatch
+    """Scored samples, stacked, plus padding rows up to a whole number of mini-batches over the dp ranks."""
+    rollout_metrics: dict[str, float]
+    """The agent loop's metrics (agent/*, partial/*); empty for a plain rollout."""
+    reward_failures: int
+    """Samples whose reward function failed or overran reward.timeout_s (they score 0)."""
+    filtered_prompts: int
+    """Prompts of the step skipped by the processor (over data.max_prompt_length, bad images)."""
+
+
+@dataclass
+class Rollout:
+    """A step's finished samples before scoring."""
+
+    requests: list[RolloutRequest]
+    samples: list[Sample]
+    """Padded, request-major, n per request."""
+    answers: list[str]
+    """What the reward function reads of each sample: the decoded response, or a trajectory's last assistant turn."""
+    metrics: dict[str, float]
+    filtered: int
+
+
+def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
+    """One GRPO step on the next batch of prompts, its phases timed by `timer`; returns its metrics without the
+    timings (the caller adds them once the step, validation and checkpoint included, is over)."""
+    cfg, step = run.config, run.step + 1
+    collected = collect_step(run, step, timer)
+    batch = collected.batch
     old_logprobs = None  # one optimizer step on fresh samples: the update's own forward gives them (ratio 1)
     # Carried partial-rollout tokens came from older policies: the current weights are not the ones that sampled them,
     # so the trainer recomputes old logprobs with the weights about to be updated (verl's recompute).
@@ -190,23 +207,64 @@ def train_step(run: Run) -> dict[str, float]:
         actor_metrics = run.actor.update(batch, old_logprobs, advantages, ref_logprobs)
     with timer("weight_sync"):
         run.sync_weights()
-    return {**batch_metrics(batch), **actor_metrics, **agent_metrics, **timer.metrics(),
-            **step_metrics(batch, advantages, failures, filtered, run, timer)}
+    return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics,
+            **step_metrics(collected, advantages, run, timer)}
 
 
-def step_metrics(batch: TrainBatch, advantages: torch.Tensor, failures: int, filtered: int, run: Run,
-                 timer: PhaseTimer) -> dict[str, float]:
+def collect_step(run: Run, step: int, timer: PhaseTimer) -> StepBatch:
+    """Step `step`'s batch: roll out its prompts (plain or multi-turn, timing/rollout), then score every sample and
+    stack them (timing/reward)."""
+    cfg = run.config
+    sampling = training_sampling(cfg, step)
+    with timer("rollout"):
+        rollout = plain_rollout(run, step, sampling) if run.agent is None else agent_rollout(run, step, sampling)
+    with timer("reward"):
+        scores = score_texts(run.reward_fn, rollout.requests, rollout.answers, sampling.n, cfg.reward)
+        batch = scored_batch(rollout.samples, scores.values, scores.parts,
+                             multiple=required_batch_multiple(run.dp_size, cfg.actor.ppo_mini_batch_size, sampling.n),
+                             eos_token_id=run.processor.eos_token_ids[0], pad_token_id=run.processor.pad_token_id)
+    return StepBatch(batch, rollout.metrics, scores.failures, rollout.filtered)
+
+
+def plain_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
+    """The next batch of prompts, generated in one backend call and padded per sample."""
+    built = build_requests(run.processor, run.train_data, next(run.sampler))
+    if not built.requests:
+        raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
+    results = run.backend.generate(built.requests, sampling)
+    d = run.config.data
+    samples = pad_results([prompt_inputs(run.processor, r) for r in built.requests], results,
+                          prompt_length=d.max_prompt_length, response_length=d.max_response_length,
+                          pad_token_id=run.processor.pad_token_id, policy_version=step - 1)
+    return Rollout(built.requests, samples, response_texts(run.processor.tokenizer, results), {}, built.num_skipped)
+
+
+def agent_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
+    """Multi-turn conversations for a batch of prompts (with partial rollout: carried groups first, then new ones
+    from the prompt queue, until a batch of groups has finished); each trajectory is padded as it ends."""
+    size = run.config.data.train_batch_size
+    built = build_requests(run.processor, run.train_data, run.prompts.take(run.agent.prompts_needed(size)))
+    if not built.requests and not run.agent.carried:
+        raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
+    rolled = run.agent.step(built.requests, sampling, batch_size=size, policy_version=step - 1)
+    if not rolled.samples:
+        raise RuntimeError(f"step {step}: the agent loop finished no group (see the partial rollout warning)")
+    return Rollout(rolled.requests, rolled.train_samples, rolled.final_answers, rolled.metrics, built.num_skipped)
+
+
+def step_metrics(collected: StepBatch, advantages: torch.Tensor, run: Run, timer: PhaseTimer) -> dict[str, float]:
     """Metrics beyond batch_metrics and the actor's: reward failures and timeouts (timeouts are failures too),
-    filtered prompts, groups with signal."""
+    filtered prompts, groups with signal, and the response tokens per second of the step so far."""
+    batch = collected.batch
     real = ~batch.is_padding
     tokens = float((batch.response_mask * real.unsqueeze(-1)).sum())
     return {
-        "reward/failures": float(failures),
+        "reward/failures": float(collected.reward_failures),
         "reward/timeouts": float(sum(extra.get(TIMEOUT_KEY, 0.0) for extra in batch.reward_extra)),  # padding rows: {}
-        "batch/filtered_prompts": float(filtered),
+        "batch/filtered_prompts": float(collected.filtered_prompts),
         "batch/groups_with_signal": _share_of_groups_with_signal(batch, advantages),
         "epoch": float(run.sampler.epoch),
-        "throughput/response_tokens_per_s": tokens / max(timer.metrics()["timing/step"], 1e-9),
+        "throughput/response_tokens_per_s": tokens / max(timer.elapsed(), 1e-9),
     }
 
 
@@ -271,13 +329,13 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     if not t.resume:
         refuse_earlier_checkpoints(output_dir)
     write_text_atomically(output_dir / "config.yaml", to_yaml(config))
-    processor = build_processor(config)
+    processor = load_run_processor(config)
     train_data = load_dataset(d.train_files, "train", prompt_key=d.prompt_key, image_key=d.image_key,
                               synthetic_train_size=d.synthetic_train_size, synthetic_val_size=d.synthetic_val_size,
                               synthetic_seed=t.seed)
     val_data = load_val_dataset(config) if d.val_files else None
     sources = train_data.data_sources() + (val_data.data_sources() if val_data else [])
-    reward_fn = load_reward_fn(config, sources)
+    reward_fn = load_reward_fn(config.reward, sources)
     sampler = BatchSampler(len(train_data), d.train_batch_size, shuffle=d.shuffle, seed=t.seed)
     total_steps = t.total_steps or t.total_epochs * sampler.batches_per_epoch
     checkpoint = latest_checkpoint(output_dir) if t.resume else None
@@ -293,7 +351,7 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         actor = Actor(config.actor, total_steps, config.actor.ppo_mini_batch_size * config.rollout.n,
                       temperature=config.rollout.temperature, init_path=init_path)
         # A resumed backend starts from the checkpoint folder (HF format): weights already in sync.
-        backend = start_backend(config, model_path=init_path)
+        backend = start_run_backend(config, model_path=init_path)
         opened.append(backend.close)
 
         def sync_weights() -> None:
@@ -340,24 +398,23 @@ def resume_agent(run: Run, checkpoint: Path, info: dict) -> None:
 def start_of_training(run: Run) -> None:
     """Step 0: the optional format warm-up (then a weight sync), then validation of the starting weights."""
     t = run.config.trainer
+    timer = PhaseTimer()
     metrics: dict[str, float] = {}
     if t.format_warmup_steps > 0:
-        start = time.perf_counter()
-        losses = format_warmup(run.actor, run.processor, run.train_data, run.config)
-        run.sync_weights()
-        metrics.update({"warmup/loss_first": losses[0], "warmup/loss_last": losses[-1],
-                        "timing/format_warmup": time.perf_counter() - start})
+        with timer("format_warmup"):
+            losses = format_warmup(run.actor, run.processor, run.train_data, run.config)
+            run.sync_weights()
+        metrics.update({"warmup/loss_first": losses[0], "warmup/loss_last": losses[-1]})
     if t.val_before_train and run.val_data is not None:
-        start = time.perf_counter()
-        metrics.update(validate(run))
-        metrics["timing/validate"] = time.perf_counter() - start
+        with timer("validate"):
+            metrics.update(validate(run))
     if metrics:
+        metrics.update(timer.metrics())
         run.sink.log(0, metrics)
         run.last_metrics = metrics
 
 
 def save(run: Run) -> Path:
-    start = time.perf_counter()
     model = run.actor.model if isinstance(run.actor, Actor) else run.actor.full_model()  # gathered from the shards
     info = {"data": run.sampler.state_dict(), "total_steps": run.total_steps, "config": to_dict(run.config)}
     if run.agent is not None:
@@ -367,7 +424,7 @@ def save(run: Run) -> Path:
         run.output_dir, run.step, model, run.config.actor.model_path,
         trainer_state={"actor": run.actor.state_dict(), "rng": rng_state()}, info=info,
         keep=run.config.trainer.max_ckpt_to_keep, write_extra=None if run.agent is None else run.agent.save_carried)
-    logger.info("saved step %d in %.1f s", run.step, time.perf_counter() - start)
+    logger.info("saved step %d: %s", run.step, path)
     return path
 
 

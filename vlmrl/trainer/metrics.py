@@ -1,8 +1,10 @@
 """Metric sinks: OUTPUT_DIR/metrics.jsonl (always), console, TensorBoard and W&B (optional), and the end-of-run plot.
 
 metrics.jsonl holds one JSON object per logged step (`{"step": 3, "reward/mean": 0.4, ...}`); each line is appended
-with flush + fsync, so a killed run loses at most the line being written. A resumed run first drops the lines of
-steps after its checkpoint (they are recomputed), so the file reads like one uninterrupted run.
+with flush + fsync, so a killed run loses at most the line being written. A step that writes a checkpoint logs its
+line first and adds `timing/save` to it afterwards (the file replaced atomically), so a run killed in between still
+has the line. A resumed run first drops the lines of steps after its checkpoint (they are recomputed), so the file
+reads like one uninterrupted run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def _row(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One metrics.jsonl line: the step first, then the metrics sorted by name, JSON-safe."""
+    return {"step": step, **{key: _clean(value) for key, value in sorted(metrics.items())}}
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -84,11 +91,29 @@ class MetricsLogger:
                                     resume="allow")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, **{key: _clean(value) for key, value in sorted(metrics.items())}}
+        row = _row(step, metrics)
         with open(self.path, "a") as handle:
             handle.write(json.dumps(row) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+        numeric = self._to_sinks(step, row)
+        if self.console is not None:
+            shown = [f"{key} {numeric[key]:.4g}" for key in CONSOLE_KEYS if key in numeric]
+            self.console(f"step {step} | " + " | ".join(shown))
+
+    def amend(self, step: int, metrics: dict[str, Any]) -> None:
+        """Add `metrics` to the line of `step`, the last one logged: what is known only after the line was written
+        (e.g. the time of the checkpoint that follows it). The file is replaced atomically, so a run killed meanwhile
+        keeps the line as first written."""
+        rows = read_metrics(self.path)
+        if not rows or rows[-1].get("step") != step:
+            raise ValueError(f"{self.path}: the last line is not step {step}, so it cannot be amended")
+        rows[-1] = _row(step, {**{k: v for k, v in rows[-1].items() if k != "step"}, **metrics})
+        write_text_atomically(self.path, "".join(json.dumps(row) + "\n" for row in rows))
+        self._to_sinks(step, _row(step, metrics))
+
+    def _to_sinks(self, step: int, row: dict[str, Any]) -> dict[str, float]:
+        """The row's numbers to TensorBoard and W&B; returns them."""
         numeric = {k: v for k, v in row.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
         if self.tensorboard is not None:
@@ -97,9 +122,7 @@ class MetricsLogger:
             self.tensorboard.flush()
         if self.wandb is not None:
             self.wandb.log(numeric, step=step)
-        if self.console is not None:
-            shown = [f"{key} {numeric[key]:.4g}" for key in CONSOLE_KEYS if key in numeric]
-            self.console(f"step {step} | " + " | ".join(shown))
+        return numeric
 
     def close(self) -> None:
         if self.tensorboard is not None:

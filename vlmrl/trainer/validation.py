@@ -1,8 +1,8 @@
 """Validation: generate on the held-out set, score, aggregate per data source, optionally write the artifact.
 
 `run_validation(config, backend)` is the one entry point: the fit loop calls it with its running backend, validate-only
-mode and `python -m vlmrl.alignment.compare --backends` call it with a backend name (it then starts and closes that
-backend on `config.actor.model_path`).
+mode (which `python -m vlmrl.alignment.compare --backends` runs once per backend) with a backend name (it then starts
+and closes that backend on `config.actor.model_path`).
 
 Every dataset row is validated exactly once, in order, in generate calls of `data.val_batch_size` prompts; a short
 last call is simply shorter. Validation builds no training batch, so it never needs padding rows, and it never
@@ -26,8 +26,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from vlmrl.agent.loop import AgentLoop
 from vlmrl.alignment.artifact import (
     ArtifactMeta,
     DatasetIdentity,
@@ -40,22 +40,10 @@ from vlmrl.alignment.artifact import (
 from vlmrl.config import Config, to_dict
 from vlmrl.data import RLDataset, build_requests, load_dataset, sequential_batches
 from vlmrl.processors import Processor
-from vlmrl.rewards import TIMEOUT_KEY, RewardFn
+from vlmrl.rewards import TIMEOUT_KEY, RewardFn, load_reward_fn, response_texts, score_texts
 from vlmrl.rollout import RolloutBackend
-from vlmrl.trainer.experience import (
-    agent_results,
-    build_processor,
-    final_answers,
-    load_reward_fn,
-    score,
-    score_texts,
-    start_agent,
-    start_backend,
-)
+from vlmrl.trainer.components import load_run_processor, start_agent, start_run_backend
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
-
-if TYPE_CHECKING:
-    from vlmrl.agent import AgentLoop
 
 logger = logging.getLogger(__name__)
 
@@ -103,15 +91,15 @@ def run_validation(
         agent: the run's multi-turn loop (over `backend`); with agent.enable and none given, one is built here.
             Agent samples are scored on their last assistant turn; their response is the whole conversation.
     """
-    processor = processor or build_processor(config)
+    processor = processor or load_run_processor(config)
     dataset = dataset or load_val_dataset(config)
-    reward_fn = reward_fn or load_reward_fn(config, dataset.data_sources())
+    reward_fn = reward_fn or load_reward_fn(config.reward, dataset.data_sources())
     sampling = validation_sampling(config, config.rollout.val_top_logprobs if artifact_path else 0)
     owned = backend if isinstance(backend, RolloutBackend) else None
-    running = owned or start_backend(config, backend)
+    running = owned or start_run_backend(config, backend)
     requests: list[RolloutRequest] = []
     results: list[RolloutResult] = []
-    answers: list[str] = []  # agent only: each trajectory's last assistant turn
+    answers: list[str] = []  # what the reward reads: the response, or an agent trajectory's last assistant turn
     filtered = 0
     own_agent = agent is None and config.agent.enable
     try:
@@ -122,10 +110,12 @@ def run_validation(
             filtered += built.num_skipped
             if built.requests and agent is not None:
                 rolled = agent.run(built.requests, sampling, policy_version=step)
-                results.extend(agent_results(rolled))
-                answers.extend(final_answers(rolled))
+                results.extend(rolled.results)
+                answers.extend(rolled.final_answers)
             elif built.requests:
-                results.extend(running.generate(built.requests, sampling))
+                generated = running.generate(built.requests, sampling)
+                results.extend(generated)
+                answers.extend(response_texts(processor.tokenizer, generated))
             requests.extend(built.requests)
     finally:
         if own_agent and agent is not None:
@@ -135,17 +125,14 @@ def run_validation(
     if not requests:
         raise ValueError(f"validation: every one of the {len(dataset)} rows of {dataset.spec} was filtered; raise "
                          "data.max_prompt_length or check the images")
-    if agent is not None:
-        scores, parts, failures = score_texts(reward_fn, requests, answers, sampling.n, config.reward)
-    else:
-        scores, parts, failures = score(reward_fn, requests, results, processor.tokenizer, sampling.n, config.reward)
-    metrics = validation_metrics(requests, results, scores, parts, sampling.n)
-    metrics.update({"val/filtered_prompts": float(filtered), "val/reward_failures": float(failures),
-                    "val/reward_timeouts": float(sum(p.get(TIMEOUT_KEY, 0.0) for p in parts))})
+    scores = score_texts(reward_fn, requests, answers, sampling.n, config.reward)
+    metrics = validation_metrics(requests, results, scores.values, scores.parts, sampling.n)
+    metrics.update({"val/filtered_prompts": float(filtered), "val/reward_failures": float(scores.failures),
+                    "val/reward_timeouts": float(sum(p.get(TIMEOUT_KEY, 0.0) for p in scores.parts))})
     records = None
     path = None
     if artifact_path is not None:
-        records = records_from_rollout(requests, results, scores, processor, parts)
+        records = records_from_rollout(requests, results, scores.values, processor, scores.parts)
         engine, version = engine_info(running.name)
         meta = ArtifactMeta(
             backend=running.name, engine=engine, engine_version=version, model_path=config.actor.model_path,
