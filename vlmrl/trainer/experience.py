@@ -5,7 +5,6 @@ Shared by training steps and validation, so both build requests, start backends 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -14,7 +13,8 @@ from vlmrl.batch import pad_sample, prompt_inputs, required_batch_multiple, stac
 from vlmrl.config import Config, RewardConfig
 from vlmrl.processors import Processor, ProcessorConfig, load_processor
 from vlmrl.rewards import RewardFn, RewardInput, compute_rewards, get_reward_fn, workers_for
-from vlmrl.rollout import RolloutBackend, backend_class, get_backend
+from vlmrl.rollout import RolloutBackend, get_backend
+from vlmrl.rollout.options import backend_options as rollout_backend_options
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 
 if TYPE_CHECKING:
@@ -39,17 +39,10 @@ def build_processor(config: Config, model_path: str | None = None) -> Processor:
 
 
 def backend_options(config: Config, name: str) -> dict:
-    """get_backend options from the rollout section; engine-specific ones only where the backend takes them."""
-    r = config.rollout
-    options = {"dtype": r.dtype, "max_model_len": config.data.max_prompt_length + config.data.max_response_length,
-               "limit_images": r.limit_images, "timeout_s": r.timeout_s, "start_timeout_s": r.start_timeout_s,
-               "seed": config.trainer.seed,
-               "engine_kwargs": dict(r.engine_kwargs)}
-    accepted = {f.name for f in dataclasses.fields(backend_class(name).options_class)}
-    extra = {"gpu_memory_utilization": r.gpu_memory_utilization, "tensor_parallel_size": r.tensor_parallel_size,
-             "server_url": r.server_url or None}
-    options.update({key: value for key, value in extra.items() if key in accepted and value is not None})
-    return options
+    """get_backend options from the run's rollout section (`vlmrl.rollout.options.backend_options`)."""
+    d = config.data
+    return rollout_backend_options(config.rollout, name, max_model_len=d.max_prompt_length + d.max_response_length,
+                                   seed=config.trainer.seed)
 
 
 def start_backend(config: Config, name: str | None = None, model_path: str | None = None) -> RolloutBackend:
