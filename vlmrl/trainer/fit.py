@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vlmrl.actor import Actor, PolicyActor
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.atomic import write_text_atomically
 from vlmrl.batch import batch_metrics
@@ -29,7 +30,6 @@ from vlmrl.data import BatchSampler, RLDataset, build_requests, load_dataset
 from vlmrl.processors import Processor
 from vlmrl.rewards import TIMEOUT_KEY, RewardFn, close_reward_workers
 from vlmrl.rollout import RolloutBackend
-from vlmrl.trainer.actor import Actor
 from vlmrl.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint_state,
@@ -89,13 +89,11 @@ class Run:
     val_data: RLDataset | None
     sampler: BatchSampler
     reward_fn: RewardFn
-    actor: Actor
-    """The single-process Actor, or vlmrl.distributed's DistributedActor (same methods) when dp_size > 1."""
+    actor: PolicyActor
+    """The single-process Actor, or vlmrl.distributed's DistributedActor when dp_size > 1."""
     backend: RolloutBackend
     sink: MetricsLogger
     total_steps: int
-    sync_weights: Callable[[], None]
-    """Actor weights -> rollout engines (and every cache holding old-weight results)."""
     dp_size: int = 1
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
@@ -176,7 +174,7 @@ def train_step(run: Run) -> dict[str, float]:
     # Carried partial-rollout tokens came from older policies: the current weights are not the ones that sampled them,
     # so the trainer recomputes old logprobs with the weights about to be updated (verl's recompute).
     carries = cfg.agent.enable and cfg.agent.partial.enable
-    if carries or not run.actor.skips_old_logprobs(len(batch)):
+    if carries or run.actor.needs_old_logprobs(len(batch)):
         with timer("old_logprobs"):
             old_logprobs, _ = run.actor.compute_logprobs(batch)
     ref_logprobs = None
@@ -189,7 +187,7 @@ def train_step(run: Run) -> dict[str, float]:
     with timer("update"):
         actor_metrics = run.actor.update(batch, old_logprobs, advantages, ref_logprobs)
     with timer("weight_sync"):
-        run.sync_weights()
+        run.actor.sync_weights(run.backend)
     return {**batch_metrics(batch), **actor_metrics, **agent_metrics, **timer.metrics(),
             **step_metrics(batch, advantages, failures, filtered, run, timer)}
 
@@ -283,21 +281,18 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     checkpoint = latest_checkpoint(output_dir) if t.resume else None
     init_path = str(checkpoint) if checkpoint else None
     dp_size = t.n_gpus_per_node * t.nnodes
+    actor: PolicyActor
     if dp_size > 1:  # Ray workers with FSDP2-sharded actors and colocated engines; the loop stays the same
         from vlmrl.distributed.launch import start_distributed
 
         actor, backend = start_distributed(config, total_steps, init_path)
         opened.append(backend.close)  # stops the workers too
-        sync_weights = actor.sync_weights
     else:
         actor = Actor(config.actor, total_steps, config.actor.ppo_mini_batch_size * config.rollout.n,
                       temperature=config.rollout.temperature, init_path=init_path)
         # A resumed backend starts from the checkpoint folder (HF format): weights already in sync.
         backend = start_backend(config, model_path=init_path)
         opened.append(backend.close)
-
-        def sync_weights() -> None:
-            backend.update_weights(actor.named_tensors())
     step = 0
     if checkpoint is not None:
         state, info = load_checkpoint_state(checkpoint)
@@ -317,7 +312,7 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     sink = MetricsLogger(output_dir, t.logger, to_dict(config), t.project_name, t.experiment_name, console=tqdm.write)
     opened.append(sink.close)
     run = Run(config, output_dir, processor, train_data, val_data, sampler, reward_fn, actor, backend, sink,
-              total_steps, sync_weights, dp_size, step)
+              total_steps, dp_size, step)
     if config.agent.enable:
         run.agent, run.prompts = start_agent(config, backend, processor), PromptQueue(sampler)
         opened.append(run.agent.close)
@@ -344,7 +339,7 @@ def start_of_training(run: Run) -> None:
     if t.format_warmup_steps > 0:
         start = time.perf_counter()
         losses = format_warmup(run.actor, run.processor, run.train_data, run.config)
-        run.sync_weights()
+        run.actor.sync_weights(run.backend)
         metrics.update({"warmup/loss_first": losses[0], "warmup/loss_last": losses[-1],
                         "timing/format_warmup": time.perf_counter() - start})
     if t.val_before_train and run.val_data is not None:
@@ -358,7 +353,7 @@ def start_of_training(run: Run) -> None:
 
 def save(run: Run) -> Path:
     start = time.perf_counter()
-    model = run.actor.model if isinstance(run.actor, Actor) else run.actor.full_model()  # gathered from the shards
+    model = run.actor.full_model()  # at dp > 1 gathered from the shards
     info = {"data": run.sampler.state_dict(), "total_steps": run.total_steps, "config": to_dict(run.config)}
     if run.agent is not None:
         # Prompts taken from the sampler but not started yet; the carried groups go into files of their own.
