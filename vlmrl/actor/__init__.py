@@ -13,13 +13,32 @@ loop drives.
   `vlmrl.distributed.DistributedActor`.
 """
 
-from vlmrl.actor.base import PolicyActor
-from vlmrl.actor.core import ActorCore, MicroBatch, chunks, forward_response, micro_batch, needs_old_logprobs
-from vlmrl.actor.local import Actor
-from vlmrl.actor.policy import DTYPES, Policy, build_policy, load_policy, lr_lambda, resolve_device, resolve_dtype
+from importlib import import_module
 
-__all__ = [
-    "DTYPES", "Actor", "ActorCore", "MicroBatch", "Policy", "PolicyActor", "build_policy", "chunks",
-    "forward_response", "load_policy", "lr_lambda", "micro_batch", "needs_old_logprobs", "resolve_device",
-    "resolve_dtype",
-]
+# Imported on first use: the run config reads this package's config module and must not import torch.
+_LAZY = {
+    "PolicyActor": "base",
+    "ActorCore": "core",
+    "MicroBatch": "core",
+    "chunks": "core",
+    "forward_response": "core",
+    "micro_batch": "core",
+    "needs_old_logprobs": "core",
+    "Actor": "local",
+    "DTYPES": "policy",
+    "Policy": "policy",
+    "build_policy": "policy",
+    "load_policy": "policy",
+    "lr_lambda": "policy",
+    "resolve_device": "policy",
+    "resolve_dtype": "policy",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"vlmrl.actor.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'vlmrl.actor' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)
