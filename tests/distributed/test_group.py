@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.batches import make_batch
+from vlmrl.actor import Actor
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch import required_batch_multiple, upsample_to_multiple
 from vlmrl.config import ActorConfig, OptimConfig
 from vlmrl.distributed import ClusterConfig, DistributedActor, WorkerSpec
-from vlmrl.trainer.actor import Actor
 
 pytestmark = pytest.mark.ray
 WEIGHT_ATOL = 1e-9
@@ -195,7 +195,7 @@ def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
         moved, _ = actor.compute_logprobs(batch)
         assert _max_gap(moved, batch) > 1e-2, "the update should move the policy (else nothing is tested)"
 
-        assert actor.sync_weights() > 0  # gathered from the shards inside the workers
+        assert actor.sync_weights(engines) > 0  # gathered from the shards inside the workers
         second = engines.generate(requests, sampling)
         batch = _batch_of(processor, requests, second)
         assert _max_gap(actor.compute_logprobs(batch)[0], batch) < 1e-4, "engines did not get the new weights"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from tests.batches import make_batch
+from vlmrl.actor import load_policy, micro_batch
 from vlmrl.distributed.vision import VisionAlwaysOn
-from vlmrl.trainer.actor import load_policy, micro_batch
 
 
 def _forward(model, mb):

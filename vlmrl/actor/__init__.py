@@ -1,1 +1,44 @@
-"""The policy being trained: its construction, logprobs and update (the run config's `actor` section)."""
+"""The policy being trained: its construction, logprobs, the PPO update loop, and the `PolicyActor` protocol the fit
+loop drives.
+
+    actor = Actor(config.actor, total_steps, mini_batch_samples=ppo_mini_batch_size * n)
+    old, _ = actor.compute_logprobs(batch)              # skipped when not actor.needs_old_logprobs(len(batch))
+    metrics = actor.update(batch, old, advantages)
+    actor.sync_weights(backend)
+
+- `policy`: ONE construction path (device, dtypes, load, frozen vision tower, reference, AdamW, lr schedule) for the
+  single-process actor and every rank of the sharded one (`vlmrl.distributed.actor.ShardedActor`).
+- `core`: micro-batches, the logprob pass and the update loop both run.
+- `local`: the single-process `Actor`. `base`: the `PolicyActor` protocol, also implemented by
+  `vlmrl.distributed.DistributedActor`.
+"""
+
+from importlib import import_module
+
+# Imported on first use: the run config reads this package's config module and must not import torch.
+_LAZY = {
+    "PolicyActor": "base",
+    "ActorCore": "core",
+    "MicroBatch": "core",
+    "chunks": "core",
+    "forward_response": "core",
+    "micro_batch": "core",
+    "needs_old_logprobs": "core",
+    "Actor": "local",
+    "DTYPES": "policy",
+    "Policy": "policy",
+    "build_policy": "policy",
+    "load_policy": "policy",
+    "lr_lambda": "policy",
+    "resolve_device": "policy",
+    "resolve_dtype": "policy",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"vlmrl.actor.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'vlmrl.actor' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from vlmrl.algorithms.config import KL_TYPES
 
-DTYPES = ("float32", "bfloat16")
-"""Precisions of weights and compute; `auto` is added where the device decides (actor.compute_dtype, rollout.dtype)."""
+PRECISIONS = ("float32", "bfloat16")
+"""Precisions a run config may name for weights and compute (vlmrl.actor.policy.DTYPES also maps float64, for
+tests); `auto` is added where the device decides (actor.compute_dtype, rollout.dtype)."""
 LR_SCHEDULERS = ("constant", "cosine")
 
 
@@ -93,8 +94,8 @@ class ActorConfig:
             out.append(f"actor.clip_ratio={self.clip_ratio} must be in (0, 1) (0.2 is standard)")
         if self.clip_ratio_high is not None and self.clip_ratio_high <= 0:
             out.append("actor.clip_ratio_high must be > 0 (or null)")
-        if self.dtype not in DTYPES:
+        if self.dtype not in PRECISIONS:
             out.append(f"actor.dtype={self.dtype!r} must be float32 or bfloat16")
-        if self.compute_dtype not in ("auto", *DTYPES):
+        if self.compute_dtype not in ("auto", *PRECISIONS):
             out.append(f"actor.compute_dtype={self.compute_dtype!r} must be auto, float32 or bfloat16")
         return out + self.optim.problems()

@@ -1,8 +1,9 @@
 """One rank's share of the actor: the policy (and frozen reference) sharded with FSDP2, logprobs and the GRPO update.
 
 Runs inside a training worker (`vlmrl.distributed.worker`); with world_size 1 nothing is sharded and it is a plain
-single-device actor. The logprob pass and the update loop are the single-process trainer's
-(`vlmrl.trainer.actor.BaseActor`: one loop for both); what differs with several ranks is what this class feeds it:
+single-device actor. Construction (`vlmrl.actor.policy.build_policy`: load, freeze, dtypes, reference, optimizer,
+lr schedule), the logprob pass and the update loop (`vlmrl.actor.core.ActorCore`) are the single-process actor's;
+what differs with several ranks is the FSDP2 wrapping and what this class feeds the loop:
 
 - LOSS NORMALISATION. A mini-batch's loss is the token mean over the whole GLOBAL mini-batch. FSDP averages the
   ranks' gradients, so each rank divides its summed token loss by (global token count / world_size): the average of
@@ -12,34 +13,20 @@ single-device actor. The logprob pass and the update loop are the single-process
   the other ranks' collectives wait for it. Only a mini-batch with no token on ANY rank is skipped, on every rank.
 - EVERY FORWARD RUNS THE VISION TOWER (`VisionAlwaysOn`), image or not.
 - The gradient norm (`clip_gradients`) and the full weights are collectives over the shards.
-- No autocast: the weights' dtype is the compute dtype.
 """
 
 from __future__ import annotations
 
-import copy
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from vlmrl.actor import ActorCore, build_policy
 from vlmrl.config import ActorConfig
 from vlmrl.distributed.fsdp import clip_grad_norm, iter_full_state_dict, shard_model
 from vlmrl.distributed.vision import WRAPPED_PREFIX, VisionAlwaysOn
-from vlmrl.trainer.actor import BaseActor, load_policy, resolve_device
 from vlmrl.types import TrainBatch
-
-logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto = bfloat16 on CUDA, float32 on CPU. float64 is accepted here for exactness tests."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 @dataclass
@@ -65,12 +52,12 @@ class UpdateShard:
     """Rows of this shard per mini-batch."""
 
 
-class ShardedActor(BaseActor):
+class ShardedActor(ActorCore):
     """The policy (and reference) on this rank. Construct on every rank with the same arguments, after the
     process group is up (`vlmrl.distributed.fsdp.init_process_group`)."""
 
     def __init__(self, config: ActorConfig, world_size: int, temperature: float = 1.0, init_path: str | None = None,
-                 lr_lambda=None):
+                 total_steps: int = 1):
         """
         Args:
             config: actor settings (model, optimizer, clip ratios, KL, micro-batch size...).
@@ -78,31 +65,15 @@ class ShardedActor(BaseActor):
             temperature: logprobs are of softmax(logits / temperature), the distribution the policy sampled.
             init_path: weights to start from instead of config.model_path (a checkpoint); the reference is always
                 config.model_path.
-            lr_lambda: step -> lr factor for LambdaLR (the trainer's schedule); None = constant.
+            total_steps: training steps (the lr schedule's length, as for the single-process actor).
         """
-        self.config = config
         self.world_size = world_size
-        self.temperature = temperature
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.compute_dtype = resolve_dtype(config.compute_dtype, self.device)  # autocast as the single-device actor
-        policy = load_policy(init_path or config.model_path, self.dtype, self.device)
-        policy.config.use_cache = False
-        if config.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
-        if config.freeze_vision_tower:
-            policy.model.visual.requires_grad_(False)
-        self.reference: torch.nn.Module | None = None
-        if config.use_kl_loss:
-            ref = policy if init_path is None else load_policy(config.model_path, self.dtype, self.device)
-            ref = copy.deepcopy(ref).eval().requires_grad_(False)
-            self.reference = shard_model(VisionAlwaysOn(ref), world_size)
-        # sharding replaces the parameters by DTensors: the optimizer is built on the sharded ones
-        self.model = shard_model(VisionAlwaysOn(policy), world_size)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
-                                           weight_decay=config.optim.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda or (lambda step: 1.0))
+
+        def shard(model: torch.nn.Module) -> torch.nn.Module:
+            # sharding replaces the parameters by DTensors: build_policy builds the optimizer on the sharded ones
+            return shard_model(VisionAlwaysOn(model), world_size)
+
+        super().__init__(config, build_policy(config, total_steps, init_path, wrap=shard), temperature)
 
     def clip_gradients(self) -> float:
         """The GLOBAL gradient norm over every rank's shards (a collective), clipped to config.grad_clip."""
@@ -110,10 +81,11 @@ class ShardedActor(BaseActor):
 
     # ---- update -----------------------------------------------------------------------------------------------------
 
-    def update(self, shard: UpdateShard) -> dict[str, float]:
+    def update_shard(self, shard: UpdateShard) -> dict[str, float]:
         """ppo_epochs x mini-batches optimizer steps over this rank's shard (all ranks step together), then one
-        lr-scheduler step. Returns this rank's metric parts (the single-process actor's keys); the driver averages
-        them over ranks (each part is already scaled so that the average is the global mini-batch value)."""
+        lr-scheduler step: this rank's half of `DistributedActor.update`. Returns this rank's metric parts (the
+        single-process actor's keys); the driver averages them over ranks (each part is already scaled so that the
+        average is the global mini-batch value)."""
         batch = shard.batch
         if len(batch) != len(shard.mini_batch_tokens) * shard.local_mini_batch:
             raise ValueError(f"shard of {len(batch)} rows is not {len(shard.mini_batch_tokens)} mini-batches of "

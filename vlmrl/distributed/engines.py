@@ -16,8 +16,8 @@ class ColocatedEngines(RolloutBackend):
     `update_weights` loads the given weights into every engine. Closing it closes the whole `DistributedActor`
     (the engines live in its workers).
 
-    The fit loop's `backend.update_weights(actor.named_tensors())` works, but gathers the weights to the driver and
-    sends them back; `DistributedActor.sync_weights()` does the same without leaving the workers.
+    `update_weights(actor.named_tensors())` works, but gathers the weights to the driver and sends them back; the
+    fit loop's `actor.sync_weights(backend)` does the same without the weights leaving the workers.
     """
 
     def __init__(self, actor: DistributedActor):

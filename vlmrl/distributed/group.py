@@ -1,8 +1,8 @@
 """The driver side: a Ray placement group with one training worker per device, used like the single-process actor.
 
-`DistributedActor` has the single-process `vlmrl.trainer.actor.Actor`'s methods (compute_logprobs, update,
-named_tensors...) plus the colocated engines' generate and weight sync, so the fit loop runs unchanged on one device
-or many:
+`DistributedActor` implements `vlmrl.actor.PolicyActor` as the single-process `vlmrl.actor.Actor` does
+(compute_logprobs, update, sync_weights, full_model...), plus the colocated engines' generate, so the fit loop runs
+unchanged on one device or many:
 
     actor = DistributedActor(config.trainer, WorkerSpec(actor=config.actor, ...),  # a ClusterConfig: 8 x 2 devices
                              mini_batch_samples=ppo_mini_batch_size * n)
@@ -10,7 +10,7 @@ or many:
     batch = upsample_to_multiple(batch, required_batch_multiple(actor.dp_size, ...), ...)
     old, _ = actor.compute_logprobs(batch)               # each rank its equal slice, gathered back
     metrics = actor.update(batch, old, advantages)       # sharded update, loss over the GLOBAL token count
-    actor.sync_weights()                                 # full weights gathered from the shards into each engine
+    actor.sync_weights(engines)                          # full weights gathered from the shards into each engine
 
 Every call fans out to all workers at once and waits with a timeout; a worker that dies (Ray reports it; a
 collective mismatch kills the process, it cannot be caught inside) ends the call with an error naming the step.
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.actor import needs_old_logprobs
 from vlmrl.distributed.config import ClusterConfig
 from vlmrl.distributed.sharding import (
     engine_hosts,
@@ -35,6 +36,7 @@ from vlmrl.distributed.sharding import (
     update_shards,
 )
 from vlmrl.distributed.worker import TrainWorker, WorkerSpec
+from vlmrl.rollout import RolloutBackend
 from vlmrl.rollout.base import sample_seed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 from vlmrl.utils.sequences import split_evenly
@@ -171,17 +173,22 @@ class DistributedActor:
         entropy = torch.cat([ent for _, ent in parts]) if with_entropy else None
         return logprobs, entropy
 
-    def skips_old_logprobs(self, batch_rows: int) -> bool:
-        """True when the batch gets exactly one optimizer step: the update forward's own logprobs are the old ones
-        (as `Actor.skips_old_logprobs`)."""
-        return self.spec.actor.ppo_epochs == 1 and batch_rows == self.mini_batch_samples
+    def needs_old_logprobs(self, batch_rows: int) -> bool:
+        """False when the batch gets exactly one optimizer step: the update forward's own logprobs are the old ones
+        (the single-process actor's rule, `vlmrl.actor.needs_old_logprobs`)."""
+        return needs_old_logprobs(self.spec.actor, batch_rows, self.mini_batch_samples)
 
     def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
         """The PPO-clip update over the batch, sharded: every rank takes its slice of each mini-batch, the loss is
         normalised by the global token count. Same arguments and metrics as `Actor.update`."""
         shards = update_shards(batch, old_logprobs, advantages, ref_logprobs, self.mini_batch_samples, self.dp_size)
-        return mean_metrics(self._each("update", [(shard,) for shard in shards], "the policy update"))
+        return mean_metrics(self._each("update_shard", [(shard,) for shard in shards], "the policy update"))
+
+    def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:
+        """Not sharded: the format warm-up (for a random-init model) runs on one device."""
+        raise NotImplementedError("the format warm-up is single-device only: set trainer.format_warmup_steps=0 or "
+                                  "train on one device (trainer.n_gpus_per_node=1, trainer.nnodes=1)")
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, gathered from the shards to the driver (checkpoints, tests)."""
@@ -226,9 +233,10 @@ class DistributedActor:
                 for rank, run, start in zip(self.hosts, runs, starts)]
         return [result for part in self._get(refs, "generation") for result in part]
 
-    def sync_weights(self) -> int:
-        """Load the actor's current weights into every engine (gathered from the shards on the workers themselves:
-        nothing goes through the driver). Returns the number of tensors each engine loaded."""
+    def sync_weights(self, backend: RolloutBackend) -> int:
+        """Load the actor's current weights into every engine, gathered from the shards on the workers themselves:
+        nothing goes through the driver. `backend` (the run's `ColocatedEngines`) is unused: the engines live in the
+        workers. Returns the number of tensors each engine loaded."""
         return max(self._each("sync_weights", [()] * self.dp_size, "weight sync"))
 
     def load_engine_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:

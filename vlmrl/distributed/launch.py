@@ -2,7 +2,7 @@
 
     actor, backend = start_distributed(config, total_steps)           # trainer.n_gpus_per_node x trainer.nnodes ranks
     ...the fit loop, unchanged: backend.generate / actor.compute_logprobs / actor.update ...
-    actor.sync_weights()                                                # engines get the new weights in the workers
+    actor.sync_weights(backend)                                         # engines get the new weights in the workers
 """
 
 from __future__ import annotations
@@ -18,18 +18,16 @@ from vlmrl.rollout import backend_options
 def worker_spec(config: Config, total_steps: int, init_path: str | None = None) -> WorkerSpec:
     """What every worker builds: the actor from `actor.*`, its engine from `rollout.*` (starting from the same
     weights as the actor: the checkpoint when resuming)."""
-    from vlmrl.trainer.actor import _lr_lambda  # the single-process actor's schedule, so both paths share it
-
     name = config.rollout.name
     if name == "sglang-server":
         raise ValueError("rollout.name=sglang-server runs outside the workers; colocated engines are hf, vllm or "
                          "sglang")
-    engine = EngineSpec(name=name, model_path=init_path or config.actor.model_path,
-                        options=backend_options(config.rollout, name, seed=config.trainer.seed,
-                                                max_model_len=config.data.max_prompt_length
-                                                + config.data.max_response_length))
+    d = config.data
+    options = backend_options(config.rollout, name, max_model_len=d.max_prompt_length + d.max_response_length,
+                              seed=config.trainer.seed)
+    engine = EngineSpec(name=name, model_path=init_path or config.actor.model_path, options=options)
     return WorkerSpec(actor=config.actor, temperature=config.rollout.temperature, init_path=init_path,
-                      lr_lambda=_lr_lambda(config.actor, total_steps), engine=engine,
+                      total_steps=total_steps, engine=engine,
                       torch_threads=config.trainer.torch_threads, timeout_s=config.rollout.timeout_s)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +48,8 @@ class WorkerSpec:
     """Sampling temperature: logprobs are of softmax(logits / temperature)."""
     init_path: str | None = None
     """Start the policy from these weights (a checkpoint) instead of actor.model_path."""
-    lr_lambda: Callable[[int], float] | None = None
-    """step -> lr factor (the trainer's schedule); None = constant."""
+    total_steps: int = 1
+    """Training steps: the length of the lr schedule (`vlmrl.actor.lr_lambda`, the single-process actor's)."""
     engine: EngineSpec | None = None
     """The colocated rollout engine; None = this group only trains."""
     torch_threads: int = 0
@@ -92,9 +91,9 @@ class TrainWorker:
     def setup(self, rank: int, world_size: int, master: tuple[str, int], host_engine: bool) -> dict[str, Any]:
         """Join the process group, load and shard the actor (and reference), start the engine if this rank hosts one.
         Called on every rank at once (the process-group join blocks until all have joined)."""
+        from vlmrl.actor import resolve_device
         from vlmrl.distributed.actor import ShardedActor
         from vlmrl.distributed.fsdp import init_process_group
-        from vlmrl.trainer.actor import resolve_device
 
         self.rank, self.world_size = rank, world_size
         device = resolve_device(self.spec.actor.device)
@@ -102,7 +101,7 @@ class TrainWorker:
             torch.cuda.set_device(0)
         init_process_group(rank, world_size, master[0], master[1], device, self.spec.timeout_s)
         self.actor = ShardedActor(self.spec.actor, world_size, self.spec.temperature, self.spec.init_path,
-                                  self.spec.lr_lambda)
+                                  self.spec.total_steps)
         if host_engine and self.spec.engine is not None:
             from vlmrl.rollout import get_backend
 
@@ -120,9 +119,9 @@ class TrainWorker:
         self._rest_engine()
         return self.actor.compute_logprobs(batch, reference=reference, with_entropy=with_entropy)
 
-    def update(self, shard) -> dict[str, float]:
+    def update_shard(self, shard) -> dict[str, float]:
         self._rest_engine()
-        return self.actor.update(shard)
+        return self.actor.update_shard(shard)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights (HF names) on rank 0, None elsewhere; every rank must call it."""

@@ -15,7 +15,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmrl.actor.config import DTYPES
+from vlmrl.actor.config import PRECISIONS
 
 BACKENDS: dict[str, tuple[str, str]] = {
     "hf": ("vlmrl.rollout.hf", "HFBackend"),
@@ -112,7 +112,7 @@ class RolloutConfig(EngineOptions, ServingEngineOptions, ServerOptions):
         if self.val_n != 1 and self.val_temperature <= 0:
             out.append(f"rollout.val_n={self.val_n} with val_temperature=0 gives {self.val_n} identical greedy "
                        "samples: set rollout.val_temperature > 0 or rollout.val_n=1")
-        if self.dtype not in ("auto", *DTYPES):
+        if self.dtype not in ("auto", *PRECISIONS):
             out.append(f"rollout.dtype={self.dtype!r} must be auto, float32 or bfloat16")
         for name in ("timeout_s", "start_timeout_s"):
             if getattr(self, name) <= 0:

@@ -1,1 +1,1 @@
-"""The trainer: actor (logprobs, GRPO update), the fit loop, validation, checkpoints and metrics."""
+"""The trainer: the fit loop, validation, checkpoints and metrics (the actor is `vlmrl.actor`)."""

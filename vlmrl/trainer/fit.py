@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from vlmrl.actor import Actor, PolicyActor
 from vlmrl.agent.loop import AgentLoop
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.atomic import write_text_atomically
@@ -31,7 +32,6 @@ from vlmrl.data import BatchSampler, PromptQueue, RLDataset, build_requests, loa
 from vlmrl.processors import Processor
 from vlmrl.rewards import TIMEOUT_KEY, RewardFn, close_reward_workers, load_reward_fn, response_texts, score_texts
 from vlmrl.rollout import RolloutBackend
-from vlmrl.trainer.actor import Actor
 from vlmrl.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint_state,
@@ -83,13 +83,11 @@ class Run:
     val_data: RLDataset | None
     sampler: BatchSampler
     reward_fn: RewardFn
-    actor: Actor
-    """The single-process Actor, or vlmrl.distributed's DistributedActor (same methods) when dp_size > 1."""
+    actor: PolicyActor
+    """The single-process Actor, or vlmrl.distributed's DistributedActor when dp_size > 1."""
     backend: RolloutBackend
     sink: MetricsLogger
     total_steps: int
-    sync_weights: Callable[[], None]
-    """Actor weights -> rollout engines (and every cache holding old-weight results)."""
     dp_size: int = 1
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
@@ -193,7 +191,7 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     # Carried partial-rollout tokens came from older policies: the current weights are not the ones that sampled them,
     # so the trainer recomputes old logprobs with the weights about to be updated (verl's recompute).
     carries = cfg.agent.enable and cfg.agent.partial.enable
-    if carries or not run.actor.skips_old_logprobs(len(batch)):
+    if carries or run.actor.needs_old_logprobs(len(batch)):
         with timer("old_logprobs"):
             old_logprobs, _ = run.actor.compute_logprobs(batch)
     ref_logprobs = None
@@ -206,7 +204,7 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     with timer("update"):
         actor_metrics = run.actor.update(batch, old_logprobs, advantages, ref_logprobs)
     with timer("weight_sync"):
-        run.sync_weights()
+        run.actor.sync_weights(run.backend)
     return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics,
             **step_metrics(collected, advantages, run, timer)}
 
@@ -341,21 +339,18 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     checkpoint = latest_checkpoint(output_dir) if t.resume else None
     init_path = str(checkpoint) if checkpoint else None
     dp_size = t.n_gpus_per_node * t.nnodes
+    actor: PolicyActor
     if dp_size > 1:  # Ray workers with FSDP2-sharded actors and colocated engines; the loop stays the same
         from vlmrl.distributed.launch import start_distributed
 
         actor, backend = start_distributed(config, total_steps, init_path)
         opened.append(backend.close)  # stops the workers too
-        sync_weights = actor.sync_weights
     else:
         actor = Actor(config.actor, total_steps, config.actor.ppo_mini_batch_size * config.rollout.n,
                       temperature=config.rollout.temperature, init_path=init_path)
         # A resumed backend starts from the checkpoint folder (HF format): weights already in sync.
         backend = start_run_backend(config, model_path=init_path)
         opened.append(backend.close)
-
-        def sync_weights() -> None:
-            backend.update_weights(actor.named_tensors())
     step = 0
     if checkpoint is not None:
         state, info = load_checkpoint_state(checkpoint)
@@ -375,7 +370,7 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     sink = MetricsLogger(output_dir, t.logger, to_dict(config), t.project_name, t.experiment_name, console=tqdm.write)
     opened.append(sink.close)
     run = Run(config, output_dir, processor, train_data, val_data, sampler, reward_fn, actor, backend, sink,
-              total_steps, sync_weights, dp_size, step)
+              total_steps, dp_size, step)
     if config.agent.enable:
         run.agent, run.prompts = start_agent(config, backend, processor), PromptQueue(sampler)
         opened.append(run.agent.close)
@@ -403,7 +398,7 @@ def start_of_training(run: Run) -> None:
     if t.format_warmup_steps > 0:
         with timer("format_warmup"):
             losses = format_warmup(run.actor, run.processor, run.train_data, run.config)
-            run.sync_weights()
+            run.actor.sync_weights(run.backend)
         metrics.update({"warmup/loss_first": losses[0], "warmup/loss_last": losses[-1]})
     if t.val_before_train and run.val_data is not None:
         with timer("validate"):
@@ -415,7 +410,7 @@ def start_of_training(run: Run) -> None:
 
 
 def save(run: Run) -> Path:
-    model = run.actor.model if isinstance(run.actor, Actor) else run.actor.full_model()  # gathered from the shards
+    model = run.actor.full_model()  # at dp > 1 gathered from the shards
     info = {"data": run.sampler.state_dict(), "total_steps": run.total_steps, "config": to_dict(run.config)}
     if run.agent is not None:
         # Prompts taken from the sampler but not started yet; the carried groups go into files of their own.

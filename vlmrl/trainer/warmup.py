@@ -16,11 +16,11 @@ import logging
 import numpy as np
 import torch
 
+from vlmrl.actor import PolicyActor
 from vlmrl.batch import pad_sample, prompt_inputs, stack_samples
 from vlmrl.config import Config
 from vlmrl.data import RLDataset
 from vlmrl.processors import FilteredRow, Processor
-from vlmrl.trainer.actor import Actor
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def answer_set(dataset: RLDataset) -> list[str]:
     return answers
 
 
-def format_warmup(actor: Actor, processor: Processor, dataset: RLDataset, config: Config) -> list[float]:
+def format_warmup(actor: PolicyActor, processor: Processor, dataset: RLDataset, config: Config) -> list[float]:
     """Run `trainer.format_warmup_steps` supervised steps on random labels; returns the loss of each step.
 
     Each step: `format_warmup_batch_size` random training prompts, each paired with an answer drawn uniformly from
@@ -48,7 +48,9 @@ def format_warmup(actor: Actor, processor: Processor, dataset: RLDataset, config
     label_ids = {a: processor.tokenizer.encode(a, add_special_tokens=False) + [processor.eos_token_ids[0]]
                  for a in answers}
     rng = np.random.default_rng([t.seed, 0x5EED])
-    optimizer = torch.optim.AdamW(actor.trainable, lr=t.format_warmup_lr, weight_decay=0.0)
+    # one device (checked at config load): full_model() is the live policy, its trainable parameters the actor's
+    trainable = [p for p in actor.full_model().parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.format_warmup_lr, weight_decay=0.0)
     response_length = max(len(ids) for ids in label_ids.values())
     losses = []
     logger.info("format warm-up: %d steps x %d prompts on random labels from %s (lr %g)", t.format_warmup_steps,

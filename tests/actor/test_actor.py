@@ -10,8 +10,8 @@ import torch
 from tests.batches import make_batch
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch.padding import upsample_to_multiple
+from vlmrl.actor import Actor
 from vlmrl.config import ActorConfig, OptimConfig
-from vlmrl.trainer.actor import Actor
 
 
 def actor_config(tiny_model_path, **overrides) -> ActorConfig:
@@ -144,7 +144,7 @@ def test_skipping_the_old_logprob_pass_gives_the_same_update(tiny_model_path, ba
     actor = Actor(actor_config(tiny_model_path, ppo_micro_batch_size_per_gpu=4), total_steps=1,
                   mini_batch_samples=len(batch))
     actor.model.to(torch.float64)
-    assert actor.skips_old_logprobs(len(batch)) and not actor.skips_old_logprobs(2 * len(batch))
+    assert not actor.needs_old_logprobs(len(batch)) and actor.needs_old_logprobs(2 * len(batch))
     skipped = actor.update(batch, None, group_advantages(batch.rewards, batch.uids).to(torch.float64))
     # the separate pass returns float32 logprobs, so the two differ by float32 rounding only
     assert skipped["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-6)

@@ -1,7 +1,8 @@
-"""The actor: a HF Qwen2.5-VL policy, its logprobs, and the GRPO update over mini- and micro-batches.
+"""The actor's math, shared by the single-process actor and every rank of the sharded one: micro-batches, the
+logprob pass and the PPO update loop. ONE loop serves both, so their updates cannot drift apart.
 
 Every forward gets EXPLICIT 3D position ids (`TrainBatch.mrope_position_ids()`, computed by the processor): without
-them transformers silently falls back to 1-D positions and logprobs drift by up to a nat (notes: cpu-engines.md).
+them transformers silently falls back to 1-D positions and logprobs drift by up to a nat.
 
 A micro-batch's loss is its summed token loss divided by the token count of the whole MINI-batch, so accumulating
 micro-batch gradients gives exactly the mini-batch's token-mean gradient: 1 micro-batch of 8 == 8 micro-batches of 1.
@@ -9,14 +10,14 @@ micro-batch gradients gives exactly the mini-batch's token-mean gradient: 1 micr
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from vlmrl.actor.policy import Policy
 from vlmrl.algorithms.grpo import (
     broadcast_to_tokens,
     entropy_from_logits,
@@ -27,30 +28,9 @@ from vlmrl.algorithms.grpo import (
 )
 from vlmrl.config import ActorConfig
 from vlmrl.types import TrainBatch
+from vlmrl.utils.sequences import chunks
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def load_policy(model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Load a Qwen2-VL / Qwen2.5-VL checkpoint (HF format) for training."""
-    from transformers import AutoModelForImageTextToText
-
-    from vlmrl.models import resolve_model_path
-
-    model = AutoModelForImageTextToText.from_pretrained(resolve_model_path(model_path), dtype=dtype)
-    return model.to(device)
 
 
 @dataclass
@@ -123,29 +103,37 @@ def _pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, width - values.shape[1]))
 
 
-def _chunks(rows: Sequence[int], size: int) -> list[list[int]]:
-    return [list(rows[i : i + size]) for i in range(0, len(rows), size)]
+def needs_old_logprobs(config: ActorConfig, batch_rows: int, mini_batch_rows: int) -> bool:
+    """False when a batch gets exactly one optimizer step (one epoch of one mini-batch): the policy that generated it
+    is then the one being updated, so the old logprobs equal the update forward's own (detached) and need no pass."""
+    return not (config.ppo_epochs == 1 and batch_rows == mini_batch_rows)
 
 
-class BaseActor:
-    """What the single-process actor and one FSDP rank's actor (`vlmrl.distributed.actor.ShardedActor`) share: the
-    logprob pass and the PPO update loop. ONE loop serves both, so their math cannot drift apart.
-
-    A subclass builds `config`, `device`, `dtype`, `compute_dtype`, `temperature`, `model`, `reference` (or None),
-    `trainable`, `optimizer` and `scheduler`, and may override `clip_gradients` (a sharded model needs the norm over
-    every rank's shards).
+class ActorCore:
+    """What the single-process actor (`vlmrl.actor.Actor`) and one FSDP rank's actor
+    (`vlmrl.distributed.actor.ShardedActor`) share: a policy built by `vlmrl.actor.policy.build_policy`, the logprob
+    pass and the PPO update loop. A subclass feeds `ppo_update` its mini-batches and loss normalisers, and may
+    override `clip_gradients` (a sharded model needs the norm over every rank's shards).
     """
 
-    config: ActorConfig
-    device: torch.device
-    dtype: torch.dtype
-    compute_dtype: torch.dtype
-    temperature: float
-    model: torch.nn.Module
-    reference: torch.nn.Module | None
-    trainable: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    def __init__(self, config: ActorConfig, policy: Policy, temperature: float):
+        """
+        Args:
+            config: actor settings (the ones `policy` was built from).
+            policy: the built model, reference, optimizer and schedule.
+            temperature: the sampling temperature; logprobs are of softmax(logits / temperature), the policy sampled.
+        """
+        self.config = config
+        self.temperature = temperature
+        self.device = policy.device
+        self.dtype = policy.dtype
+        # master weights stay in self.dtype; the forward runs under autocast when the compute dtype is lower
+        self.compute_dtype = policy.compute_dtype
+        self.model = policy.model
+        self.reference = policy.reference
+        self.trainable = policy.trainable
+        self.optimizer = policy.optimizer
+        self.scheduler = policy.scheduler
 
     def autocast(self):
         """Mixed precision for a forward (and its backward) when compute and weight dtypes differ."""
@@ -174,7 +162,7 @@ class BaseActor:
         width = batch.response_mask.shape[1]
         logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
-        for rows in _chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
+        for rows in chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
             with self.autocast():
                 lp, ent = forward_response(model, micro_batch(batch, rows, self.device), self.temperature, with_entropy)
             logprobs[rows] = _pad_to(lp.cpu(), width)
@@ -204,10 +192,10 @@ class BaseActor:
                 every collective the other ranks issue.
 
         Returns:
-            metrics averaged over optimizer steps (see `Actor.update`).
+            metrics averaged over optimizer steps (see `vlmrl.actor.Actor.update`).
         """
         cfg = self.config
-        if old_logprobs is None and not (cfg.ppo_epochs == 1 and len(normalisers) == 1):
+        if old_logprobs is None and needs_old_logprobs(cfg, len(batch), mini_batch_rows):
             raise ValueError("old_logprobs are needed when the batch gets more than one optimizer step")
         if cfg.use_kl_loss and ref_logprobs is None:
             raise ValueError("actor.use_kl_loss is on but no reference logprobs were given")
@@ -216,7 +204,7 @@ class BaseActor:
         totals: dict[str, float] = {}
         steps = skipped = 0
         for _ in range(cfg.ppo_epochs):
-            for num_tokens, mini_rows in zip(normalisers, _chunks(range(len(batch)), mini_batch_rows), strict=True):
+            for num_tokens, mini_rows in zip(normalisers, chunks(range(len(batch)), mini_batch_rows), strict=True):
                 if num_tokens == 0:  # only padding rows: nothing to learn, and no metric either
                     skipped += 1
                     continue
@@ -253,7 +241,7 @@ class BaseActor:
         compare_rollout = batch.rollout_logprobs is not None and self.temperature == 1.0
         if compare_rollout:
             parts["rollout/logprob_abs_diff"] = 0.0
-        for rows in _chunks(mini_rows, cfg.ppo_micro_batch_size_per_gpu):
+        for rows in chunks(mini_rows, cfg.ppo_micro_batch_size_per_gpu):
             mb = micro_batch(batch, rows, self.device)
             width = mb.response_width
             mask = batch.response_mask[rows, :width].to(self.device)
@@ -285,129 +273,3 @@ class BaseActor:
                 gap = (old - batch.rollout_logprobs[rows, :width].to(self.device)).abs()
                 parts["rollout/logprob_abs_diff"] += float(token_mean(gap, mask, num_tokens))
         return parts
-
-
-class Actor(BaseActor):
-    """The policy being trained, its optimizer, and (when KL is on) a frozen reference copy of the initial weights.
-
-    Single process, single device. `named_tensors()` feeds the rollout backend's weight sync.
-    """
-
-    def __init__(self, config: ActorConfig, total_steps: int, mini_batch_samples: int, temperature: float = 1.0,
-                 init_path: str | None = None):
-        """
-        Args:
-            config: actor settings.
-            total_steps: training steps (for the lr schedule).
-            mini_batch_samples: rows per optimizer step (ppo_mini_batch_size * rollout.n).
-            temperature: the sampling temperature; logprobs are of softmax(logits / temperature), the policy sampled.
-            init_path: load weights from here instead of config.model_path (a checkpoint to resume from); the
-                reference always comes from config.model_path.
-        """
-        self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        # Master weights stay in self.dtype; the forward runs under autocast when the compute dtype differs.
-        self.compute_dtype = resolve_dtype(config.compute_dtype, self.device)
-        self.temperature = temperature
-        self.mini_batch_samples = mini_batch_samples
-        self.model = load_policy(init_path or config.model_path, self.dtype, self.device)
-        self.model.config.use_cache = False
-        if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        if config.freeze_vision_tower:
-            for param in self.model.model.visual.parameters():
-                param.requires_grad_(False)
-        self.reference: torch.nn.Module | None = None
-        if config.use_kl_loss:
-            ref = self.model if init_path is None else load_policy(config.model_path, self.dtype, self.device)
-            self.reference = copy.deepcopy(ref).eval().requires_grad_(False)
-            logger.info("frozen reference loaded from %s (KL %s, coef %g)", config.model_path, config.kl_loss_type,
-                        config.kl_loss_coef)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
-                                           weight_decay=config.optim.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config, total_steps))
-        logger.info("actor %s: %.2fM trainable parameters, %s weights, %s compute on %s", config.model_path,
-                    sum(p.numel() for p in self.trainable) / 1e6, self.dtype, self.compute_dtype, self.device)
-
-    # ---- update -----------------------------------------------------------------------------------------------------
-
-    def skips_old_logprobs(self, batch_rows: int) -> bool:
-        """True when the batch gets exactly one optimizer step: the policy that generated it is then the one being
-        updated, so the old logprobs equal the update forward's own (detached) and need no extra pass."""
-        return self.config.ppo_epochs == 1 and batch_rows == self.mini_batch_samples
-
-    def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-               ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """PPO-clip updates over the batch: ppo_epochs x (len(batch) / mini_batch_samples) optimizer steps, each
-        accumulating micro-batch gradients; then one lr-scheduler step (one per training step).
-
-        Args:
-            batch: B rows, B a multiple of mini_batch_samples (upsampled with padding rows).
-            old_logprobs: (B, R) logprobs of the policy that generated the batch; None only when
-                `skips_old_logprobs(B)` (then they are the update forward's own, detached: ratio 1).
-            advantages: (B,) sequence advantages (0 on padding rows).
-            ref_logprobs: (B, R) reference logprobs; required when the KL loss is on.
-
-        Returns:
-            metrics averaged over optimizer steps: actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, actor/entropy,
-            actor/kl_loss, actor/entropy_loss, actor/grad_norm, actor/lr, actor/skipped_steps, and
-            rollout/logprob_abs_diff (|old - backend| logprobs, at temperature 1 only).
-        """
-        if len(batch) % self.mini_batch_samples:
-            raise ValueError(f"batch of {len(batch)} rows is not a multiple of the mini-batch "
-                             f"({self.mini_batch_samples}); upsample it with padding rows first")
-        normalisers = [batch.response_mask[rows].sum() for rows in _chunks(range(len(batch)), self.mini_batch_samples)]
-        return self.ppo_update(batch, old_logprobs, advantages, ref_logprobs, self.mini_batch_samples, normalisers,
-                               keep_empty_micro_batches=False)
-
-    def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:
-        """One optimizer step of token-mean negative log-likelihood of the response tokens (the format warm-up).
-        Uses the given optimizer (the warm-up's own), never the RL optimizer or its schedule. Returns the loss."""
-        self.model.train()
-        optimizer.zero_grad(set_to_none=True)
-        num_tokens = batch.response_mask.sum()
-        total = 0.0
-        for rows in _chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
-            mb = micro_batch(batch, rows, self.device)
-            mask = batch.response_mask[rows, : mb.response_width].to(self.device)
-            with self.autocast():
-                logprobs, _ = forward_response(self.model, mb, 1.0, with_entropy=False)
-            loss = -token_mean(logprobs, mask, num_tokens)
-            loss.backward()
-            total += float(loss.detach())
-        if self.config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.trainable, self.config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return total
-
-    # ---- weights and state ------------------------------------------------------------------------------------------
-
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of every weight, as `model.state_dict()` names them (what the backends' sync takes)."""
-        for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
-
-    def state_dict(self) -> dict:
-        """Optimizer and scheduler state (the weights are saved in HF format beside it)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-
-
-def _lr_lambda(config: ActorConfig, total_steps: int):
-    warmup, kind = config.optim.lr_warmup_steps, config.optim.lr_scheduler
-
-    def factor(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
-        if kind == "cosine":
-            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return factor

@@ -1,0 +1,64 @@
+"""What the fit loop sees of the policy: the `PolicyActor` protocol.
+
+Two classes implement it: the single-process `vlmrl.actor.Actor` and the driver side of the sharded one,
+`vlmrl.distributed.DistributedActor` (Ray workers, FSDP2). Both run the same construction (`vlmrl.actor.policy`) and
+the same logprob pass and update loop (`vlmrl.actor.core`), so the loop needs no `isinstance` and dp=1 equals dp=N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from vlmrl.rollout import RolloutBackend
+from vlmrl.types import TrainBatch
+
+
+@runtime_checkable
+class PolicyActor(Protocol):
+    """The policy being trained, its optimizer and (with the KL loss) its frozen reference."""
+
+    dp_size: int
+    """Data-parallel ranks: 1 for the single-process actor. Batches must divide by it (padding rows)."""
+
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, R) logprobs of the response tokens (0 on padding) and, optionally, their (B, R) entropy;
+        `reference=True` uses the frozen reference."""
+        ...
+
+    def needs_old_logprobs(self, batch_rows: int) -> bool:
+        """False when a batch of `batch_rows` rows gets exactly one optimizer step: the update forward's own
+        (detached) logprobs are then the old ones, and `update` takes `old_logprobs=None`."""
+        ...
+
+    def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+               ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """The PPO-clip update over the batch (B rows, a multiple of the mini-batch); returns its metrics."""
+        ...
+
+    def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:
+        """One optimizer step of token-mean NLL of the response tokens (the format warm-up); returns the loss."""
+        ...
+
+    def sync_weights(self, backend: RolloutBackend) -> None:
+        """The current weights into the rollout engines behind `backend`."""
+        ...
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every weight."""
+        ...
+
+    def full_model(self) -> torch.nn.Module:
+        """The policy as a plain HF model with the current weights (for `save_pretrained`)."""
+        ...
+
+    def state_dict(self) -> dict:
+        """Optimizer and scheduler state (the weights are saved in HF format beside it)."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load `state_dict()`'s result."""
+        ...

@@ -1,0 +1,111 @@
+"""The single-process actor: the policy on one device, its optimizer, and (when KL is on) a frozen reference copy of
+the initial weights. It implements `vlmrl.actor.PolicyActor` for the fit loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from vlmrl.actor.core import ActorCore, forward_response, micro_batch, needs_old_logprobs
+from vlmrl.actor.policy import build_policy
+from vlmrl.algorithms.grpo import token_mean
+from vlmrl.config import ActorConfig
+from vlmrl.rollout import RolloutBackend
+from vlmrl.types import TrainBatch
+from vlmrl.utils.sequences import chunks
+
+
+class Actor(ActorCore):
+    """The policy being trained on one device. `sync_weights` loads its weights into the rollout backend."""
+
+    dp_size = 1
+
+    def __init__(self, config: ActorConfig, total_steps: int, mini_batch_samples: int, temperature: float = 1.0,
+                 init_path: str | None = None):
+        """
+        Args:
+            config: actor settings.
+            total_steps: training steps (for the lr schedule).
+            mini_batch_samples: rows per optimizer step (ppo_mini_batch_size * rollout.n).
+            temperature: the sampling temperature; logprobs are of softmax(logits / temperature), the policy sampled.
+            init_path: load weights from here instead of config.model_path (a checkpoint to resume from); the
+                reference always comes from config.model_path.
+        """
+        super().__init__(config, build_policy(config, total_steps, init_path), temperature)
+        self.mini_batch_samples = mini_batch_samples
+
+    # ---- update -----------------------------------------------------------------------------------------------------
+
+    def needs_old_logprobs(self, batch_rows: int) -> bool:
+        """False when the batch gets exactly one optimizer step: the old logprobs are then the update forward's own
+        (detached) and need no extra pass."""
+        return needs_old_logprobs(self.config, batch_rows, self.mini_batch_samples)
+
+    def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+               ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """PPO-clip updates over the batch: ppo_epochs x (len(batch) / mini_batch_samples) optimizer steps, each
+        accumulating micro-batch gradients; then one lr-scheduler step (one per training step).
+
+        Args:
+            batch: B rows, B a multiple of mini_batch_samples (upsampled with padding rows).
+            old_logprobs: (B, R) logprobs of the policy that generated the batch; None only when
+                `needs_old_logprobs(B)` is false (then they are the update forward's own, detached: ratio 1).
+            advantages: (B,) sequence advantages (0 on padding rows).
+            ref_logprobs: (B, R) reference logprobs; required when the KL loss is on.
+
+        Returns:
+            metrics averaged over optimizer steps: actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, actor/entropy,
+            actor/kl_loss, actor/entropy_loss, actor/grad_norm, actor/lr, actor/skipped_steps, and
+            rollout/logprob_abs_diff (|old - backend| logprobs, at temperature 1 only).
+        """
+        if len(batch) % self.mini_batch_samples:
+            raise ValueError(f"batch of {len(batch)} rows is not a multiple of the mini-batch "
+                             f"({self.mini_batch_samples}); upsample it with padding rows first")
+        normalisers = [batch.response_mask[rows].sum() for rows in chunks(range(len(batch)), self.mini_batch_samples)]
+        return self.ppo_update(batch, old_logprobs, advantages, ref_logprobs, self.mini_batch_samples, normalisers,
+                               keep_empty_micro_batches=False)
+
+    def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:
+        """One optimizer step of token-mean negative log-likelihood of the response tokens (the format warm-up).
+        Uses the given optimizer (the warm-up's own), never the RL optimizer or its schedule. Returns the loss."""
+        self.model.train()
+        optimizer.zero_grad(set_to_none=True)
+        num_tokens = batch.response_mask.sum()
+        total = 0.0
+        for rows in chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
+            mb = micro_batch(batch, rows, self.device)
+            mask = batch.response_mask[rows, : mb.response_width].to(self.device)
+            with self.autocast():
+                logprobs, _ = forward_response(self.model, mb, 1.0, with_entropy=False)
+            loss = -token_mean(logprobs, mask, num_tokens)
+            loss.backward()
+            total += float(loss.detach())
+        if self.config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    # ---- weights and state ------------------------------------------------------------------------------------------
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every weight, as `model.state_dict()` names them (what the backends' sync takes)."""
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    def sync_weights(self, backend: RolloutBackend) -> None:
+        """The current weights into the backend's engine."""
+        backend.update_weights(self.named_tensors())
+
+    def full_model(self) -> torch.nn.Module:
+        """The live policy (for `save_pretrained`)."""
+        return self.model
+
+    def state_dict(self) -> dict:
+        """Optimizer and scheduler state (the weights are saved in HF format beside it)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

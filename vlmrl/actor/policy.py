@@ -1,0 +1,123 @@
+"""Building the policy: ONE construction path for the single-process actor and every rank of the sharded one.
+
+Device and dtypes are resolved once, the model is loaded with its cache off (training never decodes), gradient
+checkpointing and the frozen vision tower are applied, the KL reference is copied from the initial weights, and
+AdamW plus the lr schedule are built over the trainable parameters. A sharded rank passes `wrap` (FSDP2 around the
+model) and gets everything else unchanged, so the two actors cannot differ in what they train or in which dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vlmrl.config import ActorConfig, OptimConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+"""Weight and compute dtypes by name. float64 is for exactness tests (the config accepts float32 and bfloat16)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto = cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto = bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def load_policy(model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Load a Qwen2-VL / Qwen2.5-VL checkpoint (HF format, or an embedded name or hub id) for training."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models import resolve_model_path
+
+    model = AutoModelForImageTextToText.from_pretrained(resolve_model_path(model_path), dtype=dtype)
+    return model.to(device)
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """step -> lr factor for LambdaLR: linear warm-up over optim.lr_warmup_steps, then constant or cosine to 0 at
+    `total_steps`."""
+    warmup, kind = optim.lr_warmup_steps, optim.lr_scheduler
+
+    def factor(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if kind == "cosine":
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+@dataclass
+class Policy:
+    """A built policy: what `vlmrl.actor.core.ActorCore` runs on."""
+
+    device: torch.device
+    dtype: torch.dtype
+    """Master weights (and optimizer state)."""
+    compute_dtype: torch.dtype
+    """Forward/backward precision: autocast when lower than `dtype`."""
+    model: torch.nn.Module
+    """The policy (wrapped, when built with `wrap`)."""
+    reference: torch.nn.Module | None
+    """The frozen initial weights, when actor.use_kl_loss (wrapped like the model)."""
+    trainable: list[torch.nn.Parameter]
+    """The model's parameters that require grad (all but a frozen vision tower)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    """One step per training step (not per optimizer step)."""
+
+
+def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = None,
+                 wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> Policy:
+    """Load, configure and wrap the policy (and reference), and build its optimizer and lr schedule.
+
+    Args:
+        config: actor settings.
+        total_steps: training steps (the lr schedule's length).
+        init_path: load the policy from here instead of config.model_path (a checkpoint to resume from); the
+            reference always comes from config.model_path.
+        wrap: applied to the policy and to the reference after freezing (a sharded rank: FSDP2); the optimizer is
+            built on the wrapped model's parameters, which wrapping may replace.
+    """
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    compute_dtype = resolve_dtype(config.compute_dtype, device)
+    model = load_policy(init_path or config.model_path, dtype, device)
+    model.config.use_cache = False
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if config.freeze_vision_tower:
+        model.model.visual.requires_grad_(False)
+    reference = None
+    if config.use_kl_loss:
+        initial = model if init_path is None else load_policy(config.model_path, dtype, device)
+        reference = copy.deepcopy(initial).eval().requires_grad_(False)
+        logger.info("frozen reference loaded from %s (KL %s, coef %g)", config.model_path, config.kl_loss_type,
+                    config.kl_loss_coef)
+    if wrap is not None:
+        model = wrap(model)
+        reference = wrap(reference).eval() if reference is not None else None
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
+                                  weight_decay=config.optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.optim, total_steps))
+    logger.info("actor %s: %.2fM trainable parameters, %s weights, %s compute on %s", init_path or config.model_path,
+                sum(p.numel() for p in trainable) / 1e6, dtype, compute_dtype, device)
+    return Policy(device, dtype, compute_dtype, model, reference, trainable, optimizer, scheduler)
