@@ -7,11 +7,15 @@ Layout under OUTPUT_DIR/checkpoints/:
                              trainer_state.json (step, data position, the config; readable by eye)
                              agent_carried.json + .safetensors (partial rollout's carried groups, when agent.enable;
                              vlmrl.agent.carry)
-    latest                   the name of the newest complete checkpoint
+    latest                   the name of the newest complete checkpoint (for people and tools: any model path
+                             accepts it, e.g. actor.model_path=OUTPUT_DIR/checkpoints/latest)
 
 A checkpoint is written into a `.tmp-*` folder and renamed into place only when complete, then `latest` is replaced
 atomically: a run killed at any moment leaves either the previous checkpoint or the new one, never half of one.
-Leftover `.tmp-*` folders are ignored and removed by the next save.
+Resume takes the highest complete step, whatever `latest` says: a kill between the rename and the pointer's rewrite
+leaves the pointer one checkpoint behind. Pruning renames a folder to `.deleting-global_step_N` before removing it, so a
+kill mid-delete never leaves a half-deleted `global_step_N`; `tidy_checkpoints` (at start) removes `.tmp-*` and
+`.deleting-*` leftovers and prunes to max_ckpt_to_keep again.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ STATE_PT = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_TMP, _DELETING = ".tmp-", ".deleting-"
+# A step folder moved aside while the same step is saved again: `.tmp-stale-global_step_N-PID`.
+_STALE = re.compile(r"^\.tmp-stale-(global_step_\d+)-\d+$")
 # Weight files come from save_pretrained; everything else in a model folder (tokenizer, processor, chat template)
 # is copied so that the checkpoint is a complete model folder.
 _WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|msgpack|h5)$|\.index\.json$")
@@ -105,7 +112,7 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
     root = checkpoints_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"global_step_{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{step}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP}global_step_{step}-", dir=root))
     try:
         copy_processor_files(source_model_path, tmp)
         model.save_pretrained(tmp, safe_serialization=True)
@@ -119,7 +126,7 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
         if final.exists():  # the same step saved again (a resumed run): swap, never delete before replacing
-            stale = root / f".tmp-stale-{final.name}-{os.getpid()}"
+            stale = root / f"{_TMP}stale-{final.name}-{os.getpid()}"  # restored by tidy_checkpoints if killed here
             os.rename(final, stale)
             os.rename(tmp, final)
             shutil.rmtree(stale, ignore_errors=True)
@@ -134,26 +141,66 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
     return final
 
 
+def _is_complete(path: Path) -> bool:
+    return all((path / name).exists() for name in (STATE_JSON, STATE_PT, "config.json"))
+
+
 def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     found = []
     if root.is_dir():
         for path in root.iterdir():
             match = _STEP_DIR.match(path.name)
-            if match and (path / STATE_JSON).exists() and (path / STATE_PT).exists():
+            if match and _is_complete(path):
                 found.append((int(match.group(1)), path))
     return sorted(found)
 
 
+def _delete(path: Path) -> None:
+    """Rename aside, then remove: a kill in the middle leaves a `.deleting-*` folder (removed at the next start),
+    never a half-deleted `global_step_N` that still looks like a checkpoint."""
+    aside = path.with_name(_DELETING + path.name)
+    if aside.exists():
+        shutil.rmtree(aside)
+    os.rename(path, aside)
+    shutil.rmtree(aside)
+
+
 def _prune(root: Path, keep: int | None, newest: Path) -> None:
-    for path in root.iterdir():  # leftovers of runs killed mid-save
-        if path.name.startswith(".tmp-") and path.is_dir():
+    for path in root.iterdir():  # leftovers of runs killed mid-save or mid-delete
+        stale = _STALE.match(path.name)
+        if stale and not (root / stale.group(1)).exists():
+            continue  # the only copy of that step (tidy_checkpoints puts it back)
+        if path.name.startswith((_TMP, _DELETING)) and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
     if keep is None:
         return
     complete = _complete_checkpoints(root)
     for _, path in complete[: max(0, len(complete) - keep)]:
         if path != newest:
-            shutil.rmtree(path, ignore_errors=True)
+            _delete(path)
+
+
+def tidy_checkpoints(output_dir: str | os.PathLike, keep: int | None) -> None:
+    """At the start of a run that may resume: finish what a killed run left half done. A step folder moved aside for a
+    re-save goes back if its replacement never arrived; `.tmp-*` (interrupted saves) and `.deleting-*` (interrupted
+    deletes) folders go, as do incomplete step folders older than the newest complete one (deleted by an earlier
+    version without the rename); then the newest `keep` complete checkpoints stay."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        stale = _STALE.match(path.name)
+        if stale and not (root / stale.group(1)).exists() and _is_complete(path):
+            os.rename(path, root / stale.group(1))
+            logger.warning("restored %s, moved aside by a run killed while saving that step again", stale.group(1))
+    complete = _complete_checkpoints(root)
+    newest = complete[-1][0] if complete else -1
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and int(match.group(1)) < newest and not _is_complete(path):
+            logger.warning("removing %s: an incomplete checkpoint older than global_step_%d", path, newest)
+            _delete(path)
+    _prune(root, keep, complete[-1][1] if complete else root)
 
 
 def refuse_earlier_checkpoints(output_dir: str | os.PathLike) -> None:
@@ -169,16 +216,18 @@ def refuse_earlier_checkpoints(output_dir: str | os.PathLike) -> None:
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint: the one `latest` names, else the highest complete step; None when none."""
+    """The newest complete checkpoint (highest complete step), whatever `latest` says; None when there is none."""
     root = checkpoints_root(output_dir)
-    pointer = root / LATEST
-    if pointer.exists():
-        named = root / pointer.read_text().strip()
-        if (named / STATE_JSON).exists() and (named / STATE_PT).exists():
-            return named
-        logger.warning("%s names %s, which is missing or incomplete; using the newest complete one", pointer, named)
     complete = _complete_checkpoints(root)
-    return complete[-1][1] if complete else None
+    if not complete:
+        return None
+    newest = complete[-1][1]
+    pointer = root / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if named != newest.name:
+        logger.warning("%s names %s but the newest complete checkpoint is %s (a run killed before the pointer was "
+                       "rewritten); using %s", pointer, named, newest.name, newest.name)
+    return newest
 
 
 def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
