@@ -2,6 +2,7 @@
 
 from vlmrl.data.dataset import (
     BatchSampler,
+    DataError,
     RequestBatch,
     RLDataset,
     build_requests,
@@ -14,6 +15,7 @@ from vlmrl.data.synthetic import TASKS, write_synthetic
 __all__ = [
     "TASKS",
     "BatchSampler",
+    "DataError",
     "RLDataset",
     "RequestBatch",
     "build_requests",
