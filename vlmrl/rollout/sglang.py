@@ -58,6 +58,7 @@ from vlmrl.rollout.base import (
     sample_seed,
     top_allowed,
 )
+from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -308,6 +309,7 @@ class SGLangBackend(_SGLangCommon):
         saved = {k: os.environ.get(k) for k in env if k != "SGLANG_USE_CPU_ENGINE"}
         os.environ.update(env)
         try:
+            route_engine_logs("sglang", self.options.log_level)
             import sglang
 
             # Built on this engine thread: no signal handlers are installed and the engine's event loop is this
@@ -357,7 +359,7 @@ class SGLangBackend(_SGLangCommon):
 
         self._runner.call("update weights", run, self.options.timeout_s)
         self.weight_version += 1
-        logger.info("sglang: loaded %d tensors (weight version %d); caches flushed", len(state), self.weight_version)
+        logger.debug("sglang: loaded %d tensors (weight version %d); caches flushed", len(state), self.weight_version)
 
     def call_engine(self, method: str, body: dict) -> Any:
         return self._runner.call(method, lambda: getattr(self.engine, method)(**body), self.options.timeout_s)
@@ -486,7 +488,7 @@ class SGLangServerBackend(_SGLangCommon):
             raise RolloutError(f"{self.name}: update_weights_from_disk refused: {reply.get('message')}")
         self._flush()  # the update flushes too, but refuses quietly while requests run
         self.weight_version += 1
-        logger.info("sglang-server: loaded %d tensors (weight version %d)", len(state), self.weight_version)
+        logger.debug("sglang-server: loaded %d tensors (weight version %d)", len(state), self.weight_version)
 
     def _flush(self) -> None:
         import requests

@@ -36,6 +36,7 @@ from vlmrl.rollout.base import (
     sample_seed,
     top_allowed,
 )
+from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class VLLMBackend(RolloutBackend):
         self._sleeping = False
 
     def _start(self):
+        route_engine_logs("vllm", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))  # before vLLM configures its logging
         from vllm import LLM
 
         o = self.options
@@ -285,7 +287,7 @@ class VLLMBackend(RolloutBackend):
             return loaded[0]
 
         count = self._runner.call("update weights", run, self.options.timeout_s)
-        logger.info("vllm: loaded %d tensors; encoder and prefix caches reset", count)
+        logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: not on the console
 
     def sleep(self) -> None:
         if not self.options.enable_sleep_mode:
