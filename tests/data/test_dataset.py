@@ -215,7 +215,7 @@ def test_easyr1_schema_without_data_source_loads_as_unknown(tmp_path):
     assert data[0]["data_source"] == "unknown" and data[0]["answer"] == "60"
 
 
-# ---------------------------------------------------------------------------------------------- data errors name the file
+# ------------------------------------------------------------------------------------ data errors name the file
 
 
 def test_an_empty_parquet_file_is_named_with_no_rows(tmp_path):

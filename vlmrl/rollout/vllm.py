@@ -287,7 +287,7 @@ class VLLMBackend(RolloutBackend):
             return loaded[0]
 
         count = self._runner.call("update weights", run, self.options.timeout_s)
-        logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: not on the console
+        logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: DEBUG
 
     def sleep(self) -> None:
         if not self.options.enable_sleep_mode:
