@@ -83,7 +83,8 @@ def test_half_written_checkpoints_are_never_picked_up(tmp_path, model, tiny_mode
     shutil.copytree(good, incomplete)
     (incomplete / "trainer_state.pt").unlink()
     assert latest_checkpoint(tmp_path) == good
-    (root / "latest").write_text("global_step_9\n")  # pointer to something that is not there
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("global_step_9")  # a link to something that is not there
     assert latest_checkpoint(tmp_path) == good
     _save(tmp_path, model, tiny_model_path, 7)
     assert not (root / ".tmp-global_step_6-abc").exists(), "leftovers are cleaned by the next save"
@@ -160,19 +161,31 @@ def _save_loop_killed(out, real, patch, kill_when, before_kill="pass"):
 
 
 def test_kill_9_between_the_rename_and_the_pointer_resumes_from_the_new_checkpoint(tmp_path):
-    # the third rewrite of `latest` never happens: global_step_3 is in place, the pointer still names global_step_2
-    _save_loop_killed(tmp_path, "ckpt.write_text_atomically", "ckpt.write_text_atomically", "calls == 3")
+    # the third rewrite of `latest` never happens: global_step_3 is in place, the link still names global_step_2
+    _save_loop_killed(tmp_path, "ckpt._point_latest", "ckpt._point_latest", "calls == 3")
     root = checkpoints_root(tmp_path)
-    assert (root / "latest").read_text().strip() == "global_step_2"
+    assert os.readlink(root / "latest") == "global_step_2"
     assert (root / "global_step_3").is_dir()
     assert latest_checkpoint(tmp_path) == root / "global_step_3"
+    tidy_checkpoints(tmp_path, keep=2)  # the next start points the link at the newest again
+    assert os.readlink(root / "latest") == "global_step_3"
 
 
 def test_the_pointer_lagging_by_one_is_overruled_by_the_newest_complete_step(tmp_path):
     _light_save(tmp_path, 1)
     _light_save(tmp_path, 2)
-    (checkpoints_root(tmp_path) / "latest").write_text("global_step_1\n")  # as after a kill before the rewrite
+    latest = checkpoints_root(tmp_path) / "latest"
+    latest.unlink()
+    latest.write_text("global_step_1\n")  # as an earlier version wrote it, after a kill before the rewrite
     assert latest_checkpoint(tmp_path).name == "global_step_2"
+
+
+def test_latest_is_a_model_path_like_any_other(tmp_path):
+    _light_save(tmp_path, 1)
+    _light_save(tmp_path, 2)
+    latest = checkpoints_root(tmp_path) / "latest"
+    assert latest.is_dir() and os.readlink(latest) == "global_step_2"  # relative: the output folder can move
+    assert (latest / "config.json").exists() and load_checkpoint_state(latest)[1]["step"] == 2
 
 
 def test_kill_9_in_the_middle_of_pruning_leaves_no_extra_checkpoint_after_the_next_start(tmp_path):

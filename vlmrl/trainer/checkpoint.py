@@ -7,15 +7,15 @@ Layout under OUTPUT_DIR/checkpoints/:
                              trainer_state.json (step, data position, the config; readable by eye)
                              agent_carried.json + .safetensors (partial rollout's carried groups, when agent.enable;
                              vlmrl.agent.carry)
-    latest                   the name of the newest complete checkpoint (for people and tools: any model path
-                             accepts it, e.g. actor.model_path=OUTPUT_DIR/checkpoints/latest)
+    latest                   a symlink to the newest complete checkpoint folder: a model path like any other
+                             (actor.model_path=OUTPUT_DIR/checkpoints/latest, vllm serve ..., from_pretrained)
 
 A checkpoint is written into a `.tmp-*` folder and renamed into place only when complete, then `latest` is replaced
 atomically: a run killed at any moment leaves either the previous checkpoint or the new one, never half of one.
-Resume takes the highest complete step, whatever `latest` says: a kill between the rename and the pointer's rewrite
-leaves the pointer one checkpoint behind. Pruning renames a folder to `.deleting-global_step_N` before removing it, so a
+Resume takes the highest complete step, whatever `latest` says: a kill between the rename and the link's rewrite
+leaves the link one checkpoint behind (the next start points it at the newest again). Pruning renames a folder to `.deleting-global_step_N` before removing it, so a
 kill mid-delete never leaves a half-deleted `global_step_N`; `tidy_checkpoints` (at start) removes `.tmp-*` and
-`.deleting-*` leftovers and prunes to max_ckpt_to_keep again.
+`.deleting-*` leftovers, prunes to max_ckpt_to_keep again and points `latest` at the newest.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from vlmrl.atomic import write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -135,10 +133,18 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    write_text_atomically(root / LATEST, final.name + "\n")
+    _point_latest(root, final.name)
     _prune(root, keep, final)
     logger.info("checkpoint saved: %s", final)
     return final
+
+
+def _point_latest(root: Path, name: str) -> None:
+    """`latest` -> `name` (a relative symlink: the folder can move), replaced atomically."""
+    tmp = root / f"{_TMP}latest-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(name, tmp)
+    os.replace(tmp, root / LATEST)
 
 
 def _is_complete(path: Path) -> bool:
@@ -170,8 +176,11 @@ def _prune(root: Path, keep: int | None, newest: Path) -> None:
         stale = _STALE.match(path.name)
         if stale and not (root / stale.group(1)).exists():
             continue  # the only copy of that step (tidy_checkpoints puts it back)
-        if path.name.startswith((_TMP, _DELETING)) and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
+        if path.name.startswith((_TMP, _DELETING)):
+            if path.is_symlink():  # a `latest` link that was not yet renamed into place
+                path.unlink()
+            elif path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
     if keep is None:
         return
     complete = _complete_checkpoints(root)
@@ -201,6 +210,8 @@ def tidy_checkpoints(output_dir: str | os.PathLike, keep: int | None) -> None:
             logger.warning("removing %s: an incomplete checkpoint older than global_step_%d", path, newest)
             _delete(path)
     _prune(root, keep, complete[-1][1] if complete else root)
+    if complete and _pointer(root) != complete[-1][1].name:
+        _point_latest(root, complete[-1][1].name)
 
 
 def refuse_earlier_checkpoints(output_dir: str | os.PathLike) -> None:
@@ -222,12 +233,19 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     if not complete:
         return None
     newest = complete[-1][1]
-    pointer = root / LATEST
-    named = pointer.read_text().strip() if pointer.is_file() else None
+    named = _pointer(root)
     if named != newest.name:
-        logger.warning("%s names %s but the newest complete checkpoint is %s (a run killed before the pointer was "
-                       "rewritten); using %s", pointer, named, newest.name, newest.name)
+        logger.warning("%s names %s but the newest complete checkpoint is %s (a run killed before the link was "
+                       "rewritten); using %s", root / LATEST, named, newest.name, newest.name)
     return newest
+
+
+def _pointer(root: Path) -> str | None:
+    """The folder `latest` names: a symlink, or the text file that earlier versions wrote."""
+    pointer = root / LATEST
+    if pointer.is_symlink():
+        return os.readlink(pointer)
+    return pointer.read_text().strip() if pointer.is_file() else None
 
 
 def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
