@@ -2,6 +2,7 @@
 
 from vlmrl.data.dataset import (
     BatchSampler,
+    DataError,
     PromptQueue,
     RequestBatch,
     RLDataset,
@@ -16,6 +17,9 @@ __all__ = [
     "TASKS",
     "BatchSampler",
     "PromptQueue",
+
+
+    "DataError",
     "RLDataset",
     "RequestBatch",
     "build_requests",

@@ -35,7 +35,8 @@ class ProcessorConfig:
     allow_remote_images: bool = False
     """Fetch http(s) image URLs. Off by default: a dataset should not make the trainer reach the network."""
     remote_timeout_s: float = 10.0
-    """Timeout of one remote image fetch (connect and each read), when `allow_remote_images`."""
+    """Deadline of one remote image fetch (the whole download; connect and headers: each read), when
+    `allow_remote_images`."""
     remote_max_bytes: int = 32 * 1024 * 1024
     """Largest remote image accepted, in bytes; the download stops past it."""
     max_image_pixels: int = 89_478_485

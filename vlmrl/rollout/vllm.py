@@ -36,6 +36,7 @@ from vlmrl.rollout.base import (
     sample_seed,
     top_allowed,
 )
+from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
 
@@ -155,6 +156,7 @@ class VLLMBackend(RolloutBackend):
         self._sleeping = False
 
     def _start(self):
+        route_engine_logs("vllm", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))  # before vLLM configures its logging
         from vllm import LLM
 
         o = self.options
@@ -276,7 +278,7 @@ class VLLMBackend(RolloutBackend):
             return loaded[0]
 
         count = self._runner.call("update weights", run, self.options.timeout_s)
-        logger.info("vllm: loaded %d tensors; encoder and prefix caches reset", count)
+        logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: DEBUG
 
     def sleep(self) -> None:
         if not self.options.enable_sleep_mode:
