@@ -106,11 +106,14 @@ def test_remote_url_refused_unless_allowed(processor):
 
 
 class _Server:
-    """A local HTTP server (loopback only) serving a good image, an oversized one and one that never answers."""
+    """A local HTTP server (loopback only) serving a good image, an oversized one, one that never answers and one
+    that trickles a byte at a time."""
 
     def __init__(self, image: bytes):
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
+                if self.path == "/trickle":  # one byte every 0.5 s, 16 at most: ends by itself within 8 s
+                    return self._trickle()
                 if self.path == "/slow":
                     time.sleep(3)
                 body = image if self.path != "/big" else b"\0" * (2 * 1024 * 1024)
@@ -121,6 +124,18 @@ class _Server:
                     self.wfile.write(body)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up first (timeout, size limit): what the test wants
+
+            def _trickle(self):
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(image)))
+                    self.end_headers()
+                    for byte in image[:16]:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(0.5)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
 
             def log_message(self, *args):
                 pass
@@ -148,6 +163,18 @@ def test_remote_images_when_allowed_have_a_timeout_and_a_size_limit(tiny_model_p
         start = time.monotonic()
         _bad(processor, [f"{server.url}/slow"], "cannot fetch remote image")
         assert time.monotonic() - start < 2.5  # gave up at our timeout instead of waiting for the server
+    finally:
+        server.close()
+
+
+def test_remote_timeout_bounds_the_whole_download_not_each_read(tiny_model_path):
+    server = _Server(png_bytes(noise_image(90, 60, seed=9)))
+    try:
+        processor = load_processor(tiny_model_path, ProcessorConfig(allow_remote_images=True, remote_timeout_s=1.0))
+        start = time.monotonic()
+        # every read gets a byte within 0.5 s (under the timeout): only a deadline for the whole body ends it
+        _bad(processor, [f"{server.url}/trickle"], "remote_timeout_s=1.0")
+        assert time.monotonic() - start < 2.5
     finally:
         server.close()
 

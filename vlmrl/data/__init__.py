@@ -5,6 +5,7 @@ from importlib import import_module
 # Imported on first use: the run config reads this package's config module and must not import torch.
 _LAZY = {
     "BatchSampler": "dataset",
+    "DataError": "dataset",
     "PromptQueue": "dataset",
     "RequestBatch": "dataset",
     "RLDataset": "dataset",

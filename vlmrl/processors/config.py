@@ -38,10 +38,11 @@ class ProcessorConfig:
     allow_remote_images: bool = False
     """Fetch http(s) image URLs found in the data. Off: a dataset cannot make the trainer reach the network."""
     remote_timeout_s: float = 10.0
-    """Timeout of one remote image fetch (connect and each read), when allow_remote_images."""
-    remote_max_bytes: int = 33554432
+    """Deadline of one remote image fetch (the whole download; connect and headers: each read), when
+    allow_remote_images."""
+    remote_max_bytes: int = 32 * 1024 * 1024
     """Largest remote image accepted, in bytes (32 MiB); the download stops past it."""
-    max_image_pixels: int = 89478485
+    max_image_pixels: int = 89_478_485
     """Decompression-bomb guard: an image whose header declares more pixels than this is rejected before it is
     decoded (PIL's default). Not a resize bound: see max_pixels."""
 

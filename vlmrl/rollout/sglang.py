@@ -59,6 +59,7 @@ from vlmrl.rollout.base import (
     top_allowed,
 )
 from vlmrl.rollout.config import ServerOptions, ServingEngineOptions
+from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_process_group, kill_tree
 
@@ -271,6 +272,7 @@ class SGLangBackend(_SGLangCommon):
         if "SGLANG_USE_CPU_ENGINE" in env:
             os.environ["SGLANG_USE_CPU_ENGINE"] = env.pop("SGLANG_USE_CPU_ENGINE")
         with env_override(env):
+            route_engine_logs("sglang", self.options.log_level)
             import sglang
 
             # Built on this engine thread: no signal handlers are installed and the engine's event loop is this
@@ -314,7 +316,7 @@ class SGLangBackend(_SGLangCommon):
 
         self._runner.call("update weights", run, self.options.timeout_s)
         self.weight_version += 1
-        logger.info("sglang: loaded %d tensors (weight version %d); caches flushed", len(state), self.weight_version)
+        logger.debug("sglang: loaded %d tensors (weight version %d); caches flushed", len(state), self.weight_version)
 
     def call_engine(self, method: str, body: dict) -> Any:
         return self._runner.call(method, lambda: getattr(self.engine, method)(**body), self.options.timeout_s)
@@ -443,7 +445,7 @@ class SGLangServerBackend(_SGLangCommon):
             raise RolloutError(f"{self.name}: update_weights_from_disk refused: {reply.get('message')}")
         self._flush()  # the update flushes too, but refuses quietly while requests run
         self.weight_version += 1
-        logger.info("sglang-server: loaded %d tensors (weight version %d)", len(state), self.weight_version)
+        logger.debug("sglang-server: loaded %d tensors (weight version %d)", len(state), self.weight_version)
 
     def _flush(self) -> None:
         import requests

@@ -37,6 +37,7 @@ from vlmrl.rollout.base import (
     top_allowed,
 )
 from vlmrl.rollout.config import ServingEngineOptions
+from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
 
@@ -153,6 +154,7 @@ class VLLMBackend(RolloutBackend):
         self._sleeping = False
 
     def _start(self):
+        route_engine_logs("vllm", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))  # before vLLM configures its logging
         from vllm import LLM
 
         o = self.options
@@ -274,7 +276,7 @@ class VLLMBackend(RolloutBackend):
             return loaded[0]
 
         count = self._runner.call("update weights", run, self.options.timeout_s)
-        logger.info("vllm: loaded %d tensors; encoder and prefix caches reset", count)
+        logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: DEBUG
 
     def sleep(self) -> None:
         if not self.options.enable_sleep_mode:

@@ -39,6 +39,7 @@ from vlmrl.trainer.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+    tidy_checkpoints,
 )
 from vlmrl.trainer.components import load_run_processor, start_agent, start_run_backend
 from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_curves, truncate_after
@@ -326,6 +327,8 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     output_dir = Path(t.output_dir)
     if not t.resume:
         refuse_earlier_checkpoints(output_dir)
+    else:  # what a killed run left half done (moved-aside, half-deleted or temporary folders; one too many kept)
+        tidy_checkpoints(output_dir, t.max_ckpt_to_keep)
     write_text_atomically(output_dir / "config.yaml", to_yaml(config))
     processor = load_run_processor(config)
     train_data = load_dataset(d.train_files, "train", prompt_key=d.prompt_key, image_key=d.image_key,
