@@ -187,7 +187,8 @@ def test_decompression_bomb_rejected_before_decoding(processor):
 
 
 def test_pixel_limit_is_configurable(tiny_model_path):
-    processor = load_processor(tiny_model_path, ProcessorConfig(max_image_pixels=100 * 100))
+    # resized to at most 84 x 84 = 7056 pixels: a guard below the resize bound would be refused (see test_processor)
+    processor = load_processor(tiny_model_path, ProcessorConfig(max_pixels=84 * 84, max_image_pixels=100 * 100))
     assert processor.build_request(image_row("<image>?", [noise_image(100, 100)]), ROW).images
     _bad(processor, [noise_image(101, 100)], "max_image_pixels=10000")
 
@@ -210,12 +211,13 @@ def test_overlong_prompt_filtered_or_rejected_counting_image_tokens(tiny_model_p
     unexpanded = len(probe.prompt_ids)
     expanded = unexpanded - 1 + 16
     # the limit counts EXPANDED tokens: a prompt whose text fits but whose image does not is over the limit
-    for policy, error in (("filter", FilteredRow), ("error", BadRowError)):
-        processor = load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=expanded - 1, on_overlong=policy))
+    for filtered, error in ((True, FilteredRow), (False, BadRowError)):
+        processor = load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=expanded - 1,
+                                                                    filter_overlong_prompts=filtered))
         with pytest.raises(error, match=f"prompt is {expanded} tokens .* > max_prompt_length={expanded - 1}") as info:
             processor.build_request(row, index=ROW)
         assert info.value.row_index == ROW
-        assert isinstance(info.value, FilteredRow) == (policy == "filter")
+        assert isinstance(info.value, FilteredRow) == filtered
     # at exactly the limit it passes, whole: every image placeholder kept
     fits = load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=expanded)).build_request(row)
     assert fits.prompt_ids == probe.prompt_ids and len(fits.images) == 1

@@ -425,9 +425,9 @@ class AgentLoop:
                 traj.count("tool/images_over_limit")
                 continue
             try:
-                rgb = load_image(image, self.processor.image_limits)  # the data.* image-safety settings
+                rgb = load_image(image, self.processor.config)  # the data.* image-safety settings
                 shown.append(resize_image(rgb, self.processor.min_pixels, self.processor.max_pixels,
-                                          self.processor.config.image_factor))
+                                          self.processor.image_factor))
             except ImageInputError as err:
                 traj.count("tool/bad_images")
                 notes.append(f"(image {i} from {tool_name!r} is unusable: {err})")

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from vlmrl.processors.config import ProcessorConfig
+from vlmrl.processors.config import ProcessorConfig, max_image_pixels_problem
 from vlmrl.processors.errors import BadRowError, FilteredRow
-from vlmrl.processors.images import ImageInputError, ImageLimits, image_hash, load_image, resize_image
+from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
 from vlmrl.processors.rope import mrope_position_ids
 from vlmrl.types import RolloutRequest
 
@@ -32,12 +32,17 @@ VIDEO_MARKER = "<video>"  # ... and video positions with this (not supported: su
 def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Processor:
     """The processor of a Qwen2-VL / Qwen2.5-VL checkpoint folder (or an embedded name: `tiny`, `tiny-large`).
 
-    Raises ValueError naming the architecture for any other model. Loads no remote code.
+    `config` is a ProcessorConfig or the run's data section (a DataConfig is one). Raises ValueError naming the
+    architecture for any other model, or listing what is wrong with the config. Loads no remote code.
     """
     from transformers import AutoProcessor
 
     from vlmrl.models import resolve_model_path
 
+    config = config or ProcessorConfig()
+    problems = config.problems()
+    if problems:
+        raise ValueError("invalid processor configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     path = Path(resolve_model_path(model_path))
     model_config = _read_json(path / "config.json")
     model_type = model_config.get("model_type")
@@ -49,10 +54,10 @@ def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Pr
         )
     hf_processor = AutoProcessor.from_pretrained(str(path))
     generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
-    processor = Processor(hf_processor, model_config, generation, config or ProcessorConfig())
+    processor = Processor(hf_processor, model_config, generation, config)
     logger.info("processor for %s (%s): images %d..%d pixels, factor %d, max_prompt_length %d", path,
                 SUPPORTED_MODEL_TYPES[model_type], processor.min_pixels, processor.max_pixels,
-                processor.config.image_factor, processor.config.max_prompt_length)
+                processor.image_factor, processor.config.max_prompt_length)
     return processor
 
 
@@ -75,18 +80,13 @@ class Processor:
         self.patch_size: int = int(self.image_processor.patch_size)
         self.spatial_merge_size: int = int(self.image_processor.merge_size)
         self.temporal_patch_size: int = int(self.image_processor.temporal_patch_size)
+        self.image_factor: int = self.patch_size * self.spatial_merge_size
+        """Resized image sides are multiples of this (qwen-vl-utils' rule): the model's patch size x merge size."""
         self.min_pixels, self.max_pixels = self._pixel_bounds()
-        # Where images may come from and how large they may be: shared with tool images in the agent loop.
-        self.image_limits = ImageLimits(config.data_root, config.allow_remote_images, config.remote_timeout_s,
-                                   config.remote_max_bytes, config.max_image_pixels)
 
     def _pixel_bounds(self) -> tuple[int, int]:
         """Config bounds, checked to lie within the model's: the engines run the model's image processor, which
         must find our resized images already valid (else it resizes again and the two sides disagree)."""
-        factor = self.patch_size * self.spatial_merge_size
-        if self.config.image_factor != factor:
-            raise ValueError(f"image_factor={self.config.image_factor} but the model's image processor needs "
-                             f"{factor} (patch {self.patch_size} x merge {self.spatial_merge_size}): set {factor}")
         size = self.image_processor.size
         model_min, model_max = int(size["shortest_edge"]), int(size["longest_edge"])
         low = self.config.min_pixels if self.config.min_pixels is not None else model_min
@@ -97,6 +97,8 @@ class Processor:
                 f"[{model_min}, {model_max}] (preprocessor size shortest_edge/longest_edge); the engines would "
                 "resize the images again. Change min_pixels/max_pixels or the model's processor config."
             )
+        if self.config.max_image_pixels < high:  # the model's bound, when data.max_pixels is null
+            raise ValueError(max_image_pixels_problem(self.config.max_image_pixels, high))
         return low, high
 
     # ---------------------------------------------------------------- rows -> requests
@@ -126,8 +128,8 @@ class Processor:
         images = []
         for i, source in enumerate(sources):
             try:
-                loaded = load_image(source, self.image_limits)
-                images.append(resize_image(loaded, self.min_pixels, self.max_pixels, self.config.image_factor))
+                loaded = load_image(source, self.config)
+                images.append(resize_image(loaded, self.min_pixels, self.max_pixels, self.image_factor))
             except ImageInputError as err:
                 self._bad_image(index, f"image {i}: {err}")
         text = self.hf_processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -139,7 +141,7 @@ class Processor:
         if expanded > self.config.max_prompt_length:
             reason = (f"prompt is {expanded} tokens (expanded, with {len(images)} images) > max_prompt_length="
                       f"{self.config.max_prompt_length}; never truncated (it would cut through an image)")
-            raise (FilteredRow if self.config.on_overlong == "filter" else BadRowError)(index, reason)
+            raise (FilteredRow if self.config.filter_overlong_prompts else BadRowError)(index, reason)
         reward_model = row.get("reward_model") or {}
         return RolloutRequest(
             uid=uuid.uuid4().hex,

@@ -36,6 +36,7 @@ from vlmrl.rollout.base import (
     sample_seed,
     top_allowed,
 )
+from vlmrl.rollout.config import ServingEngineOptions
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
@@ -46,13 +47,10 @@ WORKER_EXTENSION = "vlmrl.rollout.vllm.WeightSyncWorkerExtension"
 
 
 @dataclass
-class VLLMOptions(RolloutOptions):
-    """Options of the `vllm` backend (names as in verl/EasyR1 and vLLM's own arguments)."""
+class VLLMOptions(ServingEngineOptions, RolloutOptions):
+    """Options of the `vllm` backend (names as in verl/EasyR1 and vLLM's own arguments). On CPU, the KV cache is
+    cpu_kv_cache_gb instead of a share of gpu_memory_utilization."""
 
-    gpu_memory_utilization: float = 0.6
-    """Fraction of GPU memory vLLM may take (weights + KV cache). Ignored on CPU (see cpu_kv_cache_gb)."""
-    tensor_parallel_size: int = 1
-    """Tensor parallel degree."""
     enforce_eager: bool | None = None
     """Disable CUDA graphs; None = True on CPU, False on CUDA."""
     max_num_batched_tokens: int = 16384
