@@ -14,8 +14,17 @@ import torch
 from PIL import Image
 
 from tests.agent import scripted
-from tests.agent.helpers import (GREEDY, P, R, AsyncZoom, CountingEcho, Lifecycle, assert_same_groups,
-                                assert_same_sample, requests)
+from tests.agent.helpers import (
+    GREEDY,
+    AsyncZoom,
+    CountingEcho,
+    Lifecycle,
+    P,
+    R,
+    assert_same_groups,
+    assert_same_sample,
+    requests,
+)
 from vlmrl.agent import AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry, Trajectory
 from vlmrl.agent.builtin import Geo3kAnswerTool
 from vlmrl.agent.carry import CARRIED_JSON, CARRIED_TENSORS, PNG_MODES, TRAJECTORY_FIELDS, read_carried, write_carried

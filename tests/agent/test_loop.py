@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.agent import scripted
-from tests.agent.helpers import GREEDY, P, R, EchoTool, HangingZoomTool, Lifecycle, check_long_sample, tool_turn_texts
+from tests.agent.helpers import GREEDY, EchoTool, HangingZoomTool, Lifecycle, P, R, check_long_sample, tool_turn_texts
 from vlmrl.agent import AgentConfig, AgentLoop, Tool, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
 from vlmrl.types import SamplingParams

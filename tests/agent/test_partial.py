@@ -4,7 +4,7 @@ the next step with each token tagged by the policy version that generated it; dr
 from __future__ import annotations
 
 from tests.agent import scripted
-from tests.agent.helpers import GREEDY, P, R, EchoTool, Lifecycle, full_ids, requests
+from tests.agent.helpers import GREEDY, EchoTool, Lifecycle, P, R, full_ids, requests
 from vlmrl.agent import TOOL_VERSION, AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
 

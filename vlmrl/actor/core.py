@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.policy import Policy
 from vlmrl.algorithms.grpo import (
     broadcast_to_tokens,
@@ -26,7 +27,6 @@ from vlmrl.algorithms.grpo import (
     ppo_clip_loss,
     token_mean,
 )
-from vlmrl.config import ActorConfig
 from vlmrl.types import TrainBatch
 from vlmrl.utils.sequences import chunks
 
