@@ -188,6 +188,18 @@ def test_latest_is_a_model_path_like_any_other(tmp_path):
     assert (latest / "config.json").exists() and load_checkpoint_state(latest)[1]["step"] == 2
 
 
+def test_a_copy_that_followed_the_latest_link_is_resumed_and_saved_into(tmp_path):
+    """shutil.copytree (and rsync -L, object stores) turn `latest` into a real folder: the copy still resumes from its
+    newest step, and the next save puts the link back instead of failing on the folder."""
+    _light_save(tmp_path / "run", 1)
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "run", copy)
+    assert not (checkpoints_root(copy) / "latest").is_symlink()
+    assert latest_checkpoint(copy).name == "global_step_1"
+    _light_save(copy, 2)
+    assert os.readlink(checkpoints_root(copy) / "latest") == "global_step_2"
+
+
 def test_kill_9_in_the_middle_of_pruning_leaves_no_extra_checkpoint_after_the_next_start(tmp_path):
     # the first delete (of global_step_1, at the third save) removes the weights file, then the process dies
     _save_loop_killed(tmp_path, "shutil.rmtree", "shutil.rmtree", "calls == 1",

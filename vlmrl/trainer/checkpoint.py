@@ -144,7 +144,14 @@ def _point_latest(root: Path, name: str) -> None:
     tmp = root / f"{_TMP}latest-{os.getpid()}"
     tmp.unlink(missing_ok=True)
     os.symlink(name, tmp)
-    os.replace(tmp, root / LATEST)
+    latest = root / LATEST
+    if latest.is_dir() and not latest.is_symlink():
+        # A copy that followed the link (shutil.copytree, rsync -L, an object store) left a real folder here: it is
+        # a duplicate of a global_step_N folder, and a folder cannot be replaced by a link.
+        logger.warning("%s is a folder, not our link (copied with links followed?): replacing it by a link to %s",
+                       latest, name)
+        shutil.rmtree(latest)
+    os.replace(tmp, latest)
 
 
 def _is_complete(path: Path) -> bool:
