@@ -1,7 +1,7 @@
 """The VLM batch layout: per-sample padding as each sample finishes, stacking, padding rows, metrics without them.
 
 Layout of one row (P = prompt_length, R = response_length, L = P + R, both FIXED by the config so that every
-sample, every rank and every step has the same shape, pitfall 11):
+sample, every rank and every step has the same shape; ranks padded to different lengths cannot be gathered):
 
     input_ids       [pad ... pad | prompt (expanded) | response | pad ... pad]
     attention_mask  [0   ...   0 | 1             ... 1 | 0   ...   0]
@@ -11,7 +11,8 @@ sample, every rank and every step has the same shape, pitfall 11):
 
 Padding rows (for divisibility by dp size and mini-batch sizes) are synthetic: one prompt token, one EOS response
 token, their own uid, `is_padding`, EMPTY multi_modal_inputs, (3, L) position ids, response_mask 0, reward 0. They add
-nothing to any loss, gradient, advantage or metric (pitfalls 1-2); duplicating real rows would.
+nothing to any loss, gradient, advantage or metric; duplicated real rows would join their GRPO groups' statistics,
+the gradients and the metrics.
 """
 
 from __future__ import annotations
