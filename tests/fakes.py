@@ -8,11 +8,10 @@ computes (logprobs, greedy equality with hf, weight sync) keep the real engines.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
-
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 

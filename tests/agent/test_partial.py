@@ -1,5 +1,6 @@
-"""Partial rollout on the scripted backend (the taught model's tokens, tests/agent/scripted.py): a full batch returns while long groups are unfinished; carried groups finish in
-the next step with each token tagged by the policy version that generated it; drop and staleness limits release."""
+"""Partial rollout on the scripted backend (the taught model's tokens, tests/agent/scripted.py): a full batch returns
+while long groups are unfinished; carried groups finish in the next step with each token tagged by the policy version
+that generated it; drop and staleness limits release."""
 
 from __future__ import annotations
 
