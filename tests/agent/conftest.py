@@ -28,11 +28,10 @@ def scripted_backend(tiny_model_path, processor):
 
 
 @pytest.fixture(scope="session")
-def taught_model_path(tiny_model_path, processor, tmp_path_factory) -> str:
-    from tests.agent.scripted import teach
+def taught_model_path(tiny_model_path, tmp_path_factory) -> str:
+    from tests.agent.training import teach_model
 
-    torch.set_num_threads(1)
-    return str(teach(tiny_model_path, tmp_path_factory.mktemp("taught-tiny"), processor))
+    return teach_model(tiny_model_path, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
