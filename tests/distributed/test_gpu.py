@@ -20,8 +20,8 @@ def _gpu_step(model_path: str, compute_dtype: str, batch, advantages, old=None):
     PPO ratios differ from 1). Returns (logprobs, old, metrics, weights before, weights after)."""
     config = actor_config(model_path, micro=2, device="cuda", compute_dtype=compute_dtype)
     config.optim.weight_decay = 0.0
-    with DistributedActor(ClusterConfig(devices_per_node=2, device="gpu", timeout_s=300),
-                          WorkerSpec(actor=config, torch_threads=1, timeout_s=120), mini_batch_samples=4) as dp2:
+    with DistributedActor(ClusterConfig(n_gpus_per_node=2), WorkerSpec(actor=config, torch_threads=1, timeout_s=120),
+                          mini_batch_samples=4, timeout_s=300) as dp2:  # GPU bundles: the Ray cluster has GPUs
         logprobs, _ = dp2.compute_logprobs(batch)
         logprobs = logprobs.cpu()
         old = perturbed(logprobs, batch).float() if old is None else old
