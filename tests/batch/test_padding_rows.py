@@ -1,5 +1,5 @@
 """Padding rows change nothing: advantages, the policy loss and every gradient of a real model forward are the same
-with and without upsampling (the failure of duplicating real rows, pitfall 1)."""
+with and without upsampling (duplicated real rows, the usual way to pad, would change all three)."""
 
 from __future__ import annotations
 

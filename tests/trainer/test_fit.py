@@ -1,5 +1,6 @@
 """End-to-end runs of the fit loop on the tiny model (hf backend unless marked): metrics, validate-only, resume after
-kill -9, a failing reward function, the vLLM backend, and the demo's learning curve (slow)."""
+kill -9 (slow: three training processes), a failing reward function, the vLLM backend, and the demo's learning curve
+(slow)."""
 
 from __future__ import annotations
 
@@ -129,6 +130,7 @@ def _comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(("timing/", "throughput/"))}
 
 
+@pytest.mark.slow
 def test_kill_9_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(tiny_model_path, tmp_path):
     common = ["trainer.total_steps=5", "trainer.save_freq=2", "trainer.test_freq=5", "trainer.val_before_train=false"]
     straight = _train_cli(base_args(tiny_model_path, tmp_path / "straight", *common))

@@ -100,14 +100,6 @@ class Trajectory:
         self.done, self.finish_reason, self.end_reason = True, finish_reason, end_reason
 
     @property
-    def policy_tokens(self) -> int:
-        return sum(self.response_mask)
-
-    def stale_tokens(self, current_version: int) -> int:
-        """Policy tokens produced by a version older than `current_version`."""
-        return sum(1 for v in self.token_versions if v != TOOL_VERSION and v < current_version)
-
-    @property
     def oldest_version(self) -> int | None:
         versions = [v for v in self.token_versions if v != TOOL_VERSION]
         return min(versions) if versions else None

@@ -1,7 +1,8 @@
 """The Qwen2-VL / Qwen2.5-VL processor: dataset row -> RolloutRequest, multi_modal_inputs, expanded ids, mrope ids.
 
 One request serves every backend: prompt ids hold ONE `<|image_pad|>` per image (the form vLLM and SGLang take; they
-expand it themselves, pitfall 5), the images are already resized, and the pad tokens no backend may sample are named.
+expand it themselves, so expanded ids would be expanded twice: a corrupted prompt, or a hang in SGLang), the images
+are already resized, and the pad tokens no backend may sample are named.
 The trainer side (expanded ids, pixel values, 3D position ids) is derived from the same request here.
 """
 
