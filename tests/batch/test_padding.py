@@ -12,18 +12,16 @@ import torch
 from tests.processors.helpers import first_difference, hf_rope_index, image_row, noise_image
 from vlmrl.batch import padding
 from vlmrl.batch.padding import (
-    PromptInputs,
     batch_metrics,
     pad_results,
     pad_sample,
-    prompt_inputs,
     required_batch_multiple,
     scored_batch,
     stack_samples,
     upsample_to_multiple,
 )
 from vlmrl.processors import load_processor
-from vlmrl.types import RolloutResult, TrainBatch
+from vlmrl.types import PromptInputs, RolloutResult, TrainBatch
 
 P, R = 64, 12
 PAD, EOS = 805, 804
@@ -38,7 +36,7 @@ def processor(tiny_model_path):
 def image_prompt(processor):
     request = processor.build_request(image_row("<image>left <image>right: same?", [
         noise_image(150, 90, seed=1), noise_image(60, 120, seed=2)]), index=0)
-    return prompt_inputs(processor, request)
+    return processor.prompt_inputs(request)
 
 
 def _text_prompt(uid: str, n: int = 3) -> PromptInputs:
@@ -85,7 +83,7 @@ def test_sample_position_ids_equal_transformers_over_prompt_and_response(process
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     hf_model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_path)
-    text_prompt = prompt_inputs(processor, processor.build_request({"prompt": "no image here"}))
+    text_prompt = processor.prompt_inputs(processor.build_request({"prompt": "no image here"}))
     samples = [pad_sample(image_prompt, [21, 22, 23, 24, 25, EOS], prompt_length=P, response_length=R,
                           pad_token_id=PAD),
                pad_sample(text_prompt, [31, EOS], prompt_length=P, response_length=R, pad_token_id=PAD)]

@@ -208,11 +208,11 @@ def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
 
 
 def _batch_of(processor, requests, results):
-    from vlmrl.batch import pad_sample, prompt_inputs, stack_samples
+    from vlmrl.batch import pad_sample, stack_samples
 
     samples = []
     for i, result in enumerate(results):
-        prompt = prompt_inputs(processor, requests[i // 2])
+        prompt = processor.prompt_inputs(requests[i // 2])
         samples.append(pad_sample(prompt, result.response_ids, prompt_length=64, response_length=4,
                                   pad_token_id=processor.pad_token_id, rollout_logprobs=result.response_logprobs))
     return stack_samples(samples)

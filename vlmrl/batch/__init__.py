@@ -1,11 +1,9 @@
 """The VLM batch layout: per-sample padding, stacking, padding rows for divisibility, metrics without padding rows."""
 
 from vlmrl.batch.padding import (
-    PromptInputs,
     batch_metrics,
     pad_results,
     pad_sample,
-    prompt_inputs,
     required_batch_multiple,
     scored_batch,
     stack_samples,
@@ -13,11 +11,9 @@ from vlmrl.batch.padding import (
 )
 
 __all__ = [
-    "PromptInputs",
     "batch_metrics",
     "pad_results",
     "pad_sample",
-    "prompt_inputs",
     "required_batch_multiple",
     "scored_batch",
     "stack_samples",

@@ -21,44 +21,15 @@ import logging
 import math
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from vlmrl.types import RolloutRequest, RolloutResult, Sample, TrainBatch
+from vlmrl.types import PromptInputs, RolloutResult, Sample, TrainBatch
 
 logger = logging.getLogger(__name__)
 
 PADDING_UID_PREFIX = "padding-"
 PADDING_SOURCE = "padding"
-
-
-@dataclass
-class PromptInputs:
-    """What every sample of one request shares, computed once per request (not once per sample)."""
-
-    uid: str
-    input_ids: torch.Tensor
-    """(n,) long: the EXPANDED prompt ids (no padding)."""
-    position_ids: torch.Tensor
-    """(3, n) long: the prompt's mrope ids."""
-    multi_modal_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """`pixel_values` and `image_grid_thw`; empty for a text-only prompt."""
-    data_source: str = "unknown"
-    ground_truth: Any = None
-
-
-def prompt_inputs(processor: Any, request: RolloutRequest) -> PromptInputs:
-    """Expand a request's prompt and compute its image inputs and position ids, once for all its samples.
-
-    processor: a `vlmrl.processors.Processor` (expand_prompt_ids, multi_modal_inputs, position_ids).
-    """
-    mm_inputs = processor.multi_modal_inputs(request)
-    grid = mm_inputs.get("image_grid_thw")
-    ids = torch.tensor(processor.expand_prompt_ids(request.prompt_ids, grid), dtype=torch.long)
-    positions = processor.position_ids(ids.unsqueeze(0), None, grid)[:, 0]
-    return PromptInputs(request.uid, ids, positions, mm_inputs, request.data_source, request.ground_truth)
 
 
 def pad_sample(

@@ -21,7 +21,7 @@ from vlmrl.processors.config import ProcessorConfig, max_image_pixels_problem
 from vlmrl.processors.errors import BadRowError, FilteredRow
 from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
 from vlmrl.processors.rope import mrope_position_ids
-from vlmrl.types import RolloutRequest
+from vlmrl.types import PromptInputs, RolloutRequest
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +187,14 @@ class Processor:
             else:
                 expanded.append(token)
         return expanded
+
+    def prompt_inputs(self, request: RolloutRequest) -> PromptInputs:
+        """Expand a request's prompt and compute its image inputs and position ids, once for all its samples."""
+        mm_inputs = self.multi_modal_inputs(request)
+        grid = mm_inputs.get("image_grid_thw")
+        ids = torch.tensor(self.expand_prompt_ids(request.prompt_ids, grid), dtype=torch.long)
+        positions = self.position_ids(ids.unsqueeze(0), None, grid)[:, 0]
+        return PromptInputs(request.uid, ids, positions, mm_inputs, request.data_source, request.ground_truth)
 
     def multi_modal_inputs(self, request: RolloutRequest) -> dict[str, torch.Tensor]:
         """{"pixel_values": (patches, C*T*p*p), "image_grid_thw": (N, 3)} for the trainer; {} without images."""

@@ -26,7 +26,7 @@ from vlmrl.actor import Actor, PolicyActor
 from vlmrl.agent.loop import AgentLoop
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.atomic import write_text_atomically
-from vlmrl.batch import batch_metrics, pad_results, prompt_inputs, required_batch_multiple, scored_batch
+from vlmrl.batch import batch_metrics, pad_results, required_batch_multiple, scored_batch
 from vlmrl.config import Config, to_dict, to_yaml
 from vlmrl.data import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset
 from vlmrl.processors import Processor
@@ -232,7 +232,7 @@ def plain_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
         raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
     results = run.backend.generate(built.requests, sampling)
     d = run.config.data
-    samples = pad_results([prompt_inputs(run.processor, r) for r in built.requests], results,
+    samples = pad_results([run.processor.prompt_inputs(r) for r in built.requests], results,
                           prompt_length=d.max_prompt_length, response_length=d.max_response_length,
                           pad_token_id=run.processor.pad_token_id, policy_version=step - 1)
     return Rollout(built.requests, samples, response_texts(run.processor.tokenizer, results), {}, built.num_skipped)
