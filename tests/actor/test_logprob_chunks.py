@@ -55,8 +55,9 @@ def test_chunked_values_equal_the_unchunked_ones_in_float32(model, batch):
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_chunked_gradients_equal_the_unchunked_ones(model, batch, entropy_grad):
-    # float64, so that only the order of summation over tokens differs (float32 rounding would hide a real error
-    # in the many small gradients of the vision tower)
+    # a float64 model: the logprob math is float32 either way, but the gradients then sum over tokens in float64,
+    # where another order of summation is invisible (in float32 it would hide a real error in the vision tower's
+    # many small gradients)
     model.to(torch.float64)
     try:
         _, _, whole, _ = _pass(model, batch, 0, entropy_grad)

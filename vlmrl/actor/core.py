@@ -84,8 +84,8 @@ class _ResponseHead(torch.nn.Module):
         super().__init__()
         self.lm_head = lm_head
         self.labels = labels
-        self.options = dict(temperature=temperature, chunk=chunk, with_entropy=with_entropy,
-                            entropy_grad=entropy_grad)
+        self.options = {"temperature": temperature, "chunk": chunk, "with_entropy": with_entropy,
+                        "entropy_grad": entropy_grad}
         self.entropy: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

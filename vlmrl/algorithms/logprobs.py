@@ -14,21 +14,19 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from vlmrl.algorithms.grpo import entropy_from_logits, logprobs_from_logits
+
 
 def _chunk_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor,
                                 labels: torch.Tensor, temperature: float, with_entropy: bool,
                                 entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(n, H) hidden, (n,) labels -> (n,) logprobs and (n,) entropy (or None): one chunk. The math of
-    `grpo.logprobs_from_logits` / `entropy_from_logits`, in float32 or the logits' dtype when wider (a float64 model
-    in tests keeps float64, so chunked and unchunked gradients can be compared beyond float32 rounding)."""
-    logits = head(hidden)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # (n, V)
-    logsumexp = torch.logsumexp(logits, dim=-1)
-    logprobs = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - logsumexp
+    """(n, H) hidden, (n,) labels -> (n,) logprobs and (n,) entropy (or None): one chunk, float32 math."""
+    logits = head(hidden).float() / temperature  # (n, V)
+    logprobs = logprobs_from_logits(logits, labels)
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = logsumexp - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+            entropy = entropy_from_logits(logits)
     return logprobs, entropy
 
 
@@ -48,7 +46,7 @@ def logprobs_and_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: to
         entropy_grad: give the entropy a graph (for an entropy bonus); otherwise it is a detached metric.
 
     Returns:
-        (b, r) float32 logprobs, and (b, r) float32 entropy or None (float64 for a float64 head).
+        (b, r) float32 logprobs, and (b, r) float32 entropy or None.
 
     >>> head = torch.nn.Linear(4, 10, bias=False)
     >>> hidden, labels = torch.randn(2, 3, 4), torch.randint(10, (2, 3))
@@ -58,10 +56,14 @@ def logprobs_and_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: to
     True
     """
     b, r = labels.shape
-    if chunk <= 0 or chunk >= b * r:
-        return _chunk_logprobs_and_entropy(head, hidden, labels, temperature, with_entropy, entropy_grad)
+    # (b * r, H): the head sees a 2-D input, so its backward makes the (V, H) weight gradient in one matmul (a
+    # batched 3-D one would make one per row and sum them)
     flat_hidden = hidden.reshape(b * r, hidden.shape[-1])
     flat_labels = labels.reshape(b * r)
+    if chunk <= 0 or chunk >= b * r:
+        logprobs, entropy = _chunk_logprobs_and_entropy(head, flat_hidden, flat_labels, temperature, with_entropy,
+                                                        entropy_grad)
+        return logprobs.view(b, r), (entropy.view(b, r) if with_entropy else None)
     # Recompute each chunk's logits in the backward rather than keep them: only worth it when a backward will run.
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     logprobs, entropy = [], []
