@@ -36,6 +36,12 @@ KL_LOSS_TYPES = ("low_var_kl", "k1", "k2", "mse")  # vlmrl.algorithms.grpo.KL_TY
 BAD_IMAGE_POLICIES = ("error", "filter")  # vlmrl.processors.config.BAD_IMAGE_POLICIES
 IMAGE_PATCH_PIXELS = 28 * 28  # pixels per image token of Qwen2/2.5-VL (14x14 patches, 2x2 merged)
 LR_SCHEDULERS = ("constant", "cosine")
+# The algorithm names, as vlmrl.algorithms defines them (not imported: no torch math here; a test keeps them equal)
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # algorithms.advantages
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # .aggregation
+POLICY_LOSSES = ("ppo-clip", "gspo", "cispo")  # algorithms.policy_loss
+ROLLOUT_CORRECTIONS = ("off", "token_tis", "seq_mis")  # algorithms.correction
+SEQ_RATIOS = ("product", "geometric")  # algorithms.correction
 
 
 class ConfigError(ValueError):
@@ -116,10 +122,22 @@ class ActorConfig:
     """Samples per forward/backward; micro-batches accumulate gradients. Changes memory, not the update."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
+    policy_loss: str = "ppo-clip"
+    """Policy loss: ppo-clip (token ratio, dual-clip), gspo (sequence-level ratio, GSPO; set clip_ratio_low/high to
+    its ~3e-4/4e-4) or cispo (clipped, detached IS weight times logprob: every token keeps a gradient)."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become the loss (verl's name): token-mean, seq-mean-token-sum, seq-mean-token-mean,
+    seq-mean-token-sum-norm (Dr. GRPO: token sums / (sequences x data.max_response_length)). KL and entropy terms
+    aggregate the same way."""
     clip_ratio: float = 0.2
     """PPO clip range: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]."""
+    clip_ratio_low: float | None = None
+    """Lower clip range if different; None = clip_ratio."""
     clip_ratio_high: float | None = None
     """Upper clip range if different (DAPO clip-higher); None = clip_ratio."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip: a negative-advantage token's loss is capped at clip_ratio_c x |A| (> 1; verl's default 3); null
+    turns it off. Applies to ppo-clip and gspo."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus (loss -= entropy_coeff * token-mean entropy)."""
     use_kl_loss: bool = False
@@ -188,9 +206,36 @@ class RolloutConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator; only grpo."""
+    """Advantage estimator: grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline."""
     norm_adv_by_std_in_grpo: bool = True
-    """Divide group-centred rewards by the group std (GRPO); false = mean-centred only (Dr. GRPO)."""
+    """Divide group-centred rewards by the group std (GRPO); false = mean-centred only (Dr. GRPO). grpo only."""
+    rollout_correction: str = "off"
+    """Correct for the gap between the engine's and the trainer's logprobs: off, token_tis (truncated token-level
+    importance weights) or seq_mis (sequences whose ratio leaves a band are taken out of the loss). Turn it on when
+    rollout/logprob_abs_diff is not small (bf16 or quantised engine, long responses). Needs rollout.temperature=1."""
+    rollout_correction_token_cap: float = 2.0
+    """token_tis: the largest importance weight (verl's 2.0)."""
+    rollout_correction_seq_low: float = 0.5
+    """seq_mis: lower bound of the sequence ratio band (<= 1)."""
+    rollout_correction_seq_high: float = 2.0
+    """seq_mis: upper bound of the sequence ratio band (>= 1)."""
+    rollout_correction_seq_ratio: str = "product"
+    """seq_mis: the sequence ratio is the product of token ratios (product) or their geometric mean (geometric,
+    length-normalised: use a band like [0.999, 1.001])."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (no signal) and draw more prompts until the
+    batch holds data.train_batch_size groups with signal. Plain rollout only (not with agent.enable)."""
+    dynamic_sampling_max_extra_draws: int = 9
+    """Most extra prompt batches drawn per step (verl's max_num_gen_batches=10 counts the first draw too); then
+    the step trains on the groups it has (logged in batch/dynamic_sampling_draws and batch/groups_dropped)."""
+    overlong_buffer_len: int = 0
+    """DAPO's overlong reward shaping: over the last this many tokens before data.max_response_length the reward
+    falls linearly, by up to overlong_penalty_factor at the budget. 0 = off."""
+    overlong_penalty_factor: float = 1.0
+    """The overlong penalty at data.max_response_length (DAPO: 1.0)."""
+    mask_truncated: bool = False
+    """Take responses cut at data.max_response_length (finish_reason length) out of the loss (DAPO's overlong
+    filtering)."""
 
 
 @dataclass
@@ -331,7 +376,6 @@ def validate(config: Config) -> list[str]:
         need(importlib.util.find_spec(engine) is not None,
              f"rollout.name={r.name} needs {engine}, which is not installed in this environment: `make setup` "
              f"(CPU) or `pip install -e '.[{engine}]'` (GPU), or pick another rollout.name")
-    need(config.algorithm.adv_estimator == "grpo", "algorithm.adv_estimator must be `grpo` (the only estimator)")
     need(r.n >= 2, f"rollout.n={r.n}: GRPO compares samples within a group, so it needs rollout.n >= 2")
     need(r.temperature > 0, f"rollout.temperature={r.temperature}: training rollouts must sample (set > 0, e.g. 1.0)")
     need(r.val_n >= 1, f"rollout.val_n={r.val_n} must be >= 1")
@@ -365,6 +409,17 @@ def validate(config: Config) -> list[str]:
     need(a.kl_loss_type in KL_LOSS_TYPES, f"actor.kl_loss_type={a.kl_loss_type!r} is not one of {list(KL_LOSS_TYPES)}")
     need(0 < a.clip_ratio < 1, f"actor.clip_ratio={a.clip_ratio} must be in (0, 1) (0.2 is standard)")
     need(a.clip_ratio_high is None or a.clip_ratio_high > 0, "actor.clip_ratio_high must be > 0 (or null)")
+    # ---- actor: policy loss and loss aggregation
+    need(a.policy_loss in POLICY_LOSSES, f"actor.policy_loss={a.policy_loss!r} is not one of {list(POLICY_LOSSES)}")
+    need(a.loss_agg_mode in LOSS_AGG_MODES,
+         f"actor.loss_agg_mode={a.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
+    need(a.clip_ratio_low is None or a.clip_ratio_low > 0, "actor.clip_ratio_low must be > 0 (or null)")
+    need(a.clip_ratio_c is None or a.clip_ratio_c > 1,
+         f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (3 is verl's default) or null (no dual-clip)")
+    need(a.policy_loss != "gspo" or (a.clip_ratio_low is not None and a.clip_ratio_high is not None),
+         "actor.policy_loss=gspo clips a sequence-level ratio, which moves far less than a token's: set "
+         "actor.clip_ratio_low and actor.clip_ratio_high explicitly (the GSPO paper: 3e-4 and 4e-4)")
+    problems += algorithm_problems(config)
     need(a.optim.lr > 0, f"actor.optim.lr={a.optim.lr} must be > 0")
     need(len(a.optim.betas) == 2, f"actor.optim.betas={a.optim.betas} must be two numbers, e.g. [0.9, 0.999]")
     need(a.optim.lr_scheduler in LR_SCHEDULERS,
@@ -405,6 +460,43 @@ def validate(config: Config) -> list[str]:
     if config.agent.enable:
         problems += agent_problems(config)
     return problems
+
+
+def algorithm_problems(config: Config) -> list[str]:
+    """The algorithm section's checks (estimator, rollout correction, DAPO) and how they fit the other sections."""
+    al, d = config.algorithm, config.data
+    out = []
+    if al.adv_estimator not in ADV_ESTIMATORS:
+        out.append(f"algorithm.adv_estimator={al.adv_estimator!r} is not one of {list(ADV_ESTIMATORS)}")
+    elif al.adv_estimator != "grpo" and not al.norm_adv_by_std_in_grpo:
+        out.append(f"algorithm.norm_adv_by_std_in_grpo=false (Dr. GRPO) applies to adv_estimator=grpo only, not "
+                   f"{al.adv_estimator}: set it to true or use adv_estimator=grpo")
+    if al.rollout_correction not in ROLLOUT_CORRECTIONS:
+        out.append(f"algorithm.rollout_correction={al.rollout_correction!r} is not one of {list(ROLLOUT_CORRECTIONS)}")
+    elif al.rollout_correction != "off" and config.rollout.temperature != 1.0:
+        out.append(f"algorithm.rollout_correction={al.rollout_correction} compares the engine's logprobs with the "
+                   f"trainer's, which are of the same distribution only at rollout.temperature=1 (it is "
+                   f"{config.rollout.temperature}): set rollout.temperature=1.0 or rollout_correction=off")
+    if al.rollout_correction_seq_ratio not in SEQ_RATIOS:
+        out.append(f"algorithm.rollout_correction_seq_ratio={al.rollout_correction_seq_ratio!r} is not one of "
+                   f"{list(SEQ_RATIOS)}")
+    if not al.rollout_correction_token_cap > 0:
+        out.append(f"algorithm.rollout_correction_token_cap={al.rollout_correction_token_cap} must be > 0 (2.0)")
+    if not 0 < al.rollout_correction_seq_low <= 1.0 <= al.rollout_correction_seq_high:
+        out.append(f"algorithm.rollout_correction_seq_low/high = {al.rollout_correction_seq_low}/"
+                   f"{al.rollout_correction_seq_high} must satisfy 0 < low <= 1 <= high (e.g. 0.5 and 2.0)")
+    if al.dynamic_sampling and config.agent.enable:
+        out.append("algorithm.dynamic_sampling needs the plain rollout: the agent loop takes its prompts from a queue "
+                   "and carries partial groups between steps. Set algorithm.dynamic_sampling=false or agent.enable="
+                   "false")
+    if al.dynamic_sampling_max_extra_draws < 0:
+        out.append(f"algorithm.dynamic_sampling_max_extra_draws={al.dynamic_sampling_max_extra_draws} must be >= 0")
+    if not 0 <= al.overlong_buffer_len <= d.max_response_length:
+        out.append(f"algorithm.overlong_buffer_len={al.overlong_buffer_len} must be in [0, data.max_response_length="
+                   f"{d.max_response_length}] (0 = off; DAPO: 4096 of 20480)")
+    if al.overlong_penalty_factor < 0:
+        out.append(f"algorithm.overlong_penalty_factor={al.overlong_penalty_factor} must be >= 0 (DAPO: 1.0)")
+    return out
 
 
 def data_image_problems(d: DataConfig) -> list[str]:
