@@ -239,7 +239,7 @@ def test_the_modes_weigh_rows_differently(tiny_model_path, batch):
     _, seq_norm = _mode_update(tiny_model_path, batch, 8, "ppo-clip", "seq-mean-token-sum-norm")
     name = next(n for n in token if "visual" not in n)
     assert not torch.allclose(token[name], seq_mean[name], rtol=1e-3)
-    scale = float(seq_sum[name].norm() / seq_norm[name].norm())
-    assert scale > 1
-    for name, grad in seq_sum.items():
-        assert torch.allclose(seq_norm[name] * scale, grad, rtol=1e-5, atol=1e-12), name
+    flat = {key: torch.cat([g.flatten() for g in grads.values()]) for key, grads in
+            (("sum", seq_sum), ("norm", seq_norm))}
+    scale = float(flat["sum"].norm() / flat["norm"].norm())
+    assert float((flat["sum"] - scale * flat["norm"]).norm() / flat["sum"].norm()) < 1e-5
