@@ -227,3 +227,51 @@ def test_tensor_parallel_engines_are_refused_when_colocated_on_several_devices()
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2: with 2 devices each colocated engine"):
         load_config([*base, "rollout.tensor_parallel_size=2"])
     load_config(base)
+
+
+def test_the_algorithm_names_are_the_algorithm_modules_own():
+    # vlmrl.config keeps torch out, so it spells the names; they must be the ones the math accepts
+    from vlmrl import algorithms, config
+    from vlmrl.algorithms.correction import SEQ_RATIOS
+
+    assert config.ADV_ESTIMATORS == algorithms.ADV_ESTIMATORS
+    assert config.LOSS_AGG_MODES == algorithms.LOSS_AGG_MODES
+    assert config.POLICY_LOSSES == algorithms.POLICY_LOSSES
+    assert config.ROLLOUT_CORRECTIONS == algorithms.ROLLOUT_CORRECTIONS
+    assert config.SEQ_RATIOS == SEQ_RATIOS
+
+
+def test_every_estimator_loss_and_mode_loads():
+    from vlmrl.config import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
+
+    for name in ADV_ESTIMATORS:
+        assert load(f"algorithm.adv_estimator={name}").algorithm.adv_estimator == name
+    for mode in LOSS_AGG_MODES:
+        assert load(f"actor.loss_agg_mode={mode}").actor.loss_agg_mode == mode
+    for loss in POLICY_LOSSES:
+        assert load(f"actor.policy_loss={loss}", "actor.clip_ratio_low=3e-4", "actor.clip_ratio_high=4e-4"
+                    ).actor.policy_loss == loss
+    for correction in ROLLOUT_CORRECTIONS:
+        assert load(f"algorithm.rollout_correction={correction}").algorithm.rollout_correction == correction
+    dapo = load("algorithm.dynamic_sampling=true", "algorithm.overlong_buffer_len=4", "algorithm.mask_truncated=true")
+    assert dapo.algorithm.dynamic_sampling and dapo.algorithm.overlong_buffer_len == 4
+
+
+def test_loss_and_algorithm_settings_are_checked_at_load():
+    message = problems_of("algorithm.adv_estimator=ppo", "actor.loss_agg_mode=seq-mean", "actor.policy_loss=dpo",
+                          "algorithm.rollout_correction=tis", "actor.clip_ratio_c=1.0",
+                          "algorithm.overlong_buffer_len=100000", "algorithm.dynamic_sampling_max_extra_draws=-1")
+    for fragment in ("algorithm.adv_estimator='ppo'", "actor.loss_agg_mode='seq-mean'", "actor.policy_loss='dpo'",
+                     "algorithm.rollout_correction='tis'", "actor.clip_ratio_c=1.0 must be > 1",
+                     "algorithm.overlong_buffer_len=100000", "dynamic_sampling_max_extra_draws=-1"):
+        assert fragment in message, fragment
+    # Dr. GRPO's switch is grpo's: compute_advantages would raise mid-run
+    assert "applies to adv_estimator=grpo only" in problems_of("algorithm.adv_estimator=rloo",
+                                                               "algorithm.norm_adv_by_std_in_grpo=false")
+    # GSPO's sequence ratio needs its own, far narrower clip range
+    assert "GSPO paper: 3e-4 and 4e-4" in problems_of("actor.policy_loss=gspo")
+    # engine logprobs are of the untempered distribution
+    assert "rollout.temperature=1" in problems_of("algorithm.rollout_correction=token_tis", "rollout.temperature=0.7")
+    # the agent loop takes prompts from a queue and carries groups: no dynamic sampling there
+    assert "dynamic_sampling needs the plain rollout" in problems_of("algorithm.dynamic_sampling=true",
+                                                                     "agent.enable=true")

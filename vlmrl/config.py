@@ -237,6 +237,11 @@ class AlgorithmConfig:
     """Take responses cut at data.max_response_length (finish_reason length) out of the loss (DAPO's overlong
     filtering)."""
 
+    def __post_init__(self) -> None:
+        # yaml reads `off` (and false / no) as the boolean False, which reaches a str field as "False"
+        if self.rollout_correction in ("False", "false"):
+            self.rollout_correction = "off"
+
 
 @dataclass
 class RewardConfig:
@@ -305,7 +310,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation backend and sampling."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Advantage estimation."""
+    """Advantage estimation, rollout correction and DAPO's data-side options."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward function."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
