@@ -273,6 +273,7 @@ class ActorCore:
         loss_fn = POLICY_LOSS_FNS[cfg.policy_loss]
         clip_low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
         clip_high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+        precision = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
         self.optimizer.zero_grad(set_to_none=True)
         token_means = ("pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "dual_clip_fraction", "ratio_mean",
                        "ppo_kl")
@@ -303,8 +304,9 @@ class ActorCore:
                 loss_mat = loss_mat * loss_weights[rows, :width].to(device=self.device, dtype=loss_mat.dtype)
             pg_loss = agg_loss(loss_mat, mask, mode, normaliser)
             loss = pg_loss
-            # in the loss's dtype before the sum (entropy comes in float32): a float64 check then splits exactly
-            entropy_term = agg_loss(entropy.to(loss_mat.dtype), mask, mode, normaliser)
+            # summed in the weights' precision (at least float32; entropy comes in float32): a float64 model then
+            # splits exactly over micro-batches, a float32 one is unchanged
+            entropy_term = agg_loss(entropy.to(precision), mask, mode, normaliser)
             parts["actor/entropy"] += float(entropy_term.detach())
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy_term
