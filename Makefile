@@ -1,13 +1,16 @@
-# vlmrl — the two front-door commands (see README.md):
+# vlmrl — the front-door commands (see README.md):
 #   make demo   set up the CPU environment and run the main job on the embedded default
 #   make test   set up the CPU environment and run the whole test suite (what CI runs)
+#   make test-fast   every test that needs no engine, no Ray, no GPU and is not slow (under a minute and a half)
 VENV ?= .venv
 PY   := $(VENV)/bin/python
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export SGLANG_USE_CPU_ENGINE ?= 1
 
-.PHONY: setup demo test bench
+FAST := not vllm and not sglang and not ray and not slow and not gpu
+
+.PHONY: setup demo test test-fast bench
 setup:
 	VENV=$(VENV) bash scripts/setup_cpu.sh
 
@@ -16,6 +19,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests
+
+test-fast: setup
+	$(PY) -m pytest tests -m "$(FAST)"
 
 bench: setup
 	$(PY) benchmarks/bench_position_ids.py

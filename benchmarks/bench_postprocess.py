@@ -81,7 +81,7 @@ def median_seconds(fn, repeats: int):
 
 
 def run_vlmrl(model_dir: str, prompts: list[dict], repeats: int) -> tuple[dict, object]:
-    from vlmrl.batch.padding import pad_sample, prompt_inputs, stack_samples
+    from vlmrl.batch.padding import pad_sample, stack_samples
     from vlmrl.processors import load_processor
     from vlmrl.types import RolloutRequest
 
@@ -91,7 +91,7 @@ def run_vlmrl(model_dir: str, prompts: list[dict], repeats: int) -> tuple[dict, 
     pad = dict(prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH, pad_token_id=processor.pad_token_id)
 
     def shared_inputs():  # once per prompt: pixel values, expanded ids, the prompt's mrope ids
-        return [prompt_inputs(processor, r) for r in requests]
+        return [processor.prompt_inputs(r) for r in requests]
 
     t_prompts, shared = median_seconds(shared_inputs, repeats)
 

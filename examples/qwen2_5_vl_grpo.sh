@@ -5,13 +5,19 @@
 #       The embedded default, on a CPU: the tiny random-init Qwen2.5-VL learns the synthetic colour task
 #       (examples/configs/tiny_synthetic.yaml) with the vLLM backend (hf when vLLM is not installed; ROLLOUT=sglang
 #       or ROLLOUT=hf picks another). A short format warm-up on RANDOM labels first teaches the answer format only;
-#       validation accuracy then starts at chance (~0.25) and GRPO raises it. Writes outputs/demo/metrics.jsonl and
-#       outputs/demo/curves.png.
+#       validation accuracy then starts at chance (~0.25) and GRPO raises it. Writes outputs/demo/metrics.jsonl,
+#       outputs/demo/curves.png, checkpoints every 50 steps and after the last (outputs/demo/checkpoints/latest links
+#       to the newest) and the engine's own log lines (outputs/demo/engine.log). Run again, it resumes from the newest
+#       checkpoint (a finished run has nothing left to do): delete outputs/demo or set OUTPUT_DIR to train afresh.
 #   VAL_ONLY=1 examples/qwen2_5_vl_grpo.sh
 #       Validate-only: no optimizer, weights untouched; writes metrics and the per-sample artifact
 #       (outputs/demo-val/validation_<backend>_step0.jsonl, see docs/artifact.md).
+#   VAL_ONLY=1 MODEL_PATH=outputs/demo/checkpoints/latest examples/qwen2_5_vl_grpo.sh
+#       The same on what the demo trained (a checkpoint of the embedded default keeps the embedded default's config;
+#       writes outputs/demo-val/validation_<backend>_step150.jsonl).
 #   MODEL_PATH=Qwen/Qwen2.5-VL-7B-Instruct DATA=geo3k ROLLOUT=vllm|sglang N_GPUS=8 [N_NODES=2] examples/qwen2_5_vl_grpo.sh
-#       The real recipe, selected by any of MODEL_PATH, DATA, N_GPUS, N_NODES: examples/configs/qwen2_5_vl_geo3k.yaml,
+#       The real recipe, selected by any of MODEL_PATH (other than a checkpoint of the embedded default), DATA,
+#       N_GPUS, N_NODES: examples/configs/qwen2_5_vl_geo3k.yaml,
 #       close to verl/EasyR1's Qwen2.5-VL geo3k GRPO (lr 1e-6, n=5, low_var_kl 0.01, max_prompt_length 1024,
 #       max_response_length 2048, max_pixels 1003520). DATA_DIR (default ~/data/geo3k) holds train.parquet and
 #       test.parquet from examples/data/geo3k.py. More than one device runs Ray + FSDP2 workers (docs/distributed.md).
@@ -34,6 +40,13 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
   exit 0
 fi
 
+# A checkpoint that the embedded default wrote (trained on synthetic data): validate or continue it on that default.
+demo_checkpoint() {
+  [[ -f "$1/trainer_state.json" ]] && "$PYTHON" -c 'import json, sys
+config = json.load(open(sys.argv[1] + "/trainer_state.json")).get("config", {})
+sys.exit(not str(config.get("data", {}).get("train_files", "")).startswith("synthetic"))' "$1"
+}
+
 ARGS=()
 SUFFIX=""
 OVERLAY=()
@@ -42,6 +55,11 @@ case "${RECIPE:-grpo}" in
   dapo|gspo) OVERLAY=("config=examples/configs/qwen2_5_vl_geo3k_${RECIPE}.yaml") ;;
   *) echo "RECIPE=${RECIPE}: use grpo (default), dapo or gspo" >&2; exit 2 ;;
 esac
+DEMO_MODEL=""
+if [[ -n "${MODEL_PATH:-}" && -z "${DATA:-}${N_GPUS:-}${N_NODES:-}" ]] && demo_checkpoint "$MODEL_PATH"; then
+  DEMO_MODEL=$MODEL_PATH
+  MODEL_PATH=""
+fi
 case "${VAL_ONLY:-0}" in
   1|true|yes) VAL_ONLY=1; SUFFIX="-val" ;;  # validate-only writes beside a training run's output, not into it
   0|false|no|"") VAL_ONLY=0 ;;
@@ -82,6 +100,9 @@ else
   if [[ "${RECIPE:-}" == "dapo" ]]; then
     ARGS+=(algorithm.overlong_buffer_len=1)  # DAPO's last fifth of the budget: 1 of the demo's 6 tokens
   fi
+  if [[ -n "$DEMO_MODEL" ]]; then
+    ARGS+=("actor.model_path=$DEMO_MODEL")
+  fi
 fi
 if [[ "$VAL_ONLY" == "1" ]]; then
   ARGS+=(trainer.val_only=true)
@@ -103,6 +124,7 @@ if curve:
     print("val/accuracy by step: " + ", ".join(f"{s}: {a:.2f}" for s, a in curve))
     if len(curve) > 1:
         print(f"rise from step 0: {curve[-1][1] - curve[0][1]:+.2f} (best {max(a for _, a in curve) - curve[0][1]:+.2f})")
-print(f"outputs: {out}/metrics.jsonl" + (f", {out}/curves.png" if (out / 'curves.png').exists() else ""))
+extra = [str(out / name) for name in ("curves.png", "checkpoints/latest", "engine.log") if (out / name).exists()]
+print(f"outputs: {out}/metrics.jsonl" + "".join(f", {path}" for path in extra))
 EOF
 echo "wall time: ${elapsed} s"

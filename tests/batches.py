@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmrl.batch import pad_sample, prompt_inputs, stack_samples
+from vlmrl.batch import pad_sample, stack_samples
 from vlmrl.types import TrainBatch
 
 
@@ -29,7 +29,7 @@ def make_batch(processor, rows, n: int, text_only_rows: tuple[int, ...] = (), re
     for i, row in enumerate(rows):
         if i in text_only_rows:
             row = dict(row, prompt=[{"role": "user", "content": f"Name colour number {i}."}], images=[])
-        prompt = prompt_inputs(processor, processor.build_request(row, i))
+        prompt = processor.prompt_inputs(processor.build_request(row, i))
         for _ in range(n):
             length = int(torch.randint(1, response_length + 1, (1,), generator=gen))
             ids = [vocab[int(j)] for j in torch.randint(0, len(vocab), (length,), generator=gen)]

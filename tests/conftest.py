@@ -1,4 +1,5 @@
-"""Shared test setup: engine markers skip with a reason when the engine is missing; one tiny model per session."""
+"""Shared test setup: engine markers skip with a reason when the engine is missing, the gpu marker when there are not
+enough CUDA devices; one tiny model per session."""
 
 from __future__ import annotations
 
@@ -21,6 +22,18 @@ def pytest_collection_modifyitems(config, items):
         for marker, module in _ENGINE_MODULES.items():
             if marker in item.keywords and importlib.util.find_spec(module) is None:
                 item.add_marker(pytest.mark.skip(reason=f"{module} is not installed (run `make test`, which installs it)"))
+        gpu = item.get_closest_marker("gpu")
+        if gpu is not None:
+            needed, found = gpu.kwargs.get("devices", 1), _cuda_devices()
+            if found < needed:
+                item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA device(s), found {found}: a CUDA-only "
+                                                        "path, run on a GPU machine"))
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from vlmrl.config import Config, ConfigError, describe, load_config, markdown, to_yaml
+from vlmrl.config import Config, ConfigError, describe, load_config, sections, to_yaml, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic",
@@ -118,9 +122,16 @@ def test_every_field_has_a_docstring():
     assert not undocumented, f"fields without a docstring: {undocumented}"
 
 
+def _docs_generator():
+    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_docs_config_md_is_current():
     path = ROOT / "docs" / "config.md"
-    assert path.read_text() == markdown(), "docs/config.md is stale: run `python -m vlmrl.config --markdown > docs/config.md`"
+    assert path.read_text() == _docs_generator().markdown(), "docs/config.md is stale: run scripts/gen_config_docs.py"
 
 
 def test_verl_style_keys_exist():
@@ -167,38 +178,52 @@ def test_agent_section_is_checked_at_load():
     assert not load("agent.max_response_tokens=4096").agent.enable
 
 
-def test_image_safety_keys_reach_the_processor_config(tmp_path):
-    from vlmrl.processors import processor_config
+def test_a_tool_image_at_the_models_max_pixels_is_checked_when_data_max_pixels_is_null(tiny_model_path):
+    agent = ["agent.enable=true", "agent.tools=[{path: 'vlmrl.agent.builtin:ImageZoomTool'}]",
+             "agent.max_response_tokens=16"]  # the tiny model's 12544 pixels: 16 image tokens
+    assert "one tool image at the model's max_pixels=12544" in problems_of(*agent, check_model=True)
+    assert load(*agent, "agent.max_response_tokens=17", check_model=True).data.max_pixels is None
+
+
+def test_image_safety_keys_are_the_processors(tmp_path, tiny_model_path):
+    """The data section IS the processor's config: nothing is copied between them."""
+    from vlmrl.processors import ProcessorConfig, load_processor
 
     config = load("data.on_bad_image=filter", f"data.data_root={tmp_path}", "data.allow_remote_images=true",
-                  "data.remote_timeout_s=2.5", "data.remote_max_bytes=1024", "data.max_image_pixels=2000000")
-    processor = processor_config(config.data)
-    assert (processor.on_bad_image, processor.data_root, processor.allow_remote_images) == ("filter", str(tmp_path), True)
-    assert (processor.remote_timeout_s, processor.remote_max_bytes, processor.max_image_pixels) == (2.5, 1024, 2000000)
-    default = processor_config(load().data)
-    assert default.data_root is None and not default.allow_remote_images
+                  "data.remote_timeout_s=2.5", "data.remote_max_bytes=1024", "data.max_image_pixels=2000000",
+                  "data.filter_overlong_prompts=false")
+    assert isinstance(config.data, ProcessorConfig)
+    processor = load_processor(tiny_model_path, config.data)
+    assert processor.config is config.data and not processor.config.filter_overlong_prompts
+    limits = processor.config
+    assert (limits.data_root, limits.allow_remote_images, limits.remote_timeout_s, limits.remote_max_bytes,
+            limits.max_image_pixels) == (str(tmp_path), True, 2.5, 1024, 2000000)
+    assert load().data.data_root is None and not load().data.allow_remote_images
     assert "data.on_bad_image='skip'" in problems_of("data.on_bad_image=skip")
     assert "data.remote_max_bytes=0 must be > 0" in problems_of("data.remote_max_bytes=0")
-    assert "raise data.max_image_pixels" in problems_of("data.max_image_pixels=1000")
+    assert "raise data.max_image_pixels" in problems_of("data.max_pixels=12544", "data.max_image_pixels=1000")
 
 
 def test_readme_lists_every_key():
-    from vlmrl.config import readme_reference
-
     readme = (ROOT / "README.md").read_text()
-    assert readme_reference() in readme, "README's configuration reference is stale: run scripts/update_readme_config.py"
+    assert _docs_generator().readme_reference() in readme, \
+        "README's configuration reference is stale: run scripts/gen_config_docs.py"
     missing = [key for key, _, _ in describe(Config) if f"`{key}`" not in readme]
     assert not missing, f"keys missing from the README: {missing}"
 
 
-def test_engine_deadlines_reach_every_backend_and_must_be_positive():
-    from vlmrl.rollout import backend_options
+def test_engine_options_reach_every_backend_and_deadlines_must_be_positive():
+    from vlmrl.rollout import backend_class, backend_options
 
     base = ["actor.model_path=org/m", "data.train_files=synthetic", "data.val_files=synthetic"]
-    config = load_config([*base, "rollout.start_timeout_s=1800", "rollout.timeout_s=900"])
+    config = load_config([*base, "rollout.start_timeout_s=1800", "rollout.timeout_s=900",
+                          "rollout.gpu_memory_utilization=0.4", "data.max_prompt_length=100",
+                          "data.max_response_length=28", "trainer.seed=7"])
     for name in ("hf", "vllm", "sglang", "sglang-server"):
-        options = backend_options(config.rollout, name, max_model_len=128, seed=0)
-        assert (options["start_timeout_s"], options["timeout_s"]) == (1800, 900), name
+        taken = backend_options(config.rollout, name, max_model_len=128, seed=7)
+        options = backend_class(name).options_class.from_kwargs(name, taken)
+        assert (options.start_timeout_s, options.timeout_s, options.max_model_len, options.seed) == (1800, 900, 128, 7)
+        assert getattr(options, "gpu_memory_utilization", None) == (None if name == "hf" else 0.4), name
     with pytest.raises(ConfigError, match=r"rollout.start_timeout_s=0.0 must be > 0"):
         load_config([*base, "rollout.start_timeout_s=0"])
 
@@ -229,20 +254,109 @@ def test_tensor_parallel_engines_are_refused_when_colocated_on_several_devices()
     load_config(base)
 
 
-def test_the_algorithm_names_are_the_algorithm_modules_own():
-    # vlmrl.config keeps torch out, so it spells the names; they must be the ones the math accepts
-    from vlmrl import algorithms, config
+def test_a_renamed_key_names_its_new_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"'data.on_overlong' is now data.filter_overlong_prompts"):
+        load("data.on_overlong=error")
+    yaml = tmp_path / "old.yaml"
+    yaml.write_text("data:\n  on_overlong: filter\n")
+    with pytest.raises(ConfigError, match=r"'data.on_overlong' is now data.filter_overlong_prompts"):
+        load_config([f"config={yaml}"], check_model=False)
+
+
+def _dataclasses_under(cls: type) -> list[type]:
+    """The section dataclasses composed under cls (nested sections included) with every dataclass they inherit."""
+    found = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            found += [k for k in type(default).__mro__ if dataclasses.is_dataclass(k)]
+            found += _dataclasses_under(type(default))
+    return list(dict.fromkeys(found))
+
+
+def _declarers(cls: type, name: str) -> list[type]:
+    return [k for k in cls.__mro__ if name in k.__dict__.get("__annotations__", {})]
+
+
+def test_no_field_is_declared_twice():
+    """A key is declared in one class: a section that reuses another component's keys inherits them (data.* from the
+    processor, trainer.n_gpus_per_node from the cluster), and no backend re-declares a rollout.* engine option."""
+    from vlmrl.config import ProcessorConfig, RolloutConfig
+    from vlmrl.rollout import BACKENDS, backend_class
+
+    classes = _dataclasses_under(Config)
+    for klass in classes:
+        for f in dataclasses.fields(klass):
+            declared = _declarers(klass, f.name)
+            assert len(declared) == 1, f"{klass.__name__}.{f.name}: declared by {declared}"
+    assert ProcessorConfig in classes
+    rollout_keys = {f.name for f in dataclasses.fields(RolloutConfig)}
+    for name in BACKENDS:
+        options = backend_class(name).options_class
+        for f in dataclasses.fields(options):
+            declared = _declarers(options, f.name)
+            assert len(declared) == 1, f"{options.__name__}.{f.name}: declared by {declared}"
+            if f.name in rollout_keys:
+                assert declared == _declarers(RolloutConfig, f.name), f"{options.__name__}.{f.name} vs rollout.*"
+
+
+def test_kl_types_and_policies_are_defined_once():
+    from vlmrl.actor import config as actor_config
+    from vlmrl.algorithms import config as algorithms_config
+    from vlmrl.algorithms import grpo
+
+    assert grpo.KL_TYPES is algorithms_config.KL_TYPES is actor_config.KL_TYPES
+
+
+def test_each_section_reports_its_own_problems_and_validate_adds_only_cross_section_ones():
+    config = load()
+    config.data.on_bad_image, config.actor.kl_loss_type, config.rollout.val_n = "skip", "k9", 0
+    config.algorithm.adv_estimator, config.reward.num_workers, config.trainer.nnodes = "ppo", 0, 0
+    config.agent.enable, config.agent.max_turns, config.agent.max_response_tokens = True, 0, 64
+    config.data.val_files = ""  # a cross-section rule: validation needs data
+    reported = validate(config)
+    own = []
+    for name, section in sections(config).items():
+        problems = section.problems()
+        assert problems and all(problem.startswith(f"{name}.") for problem in problems), (name, problems)
+        assert [p for p in reported if p in problems] == problems, name
+        own += problems
+    assert [p for p in reported if p not in own] == ["trainer.val_before_train=true needs data.val_files (or set "
+                                                      "trainer.val_before_train=false)",
+                                                      "trainer.test_freq=5 needs data.val_files (or set "
+                                                      "trainer.test_freq=-1)"]
+
+
+def test_importing_the_run_config_imports_no_torch():
+    code = "import sys, vlmrl.config; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0, "vlmrl.config imported torch"
+
+
+def test_config_cli_prints_a_resolved_config_and_help():
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "vlmrl.config", *args], cwd=ROOT, capture_output=True, text=True)
+
+    assert "scripts/gen_config_docs.py" in run("--help").stdout
+    resolved = run(*BASE, "rollout.temperature=0.7")
+    assert resolved.returncode == 0 and "temperature: 0.7" in resolved.stdout
+    assert run(*BASE, "rollout.n=1").returncode == 2
+
+
+def test_the_algorithm_names_are_defined_once():
+    # the torch-free config leaf defines the names; the math accepts exactly those
+    from vlmrl import algorithms
+    from vlmrl.algorithms import config
     from vlmrl.algorithms.correction import SEQ_RATIOS
 
-    assert config.ADV_ESTIMATORS == algorithms.ADV_ESTIMATORS
-    assert config.LOSS_AGG_MODES == algorithms.LOSS_AGG_MODES
-    assert config.POLICY_LOSSES == algorithms.POLICY_LOSSES
-    assert config.ROLLOUT_CORRECTIONS == algorithms.ROLLOUT_CORRECTIONS
-    assert config.SEQ_RATIOS == SEQ_RATIOS
+    assert config.ADV_ESTIMATORS is algorithms.ADV_ESTIMATORS
+    assert config.LOSS_AGG_MODES is algorithms.LOSS_AGG_MODES
+    assert config.POLICY_LOSSES is algorithms.POLICY_LOSSES
+    assert config.ROLLOUT_CORRECTIONS is algorithms.ROLLOUT_CORRECTIONS
+    assert config.SEQ_RATIOS is SEQ_RATIOS
 
 
 def test_every_estimator_loss_and_mode_loads():
-    from vlmrl.config import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
+    from vlmrl.algorithms.config import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 
     for name in ADV_ESTIMATORS:
         assert load(f"algorithm.adv_estimator={name}").algorithm.adv_estimator == name
@@ -275,3 +389,19 @@ def test_loss_and_algorithm_settings_are_checked_at_load():
     # the agent loop takes prompts from a queue and carries groups: no dynamic sampling there
     assert "dynamic_sampling needs the plain rollout" in problems_of("algorithm.dynamic_sampling=true",
                                                                      "agent.enable=true")
+
+
+@pytest.mark.parametrize("recipe", ["dapo", "gspo"])
+def test_the_recipe_overlays_load_on_the_geo3k_recipe_and_on_the_demo(recipe):
+    configs = ROOT / "examples" / "configs"
+    overlay = f"config={configs / f'qwen2_5_vl_geo3k_{recipe}.yaml'}"
+    real = load_config([f"config={configs / 'qwen2_5_vl_geo3k.yaml'}", overlay], check_model=False)
+    assert real.actor.policy_loss == ("gspo" if recipe == "gspo" else "ppo-clip") and not real.actor.use_kl_loss
+    assert real.data.max_response_length == 2048  # the overlay keeps the geo3k recipe's lengths
+    # examples/qwen2_5_vl_grpo.sh RECIPE=... on the demo: overlay first, the demo's settings after it
+    demo_args = [overlay, f"config={configs / 'tiny_synthetic.yaml'}", "rollout.name=hf"]
+    demo = load_config(demo_args + (["algorithm.overlong_buffer_len=1"] if recipe == "dapo" else []),
+                       check_model=False)
+    assert demo.data.train_batch_size == 16 and demo.actor.loss_agg_mode == real.actor.loss_agg_mode
+    assert (demo.actor.clip_ratio_low, demo.actor.clip_ratio_high) == (real.actor.clip_ratio_low,
+                                                                       real.actor.clip_ratio_high)

@@ -5,8 +5,11 @@ Every key is listed in docs/config.md; `python -m vlmrl.config config=FILE.yaml 
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import sys
+import threading
 
 from vlmrl.config import ConfigError, load_config
 
@@ -41,11 +44,33 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from vlmrl.rollout.logs import log_engines_into
     from vlmrl.trainer.fit import fit  # torch, transformers and the engines load only for a valid config
 
+    log_engines_into(config.trainer.output_dir)  # the engines' INFO chatter: OUTPUT_DIR/engine.log (README, "Logs")
     fit(config)
     return 0
 
 
+def exit_without_native_teardown(code: int) -> None:
+    """Exit as the interpreter would (non-daemon threads joined, atexit handlers run: Ray, multiprocessing, logging),
+    then leave with os._exit, skipping interpreter finalization and C++ static destructors.
+
+    Why: after a finished run native thread pools are still alive (pyarrow's CPU and IO pools from reading parquet,
+    tokenizers' rayon pool, OpenBLAS servers, the engines' own threads). Tearing them down at exit races with their
+    workers; under load it sometimes ends in std::terminate ("terminate called without an active exception", exit
+    status 134) after `done: N steps` was printed (pyarrow's parquet threads do it elsewhere too: apache/arrow#34314).
+    Everything vlmrl writes is closed and flushed by then, so there is nothing left for that teardown to do.
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_native_teardown(main())

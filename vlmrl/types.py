@@ -77,6 +77,22 @@ class RolloutResult:
 
 
 @dataclass
+class PromptInputs:
+    """What every sample of one request shares, computed once per request by the processor (not once per sample):
+    the trainer's view of the prompt (expanded ids, position ids, image inputs)."""
+
+    uid: str
+    input_ids: torch.Tensor
+    """(n,) long: the EXPANDED prompt ids (one token per merged image patch; no padding)."""
+    position_ids: torch.Tensor
+    """(3, n) long: the prompt's mrope ids."""
+    multi_modal_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """`pixel_values` and `image_grid_thw`; empty for a text-only prompt."""
+    data_source: str = "unknown"
+    ground_truth: Any = None
+
+
+@dataclass
 class Sample:
     """One trajectory padded right where it finished (see `vlmrl.batch.padding.pad_sample`); the batch step only
     stacks."""

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.batches import make_batch
+from vlmrl.actor import Actor
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch.padding import upsample_to_multiple
-from vlmrl.actor import Actor
 from vlmrl.config import ActorConfig, OptimConfig
 
 

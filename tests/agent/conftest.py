@@ -1,4 +1,5 @@
-"""Agent test fixtures: the tiny model taught the scripted conversations (once per session), its processor, the HF
+"""Agent test fixtures: the tiny model's processor, the scripted backend that plays the scripted conversations
+(tests/agent/scripted.py) without a model, the tiny model taught those conversations (once per session), the HF
 backend on it (once per module), and the HF model itself for reference forwards."""
 
 from __future__ import annotations
@@ -8,19 +9,29 @@ import torch
 
 
 @pytest.fixture(scope="session")
-def taught_model_path(tiny_model_path, tmp_path_factory) -> str:
-    from tests.agent.scripted import teach
+def processor(tiny_model_path):
+    """The tiny model's processor (the taught copy has the same tokenizer and processor files)."""
     from vlmrl.processors import load_processor
 
-    torch.set_num_threads(1)
-    return str(teach(tiny_model_path, tmp_path_factory.mktemp("taught-tiny"), load_processor(tiny_model_path)))
+    return load_processor(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def scripted_backend(tiny_model_path, processor):
+    """A backend that writes the taught model's turns, with no model behind it (tests.fakes.ScriptedBackend). Its
+    calls take about as long as the HF backend's on the taught model, so turns batch as they do there."""
+    from tests.agent.scripted import ScriptedModel
+    from tests.fakes import ScriptedBackend
+
+    with ScriptedBackend(tiny_model_path, ScriptedModel(processor), latency_s=0.05, max_model_len=1024) as backend:
+        yield backend
 
 
 @pytest.fixture(scope="session")
-def processor(taught_model_path):
-    from vlmrl.processors import load_processor
+def taught_model_path(tiny_model_path, tmp_path_factory) -> str:
+    from tests.agent.training import teach_model
 
-    return load_processor(taught_model_path)
+    return teach_model(tiny_model_path, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

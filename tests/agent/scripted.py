@@ -1,9 +1,12 @@
-"""Scripted conversations for the agent tests, and a few supervised steps that teach them to the tiny model.
+"""Scripted conversations for the agent tests: played by a scripted backend, or taught to the tiny model.
 
-The random tiny model cannot call tools by itself. We overfit a copy of it on two reference conversations (loss on
-the assistant tokens only) until greedy decoding reproduces every assistant turn; the backends then GENERATE the tool
-calls themselves, through the real engines. The reference conversations are rendered by the chat template and the HF
-processor, independently of the agent loop, so they also serve as the expected output.
+The random tiny model cannot call tools by itself. Tests of the loop's logic (tool failures, limits, partial
+rollout, carried groups) play the conversations with `ScriptedModel` behind `tests.fakes.ScriptedBackend`: no model,
+the tokens the taught model would write. Tests whose point is a real forward (the trainer reproduces the rollout
+logprobs) and the engine tests overfit a copy of the tiny model on the two reference conversations (loss on the
+assistant tokens only) until greedy decoding reproduces every assistant turn (`teach`); the backends then GENERATE
+the tool calls themselves, through the real engines. The reference conversations are rendered by the chat template
+and the HF processor, independently of the agent loop, so they also serve as the expected output.
 
 - LONG ("Look closer."): calls `echo` (a text tool), then `zoom` (an image tool), then answers.
 - SHORT ("Answer now."): answers at once.
@@ -123,6 +126,53 @@ def reference(processor, messages: list[dict], images: list[Image.Image]) -> Ref
             mask[start:end] = 1
     first = int(mask.nonzero()[0])
     return Reference(ids, mask, out["pixel_values"], out["image_grid_thw"], first, end)
+
+
+def assistant_turns(ref: Reference) -> list[list[int]]:
+    """The token ids of each assistant turn of a reference conversation (content and its <|im_end|>)."""
+    turns: list[list[int]] = []
+    previous = 0
+    for token, in_turn in zip(ref.input_ids.tolist(), ref.assistant_mask.tolist()):
+        if in_turn and not previous:
+            turns.append([])
+        if in_turn:
+            turns[-1].append(token)
+        previous = in_turn
+    return turns
+
+
+class ScriptedModel:
+    """What the taught model writes, without a model (a `respond` for tests.fakes.ScriptedBackend): the next
+    assistant turn of the scripted conversation whose question the prompt holds, continued from where a turn cut
+    into chunks stopped. The turns are read off the reference renderings, so they are the very tokens the taught
+    model generates. After the last scripted turn (a conversation that went on past its answer) it answers again.
+
+    A prompt whose unfinished turn is not the start of the scripted one means the loop lost or repeated tokens of a
+    chunked turn: that fails the call."""
+
+    def __init__(self, processor):
+        image = prompt_image()
+        long = reference(processor, long_conversation(), [image, image.crop(tuple(ZOOM_BOX))])
+        short = reference(processor, short_conversation(), [image])
+        self.turns = {LONG_QUESTION: assistant_turns(long), SHORT_QUESTION: assistant_turns(short)}
+        self.tokenizer = processor.tokenizer
+        self.turn_start = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False).input_ids
+
+    def __call__(self, request, sample_index: int) -> list[int]:
+        ids = request.prompt_ids
+        text = self.tokenizer.decode(ids)
+        questions = [q for q in self.turns if q in text]
+        if len(questions) != 1:
+            raise AssertionError(f"not a scripted conversation: {text!r}")
+        n = len(self.turn_start)
+        starts = [i for i in range(len(ids) - n + 1) if ids[i: i + n] == self.turn_start]
+        turns = self.turns[questions[0]]
+        turn = turns[min(len(starts) - 1, len(turns) - 1)]
+        written = ids[starts[-1] + n:]
+        if turn[: len(written)] != written:
+            raise AssertionError(f"the unfinished turn {self.tokenizer.decode(written)!r} is not the start of the "
+                                 f"scripted turn {self.tokenizer.decode(turn)!r}")
+        return turn[len(written):]
 
 
 def teach(base_dir: str, out_dir: Path, processor, max_steps: int = 400) -> Path:

@@ -7,8 +7,8 @@ import torch
 
 from vlmrl.agent import AgentBatch
 from vlmrl.agent.trajectory import AgentSample
-from vlmrl.batch import PromptInputs, pad_sample
-from vlmrl.types import RolloutRequest, RolloutResult
+from vlmrl.batch import pad_sample
+from vlmrl.types import PromptInputs, RolloutRequest, RolloutResult
 
 P, R, PAD = 4, 6, 0
 

@@ -14,8 +14,17 @@ import torch
 from PIL import Image
 
 from tests.agent import scripted
-from tests.agent.helpers import (GREEDY, P, R, AsyncZoom, CountingEcho, Lifecycle, assert_same_groups,
-                                assert_same_sample, requests)
+from tests.agent.helpers import (
+    GREEDY,
+    AsyncZoom,
+    CountingEcho,
+    Lifecycle,
+    P,
+    R,
+    assert_same_groups,
+    assert_same_sample,
+    requests,
+)
 from vlmrl.agent import AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry, Trajectory
 from vlmrl.agent.builtin import Geo3kAnswerTool
 from vlmrl.agent.carry import CARRIED_JSON, CARRIED_TENSORS, PNG_MODES, TRAJECTORY_FIELDS, read_carried, write_carried
@@ -30,7 +39,9 @@ def make_loop(backend, processor, log: Lifecycle) -> AgentLoop:
                      tools=ToolRegistry([CountingEcho(log), AsyncZoom()]))
 
 
-def test_restored_groups_are_equal_and_the_next_step_matches_the_uninterrupted_loop(backend, processor, tmp_path):
+def test_restored_groups_are_equal_and_the_next_step_matches_the_uninterrupted_loop(scripted_backend, processor,
+                                                                                      tmp_path):
+    backend = scripted_backend
     log, fresh_log = Lifecycle(), Lifecycle()
     with make_loop(backend, processor, log) as original:
         original.step(requests(processor, *[scripted.SHORT_QUESTION] * 2, *[scripted.LONG_QUESTION] * 2), GREEDY,
@@ -68,7 +79,8 @@ def test_restored_groups_are_equal_and_the_next_step_matches_the_uninterrupted_l
         assert fresh_log.events[key].count("release") == 1
 
 
-def test_a_folder_without_carried_groups_loads_with_a_log_line(backend, processor, tmp_path, caplog):
+def test_a_folder_without_carried_groups_loads_with_a_log_line(scripted_backend, processor, tmp_path, caplog):
+    backend = scripted_backend
     with make_loop(backend, processor, Lifecycle()) as loop, caplog.at_level(logging.WARNING, "vlmrl.agent.loop"):
         assert loop.restore_carried(tmp_path) is None
         assert loop.carried == [] and loop.prompts_needed(2) == 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.agent import scripted
-from tests.agent.helpers import GREEDY, P, R, EchoTool, check_long_sample, full_ids
+from tests.agent.helpers import GREEDY, EchoTool, P, R, check_long_sample, full_ids
 from vlmrl.agent import TOOL_VERSION, AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
 

@@ -1,7 +1,8 @@
-"""The agent loop on the HF backend: multi-turn trajectories with a text tool and an image tool, tool failures, limits.
+"""The agent loop: multi-turn trajectories with a text tool and an image tool, tool failures, limits.
 
-The tiny model was taught the scripted conversations (tests/agent/scripted.py); every assistant turn is generated
-by the backend.
+The first test runs the HF backend on the tiny model taught the scripted conversations (tests/agent/scripted.py), so
+that the trainer's forward can be checked against real rollout logprobs. The others test the loop's logic and play
+the same conversations on the scripted backend (the taught model's tokens, no model).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.agent import scripted
-from tests.agent.helpers import GREEDY, P, R, EchoTool, HangingZoomTool, Lifecycle, check_long_sample, tool_turn_texts
+from tests.agent.helpers import GREEDY, EchoTool, HangingZoomTool, Lifecycle, P, R, check_long_sample, tool_turn_texts
 from vlmrl.agent import AgentConfig, AgentLoop, Tool, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
 from vlmrl.types import SamplingParams
@@ -51,7 +52,7 @@ def test_text_and_image_tools_match_the_processor_on_the_whole_conversation(back
 
 
 @pytest.mark.parametrize("case", ["raise", "sync-timeout", "async-timeout", "create-fails"])
-def test_a_failing_tool_becomes_an_error_message(backend, processor, case):
+def test_a_failing_tool_becomes_an_error_message(scripted_backend, processor, case):
     echo = EchoTool(mode={"raise": "raise", "sync-timeout": "block"}.get(case, "ok"))
     zoom = HangingZoomTool() if case == "async-timeout" else ImageZoomTool()
     if case == "create-fails":
@@ -59,7 +60,7 @@ def test_a_failing_tool_becomes_an_error_message(backend, processor, case):
             raise OSError("no sandbox")
         echo.create = broken_create
     try:
-        with make_loop(backend, processor, [echo, zoom], tool_timeout_s=0.5) as loop:
+        with make_loop(scripted_backend, processor, [echo, zoom], tool_timeout_s=0.5) as loop:
             batch = loop.run([processor.build_request(scripted.row(scripted.LONG_QUESTION))],
                              SamplingParams(n=1, temperature=0.0, max_new_tokens=64))
     finally:
@@ -74,12 +75,14 @@ def test_a_failing_tool_becomes_an_error_message(backend, processor, case):
     }[case]
     assert any(expected in reply for reply in replies), replies
     assert agent_sample.counters[counter] == 1
-    # the step went on: the model answered the error with more turns (off-script now, so they may run long)
+    # the step went on: the model answered the error with more turns (a longer error reply can use up the response
+    # budget before the answer)
     assert agent_sample.num_turns >= 2 and agent_sample.sample.finish_reason in ("stop", "length")
     assert batch.metrics[f"agent/{counter}/mean"] == 1
 
 
-def test_limits_end_the_trajectory(backend, processor):
+def test_limits_end_the_trajectory(scripted_backend, processor):
+    backend = scripted_backend
     request = processor.build_request(scripted.row(scripted.LONG_QUESTION))
     one = SamplingParams(n=1, temperature=0.0, max_new_tokens=64)
     with make_loop(backend, processor, [EchoTool(), ImageZoomTool()], max_turns=2) as loop:
@@ -107,8 +110,8 @@ class _Broken(Tool):
         return 42  # not a ToolOutput or str
 
 
-def test_unknown_tools_and_bad_return_values_are_reported_to_the_model(backend, processor):
-    with make_loop(backend, processor, [_Broken(), ImageZoomTool()]) as loop:
+def test_unknown_tools_and_bad_return_values_are_reported_to_the_model(scripted_backend, processor):
+    with make_loop(scripted_backend, processor, [_Broken(), ImageZoomTool()]) as loop:
         (agent_sample,) = loop.run([processor.build_request(scripted.row(scripted.LONG_QUESTION))],
                                    SamplingParams(n=1, temperature=0.0, max_new_tokens=64)).samples
     first_reply = tool_turn_texts(agent_sample, processor.tokenizer)[0]
@@ -116,14 +119,16 @@ def test_unknown_tools_and_bad_return_values_are_reported_to_the_model(backend, 
     assert agent_sample.counters["tool/unknown_tool"] == 1
 
 
-def test_a_rollout_that_fails_mid_conversation_releases_every_tool_state(taught_model_path, processor):
-    """The engine refuses the conversation once the zoom tool's image takes it over its image limit (a real failure,
-    raised by the backend on the third turn): run() raises it, and every started trajectory's tool state (a sandbox,
+def test_a_rollout_that_fails_mid_conversation_releases_every_tool_state(tiny_model_path, processor):
+    """The backend refuses the conversation once the zoom tool's image takes it over its image limit (the check every
+    backend runs, raised on the third turn): run() raises it, and every started trajectory's tool state (a sandbox,
     a connection) is released on the way out."""
-    from vlmrl.rollout import InvalidRequestError, get_backend
+    from tests.fakes import ScriptedBackend
+    from vlmrl.rollout import InvalidRequestError
 
     log = Lifecycle()
-    with get_backend("hf", taught_model_path, max_model_len=1024, limit_images=1) as strict, \
+    with ScriptedBackend(tiny_model_path, scripted.ScriptedModel(processor), max_model_len=1024,
+                         limit_images=1) as strict, \
             make_loop(strict, processor, [EchoTool(log), ImageZoomTool()]) as loop:
         with pytest.raises(InvalidRequestError, match="images"):
             loop.run([processor.build_request(scripted.row(scripted.LONG_QUESTION))], GREEDY)

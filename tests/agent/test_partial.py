@@ -1,10 +1,11 @@
-"""Partial rollout on the HF backend: a full batch returns while long groups are unfinished; carried groups finish in
-the next step with each token tagged by the policy version that generated it; drop and staleness limits release."""
+"""Partial rollout on the scripted backend (the taught model's tokens, tests/agent/scripted.py): a full batch returns
+while long groups are unfinished; carried groups finish in the next step with each token tagged by the policy version
+that generated it; drop and staleness limits release."""
 
 from __future__ import annotations
 
 from tests.agent import scripted
-from tests.agent.helpers import GREEDY, P, R, EchoTool, Lifecycle, full_ids, requests
+from tests.agent.helpers import GREEDY, EchoTool, Lifecycle, P, R, full_ids, requests
 from vlmrl.agent import TOOL_VERSION, AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
 
@@ -15,7 +16,8 @@ def make_loop(backend, processor, log: Lifecycle, **partial) -> AgentLoop:
                      tools=ToolRegistry([EchoTool(log), ImageZoomTool()]))
 
 
-def test_carried_groups_finish_next_step_with_their_version_tags(backend, processor):
+def test_carried_groups_finish_next_step_with_their_version_tags(scripted_backend, processor):
+    backend = scripted_backend
     log = Lifecycle()
     with make_loop(backend, processor, log, unfinished="carry") as loop:
         assert loop.prompts_needed(2) == 4
@@ -63,7 +65,8 @@ def test_carried_groups_finish_next_step_with_their_version_tags(backend, proces
     assert len(log.events) == 2 * (4 + 2 + 1)
 
 
-def test_drop_releases_unfinished_groups(backend, processor):
+def test_drop_releases_unfinished_groups(scripted_backend, processor):
+    backend = scripted_backend
     log = Lifecycle()
     with make_loop(backend, processor, log, unfinished="drop") as loop:
         new = requests(processor, scripted.SHORT_QUESTION, scripted.LONG_QUESTION, scripted.LONG_QUESTION)
@@ -76,7 +79,8 @@ def test_drop_releases_unfinished_groups(backend, processor):
         assert log.events[key][-1] == "release" and "reward" not in log.events[key]
 
 
-def test_too_stale_groups_are_dropped_not_resumed(backend, processor):
+def test_too_stale_groups_are_dropped_not_resumed(scripted_backend, processor):
+    backend = scripted_backend
     log = Lifecycle()
     with make_loop(backend, processor, log, unfinished="carry", max_staleness=1) as loop:
         new = requests(processor, scripted.SHORT_QUESTION, scripted.LONG_QUESTION)
@@ -88,7 +92,8 @@ def test_too_stale_groups_are_dropped_not_resumed(backend, processor):
     assert all("reward" not in log.events[f"{new[1].uid}/{i}"] for i in range(2))
 
 
-def test_chunked_turns_give_the_same_conversation(backend, processor):
+def test_chunked_turns_give_the_same_conversation(scripted_backend, processor):
+    backend = scripted_backend
     """A turn generated in 8-token pieces (so that it can be parked between them) equals one generated whole."""
     log = Lifecycle()
     with make_loop(backend, processor, log, chunk_tokens=8) as loop:

@@ -37,12 +37,19 @@ resume that lost them would pass). At 1.0 with an entropy bonus, step 1 has a gr
 samples got different rewards; everything is seeded, so the comparisons stay exact."""
 
 
+_TAUGHT: dict[str, str] = {}
+
+
 def teach_model(tiny_model_path: str, tmp_path_factory) -> str:
-    """The tiny model taught the scripted conversations, in a fresh temp folder (for a module fixture)."""
+    """The tiny model taught the scripted conversations, in a temp folder that lasts the session: taught once per
+    session (teaching is seeded, so every caller would get the same weights); callers only read it."""
     from vlmrl.processors import load_processor
 
-    torch.set_num_threads(1)
-    return str(scripted.teach(tiny_model_path, tmp_path_factory.mktemp("taught"), load_processor(tiny_model_path)))
+    if tiny_model_path not in _TAUGHT:
+        torch.set_num_threads(1)
+        folder = scripted.teach(tiny_model_path, tmp_path_factory.mktemp("taught"), load_processor(tiny_model_path))
+        _TAUGHT[tiny_model_path] = str(folder)
+    return _TAUGHT[tiny_model_path]
 
 
 def write_run_files(tmp_path, agent_yaml: str = AGENT):

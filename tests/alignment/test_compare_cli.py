@@ -150,6 +150,7 @@ def _failing_val_data(tmp_path):
     return path
 
 
+@pytest.mark.slow  # a whole `python -m vlmrl.train` child process
 def test_a_failed_backend_run_exits_2_naming_the_backend_and_its_log(tmp_path, tiny_model_path, capsys):
     """`--backends` runs each side as `python -m vlmrl.train ... trainer.val_only=true`: a run that fails is a clear
     error (which side, which backend, where its log is), not a traceback, and the second side never starts."""

@@ -1,5 +1,5 @@
 """Padding rows change nothing: advantages, the policy loss and every gradient of a real model forward are the same
-with and without upsampling (the failure of duplicating real rows, pitfall 1)."""
+with and without upsampling (duplicated real rows, the usual way to pad, would change all three)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from tests.processors.helpers import image_row, noise_image
 from vlmrl.algorithms.grpo import broadcast_to_tokens, group_advantages, logprobs_from_logits, ppo_clip_loss
-from vlmrl.batch.padding import pad_sample, prompt_inputs, required_batch_multiple, stack_samples, upsample_to_multiple
+from vlmrl.batch.padding import pad_sample, required_batch_multiple, stack_samples, upsample_to_multiple
 from vlmrl.processors import load_processor
 from vlmrl.types import TrainBatch
 
@@ -39,7 +39,7 @@ def _random_batch(processor, seed: int) -> TrainBatch:
             {"prompt": "Say yes."}]
     samples = []
     for index, row in enumerate(rows):
-        prompt = prompt_inputs(processor, processor.build_request(row, index))
+        prompt = processor.prompt_inputs(processor.build_request(row, index))
         for _ in range(N):
             length = rng.randint(1, R)
             response = [rng.randrange(20, 700) for _ in range(length - 1)] + [processor.eos_token_ids[0]]

@@ -13,6 +13,7 @@ from PIL import Image
 
 from vlmrl.data.dataset import (
     BatchSampler,
+    DataError,
     PromptQueue,
     RLDataset,
     build_requests,
@@ -223,3 +224,45 @@ def test_prompt_queue_hands_out_the_sampler_order_in_any_amounts():
     taken = [queue.take(count) for count in (3, 0, 1, 5, 2)]
     assert [len(t) for t in taken] == [3, 0, 1, 5, 2]
     assert sum(taken, []) + queue.pending == expected  # 11 handed out of the 12 drawn (6 batches of 2)
+
+
+# ------------------------------------------------------------------------------------ data errors name the file
+
+
+def test_an_empty_parquet_file_is_named_with_no_rows(tmp_path):
+    empty = tmp_path / "empty.parquet"
+    datasets.Dataset.from_dict(_verl_rows(2)).select([]).to_parquet(str(empty))
+    assert pq.read_metadata(empty).num_rows == 0
+    with pytest.raises(DataError, match=r"no rows .*empty\.parquet: an empty parquet file"):
+        load_dataset(str(empty), "train")
+
+
+def test_an_empty_validation_set_says_no_rows_not_filtered(tmp_path):
+    empty = tmp_path / "test.parquet"
+    datasets.Dataset.from_dict(_verl_rows(1)).select([]).to_parquet(str(empty))
+    with pytest.raises(DataError, match="no rows") as info:
+        load_dataset(str(empty), "val")
+    assert "test.parquet" in str(info.value) and "filtered" not in str(info.value)
+
+
+def test_one_empty_file_among_others_is_fine(tmp_path):
+    datasets.Dataset.from_dict(_verl_rows(3)).to_parquet(str(tmp_path / "a.parquet"))
+    datasets.Dataset.from_dict(_verl_rows(3)).select([]).to_parquet(str(tmp_path / "b.parquet"))
+    assert len(load_dataset(str(tmp_path), "train")) == 3
+
+
+@pytest.mark.parametrize("content, cause", [(b"", r"an empty file \(0 bytes\)"),
+                                            (b"PAR1 not really a parquet file", "ArrowInvalid")])
+def test_a_zero_byte_or_garbage_parquet_is_named_with_the_cause(tmp_path, content, cause):
+    bad = tmp_path / "broken.parquet"
+    bad.write_bytes(content)
+    with pytest.raises(DataError, match=rf"broken\.parquet: not a readable parquet file \({cause}"):
+        load_dataset(str(bad), "train")
+
+
+def test_a_bad_row_of_the_second_file_names_that_file_and_its_row(tmp_path):
+    for name in ("a", "b"):
+        datasets.Dataset.from_dict(_verl_rows(3)).to_parquet(str(tmp_path / f"{name}.parquet"))
+    data = load_dataset(str(tmp_path), "train")
+    with pytest.raises(BadRowError, match=r"row 4: 2 <image> placeholders but 1 image \(row 1 of .*b\.parquet\)"):
+        build_requests(_CountingProcessor(bad={4}), data, [0, 4])

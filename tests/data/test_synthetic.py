@@ -90,11 +90,3 @@ def test_shape_answer_matches_how_much_of_its_box_the_shape_fills():
         fill = mask.sum() / ((np.ptp(rows) + 1) * (np.ptp(cols) + 1))
         guess = "square" if fill > 0.93 else "circle" if fill > 0.65 else "triangle"
         assert guess == row["reward_model"]["ground_truth"], fill
-
-
-def test_the_task_and_its_answer_set_are_found_from_the_data_source():
-    from vlmrl.data.synthetic import task_for_source
-
-    assert task_for_source("synthetic/count").answers == ("1", "2", "3", "4")
-    assert task_for_source("synthetic/colour").answers == tuple(COLOURS)
-    assert task_for_source("hiyouga/geometry3k") is None

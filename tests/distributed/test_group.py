@@ -31,8 +31,9 @@ def actor_config(model_path: str, micro: int, **overrides) -> ActorConfig:
 
 def start_dp2(config: ActorConfig, mini_batch_samples: int, **spec) -> DistributedActor:
     config.dtype = "float64"
-    return DistributedActor(ClusterConfig(devices_per_node=2, timeout_s=300),
-                            WorkerSpec(actor=config, torch_threads=1, timeout_s=120, **spec), mini_batch_samples)
+    return DistributedActor(ClusterConfig(n_gpus_per_node=2),
+                            WorkerSpec(actor=config, torch_threads=1, timeout_s=120, **spec), mini_batch_samples,
+                            timeout_s=300)
 
 
 def single_process(config: ActorConfig, mini_batch_samples: int) -> Actor:
@@ -203,9 +204,9 @@ def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3)
     engine = EngineSpec("hf", tiny_model_path, {"dtype": "float32", "max_model_len": 128, "timeout_s": 120})
     config = actor_config(tiny_model_path, micro=4, optim=OptimConfig(lr=1e-2, weight_decay=0.0))
-    actor = DistributedActor(ClusterConfig(devices_per_node=2, engine_placement="worker", timeout_s=300),
+    actor = DistributedActor(ClusterConfig(n_gpus_per_node=2, engine_placement="worker"),
                              WorkerSpec(actor=config, engine=engine, torch_threads=1, timeout_s=120),
-                             mini_batch_samples=8)
+                             mini_batch_samples=8, timeout_s=300)
     with ColocatedEngines(actor) as engines:
         assert actor.hosts == [0, 1]
         first = engines.generate(requests, sampling)  # requests 0-1 on rank 0's engine, 2-3 on rank 1's
@@ -238,11 +239,11 @@ def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
 
 
 def _batch_of(processor, requests, results):
-    from vlmrl.batch import pad_sample, prompt_inputs, stack_samples
+    from vlmrl.batch import pad_sample, stack_samples
 
     samples = []
     for i, result in enumerate(results):
-        prompt = prompt_inputs(processor, requests[i // 2])
+        prompt = processor.prompt_inputs(requests[i // 2])
         samples.append(pad_sample(prompt, result.response_ids, prompt_length=64, response_length=4,
                                   pad_token_id=processor.pad_token_id, rollout_logprobs=result.response_logprobs))
     return stack_samples(samples)

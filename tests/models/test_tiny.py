@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import pytest
 import torch
 from PIL import Image
 
 from vlmrl.models import resolve_model_path
-from vlmrl.models.tiny import build, file_digests
+from vlmrl.models.tiny import build
 
 
 def _gradient_image(w: int, h: int) -> Image.Image:
     img = Image.new("RGB", (w, h))
     img.putdata([((x * 7) % 256, (y * 5) % 256, ((x + y) * 3) % 256) for y in range(h) for x in range(w)])
     return img
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file in a built folder."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def test_rebuild_is_byte_identical(tmp_path):

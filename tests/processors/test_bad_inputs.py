@@ -106,11 +106,14 @@ def test_remote_url_refused_unless_allowed(processor):
 
 
 class _Server:
-    """A local HTTP server (loopback only) serving a good image, an oversized one and one that never answers."""
+    """A local HTTP server (loopback only) serving a good image, an oversized one, one that never answers and one
+    that trickles a byte at a time."""
 
     def __init__(self, image: bytes):
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
+                if self.path == "/trickle":  # one byte every 0.5 s, 16 at most: ends by itself within 8 s
+                    return self._trickle()
                 if self.path == "/slow":
                     time.sleep(3)
                 body = image if self.path != "/big" else b"\0" * (2 * 1024 * 1024)
@@ -121,6 +124,18 @@ class _Server:
                     self.wfile.write(body)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up first (timeout, size limit): what the test wants
+
+            def _trickle(self):
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(image)))
+                    self.end_headers()
+                    for byte in image[:16]:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(0.5)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
 
             def log_message(self, *args):
                 pass
@@ -152,6 +167,18 @@ def test_remote_images_when_allowed_have_a_timeout_and_a_size_limit(tiny_model_p
         server.close()
 
 
+def test_remote_timeout_bounds_the_whole_download_not_each_read(tiny_model_path):
+    server = _Server(png_bytes(noise_image(90, 60, seed=9)))
+    try:
+        processor = load_processor(tiny_model_path, ProcessorConfig(allow_remote_images=True, remote_timeout_s=1.0))
+        start = time.monotonic()
+        # every read gets a byte within 0.5 s (under the timeout): only a deadline for the whole body ends it
+        _bad(processor, [f"{server.url}/trickle"], "remote_timeout_s=1.0")
+        assert time.monotonic() - start < 2.5
+    finally:
+        server.close()
+
+
 def test_decompression_bomb_rejected_before_decoding(processor):
     # 12000 x 12000 = 144 M pixels: over our 89.5 M limit, under PIL's own hard error (2x its warning threshold)
     _bad(processor, [{"bytes": _png_header_only(12_000, 12_000)}], "decompression-bomb guard")
@@ -160,7 +187,8 @@ def test_decompression_bomb_rejected_before_decoding(processor):
 
 
 def test_pixel_limit_is_configurable(tiny_model_path):
-    processor = load_processor(tiny_model_path, ProcessorConfig(max_image_pixels=100 * 100))
+    # resized to at most 84 x 84 = 7056 pixels: a guard below the resize bound would be refused (see test_processor)
+    processor = load_processor(tiny_model_path, ProcessorConfig(max_pixels=84 * 84, max_image_pixels=100 * 100))
     assert processor.build_request(image_row("<image>?", [noise_image(100, 100)]), ROW).images
     _bad(processor, [noise_image(101, 100)], "max_image_pixels=10000")
 
@@ -183,12 +211,13 @@ def test_overlong_prompt_filtered_or_rejected_counting_image_tokens(tiny_model_p
     unexpanded = len(probe.prompt_ids)
     expanded = unexpanded - 1 + 16
     # the limit counts EXPANDED tokens: a prompt whose text fits but whose image does not is over the limit
-    for policy, error in (("filter", FilteredRow), ("error", BadRowError)):
-        processor = load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=expanded - 1, on_overlong=policy))
+    for filtered, error in ((True, FilteredRow), (False, BadRowError)):
+        processor = load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=expanded - 1,
+                                                                    filter_overlong_prompts=filtered))
         with pytest.raises(error, match=f"prompt is {expanded} tokens .* > max_prompt_length={expanded - 1}") as info:
             processor.build_request(row, index=ROW)
         assert info.value.row_index == ROW
-        assert isinstance(info.value, FilteredRow) == (policy == "filter")
+        assert isinstance(info.value, FilteredRow) == filtered
     # at exactly the limit it passes, whole: every image placeholder kept
     fits = load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=expanded)).build_request(row)
     assert fits.prompt_ids == probe.prompt_ids and len(fits.images) == 1

@@ -156,13 +156,23 @@ def test_pixel_bounds_outside_the_models_are_refused(tiny_model_path, bounds):
         load_processor(tiny_model_path, ProcessorConfig(**bounds))
 
 
-def test_image_factor_must_match_the_model(tiny_model_path):
-    with pytest.raises(ValueError, match="image_factor=32 but the model's image processor needs 28"):
-        load_processor(tiny_model_path, ProcessorConfig(image_factor=32))
+def test_image_factor_is_the_models(tiny_model_path):
+    processor = load_processor(tiny_model_path)
+    assert processor.image_factor == processor.patch_size * processor.spatial_merge_size == 28
+    request = processor.build_request(image_row("<image>?", [noise_image(333, 201)]))
+    assert all(side % 28 == 0 for side in request.images[0].size)
 
 
-@pytest.mark.parametrize("field,value", [("on_overlong", "truncate"), ("on_bad_image", "ignore"),
-                                         ("max_prompt_length", 0)])
-def test_invalid_config_values_say_what_to_use(field, value):
+@pytest.mark.parametrize("field,value", [("on_bad_image", "ignore"), ("max_prompt_length", 0),
+                                         ("remote_max_bytes", 0)])
+def test_invalid_config_values_say_what_to_use(tiny_model_path, field, value):
+    assert any(field in problem for problem in ProcessorConfig(**{field: value}).problems())
     with pytest.raises(ValueError, match=field):
-        ProcessorConfig(**{field: value})
+        load_processor(tiny_model_path, ProcessorConfig(**{field: value}))
+
+
+def test_the_bomb_guard_must_admit_the_models_largest_image(tiny_model_path):
+    """With max_pixels null the bound is the model's (12544 for the tiny model), known only at load."""
+    assert ProcessorConfig(max_image_pixels=10000).problems() == []
+    with pytest.raises(ValueError, match="data.max_image_pixels=10000 rejects images data.max_pixels=12544"):
+        load_processor(tiny_model_path, ProcessorConfig(max_image_pixels=10000))

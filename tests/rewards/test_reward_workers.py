@@ -191,6 +191,7 @@ def _run_args(model_path: str, output_dir, reward: str, *extra: str) -> list[str
             *extra]
 
 
+@pytest.mark.slow  # two whole runs that wait out their hung rewards' timeouts
 def test_training_and_validate_only_runs_go_on_past_hung_rewards_and_log_the_timeouts(tiny_model_path, tmp_path):
     from vlmrl.trainer.fit import fit
     from vlmrl.trainer.metrics import read_metrics

@@ -142,3 +142,28 @@ def test_a_sample_without_ground_truth_is_a_counted_failure_not_a_right_answer(n
     """str(None) == "None": without the check, answering None to a row missing its ground truth scored 1.0."""
     scores, extras, failures = compute_rewards(get_reward_fn(name), [RewardInput("src", response, None)])
     assert (scores, failures, extras[0][FAILED_KEY]) == ([0.0], 1, 1.0)
+
+
+class _Stop(BaseException):
+    """A BaseException that is neither Exception nor KeyboardInterrupt (what some libraries raise to unwind)."""
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), _Stop("unwind")], ids=["SystemExit", "other BaseException"])
+def test_in_process_scoring_counts_a_base_exception_as_a_failure_not_the_end_of_the_run(raised):
+    def reward(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "exit":
+            raise raised
+        return 1.0
+
+    items = [RewardInput("mine", r, "x") for r in ("ok", "exit", "ok")]
+    scores, extras, failures = compute_rewards(reward, items, timeout_s=0)  # scored here, in this process
+    assert (scores, failures) == ([1.0, 0.0, 1.0], 1)
+    assert [e[FAILED_KEY] for e in extras] == [0.0, 1.0, 0.0]
+
+
+def test_ctrl_c_during_in_process_scoring_still_stops():
+    def reward(**kwargs):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        compute_rewards(reward, [RewardInput("mine", "a", "x")], timeout_s=0)

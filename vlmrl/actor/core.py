@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.policy import Policy
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean
 from vlmrl.algorithms.grpo import broadcast_to_tokens, entropy_from_logits, kl_penalty, logprobs_from_logits
 from vlmrl.algorithms.policy_loss import POLICY_LOSS_FNS
-from vlmrl.config import ActorConfig
 from vlmrl.types import TrainBatch
 from vlmrl.utils.sequences import chunks
 

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import torch
 
+from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.core import ActorCore, forward_response, micro_batch, mini_batch_scales, needs_old_logprobs
 from vlmrl.actor.policy import build_policy
 from vlmrl.algorithms.grpo import token_mean
-from vlmrl.config import ActorConfig
 from vlmrl.rollout import RolloutBackend
 from vlmrl.types import TrainBatch
 from vlmrl.utils.sequences import chunks

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmrl.config import ActorConfig, OptimConfig
+from vlmrl.actor.config import ActorConfig, OptimConfig
 
 logger = logging.getLogger(__name__)
 

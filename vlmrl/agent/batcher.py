@@ -35,7 +35,6 @@ class BatcherStats:
 
     calls: int = 0
     requests: int = 0
-    generated_tokens: int = 0
     cut_tokens: int = 0
     """Tokens generated past a turn's own limit and cut off (the price of batching mixed limits)."""
     withdrawn: int = 0
@@ -140,7 +139,6 @@ class TurnBatcher:
             self._wake.set()
 
     def _cut(self, result: RolloutResult, limit: int) -> RolloutResult:
-        self.stats.generated_tokens += len(result.response_ids)
         if len(result.response_ids) <= limit:
             return result
         self.stats.cut_tokens += len(result.response_ids) - limit

@@ -28,7 +28,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmrl.agent.batcher import TurnBatcher
 from vlmrl.agent.carry import ToolEntries, from_json, read_carried, to_json, write_carried
@@ -38,10 +38,13 @@ from vlmrl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
 from vlmrl.agent.tools import Tool, ToolContext, ToolRegistry, ToolTimeout, as_output, call_tool_method
 from vlmrl.agent.trajectory import AgentSample, Trajectory, to_sample
 from vlmrl.agent.turns import ToolReply, TurnRenderer
-from vlmrl.batch.padding import PromptInputs, prompt_inputs
 from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
-from vlmrl.types import RolloutRequest, RolloutResult, Sample, SamplingParams
+from vlmrl.types import PromptInputs, RolloutRequest, RolloutResult, Sample, SamplingParams
 from vlmrl.utils.executor import DaemonExecutor
+
+if TYPE_CHECKING:
+    from vlmrl.processors import Processor
+    from vlmrl.rollout import RolloutBackend
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +114,7 @@ class AgentBatch:
 class AgentLoop:
     """Multi-turn rollout with tools over any `RolloutBackend` (see the module docstring)."""
 
-    def __init__(self, backend: Any, processor: Any, config: AgentConfig, *, prompt_length: int,
+    def __init__(self, backend: RolloutBackend, processor: Processor, config: AgentConfig, *, prompt_length: int,
                  response_length: int, tools: ToolRegistry | None = None):
         config.validate()
         self.backend, self.processor, self.config = backend, processor, config
@@ -425,9 +428,9 @@ class AgentLoop:
                 traj.count("tool/images_over_limit")
                 continue
             try:
-                rgb = load_image(image, self.processor.image_limits)  # the data.* image-safety settings
+                rgb = load_image(image, self.processor.config)  # the data.* image-safety settings
                 shown.append(resize_image(rgb, self.processor.min_pixels, self.processor.max_pixels,
-                                          self.processor.config.image_factor))
+                                          self.processor.image_factor))
             except ImageInputError as err:
                 traj.count("tool/bad_images")
                 notes.append(f"(image {i} from {tool_name!r} is unusable: {err})")
@@ -484,7 +487,7 @@ class AgentLoop:
     def _pad(self, group: Group, traj: Trajectory) -> None:
         """A finished trajectory -> its group's padded sample (also when a checkpoint brings it back)."""
         if group.prompt is None:
-            group.prompt = prompt_inputs(self.processor, group.request)
+            group.prompt = self.processor.prompt_inputs(group.request)
         agent_sample = to_sample(traj, self.processor, group.prompt, prompt_length=self.prompt_length,
                                  response_length=self.response_length)
         agent_sample.sample.reward_extra.update({f"tool/{k}": v for k, v in traj.tool_rewards.items()})

@@ -7,13 +7,16 @@ what every backend takes as the next turn's prompt; it is expanded once, when th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image
 
-from vlmrl.batch.padding import PromptInputs, pad_sample
-from vlmrl.types import RolloutRequest, RolloutResult, Sample
+from vlmrl.batch.padding import pad_sample
+from vlmrl.types import PromptInputs, RolloutRequest, RolloutResult, Sample
+
+if TYPE_CHECKING:
+    from vlmrl.processors import Processor
 
 TOOL_VERSION = -1
 """`token_versions` value of tool-turn tokens (no policy produced them)."""
@@ -100,14 +103,6 @@ class Trajectory:
         self.done, self.finish_reason, self.end_reason = True, finish_reason, end_reason
 
     @property
-    def policy_tokens(self) -> int:
-        return sum(self.response_mask)
-
-    def stale_tokens(self, current_version: int) -> int:
-        """Policy tokens produced by a version older than `current_version`."""
-        return sum(1 for v in self.token_versions if v != TOOL_VERSION and v < current_version)
-
-    @property
     def oldest_version(self) -> int | None:
         versions = [v for v in self.token_versions if v != TOOL_VERSION]
         return min(versions) if versions else None
@@ -130,7 +125,7 @@ class AgentSample:
 
 
 def to_sample(
-    traj: Trajectory, processor: Any, prompt: PromptInputs, *, prompt_length: int, response_length: int,
+    traj: Trajectory, processor: Processor, prompt: PromptInputs, *, prompt_length: int, response_length: int,
 ) -> AgentSample:
     """Expand the response's tool images and pad it, right where the trajectory ends.
 

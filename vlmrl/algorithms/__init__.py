@@ -1,41 +1,48 @@
 """RL algorithm math, pure tensor functions: advantage estimators, policy losses, loss aggregation, KL, entropy,
 rollout correction and DAPO's data helpers. The loop selects them by name (the *_FNS registries and name tuples)."""
 
-from vlmrl.algorithms.advantages import (
-    ADV_ESTIMATOR_FNS,
-    ADV_ESTIMATORS,
-    compute_advantages,
-    group_advantages,
-    reinforce_plus_plus_advantages,
-    reinforce_plus_plus_baseline_advantages,
-    rloo_advantages,
-)
-from vlmrl.algorithms.aggregation import LOSS_AGG_MODES, agg_loss, loss_normaliser, masked_sum, token_mean
-from vlmrl.algorithms.dapo import groups_with_signal, mask_truncated, overlong_penalty
-from vlmrl.algorithms.grpo import (
-    KL_TYPES,
-    PolicyLoss,
-    broadcast_to_tokens,
-    entropy_from_logits,
-    kl_penalty,
-    logprobs_from_logits,
-    ppo_clip_loss,
-)
-from vlmrl.algorithms.policy_loss import (
-    POLICY_LOSS_FNS,
-    POLICY_LOSSES,
-    TokenLoss,
-    cispo_token_loss,
-    gspo_token_loss,
-    ppo_clip_token_loss,
-)
-from vlmrl.algorithms.correction import ROLLOUT_CORRECTIONS, RolloutCorrection, rollout_correction
+from importlib import import_module
 
-__all__ = [
-    "ADV_ESTIMATORS", "ADV_ESTIMATOR_FNS", "KL_TYPES", "LOSS_AGG_MODES", "POLICY_LOSSES", "POLICY_LOSS_FNS",
-    "ROLLOUT_CORRECTIONS", "PolicyLoss", "RolloutCorrection", "TokenLoss", "agg_loss", "broadcast_to_tokens",
-    "cispo_token_loss", "compute_advantages", "entropy_from_logits", "group_advantages", "groups_with_signal",
-    "gspo_token_loss", "kl_penalty", "logprobs_from_logits", "loss_normaliser", "mask_truncated", "masked_sum",
-    "overlong_penalty", "ppo_clip_loss", "ppo_clip_token_loss", "reinforce_plus_plus_advantages",
-    "reinforce_plus_plus_baseline_advantages", "rloo_advantages", "rollout_correction", "token_mean",
-]
+# Imported on first use: the run config reads this package's config module and must not import torch.
+_LAZY = {
+    "ADV_ESTIMATOR_FNS": "advantages",
+    "ADV_ESTIMATORS": "advantages",
+    "compute_advantages": "advantages",
+    "group_advantages": "advantages",
+    "reinforce_plus_plus_advantages": "advantages",
+    "reinforce_plus_plus_baseline_advantages": "advantages",
+    "rloo_advantages": "advantages",
+    "LOSS_AGG_MODES": "aggregation",
+    "agg_loss": "aggregation",
+    "loss_normaliser": "aggregation",
+    "masked_sum": "aggregation",
+    "token_mean": "aggregation",
+    "KL_TYPES": "config",
+    "ROLLOUT_CORRECTIONS": "correction",
+    "RolloutCorrection": "correction",
+    "rollout_correction": "correction",
+    "groups_with_signal": "dapo",
+    "mask_truncated": "dapo",
+    "overlong_penalty": "dapo",
+    "PolicyLoss": "grpo",
+    "broadcast_to_tokens": "grpo",
+    "entropy_from_logits": "grpo",
+    "kl_penalty": "grpo",
+    "logprobs_from_logits": "grpo",
+    "ppo_clip_loss": "grpo",
+    "POLICY_LOSS_FNS": "policy_loss",
+    "POLICY_LOSSES": "policy_loss",
+    "TokenLoss": "policy_loss",
+    "cispo_token_loss": "policy_loss",
+    "gspo_token_loss": "policy_loss",
+    "ppo_clip_token_loss": "policy_loss",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"vlmrl.algorithms.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'vlmrl.algorithms' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

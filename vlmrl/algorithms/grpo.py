@@ -17,9 +17,8 @@ import torch
 
 from vlmrl.algorithms.advantages import group_advantages
 from vlmrl.algorithms.aggregation import masked_sum, token_mean
+from vlmrl.algorithms.config import KL_TYPES
 from vlmrl.algorithms.policy_loss import ppo_clip_token_loss
-
-KL_TYPES = ("low_var_kl", "k1", "k2", "mse")
 
 __all__ = [
     "KL_TYPES", "PolicyLoss", "broadcast_to_tokens", "entropy_from_logits", "group_advantages", "kl_penalty",

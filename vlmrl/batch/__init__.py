@@ -1,14 +1,9 @@
 """The VLM batch layout: per-sample padding, stacking, padding rows for divisibility, metrics without padding rows."""
 
 from vlmrl.batch.padding import (
-    MetricSkips,
-    PromptInputs,
     batch_metrics,
     pad_results,
     pad_sample,
-    prompt_inputs,
-    real_row_mean,
-    real_token_mean,
     required_batch_multiple,
     scored_batch,
     stack_samples,
@@ -16,14 +11,9 @@ from vlmrl.batch.padding import (
 )
 
 __all__ = [
-    "MetricSkips",
-    "PromptInputs",
     "batch_metrics",
     "pad_results",
     "pad_sample",
-    "prompt_inputs",
-    "real_row_mean",
-    "real_token_mean",
     "required_batch_multiple",
     "scored_batch",
     "stack_samples",

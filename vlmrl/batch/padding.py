@@ -1,7 +1,7 @@
 """The VLM batch layout: per-sample padding as each sample finishes, stacking, padding rows, metrics without them.
 
 Layout of one row (P = prompt_length, R = response_length, L = P + R, both FIXED by the config so that every
-sample, every rank and every step has the same shape, pitfall 11):
+sample, every rank and every step has the same shape; ranks padded to different lengths cannot be gathered):
 
     input_ids       [pad ... pad | prompt (expanded) | response | pad ... pad]
     attention_mask  [0   ...   0 | 1             ... 1 | 0   ...   0]
@@ -11,7 +11,8 @@ sample, every rank and every step has the same shape, pitfall 11):
 
 Padding rows (for divisibility by dp size and mini-batch sizes) are synthetic: one prompt token, one EOS response
 token, their own uid, `is_padding`, EMPTY multi_modal_inputs, (3, L) position ids, response_mask 0, reward 0. They add
-nothing to any loss, gradient, advantage or metric (pitfalls 1-2); duplicating real rows would.
+nothing to any loss, gradient, advantage or metric; duplicated real rows would join their GRPO groups' statistics,
+the gradients and the metrics.
 """
 
 from __future__ import annotations
@@ -20,44 +21,15 @@ import logging
 import math
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from vlmrl.types import RolloutRequest, RolloutResult, Sample, TrainBatch
+from vlmrl.types import PromptInputs, RolloutResult, Sample, TrainBatch
 
 logger = logging.getLogger(__name__)
 
 PADDING_UID_PREFIX = "padding-"
 PADDING_SOURCE = "padding"
-
-
-@dataclass
-class PromptInputs:
-    """What every sample of one request shares, computed once per request (not once per sample)."""
-
-    uid: str
-    input_ids: torch.Tensor
-    """(n,) long: the EXPANDED prompt ids (no padding)."""
-    position_ids: torch.Tensor
-    """(3, n) long: the prompt's mrope ids."""
-    multi_modal_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """`pixel_values` and `image_grid_thw`; empty for a text-only prompt."""
-    data_source: str = "unknown"
-    ground_truth: Any = None
-
-
-def prompt_inputs(processor: Any, request: RolloutRequest) -> PromptInputs:
-    """Expand a request's prompt and compute its image inputs and position ids, once for all its samples.
-
-    processor: a `vlmrl.processors.Processor` (expand_prompt_ids, multi_modal_inputs, position_ids).
-    """
-    mm_inputs = processor.multi_modal_inputs(request)
-    grid = mm_inputs.get("image_grid_thw")
-    ids = torch.tensor(processor.expand_prompt_ids(request.prompt_ids, grid), dtype=torch.long)
-    positions = processor.position_ids(ids.unsqueeze(0), None, grid)[:, 0]
-    return PromptInputs(request.uid, ids, positions, mm_inputs, request.data_source, request.ground_truth)
 
 
 def pad_sample(
@@ -170,29 +142,24 @@ def stack_samples(samples: Sequence[Sample]) -> TrainBatch:
     )
 
 
-def required_batch_multiple(
-    dp_size: int, ppo_mini_batch_size: int, rollout_n: int, critic_mini_batch_size: int | None = None
-) -> int:
-    """The number of samples a training batch must be a multiple of: lcm of the dp size and every global
-    mini-batch size in samples (mini-batch size in prompts x rollout.n).
+def required_batch_multiple(dp_size: int, ppo_mini_batch_size: int, rollout_n: int) -> int:
+    """The number of samples a training batch must be a multiple of: lcm of the dp size and the global mini-batch
+    size in samples (mini-batch size in prompts x rollout.n).
 
     Raises ValueError when a mini-batch cannot split evenly over the dp ranks (uneven ranks hang collectives).
 
     >>> required_batch_multiple(dp_size=2, ppo_mini_batch_size=15, rollout_n=8)
     120
     """
-    for name, value in (("dp_size", dp_size), ("ppo_mini_batch_size", ppo_mini_batch_size),
-                        ("rollout_n", rollout_n), ("critic_mini_batch_size", critic_mini_batch_size or 1)):
+    for name, value in (("dp_size", dp_size), ("ppo_mini_batch_size", ppo_mini_batch_size), ("rollout_n", rollout_n)):
         if int(value) != value or value < 1:
             raise ValueError(f"{name}={value}: must be a positive integer")
-    sizes = {"ppo_mini_batch_size": ppo_mini_batch_size * rollout_n}
-    if critic_mini_batch_size is not None:
-        sizes["critic_mini_batch_size"] = critic_mini_batch_size * rollout_n
-    for name, samples in sizes.items():
-        if samples % dp_size:
-            raise ValueError(f"{name} x rollout.n = {samples} samples cannot split over {dp_size} data-parallel "
-                             f"ranks: choose {name} so that {name} x rollout.n is a multiple of {dp_size}")
-    return math.lcm(dp_size, *sizes.values())
+    samples = ppo_mini_batch_size * rollout_n
+    if samples % dp_size:
+        raise ValueError(f"ppo_mini_batch_size x rollout.n = {samples} samples cannot split over {dp_size} "
+                         "data-parallel ranks: choose ppo_mini_batch_size so that ppo_mini_batch_size x rollout.n is "
+                         f"a multiple of {dp_size}")
+    return math.lcm(dp_size, samples)
 
 
 def upsample_to_multiple(batch: TrainBatch, multiple: int, *, eos_token_id: int, pad_token_id: int) -> TrainBatch:
@@ -280,39 +247,13 @@ def scored_batch(samples: Sequence[Sample], rewards: Sequence[float], reward_par
 # ---------------------------------------------------------------- metrics that never see padding rows
 
 
-@dataclass
-class MetricSkips:
-    """How many metric computations were skipped because their batch held only padding rows (logged, not hidden)."""
-
-    all_padding_batches: int = 0
-
-
-def real_row_mean(values: torch.Tensor, is_padding: torch.Tensor) -> float | None:
-    """Mean of (B,) `values` over real rows; None when every row is padding (never a number made of padding)."""
-    real = ~is_padding.to(torch.bool)
-    if not bool(real.any()):
-        return None
-    return float(values[real].float().mean())
-
-
-def real_token_mean(values: torch.Tensor, response_mask: torch.Tensor, is_padding: torch.Tensor) -> float | None:
-    """Mean of (B, R) `values` over policy tokens of real rows; None when there are none."""
-    mask = response_mask.to(torch.float32) * (~is_padding.to(torch.bool)).unsqueeze(-1)
-    count = float(mask.sum())
-    if count == 0:
-        return None
-    return float((values.float() * mask).sum()) / count
-
-
-def batch_metrics(batch: TrainBatch, skips: MetricSkips | None = None) -> dict[str, float]:
-    """Reward and length metrics over the REAL rows of a batch: {} for a batch of only padding rows (counted in
-    `skips` and logged). Keys: reward/{mean,std,max,min}, reward/<data_source>/mean, reward_extra/<name>/mean,
+def batch_metrics(batch: TrainBatch) -> dict[str, float]:
+    """Reward and length metrics over the REAL rows of a batch: {} for a batch of only padding rows (logged).
+    Keys: reward/{mean,std,max,min}, reward/<data_source>/mean, reward_extra/<name>/mean,
     response_length/{mean,max,min,clip_ratio}, prompt_length/mean, batch/{real_rows,padding_rows}."""
     real = ~batch.is_padding.to(torch.bool)
     num_real = int(real.sum())
     if num_real == 0:
-        if skips is not None:
-            skips.all_padding_batches += 1
         logger.warning("metrics skipped: the batch holds only padding rows (%d)", len(batch))
         return {}
     rewards = batch.rewards[real].float()

@@ -34,6 +34,10 @@ SYNTHETIC = "synthetic"
 SPLITS = ("train", "val")
 
 
+class DataError(ValueError):
+    """A data file that cannot be used (unreadable, empty, missing its prompt column): names the file and why."""
+
+
 # ---------------------------------------------------------------------------------------------------- file specs
 
 
@@ -113,8 +117,6 @@ class RLDataset:
 
     def __init__(self, files: Sequence[str | os.PathLike], *, prompt_key: str = "prompt", image_key: str = "images",
                  spec: str | None = None):
-        import pyarrow.parquet as pq
-
         if not files:
             raise ValueError("RLDataset needs at least one parquet file")
         self.files = [Path(f) for f in files]
@@ -122,12 +124,17 @@ class RLDataset:
         self.prompt_key, self.image_key = prompt_key, image_key
         self._tables = []
         for path in self.files:
-            table = pq.read_table(path, memory_map=True)
+            table = _read_parquet(path)
             if prompt_key not in table.column_names:
-                raise ValueError(f"{path}: no prompt column {prompt_key!r} (columns: {table.column_names}); "
-                                 f"set data.prompt_key to the column holding the chat messages")
+                raise DataError(f"{path}: no prompt column {prompt_key!r} (columns: {table.column_names}); "
+                                f"set data.prompt_key to the column holding the chat messages")
+            if table.num_rows == 0:
+                logger.warning("%s: an empty parquet file (0 rows)", path)
             self._tables.append(table)
         self._starts = np.cumsum([0] + [t.num_rows for t in self._tables])
+        if len(self) == 0:
+            raise DataError(f"dataset {self.spec}: no rows ({', '.join(map(str, self.files))}: "
+                            f"{'an empty parquet file' if len(self.files) == 1 else 'empty parquet files'})")
         logger.info("dataset %s: %d rows from %d file(s)", self.spec, len(self), len(self.files))
 
     def __len__(self) -> int:
@@ -181,6 +188,20 @@ class RLDataset:
             names = table.column("data_source").to_pylist() if "data_source" in table.column_names else [None]
             sources.update(source or "unknown" for source in names)
         return sorted(sources)
+
+
+def _read_parquet(path: Path):
+    """The file's pyarrow Table (memory-mapped: images stay encoded until used); DataError naming the file when it is
+    not a readable parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path, memory_map=True)
+    except (pa.ArrowException, OSError) as err:
+        size = path.stat().st_size if path.is_file() else None
+        cause = "an empty file (0 bytes)" if size == 0 else f"{type(err).__name__}: {err}"
+        raise DataError(f"{path}: not a readable parquet file ({cause})") from err
 
 
 def _resolve_image_path(image: Any, base: Path) -> Any:
@@ -320,7 +341,7 @@ class RequestBatch:
 
 def build_requests(processor: RequestBuilder, dataset: RLDataset, indices: Sequence[int]) -> RequestBatch:
     """Rows -> RolloutRequests. A row the processor filters (`FilteredRow`) is skipped and counted; a bad row
-    (`BadRowError`) propagates; any other error is re-raised as a BadRowError naming the row and its file."""
+    (`BadRowError`, or any other error) is raised as a BadRowError naming the row, its file and its row in the file."""
     requests, skipped = [], []
     for index in indices:
         row = dataset[index]
@@ -328,8 +349,9 @@ def build_requests(processor: RequestBuilder, dataset: RLDataset, indices: Seque
             requests.append(processor.build_request(row, index))
         except FilteredRow as skip:
             skipped.append(skip)
-        except BadRowError:
-            raise
+        except BadRowError as err:  # the processor knows the dataset index; the file and its row are named here
+            path, local = dataset.locate(index)
+            raise BadRowError(err.row_index, f"{err.reason} (row {local} of {path})") from err
         except Exception as err:
             path, local = dataset.locate(index)
             raise BadRowError(index, f"{type(err).__name__}: {err} (row {local} of {path})") from err

@@ -157,13 +157,6 @@ def get_task(name: str) -> SyntheticTask:
     return TASKS[name]
 
 
-def task_for_source(data_source: str) -> SyntheticTask | None:
-    """The task behind a `synthetic/<task>` data_source (its closed answer set, e.g. for a random-label format
-    warm-up); None for any other source."""
-    kind, _, name = data_source.partition("/")
-    return TASKS.get(name) if kind == "synthetic" else None
-
-
 # ---------------------------------------------------------------------------------------------------- rows
 
 

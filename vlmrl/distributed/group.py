@@ -4,7 +4,7 @@
 (compute_logprobs, update, sync_weights, full_model...), plus the colocated engines' generate, so the fit loop runs
 unchanged on one device or many:
 
-    actor = DistributedActor(ClusterConfig(devices_per_node=8, nnodes=2), WorkerSpec(actor=config.actor, ...),
+    actor = DistributedActor(config.trainer, WorkerSpec(actor=config.actor, ...),  # a ClusterConfig: 8 x 2 devices
                              mini_batch_samples=ppo_mini_batch_size * n)
     results = actor.generate(requests, sampling)        # data-parallel over the engines, request-major
     batch = upsample_to_multiple(batch, required_batch_multiple(actor.dp_size, ...), ...)
@@ -21,12 +21,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from vlmrl.actor import needs_old_logprobs
+from vlmrl.distributed.config import ClusterConfig
 from vlmrl.distributed.sharding import (
     engine_hosts,
     even_row_blocks,
@@ -42,75 +43,41 @@ from vlmrl.utils.sequences import split_evenly
 
 logger = logging.getLogger(__name__)
 
-ENGINE_PLACEMENTS = ("worker", "node")
 # Workers of a `ray start` cluster do not inherit the driver's environment: engine and collective settings travel along.
 _FORWARDED_ENV = ("VLLM_", "SGLANG_", "VLMRL_", "TOKENIZERS_", "OMP_", "HF_", "TRANSFORMERS_", "NCCL_", "GLOO_",
                   "TORCH_NCCL_", "CUDA_LAUNCH")
-
-
-@dataclass
-class ClusterConfig:
-    """Where the training workers run."""
-
-    devices_per_node: int = 1
-    """Training workers (one per device) on each node: trainer.n_gpus_per_node."""
-    nnodes: int = 1
-    """Nodes: trainer.nnodes. The world size is devices_per_node x nnodes."""
-    device: str = "auto"
-    """Bundle kind: auto (GPU bundles when the Ray cluster has GPUs, else CPU), gpu or cpu."""
-    engine_placement: str = "worker"
-    """Rollout engines: `worker` = one per training worker, `node` = one per node (on its first worker)."""
-    cpus_per_worker: int = 1
-    """CPUs reserved per worker (its bundle)."""
-    ray_address: str | None = None
-    """Ray cluster to join: None = $RAY_ADDRESS if set, else a local cluster started here; `auto` = the cluster
-    started on this node with `ray start`."""
-    ray_temp_dir: str | None = None
-    """Temp/session folder of a local Ray cluster started here (None = Ray's default)."""
-    timeout_s: float = 600.0
-    """Every call to the workers (and every collective inside them) must finish within this."""
-    startup_timeout_s: float = 300.0
-    """Placement group ready and workers loaded within this."""
-
-    @property
-    def world_size(self) -> int:
-        return self.devices_per_node * self.nnodes
-
-    def __post_init__(self) -> None:
-        if self.devices_per_node < 1 or self.nnodes < 1:
-            raise ValueError(f"devices_per_node={self.devices_per_node}, nnodes={self.nnodes}: both must be >= 1")
-        if self.engine_placement not in ENGINE_PLACEMENTS:
-            raise ValueError(f"engine_placement={self.engine_placement!r}: choose one of {ENGINE_PLACEMENTS}")
-        if self.device not in ("auto", "gpu", "cpu"):
-            raise ValueError(f"device={self.device!r}: choose auto, gpu or cpu")
+CPUS_PER_WORKER = 1  # the CPUs each worker's bundle reserves
 
 
 def ensure_ray(cluster: ClusterConfig) -> None:
-    """Connect to (or start) Ray once per process."""
+    """Connect to (or start) Ray once per process: the cluster at $RAY_ADDRESS (`auto` = the one started on this
+    node with `ray start`), else a local one with a CPU per worker."""
     import ray
 
     if ray.is_initialized():
         return
-    address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
         logger.info("joined the Ray cluster at %s: %s", address, ray.cluster_resources())
     else:
-        ray.init(num_cpus=cluster.world_size * cluster.cpus_per_worker, include_dashboard=False,
-                 _temp_dir=cluster.ray_temp_dir, log_to_driver=True)
+        ray.init(num_cpus=cluster.world_size * CPUS_PER_WORKER, include_dashboard=False, log_to_driver=True)
         logger.info("started a local Ray cluster: %s", ray.cluster_resources())
 
 
 class DistributedActor:
     """The actor sharded over `cluster.world_size` Ray workers, with their colocated rollout engines."""
 
-    def __init__(self, cluster: ClusterConfig, spec: WorkerSpec, mini_batch_samples: int):
+    def __init__(self, cluster: ClusterConfig, spec: WorkerSpec, mini_batch_samples: int, timeout_s: float = 600.0,
+                 startup_timeout_s: float = 300.0):
         """
         Args:
-            cluster: where the workers run.
+            cluster: how many workers on how many nodes, and where the engines run (the run's trainer section).
             spec: what each worker builds (actor config, engine, threads, timeout).
             mini_batch_samples: rows per optimizer step (actor.ppo_mini_batch_size x rollout.n); must divide by
                 the world size.
+            timeout_s: every call to the workers (and every collective inside them) must finish within this.
+            startup_timeout_s: placement group ready and workers loaded within this.
         """
         import ray
         from ray.util.placement_group import placement_group
@@ -119,17 +86,18 @@ class DistributedActor:
             raise ValueError(f"a mini-batch of {mini_batch_samples} samples (ppo_mini_batch_size x rollout.n) does "
                              f"not split over {cluster.world_size} ranks: make it a multiple of the world size")
         self.cluster, self.spec, self.mini_batch_samples = cluster, spec, mini_batch_samples
+        self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
         self.closed = False
         self.workers: list = []
         ensure_ray(cluster)
-        use_gpu = cluster.device == "gpu" or (cluster.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-        bundle = {"CPU": cluster.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        bundle = {"CPU": CPUS_PER_WORKER, **({"GPU": 1} if use_gpu else {})}
         self.placement = placement_group([dict(bundle) for _ in range(cluster.world_size)], strategy="PACK")
         try:
-            ready, _ = ray.wait([self.placement.ready()], timeout=cluster.startup_timeout_s)
+            ready, _ = ray.wait([self.placement.ready()], timeout=startup_timeout_s)
             if not ready:
                 raise RuntimeError(f"Ray could not place {cluster.world_size} workers of {bundle} within "
-                                   f"{cluster.startup_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}. "
+                                   f"{startup_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}. "
                                    "Start more nodes (`ray start --address=...`) or lower n_gpus_per_node/nnodes")
             self._start_workers(use_gpu)
         except BaseException:
@@ -146,22 +114,22 @@ class DistributedActor:
         remote_cls = ray.remote(TrainWorker)
         workers = [
             remote_cls.options(
-                num_cpus=cluster.cpus_per_worker, num_gpus=1 if use_gpu else 0,
+                num_cpus=CPUS_PER_WORKER, num_gpus=1 if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
                 runtime_env={"env_vars": env},
             ).remote(self.spec)
             for i in range(cluster.world_size)
         ]
         self.workers = workers  # released on failure from here on
-        nodes = self._get([w.node.remote() for w in workers], "locating workers", cluster.startup_timeout_s)
+        nodes = self._get([w.node.remote() for w in workers], "locating workers", self.startup_timeout_s)
         node_order = list(dict.fromkeys(nodes))
         order = sorted(range(len(workers)), key=lambda i: (node_order.index(nodes[i]), i))
         self.workers = [workers[i] for i in order]
         self.nodes = [nodes[i] for i in order]
         self.hosts = engine_hosts(self.nodes, cluster.engine_placement)
-        master = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous", cluster.startup_timeout_s)[0]
+        master = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous", self.startup_timeout_s)[0]
         self._get([w.setup.remote(rank, self.dp_size, master, rank in self.hosts)
-                   for rank, w in enumerate(self.workers)], "loading and sharding the actor", cluster.startup_timeout_s)
+                   for rank, w in enumerate(self.workers)], "loading and sharding the actor", self.startup_timeout_s)
         logger.info("distributed actor: %d ranks on %d node(s), %s bundles, engines on ranks %s", self.dp_size,
                     len(node_order), "GPU" if use_gpu else "CPU", self.hosts if self.spec.engine else "none")
 
@@ -176,7 +144,7 @@ class DistributedActor:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        timeout = self.cluster.timeout_s if timeout_s is None else timeout_s
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
             return ray.get(refs, timeout=timeout)
         except GetTimeoutError:

@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 from vlmrl.config import Config
+from vlmrl.distributed.config import ClusterConfig
 from vlmrl.distributed.engines import ColocatedEngines
-from vlmrl.distributed.group import ClusterConfig, DistributedActor
+from vlmrl.distributed.group import DistributedActor
 from vlmrl.distributed.worker import EngineSpec, WorkerSpec
 from vlmrl.rollout import backend_options
 
@@ -34,11 +35,9 @@ def start_distributed(config: Config, total_steps: int, init_path: str | None = 
                       cluster: ClusterConfig | None = None) -> tuple[DistributedActor, ColocatedEngines]:
     """Start trainer.n_gpus_per_node x trainer.nnodes workers (joining the Ray cluster at $RAY_ADDRESS when set)
     and return the actor and its engines as a rollout backend. Close the backend to stop everything."""
-    t = config.trainer
-    cluster = cluster or ClusterConfig(devices_per_node=t.n_gpus_per_node, nnodes=t.nnodes,
-                                       timeout_s=config.rollout.timeout_s,
-                                       # worker setup starts the engine too: its deadline plus the actor's loading
-                                       startup_timeout_s=config.rollout.start_timeout_s + 300.0)
-    actor = DistributedActor(cluster, worker_spec(config, total_steps, init_path),
-                             mini_batch_samples=config.actor.ppo_mini_batch_size * config.rollout.n)
+    actor = DistributedActor(cluster or config.trainer, worker_spec(config, total_steps, init_path),
+                             mini_batch_samples=config.actor.ppo_mini_batch_size * config.rollout.n,
+                             timeout_s=config.rollout.timeout_s,
+                             # worker setup starts the engine too: its deadline plus the actor's loading
+                             startup_timeout_s=config.rollout.start_timeout_s + 300.0)
     return actor, ColocatedEngines(actor)

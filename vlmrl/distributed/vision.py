@@ -1,4 +1,5 @@
-"""Run the vision tower in EVERY forward on every rank, so that sharded collectives line up (pitfall 8).
+"""Run the vision tower in EVERY forward on every rank, so that sharded collectives line up even when a rank's rows
+carry no image.
 
 With FSDP2, each sharded block all-gathers its weights when it runs and reduce-scatters its gradients in the
 backward; every rank must run the same blocks in the same order. A micro-batch with no image (text-only rows,

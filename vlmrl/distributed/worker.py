@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.config import ActorConfig
+from vlmrl.actor.config import ActorConfig
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 
 logger = logging.getLogger(__name__)

@@ -236,12 +236,6 @@ def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
     return out
 
 
-def file_digests(folder: str | os.PathLike) -> dict[str, str]:
-    """sha256 of every file in a built folder (what 'byte-identical rebuild' is checked on)."""
-    folder = Path(folder)
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
-
-
 def main() -> None:
     import argparse
 

@@ -1,20 +1,24 @@
 """Processors: dataset rows -> one `RolloutRequest` for every backend; the trainer's image inputs and mrope ids."""
 
-from vlmrl.processors.config import ProcessorConfig
-from vlmrl.processors.errors import BadRowError, FilteredRow
-from vlmrl.processors.from_data import processor_config
-from vlmrl.processors.images import ImageInputError, image_hash
-from vlmrl.processors.qwen_vl import Processor, load_processor
-from vlmrl.processors.rope import mrope_position_ids
+from importlib import import_module
 
-__all__ = [
-    "BadRowError",
-    "FilteredRow",
-    "ImageInputError",
-    "Processor",
-    "ProcessorConfig",
-    "image_hash",
-    "load_processor",
-    "mrope_position_ids",
-    "processor_config",
-]
+# Imported on first use: the run config reads this package's config module and must not import torch.
+_LAZY = {
+    "ProcessorConfig": "config",
+    "BadRowError": "errors",
+    "FilteredRow": "errors",
+    "ImageInputError": "images",
+    "image_hash": "images",
+    "Processor": "qwen_vl",
+    "load_processor": "qwen_vl",
+    "mrope_position_ids": "rope",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"vlmrl.processors.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'vlmrl.processors' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

@@ -1,11 +1,15 @@
-"""Processor configuration: image sizing, prompt length limits and what to do with bad rows."""
+"""Processor configuration: image sizing and safety, prompt length limits and what to do with bad rows.
+
+These are the run config's `data.*` image and length keys: `vlmrl.data.config.DataConfig` inherits this class, so
+the processor is built from the run's data section itself (`load_processor(model_path, config.data)`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-OVERLONG_POLICIES = ("filter", "error")
 BAD_IMAGE_POLICIES = ("error", "filter")
+IMAGE_PATCH_PIXELS = 28 * 28  # pixels per image token of Qwen2/2.5-VL (14x14 patches, 2x2 merged)
 
 
 @dataclass
@@ -13,43 +17,57 @@ class ProcessorConfig:
     """How dataset rows become rollout requests (`vlmrl.processors.load_processor(path, config)`)."""
 
     min_pixels: int | None = None
-    """Lower bound on a resized image's pixel count; None = the model's image processor's (`size.shortest_edge`).
-    Must lie within the model's bounds, or the engines would resize the image again."""
+    """Images smaller than this many pixels are upscaled (qwen-vl-utils rules, sides multiples of the model's patch
+    x merge size, 28 for Qwen2/2.5-VL); null = the model's image processor's bound (`size.shortest_edge`). Must lie
+    within the model's bounds, or the engines would resize the image again."""
     max_pixels: int | None = None
-    """Upper bound on a resized image's pixel count; None = the model's image processor's (`size.longest_edge`).
-    Must lie within the model's bounds, or the engines would resize the image again."""
-    image_factor: int = 28
-    """Resized sides are multiples of this (qwen-vl-utils' rule): patch size 14 x spatial merge 2 for Qwen2/2.5-VL.
-    Checked against the model's image processor at load."""
+    """Images larger than this many pixels are downscaled (e.g. 1003520 = 1280 * 28 * 28); null = the model's image
+    processor's bound (`size.longest_edge`). Must lie within the model's bounds, or the engines would resize the image
+    again."""
     max_prompt_length: int = 1024
     """Longest prompt in tokens, counted EXPANDED (one token per merged image patch, as the trainer sees it)."""
-    on_overlong: str = "filter"
-    """A prompt over `max_prompt_length`: "filter" skips the row (counted and logged by the data loader) or "error"
-    raises. A prompt is never truncated: cutting through an image breaks every consumer."""
+    filter_overlong_prompts: bool = True
+    """Drop (and count) prompts over max_prompt_length; False makes them an error naming the row. A prompt is never
+    truncated: cutting through an image breaks every consumer."""
     on_bad_image: str = "error"
     """A corrupt, missing, empty, oversized or disallowed image, or a row whose image count differs from its
-    placeholders: "error" raises naming the row, "filter" skips it (counted and logged)."""
+    placeholders: "error" stops with the row named, "filter" skips the row (counted and logged)."""
     data_root: str | None = None
-    """Folder that image paths live in: relative paths resolve under it, and no path (relative or absolute, after
-    resolving symlinks and '..') may point outside it. None = paths are taken as given (relative to the working dir)."""
+    """Folder image paths live in: relative paths resolve under it and no path may point outside it (symlinks and
+    '..' resolved first). null = paths are taken as given (relative to the working directory)."""
     allow_remote_images: bool = False
-    """Fetch http(s) image URLs. Off by default: a dataset should not make the trainer reach the network."""
+    """Fetch http(s) image URLs found in the data. Off: a dataset cannot make the trainer reach the network."""
     remote_timeout_s: float = 10.0
-    """Timeout of one remote image fetch (connect and each read), when `allow_remote_images`."""
+    """Deadline of one remote image fetch (the whole download; connect and headers: each read), when
+    allow_remote_images."""
     remote_max_bytes: int = 32 * 1024 * 1024
-    """Largest remote image accepted, in bytes; the download stops past it."""
+    """Largest remote image accepted, in bytes (32 MiB); the download stops past it."""
     max_image_pixels: int = 89_478_485
     """Decompression-bomb guard: an image whose header declares more pixels than this is rejected before it is
-    decoded (PIL's own default limit)."""
+    decoded (PIL's default). Not a resize bound: see max_pixels."""
 
-    def __post_init__(self) -> None:
-        if self.on_overlong not in OVERLONG_POLICIES:
-            raise ValueError(f"on_overlong={self.on_overlong!r}: use one of {OVERLONG_POLICIES}")
-        if self.on_bad_image not in BAD_IMAGE_POLICIES:
-            raise ValueError(f"on_bad_image={self.on_bad_image!r}: use one of {BAD_IMAGE_POLICIES}")
+    def problems(self) -> list[str]:
+        """What is wrong, each with what to change; empty when valid. The bounds are checked against the model's
+        image processor when the processor loads."""
+        out = []
         if self.max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length={self.max_prompt_length}: must be >= 1")
-        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}: lower min_pixels")
-        if self.max_image_pixels < 1 or self.remote_max_bytes < 1 or self.remote_timeout_s <= 0:
-            raise ValueError("max_image_pixels, remote_max_bytes and remote_timeout_s must be positive")
+            out.append(f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
+        low, high = self.min_pixels, self.max_pixels
+        if low is not None and high is not None and low > high:
+            out.append(f"data.min_pixels={low} > data.max_pixels={high}")
+        if low is not None and low < IMAGE_PATCH_PIXELS:
+            out.append(f"data.min_pixels={low} is below one 28x28 patch ({IMAGE_PATCH_PIXELS})")
+        if self.on_bad_image not in BAD_IMAGE_POLICIES:
+            out.append(f"data.on_bad_image={self.on_bad_image!r} is not one of {list(BAD_IMAGE_POLICIES)}")
+        for name in ("remote_timeout_s", "remote_max_bytes", "max_image_pixels"):
+            if getattr(self, name) <= 0:
+                out.append(f"data.{name}={getattr(self, name)} must be > 0")
+        if high is not None and self.max_image_pixels < high:
+            out.append(max_image_pixels_problem(self.max_image_pixels, high))
+        return out
+
+
+def max_image_pixels_problem(max_image_pixels: int, max_pixels: int) -> str:
+    """The guard would reject images the resize bound allows (checked again against the model's bound at load)."""
+    return (f"data.max_image_pixels={max_image_pixels} rejects images data.max_pixels={max_pixels} allows after "
+            "resizing: raise data.max_image_pixels")

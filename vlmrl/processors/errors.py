@@ -14,5 +14,5 @@ class BadRowError(ValueError):
 
 
 class FilteredRow(BadRowError):
-    """A row skipped on purpose because the config says to filter such rows (`on_overlong` / `on_bad_image` =
-    "filter"). The data loader catches it, counts it and logs the reason; it is not a failure."""
+    """A row skipped on purpose because the config says to filter such rows (`filter_overlong_prompts`,
+    `on_bad_image="filter"`). The data loader catches it, counts it and logs the reason; it is not a failure."""

@@ -9,30 +9,22 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
+
+from vlmrl.processors.config import ProcessorConfig
 
 
 class ImageInputError(ValueError):
     """An image that cannot be used; `vlmrl.processors.Processor.build_request` turns it into a row error or skip."""
 
 
-@dataclass(frozen=True)
-class ImageLimits:
-    """The image checks from `ProcessorConfig` (kept apart so that loading needs no processor)."""
-
-    data_root: str | None = None
-    allow_remote_images: bool = False
-    remote_timeout_s: float = 10.0
-    remote_max_bytes: int = 32 * 1024 * 1024
-    max_image_pixels: int = 89_478_485
-
-
-def load_image(source: Any, limits: ImageLimits) -> Image.Image:
+def load_image(source: Any, limits: ProcessorConfig) -> Image.Image:
     """Decode and verify one dataset image (any mode, not resized: `resize_image` converts to RGB).
 
     Accepts a PIL image; raw bytes; a dict {"bytes": ..., "path": ...} (the HF datasets / verl form: bytes win when
@@ -66,12 +58,42 @@ def resize_image(image: Image.Image, min_pixels: int, max_pixels: int, factor: i
     if factor % SPATIAL_MERGE_SIZE:
         raise ValueError(f"image factor {factor} must be a multiple of the spatial merge size {SPATIAL_MERGE_SIZE}")
     try:
-        resized = fetch_image({"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels},
+        resized = fetch_image({"image": to_8bit(image), "min_pixels": min_pixels, "max_pixels": max_pixels},
                               image_patch_size=factor // SPATIAL_MERGE_SIZE)
     except (ValueError, OSError) as err:  # an aspect ratio over 200:1; a lazily opened PIL image that is truncated
         raise ImageInputError(f"cannot resize a {image.width}x{image.height} image: {err}") from err
     _check_engines_keep(resized, image, min_pixels, max_pixels, factor)
     return resized
+
+
+HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+"""PIL modes of 16-bit, 32-bit integer and float pixels, which PIL's RGB conversion clips to 0..255 (a 16-bit image
+comes out all white, a 0..1 float image all black)."""
+
+
+def to_8bit(image: Image.Image) -> Image.Image:
+    """A high-depth grey image (`HIGH_DEPTH_MODES`) as 8-bit grey ("L"), scaled by its value range; others unchanged.
+
+    16-bit (`I;16*`) is scaled by the mode's range, 0..65535 -> 0..255, so brightness means the same in every image.
+    32-bit integer (`I`) and float (`F`) have no range that images use (a float image may hold 0..1, 0..255 or
+    anything), so they are scaled by the image's own min..max (NaN -> 0; an image of one value -> black).
+
+    >>> to_8bit(Image.new("I;16", (2, 1), 65535)).getpixel((0, 0))
+    255
+    >>> np.asarray(to_8bit(Image.fromarray(np.array([[0.0, 0.5, 1.0]], dtype=np.float32)))).tolist()
+    [[0, 128, 255]]
+    """
+    if image.mode not in HIGH_DEPTH_MODES:
+        return image
+    values = np.asarray(image).astype(np.float64)
+    if image.mode.startswith("I;16"):
+        low, span = 0.0, 65535.0
+    else:
+        finite = values[np.isfinite(values)]
+        low = float(finite.min()) if finite.size else 0.0
+        span = (float(finite.max()) - low if finite.size else 0.0) or 1.0
+    scaled = np.nan_to_num((values - low) / span * 255.0, nan=0.0, posinf=255.0, neginf=0.0)
+    return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), mode="L")
 
 
 def _check_engines_keep(resized: Image.Image, original: Image.Image, min_pixels: int, max_pixels: int,
@@ -101,7 +123,7 @@ def image_hash(image: Image.Image) -> str:
     return digest.hexdigest()
 
 
-def _load_str(value: str, limits: ImageLimits) -> Image.Image:
+def _load_str(value: str, limits: ProcessorConfig) -> Image.Image:
     if value.startswith(("http://", "https://")):
         if not limits.allow_remote_images:
             raise ImageInputError(
@@ -138,24 +160,37 @@ def _resolve_path(value: str, data_root: str | None) -> Path:
     return full
 
 
-def _fetch(url: str, limits: ImageLimits) -> bytes:
-    """GET with our own timeout and a size cap (qwen-vl-utils would wait forever and read anything)."""
+def _fetch(url: str, limits: ProcessorConfig) -> bytes:
+    """GET with a size cap and a deadline for the whole body (qwen-vl-utils would wait forever and read anything;
+    requests' own timeout bounds each read, so a server sending a byte at a time could keep one fetch going for ever).
+    The connection and the headers are bounded per read by remote_timeout_s."""
     import requests
+    import urllib3
 
     try:
         with requests.get(url, stream=True, timeout=limits.remote_timeout_s) as response:
+            deadline = time.monotonic() + limits.remote_timeout_s
             response.raise_for_status()
             declared = int(response.headers.get("Content-Length") or 0)
             if declared > limits.remote_max_bytes:
                 raise ImageInputError(f"remote image {url[:200]} is {declared} bytes > {limits.remote_max_bytes}")
+            sock = getattr(response.raw.connection, "sock", None)
             chunks, size = [], 0
-            for chunk in response.iter_content(chunk_size=64 * 1024):
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ImageInputError(f"remote image {url[:200]}: the download took over remote_timeout_s="
+                                          f"{limits.remote_timeout_s} s ({size} bytes by then)")
+                if sock is not None:
+                    sock.settimeout(left)  # the next read waits no longer than the time left
+                chunk = response.raw.read1(64 * 1024, decode_content=True)  # what has arrived, without waiting for more
+                if not chunk:
+                    return b"".join(chunks)
                 size += len(chunk)
                 if size > limits.remote_max_bytes:
                     raise ImageInputError(f"remote image {url[:200]} exceeds {limits.remote_max_bytes} bytes")
                 chunks.append(chunk)
-            return b"".join(chunks)
-    except requests.RequestException as err:
+    except (requests.RequestException, urllib3.exceptions.HTTPError) as err:
         raise ImageInputError(f"cannot fetch remote image {url[:200]}: {err}") from err
 
 
@@ -163,7 +198,7 @@ DECODED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
 """Image formats read from dataset bytes and files (JPEG includes the MPO variant phone cameras write)."""
 
 
-def _decode(data: bytes, limits: ImageLimits, what: str) -> Image.Image:
+def _decode(data: bytes, limits: ProcessorConfig, what: str) -> Image.Image:
     if not data:
         raise ImageInputError(f"{what} is empty (0 bytes)")
     with warnings.catch_warnings():
@@ -185,7 +220,7 @@ def _decode(data: bytes, limits: ImageLimits, what: str) -> Image.Image:
     return image
 
 
-def _checked(image: Image.Image, limits: ImageLimits, what: str) -> Image.Image:
+def _checked(image: Image.Image, limits: ProcessorConfig, what: str) -> Image.Image:
     width, height = image.size
     if width <= 0 or height <= 0:
         raise ImageInputError(f"{what} has zero size ({width}x{height})")

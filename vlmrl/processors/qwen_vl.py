@@ -1,7 +1,8 @@
 """The Qwen2-VL / Qwen2.5-VL processor: dataset row -> RolloutRequest, multi_modal_inputs, expanded ids, mrope ids.
 
 One request serves every backend: prompt ids hold ONE `<|image_pad|>` per image (the form vLLM and SGLang take; they
-expand it themselves, pitfall 5), the images are already resized, and the pad tokens no backend may sample are named.
+expand it themselves, so expanded ids would be expanded twice: a corrupted prompt, or a hang in SGLang), the images
+are already resized, and the pad tokens no backend may sample are named.
 The trainer side (expanded ids, pixel values, 3D position ids) is derived from the same request here.
 """
 
@@ -16,11 +17,11 @@ from typing import Any
 
 import torch
 
-from vlmrl.processors.config import ProcessorConfig
+from vlmrl.processors.config import ProcessorConfig, max_image_pixels_problem
 from vlmrl.processors.errors import BadRowError, FilteredRow
-from vlmrl.processors.images import ImageInputError, ImageLimits, image_hash, load_image, resize_image
+from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
 from vlmrl.processors.rope import mrope_position_ids
-from vlmrl.types import RolloutRequest
+from vlmrl.types import PromptInputs, RolloutRequest
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +33,17 @@ VIDEO_MARKER = "<video>"  # ... and video positions with this (not supported: su
 def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Processor:
     """The processor of a Qwen2-VL / Qwen2.5-VL checkpoint folder (or an embedded name: `tiny`, `tiny-large`).
 
-    Raises ValueError naming the architecture for any other model. Loads no remote code.
+    `config` is a ProcessorConfig or the run's data section (a DataConfig is one). Raises ValueError naming the
+    architecture for any other model, or listing what is wrong with the config. Loads no remote code.
     """
     from transformers import AutoProcessor
 
     from vlmrl.models import resolve_model_path
 
+    config = config or ProcessorConfig()
+    problems = config.problems()
+    if problems:
+        raise ValueError("invalid processor configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     path = Path(resolve_model_path(model_path))
     model_config = _read_json(path / "config.json")
     model_type = model_config.get("model_type")
@@ -49,10 +55,10 @@ def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Pr
         )
     hf_processor = AutoProcessor.from_pretrained(str(path))
     generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
-    processor = Processor(hf_processor, model_config, generation, config or ProcessorConfig())
+    processor = Processor(hf_processor, model_config, generation, config)
     logger.info("processor for %s (%s): images %d..%d pixels, factor %d, max_prompt_length %d", path,
                 SUPPORTED_MODEL_TYPES[model_type], processor.min_pixels, processor.max_pixels,
-                processor.config.image_factor, processor.config.max_prompt_length)
+                processor.image_factor, processor.config.max_prompt_length)
     return processor
 
 
@@ -75,18 +81,13 @@ class Processor:
         self.patch_size: int = int(self.image_processor.patch_size)
         self.spatial_merge_size: int = int(self.image_processor.merge_size)
         self.temporal_patch_size: int = int(self.image_processor.temporal_patch_size)
+        self.image_factor: int = self.patch_size * self.spatial_merge_size
+        """Resized image sides are multiples of this (qwen-vl-utils' rule): the model's patch size x merge size."""
         self.min_pixels, self.max_pixels = self._pixel_bounds()
-        # Where images may come from and how large they may be: shared with tool images in the agent loop.
-        self.image_limits = ImageLimits(config.data_root, config.allow_remote_images, config.remote_timeout_s,
-                                   config.remote_max_bytes, config.max_image_pixels)
 
     def _pixel_bounds(self) -> tuple[int, int]:
         """Config bounds, checked to lie within the model's: the engines run the model's image processor, which
         must find our resized images already valid (else it resizes again and the two sides disagree)."""
-        factor = self.patch_size * self.spatial_merge_size
-        if self.config.image_factor != factor:
-            raise ValueError(f"image_factor={self.config.image_factor} but the model's image processor needs "
-                             f"{factor} (patch {self.patch_size} x merge {self.spatial_merge_size}): set {factor}")
         size = self.image_processor.size
         model_min, model_max = int(size["shortest_edge"]), int(size["longest_edge"])
         low = self.config.min_pixels if self.config.min_pixels is not None else model_min
@@ -97,6 +98,8 @@ class Processor:
                 f"[{model_min}, {model_max}] (preprocessor size shortest_edge/longest_edge); the engines would "
                 "resize the images again. Change min_pixels/max_pixels or the model's processor config."
             )
+        if self.config.max_image_pixels < high:  # the model's bound, when data.max_pixels is null
+            raise ValueError(max_image_pixels_problem(self.config.max_image_pixels, high))
         return low, high
 
     # ---------------------------------------------------------------- rows -> requests
@@ -126,8 +129,8 @@ class Processor:
         images = []
         for i, source in enumerate(sources):
             try:
-                loaded = load_image(source, self.image_limits)
-                images.append(resize_image(loaded, self.min_pixels, self.max_pixels, self.config.image_factor))
+                loaded = load_image(source, self.config)
+                images.append(resize_image(loaded, self.min_pixels, self.max_pixels, self.image_factor))
             except ImageInputError as err:
                 self._bad_image(index, f"image {i}: {err}")
         text = self.hf_processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -139,7 +142,7 @@ class Processor:
         if expanded > self.config.max_prompt_length:
             reason = (f"prompt is {expanded} tokens (expanded, with {len(images)} images) > max_prompt_length="
                       f"{self.config.max_prompt_length}; never truncated (it would cut through an image)")
-            raise (FilteredRow if self.config.on_overlong == "filter" else BadRowError)(index, reason)
+            raise (FilteredRow if self.config.filter_overlong_prompts else BadRowError)(index, reason)
         reward_model = row.get("reward_model") or {}
         return RolloutRequest(
             uid=uuid.uuid4().hex,
@@ -184,6 +187,14 @@ class Processor:
             else:
                 expanded.append(token)
         return expanded
+
+    def prompt_inputs(self, request: RolloutRequest) -> PromptInputs:
+        """Expand a request's prompt and compute its image inputs and position ids, once for all its samples."""
+        mm_inputs = self.multi_modal_inputs(request)
+        grid = mm_inputs.get("image_grid_thw")
+        ids = torch.tensor(self.expand_prompt_ids(request.prompt_ids, grid), dtype=torch.long)
+        positions = self.position_ids(ids.unsqueeze(0), None, grid)[:, 0]
+        return PromptInputs(request.uid, ids, positions, mm_inputs, request.data_source, request.ground_truth)
 
     def multi_modal_inputs(self, request: RolloutRequest) -> dict[str, torch.Tensor]:
         """{"pixel_values": (patches, C*T*p*p), "image_grid_thw": (N, 3)} for the trainer; {} without images."""

@@ -1,7 +1,8 @@
 """Qwen2-VL / Qwen2.5-VL 3D (mrope) position ids, vectorised over the whole batch.
 
-The one function that owns position ids (pitfall 4): the trainer, the padding code and every backend-side check ask
-it. Its output equals transformers' `Qwen2_5_VLModel.get_rope_index` (5.19) for image inputs, token for token:
+The one function that owns position ids, so that no two places disagree on their shape or layout: the trainer, the
+padding code and every backend-side check ask it. Its output equals transformers' `Qwen2_5_VLModel.get_rope_index`
+(5.19) for image inputs, token for token:
 
 - padding (attention_mask 0) gets position 0 on all three rows, attended tokens are laid out as if packed together;
 - a text token takes `current + 1` on all three rows;
@@ -112,7 +113,8 @@ def _merged_grid(
 
 
 def _check_image_lengths(is_image: torch.Tensor, run_start: torch.Tensor, tokens_per_image: torch.Tensor) -> None:
-    """Each run of image tokens must be exactly one image's t*h*w tokens (pitfall 3: never a silent mismatch)."""
+    """Each run of image tokens must be exactly one image's t*h*w tokens: a prompt cut through an image would
+    otherwise pair image features with the wrong tokens, silently."""
     if tokens_per_image.numel() == 0:
         return
     run_id = torch.cumsum(run_start.flatten().long(), 0) - 1

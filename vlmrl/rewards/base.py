@@ -122,7 +122,8 @@ class Outcome:
 
 
 def score_one(fn: RewardFn, item: RewardInput) -> Outcome:
-    """Calls `fn` on one item (here or in a worker process); an exception becomes a failed Outcome.
+    """Calls `fn` on one item (here or in a worker process); an exception, SystemExit included, becomes a failed
+    Outcome (KeyboardInterrupt goes on: it stops the run).
 
     >>> score_one(lambda **kw: {"score": 1, "acc": 1.0}, RewardInput("s", "a", "a")).output
     RewardOutput(score=1.0, parts={'acc': 1.0})
@@ -132,5 +133,7 @@ def score_one(fn: RewardFn, item: RewardInput) -> Outcome:
     try:
         return Outcome(to_output(fn(data_source=item.data_source, solution_str=item.response,
                                     ground_truth=item.ground_truth, extra_info=item.extra_info)))
-    except Exception as err:  # a broken reward must not stop a long run: the sample scores 0, flagged
+    except KeyboardInterrupt:  # Ctrl-C stops the run (a reward raising it itself cannot be told apart)
+        raise
+    except BaseException as err:  # a broken reward must not stop a long run, not even by sys.exit(): it scores 0
         return Outcome(None, "".join(traceback.format_exception(err)))

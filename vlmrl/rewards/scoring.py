@@ -22,7 +22,7 @@ from vlmrl.rewards.registry import get_reward_fn
 from vlmrl.rewards.workers import workers_for
 
 if TYPE_CHECKING:  # scoring imports no torch: reward worker processes import this package
-    from vlmrl.config import RewardConfig
+    from vlmrl.rewards.config import RewardConfig
     from vlmrl.types import RolloutRequest, RolloutResult
 
 logger = logging.getLogger(__name__)

@@ -1,14 +1,16 @@
 """Rollout backends behind one interface: `hf` (transformers reference), `vllm`, `sglang` (in-process Engine) and
 `sglang-server` (HTTP, launched by vlmrl on 127.0.0.1 or given by URL).
 
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout import get_backend, start_backend
     with get_backend("vllm", "tiny", max_model_len=2048) as backend:
         results = backend.generate(requests, SamplingParams(n=8, temperature=1.0, max_new_tokens=256))
         backend.update_weights(actor.named_parameters())
+    backend = start_backend(config.rollout, model_path, max_model_len=3072, seed=config.trainer.seed)  # for a run
 
 Each engine is imported lazily, in exactly one module (`vlmrl.rollout.vllm`, `vlmrl.rollout.sglang`), only when
-that backend is created. See `vlmrl.rollout.base` for the contract (request-major results, raw logprobs, banned pad
-tokens, deadlines).
+that backend is created; this package imports torch only when a backend or `vlmrl.rollout.base` is asked for (the
+run config imports `vlmrl.rollout.config`). See `vlmrl.rollout.base` for the contract (request-major results, raw
+logprobs, banned pad tokens, deadlines).
 """
 
 from __future__ import annotations
@@ -18,27 +20,21 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from vlmrl.rollout.base import (
-    EngineDeadError,
-    EngineTimeoutError,
-    InvalidRequestError,
-    RolloutBackend,
-    RolloutError,
-    RolloutOptions,
-)
+from vlmrl.rollout.config import BACKENDS, RolloutConfig
 
 if TYPE_CHECKING:
-    from vlmrl.config import RolloutConfig
+    from vlmrl.rollout.base import RolloutBackend
 
 logger = logging.getLogger(__name__)
 
-# name -> (module, class); modules import their engine only inside the backend's methods.
-BACKENDS: dict[str, tuple[str, str]] = {
-    "hf": ("vlmrl.rollout.hf", "HFBackend"),
-    "vllm": ("vlmrl.rollout.vllm", "VLLMBackend"),
-    "sglang": ("vlmrl.rollout.sglang", "SGLangBackend"),
-    "sglang-server": ("vlmrl.rollout.sglang", "SGLangServerBackend"),
-}
+_FROM_BASE = ("EngineDeadError", "EngineTimeoutError", "InvalidRequestError", "RolloutBackend", "RolloutError",
+              "RolloutOptions")
+
+
+def __getattr__(name: str):
+    if name in _FROM_BASE:
+        return getattr(importlib.import_module("vlmrl.rollout.base"), name)
+    raise AttributeError(f"module 'vlmrl.rollout' has no attribute {name!r}")
 
 
 def backend_class(name: str) -> type[RolloutBackend]:
@@ -52,9 +48,10 @@ def backend_class(name: str) -> type[RolloutBackend]:
 def get_backend(name: str, model_path: str, **options: Any) -> RolloutBackend:
     """Start a rollout backend on a model folder (or an embedded name: `tiny`, `tiny-large`).
 
-    Options are the fields of the backend's options class (`backend_class(name).options_class`): common ones are
-    dtype, max_model_len, limit_images, timeout_s, start_timeout_s, seed, engine_kwargs; engines add their own
-    (gpu_memory_utilization, tensor_parallel_size, ...; sglang-server: server_url, port, log_file).
+    Options are the fields of the backend's options class (`backend_class(name).options_class`): every backend takes
+    dtype, max_model_len, limit_images, timeout_s, start_timeout_s, seed, engine_kwargs; vllm and sglang add
+    gpu_memory_utilization, tensor_parallel_size and their own (enforce_eager, attention_backend, ...); sglang-server
+    also server_url, port, log_file.
     """
     from vlmrl.models import resolve_model_path
 
@@ -63,23 +60,18 @@ def get_backend(name: str, model_path: str, **options: Any) -> RolloutBackend:
 
 
 def backend_options(rollout: RolloutConfig, name: str, *, max_model_len: int, seed: int) -> dict[str, Any]:
-    """`get_backend` options from a run's rollout section; engine-specific ones only where backend `name` takes them.
-
-    max_model_len: the longest request, prompt + response (data.max_prompt_length + data.max_response_length).
-    """
-    options = {"dtype": rollout.dtype, "max_model_len": max_model_len, "limit_images": rollout.limit_images,
-               "timeout_s": rollout.timeout_s, "start_timeout_s": rollout.start_timeout_s, "seed": seed,
-               "engine_kwargs": dict(rollout.engine_kwargs)}
+    """get_backend options of a run for backend `name`: the rollout section's engine options that this backend takes
+    (each declared once, in the class of the backends that take it: vlmrl.rollout.config), the longest request
+    (data.max_prompt_length + data.max_response_length) and the seed (trainer.seed)."""
     accepted = {f.name for f in dataclasses.fields(backend_class(name).options_class)}
-    extra = {"gpu_memory_utilization": rollout.gpu_memory_utilization,
-             "tensor_parallel_size": rollout.tensor_parallel_size, "server_url": rollout.server_url or None}
-    options.update({key: value for key, value in extra.items() if key in accepted and value is not None})
-    return options
+    options = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout) if f.name in accepted}
+    options["engine_kwargs"] = dict(rollout.engine_kwargs)
+    return {**options, "max_model_len": max_model_len, "seed": seed}
 
 
 def start_backend(rollout: RolloutConfig, model_path: str, *, max_model_len: int, seed: int,
                   name: str | None = None) -> RolloutBackend:
-    """Start the rollout section's backend (or `name`) on `model_path` (the actor's model, or a checkpoint)."""
+    """Start the run's rollout backend (rollout.name, or `name`) on `model_path` (the actor's model or a checkpoint)."""
     name = name or rollout.name
     logger.info("starting rollout backend %s on %s", name, model_path)
     return get_backend(name, model_path, **backend_options(rollout, name, max_model_len=max_model_len, seed=seed))
@@ -91,6 +83,7 @@ __all__ = [
     "EngineTimeoutError",
     "InvalidRequestError",
     "RolloutBackend",
+    "RolloutConfig",
     "RolloutError",
     "RolloutOptions",
     "backend_class",

@@ -16,11 +16,12 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 import torch
 
+from vlmrl.rollout.config import EngineOptions
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.executor import DaemonExecutor, DeadlineExceeded
 
@@ -50,24 +51,14 @@ class InvalidRequestError(ValueError):
 
 
 @dataclass
-class RolloutOptions:
-    """Options every backend takes (`get_backend(name, model_path, **options)`); names follow verl/EasyR1."""
+class RolloutOptions(EngineOptions):
+    """Options every backend takes (`get_backend(name, model_path, **options)`): the rollout section's engine options
+    (`vlmrl.rollout.config.EngineOptions`) plus what a run derives. Names follow verl/EasyR1."""
 
-    dtype: str = "auto"
-    """auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
     max_model_len: int = 4096
     """Longest prompt (expanded, one token per merged image patch) + response the engine must hold."""
-    limit_images: int = 8
-    """Most images one prompt may carry (EasyR1's `limit_images`; vLLM's limit_mm_per_prompt)."""
-    timeout_s: float = 600.0
-    """Deadline of every engine call (generate, weight sync, cache resets)."""
-    start_timeout_s: float = 600.0
-    """Deadline of the engine's start-up."""
     seed: int = 0
     """Engine seed (vLLM `seed`, SGLang `random_seed`, torch for hf); per-request seeds come from SamplingParams."""
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments given to the engine as they are (vLLM `LLM(...)`, SGLang `Engine(...)` or server
-    flags, transformers `from_pretrained(...)` for hf)."""
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
@@ -152,7 +143,7 @@ class RolloutBackend(abc.ABC):
         validate_requests(requests, sampling, image_token_id=self.processor.image_token_id,
                           video_token_id=self.processor.video_token_id,
                           tokens_per_image=self.processor.image_token_count,
-                          image_factor=self.processor.patch_size * self.processor.spatial_merge_size,
+                          image_factor=self.processor.image_factor,
                           max_model_len=self.options.max_model_len, limit_images=self.options.limit_images,
                           backend=self.name)
 

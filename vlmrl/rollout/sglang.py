@@ -58,6 +58,8 @@ from vlmrl.rollout.base import (
     sample_seed,
     top_allowed,
 )
+from vlmrl.rollout.config import ServerOptions, ServingEngineOptions
+from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_process_group, kill_tree
 
@@ -67,13 +69,9 @@ BAN_LOGIT_BIAS = -1e4
 
 
 @dataclass
-class SGLangOptions(RolloutOptions):
+class SGLangOptions(ServingEngineOptions, RolloutOptions):
     """Options of the `sglang` backend (names as in verl/EasyR1; SGLang's own in engine_kwargs)."""
 
-    gpu_memory_utilization: float = 0.6
-    """Fraction of memory for weights + KV cache (SGLang's mem_fraction_static)."""
-    tensor_parallel_size: int = 1
-    """Tensor parallel degree (tp_size)."""
     max_total_tokens: int | None = None
     """KV cache size in tokens; None = SGLang's choice on GPU, 8192 on CPU (else it allocates ~6 GB)."""
     attention_backend: str | None = None
@@ -88,13 +86,9 @@ class SGLangOptions(RolloutOptions):
 
 
 @dataclass
-class SGLangServerOptions(SGLangOptions):
+class SGLangServerOptions(ServerOptions, SGLangOptions):
     """Options of the `sglang-server` backend."""
 
-    server_url: str = ""
-    """URL of a running server (e.g. http://10.0.0.5:30000); empty = vlmrl launches one on 127.0.0.1. A server given by
-    URL must run with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (checked at connect) and see this machine's temp folder for
-    weight updates (update_weights_from_disk)."""
     port: int = 0
     """Port of the launched server; 0 = a free one."""
     log_file: str = ""
@@ -278,6 +272,7 @@ class SGLangBackend(_SGLangCommon):
         if "SGLANG_USE_CPU_ENGINE" in env:
             os.environ["SGLANG_USE_CPU_ENGINE"] = env.pop("SGLANG_USE_CPU_ENGINE")
         with env_override(env):
+            route_engine_logs("sglang", self.options.log_level)
             import sglang
 
             # Built on this engine thread: no signal handlers are installed and the engine's event loop is this
@@ -321,7 +316,7 @@ class SGLangBackend(_SGLangCommon):
 
         self._runner.call("update weights", run, self.options.timeout_s)
         self.weight_version += 1
-        logger.info("sglang: loaded %d tensors (weight version %d); caches flushed", len(state), self.weight_version)
+        logger.debug("sglang: loaded %d tensors (weight version %d); caches flushed", len(state), self.weight_version)
 
     def call_engine(self, method: str, body: dict) -> Any:
         return self._runner.call(method, lambda: getattr(self.engine, method)(**body), self.options.timeout_s)
@@ -450,7 +445,7 @@ class SGLangServerBackend(_SGLangCommon):
             raise RolloutError(f"{self.name}: update_weights_from_disk refused: {reply.get('message')}")
         self._flush()  # the update flushes too, but refuses quietly while requests run
         self.weight_version += 1
-        logger.info("sglang-server: loaded %d tensors (weight version %d)", len(state), self.weight_version)
+        logger.debug("sglang-server: loaded %d tensors (weight version %d)", len(state), self.weight_version)
 
     def _flush(self) -> None:
         import requests

@@ -36,6 +36,8 @@ from vlmrl.rollout.base import (
     sample_seed,
     top_allowed,
 )
+from vlmrl.rollout.config import ServingEngineOptions
+from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
 
@@ -45,13 +47,10 @@ WORKER_EXTENSION = "vlmrl.rollout.vllm.WeightSyncWorkerExtension"
 
 
 @dataclass
-class VLLMOptions(RolloutOptions):
-    """Options of the `vllm` backend (names as in verl/EasyR1 and vLLM's own arguments)."""
+class VLLMOptions(ServingEngineOptions, RolloutOptions):
+    """Options of the `vllm` backend (names as in verl/EasyR1 and vLLM's own arguments). On CPU, the KV cache is
+    cpu_kv_cache_gb instead of a share of gpu_memory_utilization."""
 
-    gpu_memory_utilization: float = 0.6
-    """Fraction of GPU memory vLLM may take (weights + KV cache). Ignored on CPU (see cpu_kv_cache_gb)."""
-    tensor_parallel_size: int = 1
-    """Tensor parallel degree."""
     enforce_eager: bool | None = None
     """Disable CUDA graphs; None = True on CPU, False on CUDA."""
     max_num_batched_tokens: int = 16384
@@ -155,6 +154,7 @@ class VLLMBackend(RolloutBackend):
         self._sleeping = False
 
     def _start(self):
+        route_engine_logs("vllm", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))  # before vLLM configures its logging
         from vllm import LLM
 
         o = self.options
@@ -276,7 +276,7 @@ class VLLMBackend(RolloutBackend):
             return loaded[0]
 
         count = self._runner.call("update weights", run, self.options.timeout_s)
-        logger.info("vllm: loaded %d tensors; encoder and prefix caches reset", count)
+        logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: DEBUG
 
     def sleep(self) -> None:
         if not self.options.enable_sleep_mode:

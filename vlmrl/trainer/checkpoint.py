@@ -7,11 +7,15 @@ Layout under OUTPUT_DIR/checkpoints/:
                              trainer_state.json (step, data position, the config; readable by eye)
                              agent_carried.json + .safetensors (partial rollout's carried groups, when agent.enable;
                              vlmrl.agent.carry)
-    latest                   the name of the newest complete checkpoint
+    latest                   a symlink to the newest complete checkpoint folder: a model path like any other
+                             (actor.model_path=OUTPUT_DIR/checkpoints/latest, vllm serve ..., from_pretrained)
 
 A checkpoint is written into a `.tmp-*` folder and renamed into place only when complete, then `latest` is replaced
 atomically: a run killed at any moment leaves either the previous checkpoint or the new one, never half of one.
-Leftover `.tmp-*` folders are ignored and removed by the next save.
+Resume takes the highest complete step, whatever `latest` says: a kill between the rename and the link's rewrite
+leaves the link one checkpoint behind (the next start points it at the newest again). Pruning renames a folder to `.deleting-global_step_N` before removing it, so a
+kill mid-delete never leaves a half-deleted `global_step_N`; `tidy_checkpoints` (at start) removes `.tmp-*` and
+`.deleting-*` leftovers, prunes to max_ckpt_to_keep again and points `latest` at the newest.
 """
 
 from __future__ import annotations
@@ -30,14 +34,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlmrl.atomic import write_text_atomically
-
 logger = logging.getLogger(__name__)
 
 STATE_PT = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_TMP, _DELETING = ".tmp-", ".deleting-"
+# A step folder moved aside while the same step is saved again: `.tmp-stale-global_step_N-PID`.
+_STALE = re.compile(r"^\.tmp-stale-(global_step_\d+)-\d+$")
 # Weight files come from save_pretrained; everything else in a model folder (tokenizer, processor, chat template)
 # is copied so that the checkpoint is a complete model folder.
 _WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|msgpack|h5)$|\.index\.json$")
@@ -105,7 +110,7 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
     root = checkpoints_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"global_step_{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-global_step_{step}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP}global_step_{step}-", dir=root))
     try:
         copy_processor_files(source_model_path, tmp)
         model.save_pretrained(tmp, safe_serialization=True)
@@ -119,7 +124,7 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
         if final.exists():  # the same step saved again (a resumed run): swap, never delete before replacing
-            stale = root / f".tmp-stale-{final.name}-{os.getpid()}"
+            stale = root / f"{_TMP}stale-{final.name}-{os.getpid()}"  # restored by tidy_checkpoints if killed here
             os.rename(final, stale)
             os.rename(tmp, final)
             shutil.rmtree(stale, ignore_errors=True)
@@ -128,10 +133,29 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    write_text_atomically(root / LATEST, final.name + "\n")
+    _point_latest(root, final.name)
     _prune(root, keep, final)
     logger.info("checkpoint saved: %s", final)
     return final
+
+
+def _point_latest(root: Path, name: str) -> None:
+    """`latest` -> `name` (a relative symlink: the folder can move), replaced atomically."""
+    tmp = root / f"{_TMP}latest-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(name, tmp)
+    latest = root / LATEST
+    if latest.is_dir() and not latest.is_symlink():
+        # A copy that followed the link (shutil.copytree, rsync -L, an object store) left a real folder here: it is
+        # a duplicate of a global_step_N folder, and a folder cannot be replaced by a link.
+        logger.warning("%s is a folder, not our link (copied with links followed?): replacing it by a link to %s",
+                       latest, name)
+        shutil.rmtree(latest)
+    os.replace(tmp, latest)
+
+
+def _is_complete(path: Path) -> bool:
+    return all((path / name).exists() for name in (STATE_JSON, STATE_PT, "config.json"))
 
 
 def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -139,21 +163,62 @@ def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     if root.is_dir():
         for path in root.iterdir():
             match = _STEP_DIR.match(path.name)
-            if match and (path / STATE_JSON).exists() and (path / STATE_PT).exists():
+            if match and _is_complete(path):
                 found.append((int(match.group(1)), path))
     return sorted(found)
 
 
+def _delete(path: Path) -> None:
+    """Rename aside, then remove: a kill in the middle leaves a `.deleting-*` folder (removed at the next start),
+    never a half-deleted `global_step_N` that still looks like a checkpoint."""
+    aside = path.with_name(_DELETING + path.name)
+    if aside.exists():
+        shutil.rmtree(aside)
+    os.rename(path, aside)
+    shutil.rmtree(aside)
+
+
 def _prune(root: Path, keep: int | None, newest: Path) -> None:
-    for path in root.iterdir():  # leftovers of runs killed mid-save
-        if path.name.startswith(".tmp-") and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
+    for path in root.iterdir():  # leftovers of runs killed mid-save or mid-delete
+        stale = _STALE.match(path.name)
+        if stale and not (root / stale.group(1)).exists():
+            continue  # the only copy of that step (tidy_checkpoints puts it back)
+        if path.name.startswith((_TMP, _DELETING)):
+            if path.is_symlink():  # a `latest` link that was not yet renamed into place
+                path.unlink()
+            elif path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
     if keep is None:
         return
     complete = _complete_checkpoints(root)
     for _, path in complete[: max(0, len(complete) - keep)]:
         if path != newest:
-            shutil.rmtree(path, ignore_errors=True)
+            _delete(path)
+
+
+def tidy_checkpoints(output_dir: str | os.PathLike, keep: int | None) -> None:
+    """At the start of a run that may resume: finish what a killed run left half done. A step folder moved aside for a
+    re-save goes back if its replacement never arrived; `.tmp-*` (interrupted saves) and `.deleting-*` (interrupted
+    deletes) folders go, as do incomplete step folders older than the newest complete one (deleted by an earlier
+    version without the rename); then the newest `keep` complete checkpoints stay."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        stale = _STALE.match(path.name)
+        if stale and not (root / stale.group(1)).exists() and _is_complete(path):
+            os.rename(path, root / stale.group(1))
+            logger.warning("restored %s, moved aside by a run killed while saving that step again", stale.group(1))
+    complete = _complete_checkpoints(root)
+    newest = complete[-1][0] if complete else -1
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and int(match.group(1)) < newest and not _is_complete(path):
+            logger.warning("removing %s: an incomplete checkpoint older than global_step_%d", path, newest)
+            _delete(path)
+    _prune(root, keep, complete[-1][1] if complete else root)
+    if complete and _pointer(root) != complete[-1][1].name:
+        _point_latest(root, complete[-1][1].name)
 
 
 def refuse_earlier_checkpoints(output_dir: str | os.PathLike) -> None:
@@ -169,16 +234,25 @@ def refuse_earlier_checkpoints(output_dir: str | os.PathLike) -> None:
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint: the one `latest` names, else the highest complete step; None when none."""
+    """The newest complete checkpoint (highest complete step), whatever `latest` says; None when there is none."""
     root = checkpoints_root(output_dir)
-    pointer = root / LATEST
-    if pointer.exists():
-        named = root / pointer.read_text().strip()
-        if (named / STATE_JSON).exists() and (named / STATE_PT).exists():
-            return named
-        logger.warning("%s names %s, which is missing or incomplete; using the newest complete one", pointer, named)
     complete = _complete_checkpoints(root)
-    return complete[-1][1] if complete else None
+    if not complete:
+        return None
+    newest = complete[-1][1]
+    named = _pointer(root)
+    if named != newest.name:
+        logger.warning("%s names %s but the newest complete checkpoint is %s (a run killed before the link was "
+                       "rewritten); using %s", root / LATEST, named, newest.name, newest.name)
+    return newest
+
+
+def _pointer(root: Path) -> str | None:
+    """The folder `latest` names: a symlink, or the text file that earlier versions wrote."""
+    pointer = root / LATEST
+    if pointer.is_symlink():
+        return os.readlink(pointer)
+    return pointer.read_text().strip() if pointer.is_file() else None
 
 
 def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from vlmrl.agent.loop import AgentLoop
 from vlmrl.config import Config
-from vlmrl.processors import Processor, load_processor, processor_config
+from vlmrl.processors import Processor, load_processor
 from vlmrl.rollout import RolloutBackend, start_backend
 
 
 def load_run_processor(config: Config) -> Processor:
     """The processor of the run's model, with the data section's image and prompt-length settings."""
-    return load_processor(config.actor.model_path, processor_config(config.data))
+    return load_processor(config.actor.model_path, config.data)
 
 
 def start_run_backend(config: Config, name: str | None = None, model_path: str | None = None) -> RolloutBackend:

@@ -29,7 +29,7 @@ from vlmrl.algorithms.advantages import compute_advantages
 from vlmrl.algorithms.correction import rollout_correction
 from vlmrl.algorithms.dapo import groups_with_signal, mask_truncated, overlong_penalty
 from vlmrl.atomic import write_text_atomically
-from vlmrl.batch import batch_metrics, pad_results, prompt_inputs, required_batch_multiple, scored_batch
+from vlmrl.batch import batch_metrics, pad_results, required_batch_multiple, scored_batch
 from vlmrl.config import Config, to_dict, to_yaml
 from vlmrl.data import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset
 from vlmrl.processors import Processor
@@ -42,6 +42,7 @@ from vlmrl.trainer.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+    tidy_checkpoints,
 )
 from vlmrl.trainer.components import load_run_processor, start_agent, start_run_backend
 from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_curves, truncate_after
@@ -310,7 +311,7 @@ def plain_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
         raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
     results = run.backend.generate(built.requests, sampling)
     d = run.config.data
-    samples = pad_results([prompt_inputs(run.processor, r) for r in built.requests], results,
+    samples = pad_results([run.processor.prompt_inputs(r) for r in built.requests], results,
                           prompt_length=d.max_prompt_length, response_length=d.max_response_length,
                           pad_token_id=run.processor.pad_token_id, policy_version=step - 1)
     return Rollout(built.requests, samples, response_texts(run.processor.tokenizer, results), {}, built.num_skipped)
@@ -405,6 +406,8 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     output_dir = Path(t.output_dir)
     if not t.resume:
         refuse_earlier_checkpoints(output_dir)
+    else:  # what a killed run left half done (moved-aside, half-deleted or temporary folders; one too many kept)
+        tidy_checkpoints(output_dir, t.max_ckpt_to_keep)
     write_text_atomically(output_dir / "config.yaml", to_yaml(config))
     processor = load_run_processor(config)
     train_data = load_dataset(d.train_files, "train", prompt_key=d.prompt_key, image_key=d.image_key,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from vlmrl.actor import PolicyActor
-from vlmrl.batch import pad_sample, prompt_inputs, stack_samples
+from vlmrl.batch import pad_sample, stack_samples
 from vlmrl.config import Config
 from vlmrl.data import RLDataset
 from vlmrl.processors import FilteredRow, Processor
@@ -63,7 +63,7 @@ def format_warmup(actor: PolicyActor, processor: Processor, dataset: RLDataset, 
             except FilteredRow:
                 continue
             label = answers[int(rng.integers(len(answers)))]  # independent of the row: format, not answers
-            samples.append(pad_sample(prompt_inputs(processor, request), label_ids[label],
+            samples.append(pad_sample(processor.prompt_inputs(request), label_ids[label],
                                       prompt_length=config.data.max_prompt_length, response_length=response_length,
                                       pad_token_id=processor.pad_token_id))
         if not samples:

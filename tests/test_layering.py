@@ -1,0 +1,153 @@
+"""The import graph of `vlmrl/` points only downward, and has no circle.
+
+Read from the source with `ast` (every import counts: module level, function-local and TYPE_CHECKING ones alike, since
+a function-local import is how a circle is usually held open). The allowed layering is written here, top to bottom:
+a module may import modules of its own package, or of a package in a LOWER layer; packages that share a layer are
+siblings and may not import each other.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import vlmrl
+
+ROOT = Path(vlmrl.__file__).parent
+CONFIG_LEAVES = "config leaves"  # the modules vlmrl.<pkg>.config: one dataclass per component and its own checks
+
+# Top to bottom. Each entry is a package (`vlmrl.<pkg>`) or a top-level module (`vlmrl.<module>`).
+LAYERS: list[tuple[str, ...]] = [
+    ("vlmrl.train",),  # the entry point: python -m vlmrl.train
+    ("vlmrl.trainer",),  # the fit loop, run setup, validation (and the artifact it writes), checkpoints, metrics
+    ("vlmrl.distributed", "vlmrl.alignment"),  # a service the loop drives | the compare tool (never the trainer)
+    ("vlmrl.agent", "vlmrl.actor"),  # multi-turn rollout | the policy, its logprobs and update
+    ("vlmrl.config",),  # the run config: composes the sections' own config modules, checks across sections
+    ("vlmrl.batch", "vlmrl.data", "vlmrl.rewards", "vlmrl.rollout"),
+    ("vlmrl.processors",),
+    ("vlmrl.algorithms", "vlmrl.models"),
+    (CONFIG_LEAVES,),
+    ("vlmrl.types", "vlmrl.utils", "vlmrl.atomic", "vlmrl"),
+]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def resolve(name: str, known: dict[str, Path]) -> str | None:
+    """The vlmrl module an import names (the longest known prefix), None outside vlmrl."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_edges() -> dict[str, set[str]]:
+    known = modules()
+    edges: dict[str, set[str]] = {name: set() for name in known}
+    for name, path in known.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative import
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            for target in targets:
+                if target == "vlmrl" or target.startswith("vlmrl."):
+                    resolved = resolve(target, known)
+                    if resolved and resolved != name:
+                        edges[name].add(resolved)
+    for name in edges:  # `from vlmrl.x import y` where y is a module already names vlmrl.x.y; drop the bare package
+        edges[name] = {t for t in edges[name] if not any(o.startswith(t + ".") for o in edges[name]) or t == "vlmrl"}
+    return edges
+
+
+def unit(module: str) -> str:
+    """What a module's layer is decided by: its package (or itself at top level); config modules of a package are
+    the config leaves."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[-1] == "config":
+        return CONFIG_LEAVES
+    return ".".join(parts[:2])
+
+
+def layer_of(name: str) -> int:
+    for index, layer in enumerate(LAYERS):
+        if name in layer:
+            return index
+    raise AssertionError(f"{name} is in no layer of LAYERS: add it where it belongs")
+
+
+def test_every_module_has_a_layer():
+    for module in modules():
+        layer_of(unit(module))
+
+
+def test_imports_point_down():
+    upward = []
+    for source, targets in import_edges().items():
+        for target in targets:
+            a, b = unit(source), unit(target)
+            if a != b and layer_of(a) >= layer_of(b):
+                upward.append(f"{source} -> {target} ({a}: layer {layer_of(a)}, {b}: layer {layer_of(b)})")
+    assert not upward, "imports that do not point down the layering:\n  " + "\n  ".join(sorted(upward))
+
+
+def test_no_import_circle():
+    edges = import_edges()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    assert not circles, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_checker_sees_a_planted_upward_arrow(tmp_path, monkeypatch):
+    """The checks above can fail: a rollout module importing the trainer is caught."""
+    fake = tmp_path / "vlmrl"
+    for source in ROOT.rglob("*.py"):
+        target = fake / source.relative_to(ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(source.read_text())
+    (fake / "rollout" / "planted.py").write_text("from vlmrl.trainer import fit\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    edges = import_edges()
+    assert "vlmrl.trainer.fit" in edges["vlmrl.rollout.planted"]
+    assert layer_of(unit("vlmrl.rollout.planted")) > layer_of(unit("vlmrl.trainer.fit"))

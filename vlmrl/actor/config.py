@@ -1,0 +1,125 @@
+"""Actor configuration: the policy being trained and its update (the run config's `actor` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vlmrl.algorithms.config import KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES
+
+PRECISIONS = ("float32", "bfloat16")
+"""Precisions a run config may name for weights and compute (vlmrl.actor.policy.DTYPES also maps float64, for
+tests); `auto` is added where the device decides (actor.compute_dtype, rollout.dtype)."""
+LR_SCHEDULERS = ("constant", "cosine")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    weight_decay: float = 1e-2
+    """AdamW weight decay."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps from 0 to lr."""
+    lr_scheduler: str = "constant"
+    """After warm-up: `constant` or `cosine` (decays to 0 at the last step)."""
+
+    def problems(self) -> list[str]:
+        """What is wrong, each with what to change; empty when valid."""
+        out = []
+        if self.lr <= 0:
+            out.append(f"actor.optim.lr={self.lr} must be > 0")
+        if len(self.betas) != 2:
+            out.append(f"actor.optim.betas={self.betas} must be two numbers, e.g. [0.9, 0.999]")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            out.append(f"actor.optim.lr_scheduler={self.lr_scheduler!r} is not one of {list(LR_SCHEDULERS)}")
+        return out
+
+
+@dataclass
+class ActorConfig:
+    model_path: str = ""
+    """Policy to train: a local HF folder, a hub id, or an embedded name (`tiny`, `tiny-large`)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer settings."""
+    ppo_mini_batch_size: int = 128
+    """Prompts per optimizer step (times rollout.n samples); train_batch_size / this = updates per step."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Samples per forward/backward; micro-batches accumulate gradients. Changes memory, not the update."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    policy_loss: str = "ppo-clip"
+    """Policy loss: ppo-clip (token ratio, dual-clip), gspo (sequence-level ratio, GSPO; set clip_ratio_low/high to
+    its ~3e-4/4e-4) or cispo (clipped, detached IS weight times logprob: every token keeps a gradient)."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become the loss (verl's name): token-mean, seq-mean-token-sum, seq-mean-token-mean,
+    seq-mean-token-sum-norm (Dr. GRPO: token sums / (sequences x data.max_response_length)). KL and entropy terms
+    aggregate the same way."""
+    clip_ratio: float = 0.2
+    """PPO clip range: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]."""
+    clip_ratio_low: float | None = None
+    """Lower clip range if different; None = clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip range if different (DAPO clip-higher); None = clip_ratio."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip: a negative-advantage token's loss is capped at clip_ratio_c x |A| (> 1; verl's default 3); null
+    turns it off. Applies to ppo-clip and gspo."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (loss -= entropy_coeff * token-mean entropy)."""
+    use_kl_loss: bool = False
+    """Add a KL loss to a frozen reference (the initial weights). Loads a second copy of the model."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL loss; must be > 0 exactly when use_kl_loss is true."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: low_var_kl (k3), k1, k2 / mse."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; <= 0 disables clipping."""
+    freeze_vision_tower: bool = False
+    """Keep the vision tower's weights fixed."""
+    dtype: str = "float32"
+    """Master weights and optimizer state: float32 (an lr-1e-6 update vanishes in bfloat16 weights) or bfloat16."""
+    compute_dtype: str = "auto"
+    """Forward/backward precision: auto (bfloat16 autocast on GPU, float32 on CPU), float32 or bfloat16."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward (less memory, ~30% slower)."""
+    device: str = "auto"
+    """Torch device for the actor: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
+
+    def problems(self) -> list[str]:
+        """What is wrong, each with what to change; empty when valid."""
+        out = []
+        if not self.model_path:
+            out.append("actor.model_path is empty: set a HF model folder, a hub id, or `tiny`")
+        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs"):
+            if getattr(self, name) < 1:
+                out.append(f"actor.{name}={getattr(self, name)} must be >= 1")
+        if self.use_kl_loss and self.kl_loss_coef <= 0:
+            out.append("actor.use_kl_loss=true with kl_loss_coef=0 loads a reference model for nothing: set "
+                       "actor.kl_loss_coef > 0 (e.g. 0.01) or actor.use_kl_loss=false")
+        if self.kl_loss_coef > 0 and not self.use_kl_loss:
+            out.append(f"actor.kl_loss_coef={self.kl_loss_coef} needs a reference model: set actor.use_kl_loss=true, "
+                       "or kl_loss_coef=0")
+        if self.kl_loss_type not in KL_TYPES:
+            out.append(f"actor.kl_loss_type={self.kl_loss_type!r} is not one of {list(KL_TYPES)}")
+        if not 0 < self.clip_ratio < 1:
+            out.append(f"actor.clip_ratio={self.clip_ratio} must be in (0, 1) (0.2 is standard)")
+        if self.clip_ratio_high is not None and self.clip_ratio_high <= 0:
+            out.append("actor.clip_ratio_high must be > 0 (or null)")
+        if self.policy_loss not in POLICY_LOSSES:
+            out.append(f"actor.policy_loss={self.policy_loss!r} is not one of {list(POLICY_LOSSES)}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            out.append(f"actor.loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
+        if self.clip_ratio_low is not None and self.clip_ratio_low <= 0:
+            out.append("actor.clip_ratio_low must be > 0 (or null)")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            out.append(f"actor.clip_ratio_c={self.clip_ratio_c} must be > 1 (3 is verl's default) or null (no "
+                       "dual-clip)")
+        if self.policy_loss == "gspo" and (self.clip_ratio_low is None or self.clip_ratio_high is None):
+            out.append("actor.policy_loss=gspo clips a sequence-level ratio, which moves far less than a token's: set "
+                       "actor.clip_ratio_low and actor.clip_ratio_high explicitly (the GSPO paper: 3e-4 and 4e-4)")
+        if self.dtype not in PRECISIONS:
+            out.append(f"actor.dtype={self.dtype!r} must be float32 or bfloat16")
+        if self.compute_dtype not in ("auto", *PRECISIONS):
+            out.append(f"actor.compute_dtype={self.compute_dtype!r} must be auto, float32 or bfloat16")
+        return out + self.optim.problems()

@@ -1,0 +1,66 @@
+"""Trainer configuration: the loop, validation, checkpoints, logging and the cluster (the run config's `trainer`
+section). The cluster keys (trainer.n_gpus_per_node, trainer.nnodes, trainer.engine_placement) are declared by
+`vlmrl.distributed.config.ClusterConfig`, which this section inherits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vlmrl.distributed.config import ClusterConfig
+
+LOGGERS = ("console", "tensorboard", "wandb")
+
+
+@dataclass
+class TrainerConfig(ClusterConfig):
+    total_epochs: int = 1
+    """Passes over the training data (ignored when total_steps is set)."""
+    total_steps: int | None = None
+    """Training steps to run; None = total_epochs worth."""
+    val_before_train: bool = True
+    """Validate the initial weights (step 0)."""
+    test_freq: int = 5
+    """Validate every this many steps (and after the last); <= 0 = only val_before_train."""
+    val_only: bool = False
+    """Validate-only mode: no optimizer, weights untouched; writes metrics and the per-sample artifact."""
+    save_freq: int = -1
+    """Save a checkpoint every this many steps (and after the last); <= 0 = never."""
+    max_ckpt_to_keep: int | None = 2
+    """Keep the newest K checkpoints; None = keep all."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in output_dir when there is one."""
+    output_dir: str = "outputs/run"
+    """Where metrics.jsonl, checkpoints, artifacts and plots go."""
+    seed: int = 1
+    """Seeds data order, sampling and torch."""
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    """Metric sinks besides metrics.jsonl (always written): console, tensorboard, wandb."""
+    project_name: str = "vlmrl"
+    """W&B project."""
+    experiment_name: str = "grpo"
+    """W&B run name."""
+    format_warmup_steps: int = 0
+    """Supervised steps on RANDOM answer labels before RL, teaching only the answer format (never the answers):
+    a random-init model otherwise never produces a gradable answer. Needs a task with a closed answer set."""
+    format_warmup_lr: float = 1e-3
+    """Learning rate of the format warm-up (its own AdamW, discarded afterwards)."""
+    format_warmup_batch_size: int = 32
+    """Prompts per format warm-up step."""
+    torch_threads: int = 0
+    """torch.set_num_threads; 0 leaves torch's default (1 is often fastest on small CPUs)."""
+
+    def problems(self) -> list[str]:
+        """What is wrong, each with what to change; empty when valid."""
+        out = []
+        if self.total_steps is not None and self.total_steps < 1:
+            out.append(f"trainer.total_steps={self.total_steps} must be >= 1 (or null)")
+        if self.total_epochs < 1:
+            out.append(f"trainer.total_epochs={self.total_epochs} must be >= 1")
+        if self.max_ckpt_to_keep is not None and self.max_ckpt_to_keep < 1:
+            out.append(f"trainer.max_ckpt_to_keep={self.max_ckpt_to_keep} must be >= 1 (or null to keep all)")
+        unknown_loggers = [name for name in self.logger if name not in LOGGERS]
+        if unknown_loggers:
+            out.append(f"trainer.logger has unknown sink(s) {unknown_loggers}; choose from {list(LOGGERS)}")
+        if self.format_warmup_steps < 0:
+            out.append(f"trainer.format_warmup_steps={self.format_warmup_steps} must be >= 0")
+        return out + super().problems()
