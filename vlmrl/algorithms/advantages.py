@@ -18,7 +18,6 @@ import torch
 
 from vlmrl.algorithms.config import ADV_ESTIMATORS
 
-
 # Rewards closer than this (relative to their magnitude) are equal: float32 rewards that should be equal can differ
 # in the last bit after arithmetic, and dividing that difference by std + eps would invent a signal.
 _EQUAL_RTOL = 1e-6

@@ -30,7 +30,6 @@ import torch
 from vlmrl.algorithms.aggregation import masked_row_sum, token_mean
 from vlmrl.algorithms.config import ROLLOUT_CORRECTIONS, SEQ_RATIOS
 
-
 _LOG_RATIO_BOUND = 20.0
 
 

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from vlmrl.algorithms.aggregation import masked_row_sum, token_mean, zero_outside
-from vlmrl.algorithms.config import POLICY_LOSSES
-
 
 _LOG_RATIO_BOUND = 20.0
 
