@@ -21,9 +21,16 @@
 #       close to verl/EasyR1's Qwen2.5-VL geo3k GRPO (lr 1e-6, n=5, low_var_kl 0.01, max_prompt_length 1024,
 #       max_response_length 2048, max_pixels 1003520). DATA_DIR (default ~/data/geo3k) holds train.parquet and
 #       test.parquet from examples/data/geo3k.py. More than one device runs Ray + FSDP2 workers (docs/distributed.md).
+#   RECIPE=dapo|gspo examples/qwen2_5_vl_grpo.sh  (with or without the real recipe's variables)
+#       Another algorithm on top of either run: dapo (examples/configs/qwen2_5_vl_geo3k_dapo.yaml: clip-higher
+#       0.2/0.28, token-mean, dynamic sampling, soft overlong punishment, no KL) or gspo (..._gspo.yaml:
+#       sequence-level ratio clipped to 3e-4/4e-4, seq-mean-token-mean, no KL). With the real recipe the overlay
+#       comes after qwen2_5_vl_geo3k.yaml; on the CPU demo only its losses are kept (tiny_synthetic.yaml is applied
+#       after it) and DAPO's overlong buffer is scaled to the demo's 6-token budget. RECIPE=grpo (default) = plain.
 #
 # Any key=value argument overrides the config (docs/config.md lists every key), e.g. trainer.total_steps=50.
-# OUTPUT_DIR sets trainer.output_dir (defaults: outputs/demo, outputs/qwen2_5_vl_geo3k; "-val" added for VAL_ONLY).
+# OUTPUT_DIR sets trainer.output_dir (defaults: outputs/demo, outputs/qwen2_5_vl_geo3k; "_dapo" / "_gspo" added for
+# RECIPE, "-val" for VAL_ONLY).
 # PYTHON selects the interpreter (make demo passes the venv's). -h / --help prints this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +49,12 @@ sys.exit(not str(config.get("data", {}).get("train_files", "")).startswith("synt
 
 ARGS=()
 SUFFIX=""
+OVERLAY=()
+case "${RECIPE:-grpo}" in
+  grpo) RECIPE="" ;;
+  dapo|gspo) OVERLAY=("config=examples/configs/qwen2_5_vl_geo3k_${RECIPE}.yaml") ;;
+  *) echo "RECIPE=${RECIPE}: use grpo (default), dapo or gspo" >&2; exit 2 ;;
+esac
 DEMO_MODEL=""
 if [[ -n "${MODEL_PATH:-}" && -z "${DATA:-}${N_GPUS:-}${N_NODES:-}" ]] && demo_checkpoint "$MODEL_PATH"; then
   DEMO_MODEL=$MODEL_PATH
@@ -60,11 +73,12 @@ if [[ -n "${MODEL_PATH:-}" || -n "${DATA:-}" || -n "${N_GPUS:-}" || -n "${N_NODE
   fi
   # ---- the real recipe ------------------------------------------------------------------------------------------
   DATA_DIR=${DATA_DIR:-$HOME/data/geo3k}
-  ARGS+=(config=examples/configs/qwen2_5_vl_geo3k.yaml
+  ARGS+=(config=examples/configs/qwen2_5_vl_geo3k.yaml "${OVERLAY[@]}"
          "actor.model_path=${MODEL_PATH:-Qwen/Qwen2.5-VL-7B-Instruct}"
          "rollout.name=${ROLLOUT:-vllm}"
          "data.train_files=$DATA_DIR/train.parquet" "data.val_files=$DATA_DIR/test.parquet"
-         "trainer.n_gpus_per_node=${N_GPUS:-1}" "trainer.nnodes=${N_NODES:-1}" "trainer.output_dir=${OUTPUT_DIR:-outputs/qwen2_5_vl_geo3k$SUFFIX}")
+         "trainer.n_gpus_per_node=${N_GPUS:-1}" "trainer.nnodes=${N_NODES:-1}"
+         "trainer.output_dir=${OUTPUT_DIR:-outputs/qwen2_5_vl_geo3k${RECIPE:+_$RECIPE}$SUFFIX}")
 else
   # ---- the embedded default on a CPU -------------------------------------------------------------------------------
   if [[ -z "${ROLLOUT:-}" ]]; then
@@ -80,8 +94,12 @@ else
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
   export SGLANG_USE_CPU_ENGINE=${SGLANG_USE_CPU_ENGINE:-1}
   export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
-  ARGS+=(config=examples/configs/tiny_synthetic.yaml "rollout.name=$ROLLOUT"
-         "trainer.output_dir=${OUTPUT_DIR:-outputs/demo$SUFFIX}")
+  # the recipe's overlay FIRST: the demo's own settings (batch, lengths, lr) then win, its losses stay
+  ARGS+=("${OVERLAY[@]}" config=examples/configs/tiny_synthetic.yaml "rollout.name=$ROLLOUT"
+         "trainer.output_dir=${OUTPUT_DIR:-outputs/demo${RECIPE:+_$RECIPE}$SUFFIX}")
+  if [[ "${RECIPE:-}" == "dapo" ]]; then
+    ARGS+=(algorithm.overlong_buffer_len=1)  # DAPO's last fifth of the budget: 1 of the demo's 6 tokens
+  fi
   if [[ -n "$DEMO_MODEL" ]]; then
     ARGS+=("actor.model_path=$DEMO_MODEL")
   fi

@@ -340,3 +340,68 @@ def test_config_cli_prints_a_resolved_config_and_help():
     resolved = run(*BASE, "rollout.temperature=0.7")
     assert resolved.returncode == 0 and "temperature: 0.7" in resolved.stdout
     assert run(*BASE, "rollout.n=1").returncode == 2
+
+
+def test_the_algorithm_names_are_defined_once():
+    # the torch-free config leaf defines the names; the math accepts exactly those
+    from vlmrl import algorithms
+    from vlmrl.algorithms import config
+    from vlmrl.algorithms.correction import SEQ_RATIOS
+
+    assert config.ADV_ESTIMATORS is algorithms.ADV_ESTIMATORS
+    assert config.LOSS_AGG_MODES is algorithms.LOSS_AGG_MODES
+    assert config.POLICY_LOSSES is algorithms.POLICY_LOSSES
+    assert config.ROLLOUT_CORRECTIONS is algorithms.ROLLOUT_CORRECTIONS
+    assert config.SEQ_RATIOS is SEQ_RATIOS
+
+
+def test_every_estimator_loss_and_mode_loads():
+    from vlmrl.algorithms.config import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
+
+    for name in ADV_ESTIMATORS:
+        assert load(f"algorithm.adv_estimator={name}").algorithm.adv_estimator == name
+    for mode in LOSS_AGG_MODES:
+        assert load(f"actor.loss_agg_mode={mode}").actor.loss_agg_mode == mode
+    for loss in POLICY_LOSSES:
+        assert load(f"actor.policy_loss={loss}", "actor.clip_ratio_low=3e-4", "actor.clip_ratio_high=4e-4"
+                    ).actor.policy_loss == loss
+    for correction in ROLLOUT_CORRECTIONS:
+        assert load(f"algorithm.rollout_correction={correction}").algorithm.rollout_correction == correction
+    dapo = load("algorithm.dynamic_sampling=true", "algorithm.overlong_buffer_len=4", "algorithm.mask_truncated=true")
+    assert dapo.algorithm.dynamic_sampling and dapo.algorithm.overlong_buffer_len == 4
+
+
+def test_loss_and_algorithm_settings_are_checked_at_load():
+    message = problems_of("algorithm.adv_estimator=ppo", "actor.loss_agg_mode=seq-mean", "actor.policy_loss=dpo",
+                          "algorithm.rollout_correction=tis", "actor.clip_ratio_c=1.0",
+                          "algorithm.overlong_buffer_len=100000", "algorithm.dynamic_sampling_max_extra_draws=-1")
+    for fragment in ("algorithm.adv_estimator='ppo'", "actor.loss_agg_mode='seq-mean'", "actor.policy_loss='dpo'",
+                     "algorithm.rollout_correction='tis'", "actor.clip_ratio_c=1.0 must be > 1",
+                     "algorithm.overlong_buffer_len=100000", "dynamic_sampling_max_extra_draws=-1"):
+        assert fragment in message, fragment
+    # Dr. GRPO's switch is grpo's: compute_advantages would raise mid-run
+    assert "applies to adv_estimator=grpo only" in problems_of("algorithm.adv_estimator=rloo",
+                                                               "algorithm.norm_adv_by_std_in_grpo=false")
+    # GSPO's sequence ratio needs its own, far narrower clip range
+    assert "GSPO paper: 3e-4 and 4e-4" in problems_of("actor.policy_loss=gspo")
+    # engine logprobs are of the untempered distribution
+    assert "rollout.temperature=1" in problems_of("algorithm.rollout_correction=token_tis", "rollout.temperature=0.7")
+    # the agent loop takes prompts from a queue and carries groups: no dynamic sampling there
+    assert "dynamic_sampling needs the plain rollout" in problems_of("algorithm.dynamic_sampling=true",
+                                                                     "agent.enable=true")
+
+
+@pytest.mark.parametrize("recipe", ["dapo", "gspo"])
+def test_the_recipe_overlays_load_on_the_geo3k_recipe_and_on_the_demo(recipe):
+    configs = ROOT / "examples" / "configs"
+    overlay = f"config={configs / f'qwen2_5_vl_geo3k_{recipe}.yaml'}"
+    real = load_config([f"config={configs / 'qwen2_5_vl_geo3k.yaml'}", overlay], check_model=False)
+    assert real.actor.policy_loss == ("gspo" if recipe == "gspo" else "ppo-clip") and not real.actor.use_kl_loss
+    assert real.data.max_response_length == 2048  # the overlay keeps the geo3k recipe's lengths
+    # examples/qwen2_5_vl_grpo.sh RECIPE=... on the demo: overlay first, the demo's settings after it
+    demo_args = [overlay, f"config={configs / 'tiny_synthetic.yaml'}", "rollout.name=hf"]
+    demo = load_config(demo_args + (["algorithm.overlong_buffer_len=1"] if recipe == "dapo" else []),
+                       check_model=False)
+    assert demo.data.train_batch_size == 16 and demo.actor.loss_agg_mode == real.actor.loss_agg_mode
+    assert (demo.actor.clip_ratio_low, demo.actor.clip_ratio_high) == (real.actor.clip_ratio_low,
+                                                                       real.actor.clip_ratio_high)

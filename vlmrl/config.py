@@ -68,7 +68,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation backend and sampling."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Advantage estimation."""
+    """Advantage estimation, rollout correction and DAPO's data-side options."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward function."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -175,6 +175,18 @@ def cross_section_problems(config: Config) -> list[str]:
              "use sglang (one engine per worker) or vllm")
         need(r.tensor_parallel_size == 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: with "
              f"{world} devices each colocated engine runs on its worker's one device; set it to 1")
+    # ---- algorithm: how rollout correction and DAPO fit the rollout, data and agent sections
+    al = config.algorithm
+    need(al.rollout_correction == "off" or r.temperature == 1.0,
+         f"algorithm.rollout_correction={al.rollout_correction} compares the engine's logprobs with the trainer's, "
+         f"which are of the same distribution only at rollout.temperature=1 (it is {r.temperature}): set "
+         "rollout.temperature=1.0 or rollout_correction=off")
+    need(al.overlong_buffer_len <= d.max_response_length,
+         f"algorithm.overlong_buffer_len={al.overlong_buffer_len} must be in [0, data.max_response_length="
+         f"{d.max_response_length}] (0 = off; DAPO: 4096 of 20480)")
+    need(not (al.dynamic_sampling and config.agent.enable),
+         "algorithm.dynamic_sampling needs the plain rollout: the agent loop takes its prompts from a queue and carries "
+         "partial groups between steps. Set algorithm.dynamic_sampling=false or agent.enable=false")
     if config.agent.enable:
         problems += agent_problems(config)
     return problems

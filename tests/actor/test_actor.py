@@ -169,3 +169,77 @@ def test_mixed_precision_keeps_float32_master_weights(tiny_model_path, batch):
     moved = [n for n, p in actor.model.named_parameters() if not torch.equal(p, before[n])]
     assert all(p.dtype == torch.float32 for p in actor.model.parameters())
     assert len(moved) > len(before) // 2, "an lr-1e-6 step must change float32 weights"
+
+
+# ---- every policy loss and loss aggregation mode ---------------------------------------------------------------------
+
+# (policy loss, loss_agg_mode): every mode with ppo-clip, and gspo / cispo with a token and a sequence mode
+LOSS_MODES = [("ppo-clip", mode) for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                               "seq-mean-token-sum-norm")]
+LOSS_MODES += [(loss, mode) for loss in ("gspo", "cispo") for mode in ("token-mean", "seq-mean-token-mean")]
+CLIPS = {"ppo-clip": dict(clip_ratio_low=0.2, clip_ratio_high=0.28), "gspo": dict(clip_ratio_low=3e-4,
+         clip_ratio_high=4e-4), "cispo": dict(clip_ratio_low=1.0, clip_ratio_high=0.2)}
+
+
+def _mode_update(tiny_model_path, batch, micro: int, loss: str, mode: str, weights: torch.Tensor | None = None):
+    """One optimizer step in float64 with old logprobs off the current policy (ratios off 1: the clips bite)."""
+    actor = Actor(actor_config(tiny_model_path, ppo_micro_batch_size_per_gpu=micro, policy_loss=loss,
+                               loss_agg_mode=mode, entropy_coeff=0.01, **CLIPS[loss]),
+                  total_steps=1, mini_batch_samples=len(batch))
+    actor.model.to(torch.float64)
+    current, _ = actor.compute_logprobs(batch)
+    noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    old = (current.double() + 0.3 * noise) * batch.response_mask
+    advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
+    metrics = actor.update(batch, old, advantages, loss_weights=weights)
+    grads = {name: p.grad.clone() for name, p in actor.model.named_parameters() if p.grad is not None}
+    return metrics, grads
+
+
+@pytest.mark.parametrize("loss, mode", LOSS_MODES, ids=[f"{loss}-{mode}" for loss, mode in LOSS_MODES])
+def test_every_loss_and_mode_one_micro_batch_of_8_equals_eight_of_1(tiny_model_path, batch, loss, mode):
+    weights = torch.rand(batch.response_mask.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    weights = (0.5 + 1.5 * weights) * batch.response_mask  # rollout-correction weights ride along
+    big_metrics, big_grads = _mode_update(tiny_model_path, batch, 8, loss, mode, weights)
+    small_metrics, small_grads = _mode_update(tiny_model_path, batch, 1, loss, mode, weights)
+    assert big_metrics["actor/grad_norm"] > 0
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert small_metrics[key] == pytest.approx(big_metrics[key], rel=1e-9, abs=1e-12), key
+    for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_low", "actor/pg_clipfrac_high", "actor/dual_clip_fraction",
+                "actor/ratio_mean", "actor/ratio_min", "actor/ratio_max"):  # diagnostics, token means in float32
+        assert small_metrics[key] == pytest.approx(big_metrics[key], rel=1e-6, abs=1e-9), key
+    assert big_metrics["actor/ratio_min"] <= big_metrics["actor/ratio_mean"] <= big_metrics["actor/ratio_max"]
+    assert big_grads.keys() == small_grads.keys()
+    for name, grad in big_grads.items():
+        assert torch.allclose(grad, small_grads[name], rtol=1e-9, atol=1e-12), name
+
+
+@pytest.mark.parametrize("loss, mode", LOSS_MODES, ids=[f"{loss}-{mode}" for loss, mode in LOSS_MODES])
+def test_padding_rows_change_nothing_in_any_loss_or_mode(tiny_model_path, processor, batch, loss, mode):
+    metrics, grads = _mode_update(tiny_model_path, batch, 3, loss, mode)
+    padded = upsample_to_multiple(batch, 12, eos_token_id=processor.eos_token_ids[0],
+                                  pad_token_id=processor.pad_token_id)
+    padded_metrics, padded_grads = _mode_update(tiny_model_path, padded, 3, loss, mode)
+    for key in ("actor/pg_loss", "actor/entropy"):
+        assert padded_metrics[key] == pytest.approx(metrics[key], rel=1e-9, abs=1e-12), key
+    for key in ("actor/pg_clipfrac", "actor/ratio_mean", "actor/ratio_min", "actor/ratio_max"):
+        assert padded_metrics[key] == pytest.approx(metrics[key], rel=1e-6, abs=1e-9), key
+    for name, grad in grads.items():
+        assert torch.allclose(grad, padded_grads[name], rtol=1e-9, atol=1e-12), name
+
+
+def test_the_modes_weigh_rows_differently(tiny_model_path, batch):
+    """The modes are not one computation under four names: with rows of different lengths, seq-mean-token-mean
+    weighs each sequence equally and token-mean each token, so their gradients differ; the -norm mode is
+    seq-mean-token-sum divided by the constant R, so their gradients are parallel (the norm clip may rescale
+    either; the logits' backward runs in float32, hence float32 tolerances)."""
+    _, token = _mode_update(tiny_model_path, batch, 8, "ppo-clip", "token-mean")
+    _, seq_mean = _mode_update(tiny_model_path, batch, 8, "ppo-clip", "seq-mean-token-mean")
+    _, seq_sum = _mode_update(tiny_model_path, batch, 8, "ppo-clip", "seq-mean-token-sum")
+    _, seq_norm = _mode_update(tiny_model_path, batch, 8, "ppo-clip", "seq-mean-token-sum-norm")
+    name = next(n for n in token if "visual" not in n)
+    assert not torch.allclose(token[name], seq_mean[name], rtol=1e-3)
+    flat = {key: torch.cat([g.flatten() for g in grads.values()]) for key, grads in
+            (("sum", seq_sum), ("norm", seq_norm))}
+    scale = float(flat["sum"].norm() / flat["norm"].norm())
+    assert float((flat["sum"] - scale * flat["norm"]).norm() / flat["sum"].norm()) < 1e-5

@@ -36,7 +36,7 @@ def test_one_rank_update_equals_the_single_process_actor(tiny_model_path, proces
 
     expected = single.update(batch, old, advantages, ref.double())
     tokens = [float(batch.response_mask[i: i + mini_batch].sum()) for i in range(0, len(batch), mini_batch)]
-    got = sharded.update_shard(UpdateShard(batch, old, advantages, ref.double(), tokens, mini_batch))
+    got = sharded.update_shard(UpdateShard(batch, old, advantages, ref.double(), tokens, tokens, mini_batch))
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert abs(got[key] - value) <= 1e-9 * max(1.0, abs(value)), (key, value, got[key])

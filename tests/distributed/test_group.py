@@ -133,6 +133,37 @@ def test_batch_that_does_not_divide_gets_padding_rows_and_matches_dp1_on_the_rea
     assert_same_weights(dict(reference.named_tensors()), weights_after_resume, start)
 
 
+# One dp=2 run per non-default aggregation mode, each with another policy loss (token-mean / ppo-clip is above)
+SHARDED_MODES = [("seq-mean-token-sum", "ppo-clip", dict(clip_ratio_low=0.2, clip_ratio_high=0.28)),
+                 ("seq-mean-token-mean", "gspo", dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4)),
+                 ("seq-mean-token-sum-norm", "cispo", dict(clip_ratio_low=1.0, clip_ratio_high=0.2))]
+
+
+@pytest.mark.parametrize("mode, loss, clips", SHARDED_MODES, ids=[f"{m}-{l}" for m, l, _ in SHARDED_MODES])
+def test_dp2_matches_dp1_in_every_mode_with_padding_rows_and_correction_weights(
+        ray_cluster, tiny_model_path, processor, synthetic_rows, mode, loss, clips):
+    # 6 real rows + 2 padding rows: rank 1's slice of the second mini-batch has no sequence at all, and the
+    # global mini-batch's sequence count (2) equals the world size; rollout-correction weights ride along
+    real = make_batch(processor, synthetic_rows[4:7], n=2, text_only_rows=(1,), seed=1)
+    batch = upsample_to_multiple(real, 8, eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
+    extra = dict(loss_agg_mode=mode, policy_loss=loss, entropy_coeff=0.01, **clips)
+    weights = (0.5 + torch.rand(batch.response_mask.shape, generator=torch.Generator().manual_seed(3),
+                                dtype=torch.float64)) * batch.response_mask
+    reference = single_process(actor_config(tiny_model_path, micro=4, **extra), mini_batch_samples=4)
+    start = {k: v.clone() for k, v in reference.named_tensors()}
+    with start_dp2(actor_config(tiny_model_path, micro=1, **extra), mini_batch_samples=4) as dp2:
+        old, _ = dp2.compute_logprobs(batch)
+        old = perturbed(old, batch, seed=3)
+        advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
+        got = dp2.update(batch, old, advantages, loss_weights=weights)
+        weights_dp2 = dict(dp2.named_tensors())
+    expected = reference.update(batch, old, advantages, loss_weights=weights)
+    assert_same_metrics(expected, got)
+    for key in ("actor/ratio_min", "actor/ratio_max", "actor/pg_clipfrac_high", "actor/entropy"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
+    assert_same_weights(dict(reference.named_tensors()), weights_dp2, start)
+
+
 def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(
         ray_cluster, tiny_model_path, processor, synthetic_rows):
     # rank 0: prompts 0-1 with images; rank 1: prompts 2-3 without; one mini-batch. Without the dummy vision forward

@@ -49,6 +49,7 @@ def test_shards_carry_the_global_token_count_and_keep_padding_rows_apart(process
     expected_tokens = [float(padded.response_mask[:4].sum()), float(padded.response_mask[4:].sum())]
     for rank, shard in enumerate(shards):
         assert shard.mini_batch_tokens == expected_tokens
+        assert shard.mini_batch_normalisers == expected_tokens  # token-mean: the normaliser is the token count
         assert shard.local_mini_batch == 2 and len(shard.batch) == 4
     # rank 1 holds rows 2, 3 (mini-batch 0) and 6, 7: the two padding rows, with no image and no policy token
     assert shards[1].advantages.tolist() == [2.0, 3.0, 6.0, 7.0]
@@ -56,6 +57,22 @@ def test_shards_carry_the_global_token_count_and_keep_padding_rows_apart(process
     assert shards[1].batch.multi_modal_inputs[2:] == [{}, {}]
     assert float(shards[1].batch.response_mask[2:].sum()) == 0
     assert torch.equal(shards[1].old_logprobs, old[[2, 3, 6, 7]])
+
+
+@pytest.mark.parametrize("mode, per_sequence", [("seq-mean-token-sum", 1), ("seq-mean-token-mean", 1),
+                                                ("seq-mean-token-sum-norm", None)])
+def test_shards_carry_the_global_normaliser_of_the_sequence_modes(processor, synthetic_rows, mode, per_sequence):
+    batch = make_batch(processor, synthetic_rows[:3], n=2, text_only_rows=(1,))
+    padded = upsample_to_multiple(batch, 8, eos_token_id=processor.eos_token_ids[0],
+                                  pad_token_id=processor.pad_token_id)
+    weights = torch.rand(padded.response_mask.shape)
+    shards = update_shards(padded, None, torch.zeros(8), None, mini_batch_rows=4, world_size=2, loss_agg_mode=mode,
+                           loss_weights=weights)
+    per_sequence = per_sequence or padded.response_mask.shape[1]  # -norm: sequences x max_response_length
+    # mini-batch 0: 4 real sequences; mini-batch 1: 2 real and the 2 padding rows, which count for nothing
+    assert shards[0].mini_batch_normalisers == [4.0 * per_sequence, 2.0 * per_sequence]
+    assert shards[1].mini_batch_normalisers == shards[0].mini_batch_normalisers
+    assert torch.equal(shards[1].loss_weights, weights[[2, 3, 6, 7]])
 
 
 def test_select_rows_takes_every_per_row_field(processor, synthetic_rows):
@@ -70,6 +87,10 @@ def test_select_rows_takes_every_per_row_field(processor, synthetic_rows):
 
 def test_metric_parts_average_over_ranks():
     assert mean_metrics([{"a": 1.0, "g": 2.0}, {"a": 3.0, "g": 2.0}]) == {"a": 2.0, "g": 2.0}
+    # ratio extremes are extremes over ranks (a rank without tokens reports the identities +-inf)
+    ranks = [{"actor/ratio_min": 0.9, "actor/ratio_max": 1.2}, {"actor/ratio_min": float("inf"),
+                                                                 "actor/ratio_max": float("-inf")}]
+    assert mean_metrics(ranks) == {"actor/ratio_min": 0.9, "actor/ratio_max": 1.2}
 
 
 def test_engines_go_on_every_worker_or_on_the_first_worker_of_each_node():

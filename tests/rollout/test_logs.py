@@ -21,6 +21,7 @@ def engine_logger(monkeypatch):
     logger.handlers[:] = [own]
     logger.propagate, logger.level = False, logging.INFO
     monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("VLMRL_VLLM_LOGGING_CONFIG", raising=False)
     monkeypatch.delenv(logs.ENV, raising=False)
     monkeypatch.setattr(logs, "_folder", None)
     yield logger
@@ -53,6 +54,19 @@ def test_console_mode_and_a_backend_used_alone_leave_the_engine_logging_alone(en
     monkeypatch.setenv(logs.ENV, "loud")
     with pytest.raises(ValueError, match="VLMRL_ENGINE_LOG='loud'"):
         logs.route_engine_logs("vllm")
+
+
+def test_a_run_started_from_another_run_logs_into_its_own_folder(engine_logger, tmp_path, monkeypatch):
+    """compare --backends, the tour test or a sweep script start vlmrl runs from a process that already routed its
+    engine logs: the child inherits the variables, and must still write its own engine.log, not the parent's."""
+    logs.log_engines_into(tmp_path / "parent")
+    logs.route_engine_logs("vllm")
+    monkeypatch.setattr(logs, "_ours", set())  # what a child process starts with; the environment is inherited
+    logs.log_engines_into(tmp_path / "child")
+    assert logs.route_engine_logs("vllm") == tmp_path / "child" / "engine.log"
+    logging.getLogger("vllm.engine").info("child line")
+    assert "child line" in (tmp_path / "child" / "engine.log").read_text()
+    assert "child line" not in (tmp_path / "parent" / "engine.log").read_text()
 
 
 def test_a_logging_config_of_the_users_own_is_respected(engine_logger, tmp_path, monkeypatch):

@@ -130,12 +130,12 @@ def _comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(("timing/", "throughput/"))}
 
 
-@pytest.mark.slow
-def test_kill_9_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(tiny_model_path, tmp_path):
-    common = ["trainer.total_steps=5", "trainer.save_freq=2", "trainer.test_freq=5", "trainer.val_before_train=false"]
-    straight = _train_cli(base_args(tiny_model_path, tmp_path / "straight", *common))
+def _straight_and_killed_then_resumed(model_path: str, tmp_path: Path, *args: str) -> tuple[list[dict], list[dict]]:
+    """Two runs of `args`: one uninterrupted, one killed with SIGKILL after its first checkpoint (step 2) and
+    resumed. Returns both metrics.jsonl, timings left out."""
+    straight = _train_cli(base_args(model_path, tmp_path / "straight", *args))
     killed_dir = tmp_path / "killed"
-    victim = _train_cli(base_args(tiny_model_path, killed_dir, *common))
+    victim = _train_cli(base_args(model_path, killed_dir, *args))
     latest = killed_dir / "checkpoints" / "latest"
     while not latest.exists() and victim.poll() is None:
         time.sleep(0.2)
@@ -143,14 +143,44 @@ def test_kill_9_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(tiny
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
     assert os.readlink(latest) == "global_step_2"
-    resumed = _train_cli(base_args(tiny_model_path, killed_dir, *common))
+    resumed = _train_cli(base_args(model_path, killed_dir, *args))
     assert resumed.wait() == 0, resumed.stderr.read()[-3000:]
     assert straight.wait() == 0, straight.stderr.read()[-3000:]
     assert "resuming from" in resumed.stderr.read()
     expected = [_comparable(r) for r in read_metrics(tmp_path / "straight" / "metrics.jsonl")]
     got = [_comparable(r) for r in read_metrics(killed_dir / "metrics.jsonl")]
+    return expected, got
+
+
+@pytest.mark.slow
+def test_kill_9_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(tiny_model_path, tmp_path):
+    common = ["trainer.total_steps=5", "trainer.save_freq=2", "trainer.test_freq=5", "trainer.val_before_train=false"]
+    expected, got = _straight_and_killed_then_resumed(tiny_model_path, tmp_path, *common)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
     assert got == expected
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_trains_only_groups_with_signal_and_resumes_bit_exactly_after_kill_9(tiny_model_path,
+                                                                                             tmp_path):
+    """DAPO's data side on the tiny model: overlong shaping (the signal here: responses differ in length),
+    dynamic sampling drawing extra prompt batches, truncated responses out of the loss, token_tis correction (the
+    old-logprob pass it forces, its weights). Every trained group has
+    signal, and a run killed after a checkpoint resumes with the same extra draws (sampler state and seeds)."""
+    dapo = ["trainer.total_steps=5", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
+            "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_extra_draws=3",
+            "algorithm.overlong_buffer_len=2", "algorithm.mask_truncated=true", "actor.clip_ratio_high=0.28",
+            "trainer.format_warmup_steps=8", "trainer.format_warmup_batch_size=8",  # answers of different lengths
+            "algorithm.rollout_correction=token_tis"]
+    expected, got = _straight_and_killed_then_resumed(tiny_model_path, tmp_path, *dapo)
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4, 5]  # step 0: the format warm-up's line
+    assert got == expected
+    for row in got[1:]:
+        assert row["batch/groups_with_signal"] == 1.0, row  # no group without signal reached the update
+        assert row["reward/overlong_penalty"] <= 0 and "batch/truncated_masked" in row
+        assert row["rollout_correction/weight_mean"] == pytest.approx(1.0)  # hf samples with the trainer's numbers
+    assert sum(r["batch/dynamic_sampling_draws"] for r in got[1:]) > 0, "no extra draw: the filter never ran"
+    assert sum(r["batch/groups_dropped"] for r in got[1:]) > 0
 
 
 @pytest.mark.vllm
@@ -208,6 +238,32 @@ def test_demo_config_learns_the_synthetic_task(tmp_path):
     assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"
     assert max(acc for _, acc in curve) >= start + 0.3, f"validation accuracy did not rise by 0.3: {curve}"
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
+
+
+RECIPE_DEMO_ARGS = {
+    # examples/qwen2_5_vl_grpo.sh's RECIPE=... on the CPU demo: the overlay first, the demo's settings after it
+    "dapo": ["algorithm.overlong_buffer_len=1"],  # DAPO's last fifth of the budget, of the demo's 6 tokens
+    "gspo": [],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(RECIPE_DEMO_ARGS))
+def test_each_recipes_losses_still_learn_the_synthetic_task(tmp_path, recipe):
+    """The DAPO and GSPO recipes' losses (clip-higher + token-mean + dynamic sampling + overlong shaping; sequence
+    ratio + seq-mean-token-mean) on the demo's model, task and settings, for a few dozen steps on the hf backend:
+    validation accuracy rises above its step-0 value (chance, after the random-label warm-up)."""
+    out = tmp_path / recipe
+    fit(load_config([f"config={ROOT / 'examples' / 'configs' / f'qwen2_5_vl_geo3k_{recipe}.yaml'}",
+                     f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic.yaml'}", *RECIPE_DEMO_ARGS[recipe],
+                     "rollout.name=hf", "trainer.total_steps=100", f"trainer.output_dir={out}"]))
+    rows = read_metrics(out / "metrics.jsonl")
+    curve = [(row["step"], row["val/accuracy"]) for row in rows if "val/accuracy" in row]
+    start = curve[0][1]
+    assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"
+    assert max(acc for _, acc in curve) >= start + 0.2, f"{recipe}: validation accuracy did not rise by 0.2: {curve}"
+    if recipe == "dapo":
+        assert all(row["batch/groups_with_signal"] == 1.0 for row in rows if "batch/groups_dropped" in row)
 
 
 def _reward_workers() -> list[int]:

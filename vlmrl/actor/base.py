@@ -35,8 +35,11 @@ class PolicyActor(Protocol):
         ...
 
     def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-               ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """The PPO-clip update over the batch (B rows, a multiple of the mini-batch); returns its metrics."""
+               ref_logprobs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None
+               ) -> dict[str, float]:
+        """The policy-loss update over the batch (B rows, a multiple of the mini-batch; its response_mask is the
+        loss mask), the loss matrix times `loss_weights` (B, R) when given (rollout correction); returns its
+        metrics."""
         ...
 
     def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vlmrl.algorithms.config import KL_TYPES
+from vlmrl.algorithms.config import KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES
 
 PRECISIONS = ("float32", "bfloat16")
 """Precisions a run config may name for weights and compute (vlmrl.actor.policy.DTYPES also maps float64, for
@@ -49,10 +49,22 @@ class ActorConfig:
     """Samples per forward/backward; micro-batches accumulate gradients. Changes memory, not the update."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
+    policy_loss: str = "ppo-clip"
+    """Policy loss: ppo-clip (token ratio, dual-clip), gspo (sequence-level ratio, GSPO; set clip_ratio_low/high to
+    its ~3e-4/4e-4) or cispo (clipped, detached IS weight times logprob: every token keeps a gradient)."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become the loss (verl's name): token-mean, seq-mean-token-sum, seq-mean-token-mean,
+    seq-mean-token-sum-norm (Dr. GRPO: token sums / (sequences x data.max_response_length)). KL and entropy terms
+    aggregate the same way."""
     clip_ratio: float = 0.2
     """PPO clip range: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]."""
+    clip_ratio_low: float | None = None
+    """Lower clip range if different; None = clip_ratio."""
     clip_ratio_high: float | None = None
     """Upper clip range if different (DAPO clip-higher); None = clip_ratio."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip: a negative-advantage token's loss is capped at clip_ratio_c x |A| (> 1; verl's default 3); null
+    turns it off. Applies to ppo-clip and gspo."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus (loss -= entropy_coeff * token-mean entropy)."""
     use_kl_loss: bool = False
@@ -102,6 +114,18 @@ class ActorConfig:
             out.append(f"actor.clip_ratio={self.clip_ratio} must be in (0, 1) (0.2 is standard)")
         if self.clip_ratio_high is not None and self.clip_ratio_high <= 0:
             out.append("actor.clip_ratio_high must be > 0 (or null)")
+        if self.policy_loss not in POLICY_LOSSES:
+            out.append(f"actor.policy_loss={self.policy_loss!r} is not one of {list(POLICY_LOSSES)}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            out.append(f"actor.loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
+        if self.clip_ratio_low is not None and self.clip_ratio_low <= 0:
+            out.append("actor.clip_ratio_low must be > 0 (or null)")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            out.append(f"actor.clip_ratio_c={self.clip_ratio_c} must be > 1 (3 is verl's default) or null (no "
+                       "dual-clip)")
+        if self.policy_loss == "gspo" and (self.clip_ratio_low is None or self.clip_ratio_high is None):
+            out.append("actor.policy_loss=gspo clips a sequence-level ratio, which moves far less than a token's: set "
+                       "actor.clip_ratio_low and actor.clip_ratio_high explicitly (the GSPO paper: 3e-4 and 4e-4)")
         if self.dtype not in PRECISIONS:
             out.append(f"actor.dtype={self.dtype!r} must be float32 or bfloat16")
         if self.compute_dtype not in ("auto", *PRECISIONS):

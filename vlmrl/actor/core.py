@@ -4,8 +4,10 @@ logprob pass and the PPO update loop. ONE loop serves both, so their updates can
 Every forward gets EXPLICIT 3D position ids (`TrainBatch.mrope_position_ids()`, computed by the processor): without
 them transformers silently falls back to 1-D positions and logprobs drift by up to a nat.
 
-A micro-batch's loss is its summed token loss divided by the token count of the whole MINI-batch, so accumulating
-micro-batch gradients gives exactly the mini-batch's token-mean gradient: 1 micro-batch of 8 == 8 micro-batches of 1.
+The loss is `actor.policy_loss`'s (B, R) loss matrix, times the rollout-correction weights when there are any,
+aggregated by `actor.loss_agg_mode`. Every mode is a sum of per-row terms divided by ONE normaliser of the whole
+MINI-batch (`vlmrl.algorithms.loss_normaliser`), which every micro-batch divides by: accumulating micro-batch
+gradients then gives exactly the mini-batch's gradient, 1 micro-batch of 8 == 8 micro-batches of 1.
 """
 
 from __future__ import annotations
@@ -20,13 +22,10 @@ import torch
 
 from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.policy import Policy
-from vlmrl.algorithms.grpo import (
-    broadcast_to_tokens,
-    kl_penalty,
-    ppo_clip_loss,
-    token_mean,
-)
+from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean
+from vlmrl.algorithms.grpo import broadcast_to_tokens, kl_penalty
 from vlmrl.algorithms.logprobs import logprobs_and_entropy
+from vlmrl.algorithms.policy_loss import POLICY_LOSS_FNS
 from vlmrl.types import TrainBatch
 from vlmrl.utils.sequences import chunks
 
@@ -139,6 +138,38 @@ def needs_old_logprobs(config: ActorConfig, batch_rows: int, mini_batch_rows: in
     return not (config.ppo_epochs == 1 and batch_rows == mini_batch_rows)
 
 
+def mini_batch_scales(response_mask: torch.Tensor, mini_batch_rows: int, mode: str, world_size: int = 1
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per mini-batch (row blocks of `mini_batch_rows`): the loss normaliser of `mode` and the token count, each of
+    the WHOLE mini-batch divided by `world_size` (a sharded rank's share: the ranks' averaged gradient is then the
+    single-process one). The token counts weigh the token-mean metrics (clip fractions, ratios, KL).
+
+    The response width R is data.max_response_length (every batch is padded to it), seq-mean-token-sum-norm's
+    constant."""
+    normalisers, tokens = [], []
+    for rows in chunks(range(response_mask.shape[0]), mini_batch_rows):
+        mask = response_mask[rows]
+        normalisers.append(loss_normaliser(mask, mode) / world_size)
+        tokens.append((mask != 0).sum().to(torch.float64) / world_size)
+    return normalisers, tokens
+
+
+def combine_metric(key: str, total: float | None, value: float) -> float:
+    """Fold `value` into a running metric: *_min / *_max keep the extreme, every other key sums (averaged later)."""
+    if total is None:
+        return value
+    if key.endswith("_min"):
+        return min(total, value)
+    if key.endswith("_max"):
+        return max(total, value)
+    return total + value
+
+
+def is_extreme(key: str) -> bool:
+    """A metric combined by min / max, not averaged."""
+    return key.endswith(("_min", "_max"))
+
+
 class ActorCore:
     """What the single-process actor (`vlmrl.actor.Actor`) and one FSDP rank's actor
     (`vlmrl.distributed.actor.ShardedActor`) share: a policy built by `vlmrl.actor.policy.build_policy`, the logprob
@@ -206,24 +237,30 @@ class ActorCore:
 
     def ppo_update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                    ref_logprobs: torch.Tensor | None, mini_batch_rows: int, normalisers: Sequence[torch.Tensor],
-                   keep_empty_micro_batches: bool) -> dict[str, float]:
-        """PPO-clip updates: ppo_epochs x len(normalisers) optimizer steps, each accumulating micro-batch gradients;
-        then one lr-scheduler step (one per training step).
+                   token_counts: Sequence[torch.Tensor], keep_empty_micro_batches: bool,
+                   loss_weights: torch.Tensor | None = None) -> dict[str, float]:
+        """Policy-loss updates: ppo_epochs x len(normalisers) optimizer steps, each accumulating micro-batch
+        gradients; then one lr-scheduler step (one per training step).
 
         Args:
-            batch: B = len(normalisers) * mini_batch_rows rows; row block m is mini-batch m.
+            batch: B = len(normalisers) * mini_batch_rows rows; row block m is mini-batch m. Its response_mask is
+                the loss mask (a row masked out by rollout correction or mask_truncated is all 0).
             old_logprobs: (B, R), or None when there is exactly one optimizer step (ratio 1, see `update`).
             advantages: (B,) sequence advantages (0 on padding rows).
             ref_logprobs: (B, R) reference logprobs; required when the KL loss is on.
             mini_batch_rows: rows per mini-batch.
-            normalisers: per mini-batch, the scalar its summed token loss is divided by: its token count (single
-                process), or the GLOBAL mini-batch's token count / world size (one FSDP rank: the ranks' gradient
-                average is then the global token mean). 0 = no token anywhere: the step is skipped (on every rank).
+            normalisers: per mini-batch, what its aggregated loss divides by (`mini_batch_scales`): the mini-batch's
+                `loss_normaliser` for actor.loss_agg_mode (single process), or the GLOBAL mini-batch's divided by
+                the world size (one FSDP rank: the ranks' gradient average is then the global one).
+            token_counts: per mini-batch, its token count on the same scale (weighs the token-mean metrics);
+                0 = no token anywhere: the step is skipped (on every rank).
             keep_empty_micro_batches: run micro-batches without a token too (zero loss): an FSDP rank must join
                 every collective the other ranks issue.
+            loss_weights: (B, R) detached per-token weights multiplying the loss matrix (rollout correction);
+                None = 1.
 
         Returns:
-            metrics averaged over optimizer steps (see `vlmrl.actor.Actor.update`).
+            metrics averaged over optimizer steps (*_min / *_max: the extreme; see `vlmrl.actor.Actor.update`).
         """
         cfg = self.config
         if old_logprobs is None and needs_old_logprobs(cfg, len(batch), mini_batch_rows):
@@ -235,12 +272,13 @@ class ActorCore:
         totals: dict[str, float] = {}
         steps = skipped = 0
         for _ in range(cfg.ppo_epochs):
-            for num_tokens, mini_rows in zip(normalisers, chunks(range(len(batch)), mini_batch_rows), strict=True):
+            for normaliser, num_tokens, mini_rows in zip(normalisers, token_counts,
+                                                         chunks(range(len(batch)), mini_batch_rows), strict=True):
                 if num_tokens == 0:  # only padding rows: nothing to learn, and no metric either
                     skipped += 1
                     continue
-                parts = self._accumulate(batch, mini_rows, num_tokens, old_logprobs, token_adv, ref_logprobs,
-                                         keep_empty_micro_batches)
+                parts = self._accumulate(batch, mini_rows, normaliser, num_tokens, old_logprobs, token_adv,
+                                         ref_logprobs, loss_weights, keep_empty_micro_batches)
                 grad_norm = self.clip_gradients()
                 if math.isfinite(grad_norm):  # sharded: the same global norm on every rank, so all step or none
                     self.optimizer.step()
@@ -249,22 +287,31 @@ class ActorCore:
                     skipped += 1
                 parts["actor/grad_norm"] = grad_norm
                 for key, value in parts.items():
-                    totals[key] = totals.get(key, 0.0) + value
+                    totals[key] = combine_metric(key, totals.get(key), value)
                 steps += 1
-        metrics = {key: value / steps for key, value in totals.items()} if steps else {}
+        metrics = {key: value if is_extreme(key) else value / steps for key, value in totals.items()} if steps else {}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/skipped_steps"] = float(skipped)
         self.scheduler.step()
         return metrics
 
-    def _accumulate(self, batch: TrainBatch, mini_rows: list[int], num_tokens: torch.Tensor,
+    def _accumulate(self, batch: TrainBatch, mini_rows: list[int], normaliser: torch.Tensor, num_tokens: torch.Tensor,
                     old_logprobs: torch.Tensor | None, token_adv: torch.Tensor, ref_logprobs: torch.Tensor | None,
-                    keep_empty_micro_batches: bool) -> dict[str, float]:
-        """Forward/backward every micro-batch of one mini-batch; returns the mini-batch's loss parts (each scaled by
-        `num_tokens`, so on FSDP ranks the average over ranks is the global mini-batch value)."""
+                    loss_weights: torch.Tensor | None, keep_empty_micro_batches: bool) -> dict[str, float]:
+        """Forward/backward every micro-batch of one mini-batch; returns the mini-batch's loss parts (losses divided
+        by `normaliser`, token-mean metrics weighted by the micro-batch's share of `num_tokens`: on FSDP ranks the
+        average over ranks is then the global mini-batch value; ratio_min / _max are extremes)."""
         cfg = self.config
+        mode = cfg.loss_agg_mode
+        loss_fn = POLICY_LOSS_FNS[cfg.policy_loss]
+        clip_low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+        clip_high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+        precision = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
         self.optimizer.zero_grad(set_to_none=True)
-        parts = dict.fromkeys(("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"), 0.0)
+        token_means = ("pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "dual_clip_fraction", "ratio_mean",
+                       "ppo_kl")
+        parts = dict.fromkeys(("actor/pg_loss", "actor/entropy", *(f"actor/{k}" for k in token_means)), 0.0)
+        parts.update({"actor/ratio_min": math.inf, "actor/ratio_max": -math.inf})
         if cfg.entropy_coeff:
             parts["actor/entropy_loss"] = 0.0
         if cfg.use_kl_loss:
@@ -284,23 +331,37 @@ class ActorCore:
                                                      chunk=cfg.logprob_chunk_size)
             old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
             adv = token_adv[rows, :width].to(self.device)
-            pg = ppo_clip_loss(logprobs, old, adv, mask, cfg.clip_ratio, cfg.clip_ratio_high or cfg.clip_ratio,
-                               num_tokens=num_tokens)
-            loss = pg.loss
-            entropy_mean = token_mean(entropy, mask, num_tokens)
-            parts["actor/entropy"] += float(entropy_mean.detach())
+            out = loss_fn(logprobs, old, adv, mask, clip_ratio_low=clip_low, clip_ratio_high=clip_high,
+                          clip_ratio_c=cfg.clip_ratio_c)
+            loss_mat = out.loss_mat
+            if loss_weights is not None:
+                loss_mat = loss_mat * loss_weights[rows, :width].to(device=self.device, dtype=loss_mat.dtype)
+            pg_loss = agg_loss(loss_mat, mask, mode, normaliser)
+            loss = pg_loss
+            # summed in the weights' precision (at least float32; entropy comes in float32): a float64 model then
+            # splits exactly over micro-batches, a float32 one is unchanged
+            entropy_term = agg_loss(entropy.to(precision), mask, mode, normaliser)
+            parts["actor/entropy"] += float(entropy_term.detach())
             if cfg.entropy_coeff:
-                loss = loss - cfg.entropy_coeff * entropy_mean
-                parts["actor/entropy_loss"] += float(entropy_mean.detach())
+                loss = loss - cfg.entropy_coeff * entropy_term
+                parts["actor/entropy_loss"] += float(entropy_term.detach())
             if cfg.use_kl_loss:
                 ref = ref_logprobs[rows, :width].to(self.device)
-                kl_loss = token_mean(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, num_tokens)
+                kl_loss = agg_loss(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, mode, normaliser)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 parts["actor/kl_loss"] += float(kl_loss.detach())
             loss.backward()
-            parts["actor/pg_loss"] += float(pg.loss.detach())
-            parts["actor/pg_clipfrac"] += float(pg.clip_fraction) * share
-            parts["actor/ppo_kl"] += float(pg.approx_kl) * share
+            parts["actor/pg_loss"] += float(pg_loss.detach())
+            m = out.metrics
+            weighted = {"pg_clipfrac": m["clipfrac_low"] + m["clipfrac_high"],  # disjoint: A < 0 vs A > 0
+                        "pg_clipfrac_low": m["clipfrac_low"], "pg_clipfrac_high": m["clipfrac_high"],
+                        "dual_clip_fraction": m["dual_clip_fraction"], "ratio_mean": m["ratio_mean"],
+                        "ppo_kl": m["approx_kl"]}
+            for key, value in weighted.items():
+                parts[f"actor/{key}"] += float(value) * share
+            if share:  # a micro-batch without tokens has no ratio (its min/max are the identities +-inf)
+                parts["actor/ratio_min"] = min(parts["actor/ratio_min"], float(m["ratio_min"]))
+                parts["actor/ratio_max"] = max(parts["actor/ratio_max"], float(m["ratio_max"]))
             if compare_rollout:  # engine vs trainer: how off-policy the samples really are
                 gap = (old - batch.rollout_logprobs[rows, :width].to(self.device)).abs()
                 parts["rollout/logprob_abs_diff"] += float(token_mean(gap, mask, num_tokens))

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from vlmrl.actor.config import ActorConfig
-from vlmrl.actor.core import ActorCore, forward_response, micro_batch, needs_old_logprobs
+from vlmrl.actor.core import ActorCore, forward_response, micro_batch, mini_batch_scales, needs_old_logprobs
 from vlmrl.actor.policy import build_policy
 from vlmrl.algorithms.grpo import token_mean
 from vlmrl.rollout import RolloutBackend
@@ -43,28 +43,32 @@ class Actor(ActorCore):
         return needs_old_logprobs(self.config, batch_rows, self.mini_batch_samples)
 
     def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-               ref_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """PPO-clip updates over the batch: ppo_epochs x (len(batch) / mini_batch_samples) optimizer steps, each
+               ref_logprobs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None
+               ) -> dict[str, float]:
+        """Policy-loss updates over the batch: ppo_epochs x (len(batch) / mini_batch_samples) optimizer steps, each
         accumulating micro-batch gradients; then one lr-scheduler step (one per training step).
 
         Args:
-            batch: B rows, B a multiple of mini_batch_samples (upsampled with padding rows).
+            batch: B rows, B a multiple of mini_batch_samples (upsampled with padding rows); its response_mask is
+                the loss mask.
             old_logprobs: (B, R) logprobs of the policy that generated the batch; None only when
                 `needs_old_logprobs(B)` is false (then they are the update forward's own, detached: ratio 1).
             advantages: (B,) sequence advantages (0 on padding rows).
             ref_logprobs: (B, R) reference logprobs; required when the KL loss is on.
+            loss_weights: (B, R) rollout-correction weights multiplying the loss matrix; None = 1.
 
         Returns:
-            metrics averaged over optimizer steps: actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, actor/entropy,
-            actor/kl_loss, actor/entropy_loss, actor/grad_norm, actor/lr, actor/skipped_steps, and
-            rollout/logprob_abs_diff (|old - backend| logprobs, at temperature 1 only).
+            metrics averaged over optimizer steps: actor/pg_loss, actor/pg_clipfrac (= _low + _high: tokens clipped
+            at the lower / upper bound), actor/dual_clip_fraction, actor/ratio_mean, actor/ratio_min / _max (the
+            extremes), actor/ppo_kl, actor/entropy, actor/kl_loss, actor/entropy_loss, actor/grad_norm, actor/lr,
+            actor/skipped_steps, and rollout/logprob_abs_diff (|old - backend| logprobs, at temperature 1 only).
         """
         if len(batch) % self.mini_batch_samples:
             raise ValueError(f"batch of {len(batch)} rows is not a multiple of the mini-batch "
                              f"({self.mini_batch_samples}); upsample it with padding rows first")
-        normalisers = [batch.response_mask[rows].sum() for rows in chunks(range(len(batch)), self.mini_batch_samples)]
+        normalisers, tokens = mini_batch_scales(batch.response_mask, self.mini_batch_samples, self.config.loss_agg_mode)
         return self.ppo_update(batch, old_logprobs, advantages, ref_logprobs, self.mini_batch_samples, normalisers,
-                               keep_empty_micro_batches=False)
+                               tokens, keep_empty_micro_batches=False, loss_weights=loss_weights)
 
     def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:
         """One optimizer step of token-mean negative log-likelihood of the response tokens (the format warm-up).

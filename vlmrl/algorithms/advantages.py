@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+from vlmrl.algorithms.config import ADV_ESTIMATORS
 
 # Rewards closer than this (relative to their magnitude) are equal: float32 rewards that should be equal can differ
 # in the last bit after arithmetic, and dividing that difference by std + eps would invent a signal.

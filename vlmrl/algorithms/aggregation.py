@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from vlmrl.algorithms.config import LOSS_AGG_MODES
 
 
 def zero_outside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -10,17 +10,81 @@ from dataclasses import dataclass
 
 KL_TYPES = ("low_var_kl", "k1", "k2", "mse")
 """KL estimators of `vlmrl.algorithms.grpo.kl_penalty` (actor.kl_loss_type)."""
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""Advantage estimators of `vlmrl.algorithms.advantages` (algorithm.adv_estimator)."""
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""Loss aggregation modes of `vlmrl.algorithms.aggregation` (actor.loss_agg_mode)."""
+POLICY_LOSSES = ("ppo-clip", "gspo", "cispo")
+"""Policy losses of `vlmrl.algorithms.policy_loss` (actor.policy_loss)."""
+ROLLOUT_CORRECTIONS = ("off", "token_tis", "seq_mis")
+"""Rollout corrections of `vlmrl.algorithms.correction` (algorithm.rollout_correction)."""
+SEQ_RATIOS = ("product", "geometric")
+"""How seq_mis forms a sequence's ratio (algorithm.rollout_correction_seq_ratio)."""
 
 
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator; only grpo."""
+    """Advantage estimator: grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline."""
     norm_adv_by_std_in_grpo: bool = True
-    """Divide group-centred rewards by the group std (GRPO); false = mean-centred only (Dr. GRPO)."""
+    """Divide group-centred rewards by the group std (GRPO); false = mean-centred only (Dr. GRPO). grpo only."""
+    rollout_correction: str = "off"
+    """Correct for the gap between the engine's and the trainer's logprobs: off, token_tis (truncated token-level
+    importance weights) or seq_mis (sequences whose ratio leaves a band are taken out of the loss). Turn it on when
+    rollout/logprob_abs_diff is not small (bf16 or quantised engine, long responses). Needs rollout.temperature=1."""
+    rollout_correction_token_cap: float = 2.0
+    """token_tis: the largest importance weight (verl's 2.0)."""
+    rollout_correction_seq_low: float = 0.5
+    """seq_mis: lower bound of the sequence ratio band (<= 1)."""
+    rollout_correction_seq_high: float = 2.0
+    """seq_mis: upper bound of the sequence ratio band (>= 1)."""
+    rollout_correction_seq_ratio: str = "product"
+    """seq_mis: the sequence ratio is the product of token ratios (product) or their geometric mean (geometric,
+    length-normalised: use a band like [0.999, 1.001])."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (no signal) and draw more prompts until the
+    batch holds data.train_batch_size groups with signal. Plain rollout only (not with agent.enable)."""
+    dynamic_sampling_max_extra_draws: int = 9
+    """Most extra prompt batches drawn per step (verl's max_num_gen_batches=10 counts the first draw too); then
+    the step trains on the groups it has (logged in batch/dynamic_sampling_draws and batch/groups_dropped)."""
+    overlong_buffer_len: int = 0
+    """DAPO's overlong reward shaping: over the last this many tokens before data.max_response_length the reward
+    falls linearly, by up to overlong_penalty_factor at the budget. 0 = off."""
+    overlong_penalty_factor: float = 1.0
+    """The overlong penalty at data.max_response_length (DAPO: 1.0)."""
+    mask_truncated: bool = False
+    """Take responses cut at data.max_response_length (finish_reason length) out of the loss (DAPO's overlong
+    filtering)."""
+
+    def __post_init__(self) -> None:
+        # yaml reads `off` (and false / no) as the boolean False, which reaches a str field as "False"
+        if self.rollout_correction in ("False", "false"):
+            self.rollout_correction = "off"
 
     def problems(self) -> list[str]:
         """What is wrong, each with what to change; empty when valid."""
-        if self.adv_estimator != "grpo":  # the loop runs GRPO only (vlmrl.algorithms has more estimators)
-            return ["algorithm.adv_estimator must be `grpo` (the only estimator)"]
-        return []
+        out = []
+        if self.adv_estimator not in ADV_ESTIMATORS:
+            out.append(f"algorithm.adv_estimator={self.adv_estimator!r} is not one of {list(ADV_ESTIMATORS)}")
+        elif self.adv_estimator != "grpo" and not self.norm_adv_by_std_in_grpo:  # compute_advantages would raise
+            out.append(f"algorithm.norm_adv_by_std_in_grpo=false (Dr. GRPO) applies to adv_estimator=grpo only, not "
+                       f"{self.adv_estimator}: set it to true or use adv_estimator=grpo")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            out.append(f"algorithm.rollout_correction={self.rollout_correction!r} is not one of "
+                       f"{list(ROLLOUT_CORRECTIONS)}")
+        if self.rollout_correction_seq_ratio not in SEQ_RATIOS:
+            out.append(f"algorithm.rollout_correction_seq_ratio={self.rollout_correction_seq_ratio!r} is not one of "
+                       f"{list(SEQ_RATIOS)}")
+        if not self.rollout_correction_token_cap > 0:
+            out.append(f"algorithm.rollout_correction_token_cap={self.rollout_correction_token_cap} must be > 0 (2.0)")
+        if not 0 < self.rollout_correction_seq_low <= 1.0 <= self.rollout_correction_seq_high:
+            out.append(f"algorithm.rollout_correction_seq_low/high = {self.rollout_correction_seq_low}/"
+                       f"{self.rollout_correction_seq_high} must satisfy 0 < low <= 1 <= high (e.g. 0.5 and 2.0)")
+        if self.dynamic_sampling_max_extra_draws < 0:
+            out.append(f"algorithm.dynamic_sampling_max_extra_draws={self.dynamic_sampling_max_extra_draws} must be "
+                       ">= 0")
+        if self.overlong_buffer_len < 0:
+            out.append(f"algorithm.overlong_buffer_len={self.overlong_buffer_len} must be >= 0 (0 = off)")
+        if self.overlong_penalty_factor < 0:
+            out.append(f"algorithm.overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0 (DAPO: 1.0)")
+        return out

@@ -28,9 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmrl.algorithms.aggregation import masked_row_sum, token_mean
-
-ROLLOUT_CORRECTIONS = ("off", "token_tis", "seq_mis")
-SEQ_RATIOS = ("product", "geometric")
+from vlmrl.algorithms.config import ROLLOUT_CORRECTIONS, SEQ_RATIOS
 
 _LOG_RATIO_BOUND = 20.0
 

@@ -24,8 +24,6 @@ import torch
 
 from vlmrl.algorithms.aggregation import masked_row_sum, token_mean, zero_outside
 
-POLICY_LOSSES = ("ppo-clip", "gspo", "cispo")
-
 _LOG_RATIO_BOUND = 20.0
 
 

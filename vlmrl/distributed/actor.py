@@ -5,10 +5,11 @@ single-device actor. Construction (`vlmrl.actor.policy.build_policy`: load, free
 lr schedule), the logprob pass and the update loop (`vlmrl.actor.core.ActorCore`) are the single-process actor's;
 what differs with several ranks is the FSDP2 wrapping and what this class feeds the loop:
 
-- LOSS NORMALISATION. A mini-batch's loss is the token mean over the whole GLOBAL mini-batch. FSDP averages the
-  ranks' gradients, so each rank divides its summed token loss by (global token count / world_size): the average of
-  the ranks' gradients is then exactly the single-process gradient, whatever the token counts per rank. (Averaging
-  each rank's own token mean instead was measured off by 0.1 in gradient.)
+- LOSS NORMALISATION. A mini-batch's loss is aggregated over the whole GLOBAL mini-batch (actor.loss_agg_mode:
+  tokens, or sequences for the seq-mean-* modes). FSDP averages the ranks' gradients, so each rank divides its
+  summed loss by (the global mini-batch's normaliser / world_size): the average of the ranks' gradients is then
+  exactly the single-process gradient, whatever the counts per rank. (Averaging each rank's own token mean instead
+  was measured off by 0.1 in gradient.)
 - NO LOCAL SKIPS. A micro-batch without policy tokens on this rank (padding rows) still runs forward and backward:
   the other ranks' collectives wait for it. Only a mini-batch with no token on ANY rank is skipped, on every rank.
 - EVERY FORWARD RUNS THE VISION TOWER (`VisionAlwaysOn`), image or not.
@@ -46,10 +47,14 @@ class UpdateShard:
     """(b,) sequence advantages (computed by the driver over whole groups; 0 on padding rows)."""
     ref_logprobs: torch.Tensor | None
     """(b, R) reference logprobs when the KL loss is on."""
+    mini_batch_normalisers: list[float]
+    """`loss_normaliser` of each GLOBAL mini-batch (all ranks) for actor.loss_agg_mode; the loss divides by it / world."""
     mini_batch_tokens: list[float]
-    """Policy-token count of each GLOBAL mini-batch (all ranks); the loss divides by it."""
+    """Policy-token count of each GLOBAL mini-batch (all ranks); weighs the token-mean metrics."""
     local_mini_batch: int
     """Rows of this shard per mini-batch."""
+    loss_weights: torch.Tensor | None = None
+    """(b, R) rollout-correction weights of the rows (None = 1)."""
 
 
 class ShardedActor(ActorCore):
@@ -90,12 +95,13 @@ class ShardedActor(ActorCore):
         if len(batch) != len(shard.mini_batch_tokens) * shard.local_mini_batch:
             raise ValueError(f"shard of {len(batch)} rows is not {len(shard.mini_batch_tokens)} mini-batches of "
                              f"{shard.local_mini_batch} rows")
-        # summed token loss / (global tokens / world): FSDP's gradient average then gives the global mean; a
-        # mini-batch with no token on any rank has normaliser 0 and is skipped on every rank, so no collective is missed
-        normalisers = [torch.tensor(tokens / self.world_size, dtype=torch.float32)
-                       for tokens in shard.mini_batch_tokens]
+        # summed loss / (global normaliser / world): FSDP's gradient average then gives the global aggregate; a
+        # mini-batch with no token on any rank has 0 tokens and is skipped on every rank, so no collective is missed
+        normalisers = [torch.tensor(value / self.world_size, dtype=torch.float64)
+                       for value in shard.mini_batch_normalisers]
+        tokens = [torch.tensor(value / self.world_size, dtype=torch.float64) for value in shard.mini_batch_tokens]
         return self.ppo_update(batch, shard.old_logprobs, shard.advantages, shard.ref_logprobs, shard.local_mini_batch,
-                               normalisers, keep_empty_micro_batches=True)
+                               normalisers, tokens, keep_empty_micro_batches=True, loss_weights=shard.loss_weights)
 
     # ---- weights and state ------------------------------------------------------------------------------------------
 

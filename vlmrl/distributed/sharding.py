@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from vlmrl.actor.core import is_extreme, mini_batch_scales
 from vlmrl.distributed.actor import UpdateShard
 from vlmrl.types import TrainBatch
 from vlmrl.utils.sequences import chunks, split_evenly
@@ -76,25 +77,31 @@ def update_row_blocks(num_rows: int, mini_batch_rows: int, world_size: int) -> l
 
 
 def update_shards(batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-                  ref_logprobs: torch.Tensor | None, mini_batch_rows: int, world_size: int) -> list[UpdateShard]:
-    """One UpdateShard per rank (see `update_row_blocks`), each carrying every global mini-batch's token count.
+                  ref_logprobs: torch.Tensor | None, mini_batch_rows: int, world_size: int,
+                  loss_agg_mode: str = "token-mean", loss_weights: torch.Tensor | None = None) -> list[UpdateShard]:
+    """One UpdateShard per rank (see `update_row_blocks`), each carrying every global mini-batch's loss normaliser
+    (for `loss_agg_mode`) and token count.
 
     Args:
-        batch: B rows, B a multiple of mini_batch_rows.
+        batch: B rows, B a multiple of mini_batch_rows; its response_mask is the loss mask.
         old_logprobs: (B, R) or None (one optimizer step); advantages: (B,); ref_logprobs: (B, R) or None.
         mini_batch_rows: rows per optimizer step (ppo_mini_batch_size x rollout.n).
         world_size: dp ranks; must divide mini_batch_rows.
+        loss_agg_mode: actor.loss_agg_mode.
+        loss_weights: (B, R) rollout-correction weights or None.
     """
     blocks = update_row_blocks(len(batch), mini_batch_rows, world_size)
-    tokens = [float(batch.response_mask[rows].sum()) for rows in chunks(range(len(batch)), mini_batch_rows)]
+    normalisers, tokens = mini_batch_scales(batch.response_mask, mini_batch_rows, loss_agg_mode)
     return [
         UpdateShard(
             batch=select_rows(batch, rows),
             old_logprobs=None if old_logprobs is None else old_logprobs[rows],
             advantages=advantages[rows],
             ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-            mini_batch_tokens=tokens,
+            mini_batch_normalisers=[float(value) for value in normalisers],
+            mini_batch_tokens=[float(value) for value in tokens],
             local_mini_batch=mini_batch_rows // world_size,
+            loss_weights=None if loss_weights is None else loss_weights[rows],
         )
         for rows in blocks
     ]
@@ -115,6 +122,14 @@ def engine_hosts(nodes: Sequence[str], placement: str) -> list[int]:
 
 def mean_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     """Average each metric over ranks. The update's parts are pre-scaled so that this average is the global
-    mini-batch value; values that are the same on every rank (grad norm, lr) stay as they are."""
+    mini-batch value; values that are the same on every rank (grad norm, lr) stay as they are; *_min / *_max
+    (ratio extremes) take the extreme over ranks."""
     keys = {key for metrics in per_rank for key in metrics}
-    return {key: sum(m.get(key, 0.0) for m in per_rank) / len(per_rank) for key in sorted(keys)}
+    out = {}
+    for key in sorted(keys):
+        values = [m[key] for m in per_rank if key in m]
+        if is_extreme(key):
+            out[key] = min(values) if key.endswith("_min") else max(values)
+        else:
+            out[key] = sum(m.get(key, 0.0) for m in per_rank) / len(per_rank)
+    return out

@@ -21,6 +21,9 @@ ENV = "VLMRL_ENGINE_LOG"
 FILE_NAME = "engine.log"
 _CONFIG_ENV = {"vllm": "VLLM_LOGGING_CONFIG_PATH", "sglang": "SGLANG_LOGGING_CONFIG_PATH"}
 """Each engine's own switch for a logging.config.dictConfig JSON file, read by its child processes too."""
+_OWNED_ENV = {"vllm": "VLMRL_VLLM_LOGGING_CONFIG", "sglang": "VLMRL_SGLANG_LOGGING_CONFIG"}
+"""The config file vlmrl itself put in the engine's variable. Child processes inherit both variables, so a vlmrl run
+started from another (compare --backends, a test, a sweep script) can tell vlmrl's file from one the user set."""
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _folder: Path | None = None
@@ -48,13 +51,14 @@ def route_engine_logs(engine: str, level: str = "INFO") -> Path | None:
     file, or None when nothing was routed."""
     path = engine_log_path()
     variable = _CONFIG_ENV[engine]
-    if path is None or (os.environ.get(variable) and os.environ[variable] not in _ours):
+    current = os.environ.get(variable)
+    if path is None or (current and current not in _ours and current != os.environ.get(_OWNED_ENV[engine])):
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     config_file = path.with_name(f".{engine}-logging.json")
     level = level.upper()
     config_file.write_text(json.dumps(_dict_config(engine, path, level), indent=1))
-    os.environ[variable] = str(config_file)
+    os.environ[variable] = os.environ[_OWNED_ENV[engine]] = str(config_file)
     _ours.add(str(config_file))
     logger = logging.getLogger(engine)
     for handler in list(logger.handlers):  # the engine's own console handler (vLLM prints INFO to stdout)

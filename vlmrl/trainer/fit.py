@@ -1,7 +1,8 @@
 """The GRPO fit loop: each step is a sequence of named, timed phases.
 
-    rollout -> reward -> old_logprobs (when the batch gets more than one optimizer step) -> ref_logprobs (KL only)
-            -> advantages -> update -> weight_sync -> [validate] -> [save]
+    rollout -> reward [-> more rollouts and rewards: dynamic sampling] -> old_logprobs (when the batch gets more
+            than one optimizer step, or rollout correction is on) -> ref_logprobs (KL only) -> advantages -> update
+            -> weight_sync -> [validate] -> [save]
 
 A plain and a multi-turn (agent.enable) rollout differ only inside `collect_step`; both give a `StepBatch`. One
 `PhaseTimer` per step times every phase (timing/<phase>; timing/step is the whole step). Everything else (setup,
@@ -17,14 +18,16 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from vlmrl.actor import Actor, PolicyActor
 from vlmrl.agent.loop import AgentLoop
-from vlmrl.algorithms.grpo import group_advantages
+from vlmrl.algorithms.advantages import compute_advantages
+from vlmrl.algorithms.correction import rollout_correction
+from vlmrl.algorithms.dapo import groups_with_signal, mask_truncated, overlong_penalty
 from vlmrl.atomic import write_text_atomically
 from vlmrl.batch import batch_metrics, pad_results, required_batch_multiple, scored_batch
 from vlmrl.config import Config, to_dict, to_yaml
@@ -162,7 +165,8 @@ class StepBatch:
     batch: TrainBatch
     """Scored samples, stacked, plus padding rows up to a whole number of mini-batches over the dp ranks."""
     rollout_metrics: dict[str, float]
-    """The agent loop's metrics (agent/*, partial/*); empty for a plain rollout."""
+    """The agent loop's metrics (agent/*, partial/*), dynamic sampling's (batch/dynamic_sampling_draws,
+    batch/groups_dropped, batch/groups_surplus) and the overlong shaping's (reward/overlong_penalty)."""
     reward_failures: int
     """Samples whose reward function failed or overran reward.timeout_s (they score 0)."""
     filtered_prompts: int
@@ -192,7 +196,8 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     # Carried partial-rollout tokens came from older policies: the current weights are not the ones that sampled them,
     # so the trainer recomputes old logprobs with the weights about to be updated (verl's recompute).
     carries = cfg.agent.enable and cfg.agent.partial.enable
-    if carries or run.actor.needs_old_logprobs(len(batch)):
+    # rollout correction compares the engine's logprobs with the trainer's before the update: it needs the pass
+    if carries or cfg.algorithm.rollout_correction != "off" or run.actor.needs_old_logprobs(len(batch)):
         with timer("old_logprobs"):
             old_logprobs, _ = run.actor.compute_logprobs(batch)
     ref_logprobs = None
@@ -200,29 +205,103 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
         with timer("ref_logprobs"):
             ref_logprobs, _ = run.actor.compute_logprobs(batch, reference=True)
     with timer("advantages"):
-        advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding,
-                                      norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
+        al = cfg.algorithm
+        advantages = compute_advantages(al.adv_estimator, batch.rewards, batch.uids, batch.is_padding,
+                                        batch.response_mask, norm_by_std=al.norm_adv_by_std_in_grpo)
+        loss_batch, loss_weights, loss_metrics = loss_inputs(cfg, batch, old_logprobs)
     with timer("update"):
-        actor_metrics = run.actor.update(batch, old_logprobs, advantages, ref_logprobs)
+        actor_metrics = run.actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights)
     with timer("weight_sync"):
         run.actor.sync_weights(run.backend)
-    return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics,
+    return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
             **step_metrics(collected, advantages, run, timer)}
 
 
+def loss_inputs(config: Config, batch: TrainBatch, old_logprobs: torch.Tensor | None
+                ) -> tuple[TrainBatch, torch.Tensor | None, dict[str, float]]:
+    """The batch the update sees, with its response_mask made the LOSS mask, and the per-token loss weights:
+    rollout correction (algorithm.rollout_correction; needs old_logprobs) and DAPO's mask_truncated. Returns
+    (batch, (B, R) weights or None, their metrics: rollout_correction/*, batch/truncated_masked)."""
+    al = config.algorithm
+    mask, weights, metrics = batch.response_mask, None, {}
+    if al.rollout_correction != "off":
+        if batch.rollout_logprobs is None:
+            raise ValueError(f"algorithm.rollout_correction={al.rollout_correction} needs the engine's logprobs, "
+                             f"which backend {config.rollout.name} did not return")
+        corr = rollout_correction(old_logprobs, batch.rollout_logprobs, mask, al.rollout_correction,
+                                  token_cap=al.rollout_correction_token_cap, seq_low=al.rollout_correction_seq_low,
+                                  seq_high=al.rollout_correction_seq_high, seq_ratio=al.rollout_correction_seq_ratio)
+        mask, weights = corr.mask, corr.weights
+        metrics.update({f"rollout_correction/{key}": value for key, value in corr.metrics.items()})
+    if al.mask_truncated:
+        cut = mask_truncated(mask, batch.finish_reasons)
+        real = int((~batch.is_padding).sum())
+        metrics["batch/truncated_masked"] = float((mask.any(-1) & ~cut.any(-1)).sum()) / max(real, 1)
+        mask = cut
+    return (batch if mask is batch.response_mask else replace(batch, response_mask=mask)), weights, metrics
+
+
 def collect_step(run: Run, step: int, timer: PhaseTimer) -> StepBatch:
-    """Step `step`'s batch: roll out its prompts (plain or multi-turn, timing/rollout), then score every sample and
-    stack them (timing/reward)."""
-    cfg = run.config
-    sampling = training_sampling(cfg, step)
-    with timer("rollout"):
-        rollout = plain_rollout(run, step, sampling) if run.agent is None else agent_rollout(run, step, sampling)
+    """Step `step`'s batch: roll out its prompts (plain or multi-turn, timing/rollout), score every sample
+    (timing/reward; DAPO's overlong shaping added to the rewards) and stack them. With algorithm.dynamic_sampling,
+    groups whose rewards are all equal are dropped and more prompts are drawn, from the same (checkpointed) sampler
+    with a seed that depends only on (trainer.seed, step, draw), until data.train_batch_size groups have signal or
+    algorithm.dynamic_sampling_max_extra_draws extra draws are spent; then the step trains on what it has."""
+    cfg, al = run.config, run.config.algorithm
+    wanted = cfg.data.train_batch_size
+    samples, rewards, parts, penalties = [], [], [], []
+    failures = filtered = groups = dropped = surplus = draw = 0
+    while True:
+        sampling = training_sampling(cfg, step, draw)
+        with timer("rollout"):
+            rollout = plain_rollout(run, step, sampling) if run.agent is None else agent_rollout(run, step, sampling)
+        with timer("reward"):
+            scores = score_texts(run.reward_fn, rollout.requests, rollout.answers, sampling.n, cfg.reward)
+            values = torch.tensor(scores.values, dtype=torch.float64)
+            if al.overlong_buffer_len > 0:
+                lengths = torch.tensor([int(s.attention_mask[len(s.prompt_ids):].sum()) for s in rollout.samples])
+                penalty = overlong_penalty(lengths, cfg.data.max_response_length, al.overlong_buffer_len,
+                                           al.overlong_penalty_factor)
+                values = values + penalty
+            else:
+                penalty = torch.zeros_like(values)
+        failures, filtered = failures + scores.failures, filtered + rollout.filtered
+        keep = range(len(rollout.samples))
+        if al.dynamic_sampling:
+            uids = [s.uid for s in rollout.samples]
+            signal = groups_with_signal(values, uids)
+            ordered = list(dict.fromkeys(uids))  # the draw's groups in order
+            taken = [uid for uid in ordered if uid in signal][: wanted - groups]
+            dropped += len(ordered) - len(signal)
+            surplus += len(signal) - len(taken)
+            groups += len(taken)
+            taken_set = set(taken)
+            keep = [i for i, uid in enumerate(uids) if uid in taken_set]
+            if not samples and not keep and (groups >= wanted or draw >= al.dynamic_sampling_max_extra_draws):
+                logger.warning("step %d: no group with reward signal in %d draws: training on the last draw's groups "
+                               "(their advantages are 0)", step, draw + 1)
+                keep = range(len(rollout.samples))
+        samples += [rollout.samples[i] for i in keep]
+        rewards += [float(values[i]) for i in keep]
+        parts += [scores.parts[i] for i in keep]
+        penalties += [float(penalty[i]) for i in keep]
+        if not al.dynamic_sampling or groups >= wanted or draw >= al.dynamic_sampling_max_extra_draws:
+            break
+        draw += 1
+    metrics = dict(rollout.metrics)
+    if al.dynamic_sampling:
+        if groups < wanted:
+            logger.warning("step %d: %d of %d groups with reward signal after %d extra draws (algorithm."
+                           "dynamic_sampling_max_extra_draws); training on those", step, groups, wanted, draw)
+        metrics.update({"batch/dynamic_sampling_draws": float(draw), "batch/groups_dropped": float(dropped),
+                        "batch/groups_surplus": float(surplus)})
+    if al.overlong_buffer_len > 0:
+        metrics["reward/overlong_penalty"] = sum(penalties) / max(len(penalties), 1)
     with timer("reward"):
-        scores = score_texts(run.reward_fn, rollout.requests, rollout.answers, sampling.n, cfg.reward)
-        batch = scored_batch(rollout.samples, scores.values, scores.parts,
-                             multiple=required_batch_multiple(run.dp_size, cfg.actor.ppo_mini_batch_size, sampling.n),
+        batch = scored_batch(samples, rewards, parts,
+                             multiple=required_batch_multiple(run.dp_size, cfg.actor.ppo_mini_batch_size, cfg.rollout.n),
                              eos_token_id=run.processor.eos_token_ids[0], pad_token_id=run.processor.pad_token_id)
-    return StepBatch(batch, rollout.metrics, scores.failures, rollout.filtered)
+    return StepBatch(batch, metrics, failures, filtered)
 
 
 def plain_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
@@ -276,11 +355,11 @@ def _share_of_groups_with_signal(batch: TrainBatch, advantages: torch.Tensor) ->
     return sum(groups.values()) / max(len(groups), 1)
 
 
-def training_sampling(config: Config, step: int) -> SamplingParams:
-    """Sampling of step `step`: seeded by (trainer.seed, step), so a resumed run draws what an uninterrupted one
-    would."""
+def training_sampling(config: Config, step: int, draw: int = 0) -> SamplingParams:
+    """Sampling of step `step`'s draw `draw` (0, then dynamic sampling's extra draws): seeded by (trainer.seed,
+    step, draw) only, so a resumed run draws what an uninterrupted one would."""
     r = config.rollout
-    seed = (config.trainer.seed * 7_919 + step * 1_000_003) % (2**31)
+    seed = (config.trainer.seed * 7_919 + step * 1_000_003 + draw * 104_729) % (2**31)
     return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                           max_new_tokens=config.data.max_response_length, seed=seed)
 
