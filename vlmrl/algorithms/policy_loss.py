@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmrl.algorithms.aggregation import masked_row_sum, token_mean, zero_outside
+from vlmrl.algorithms.config import POLICY_LOSSES  # noqa: F401 - re-exported beside the losses it names
 
 _LOG_RATIO_BOUND = 20.0
 
