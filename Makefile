@@ -27,3 +27,4 @@ bench: setup
 	$(PY) benchmarks/bench_position_ids.py
 	$(PY) benchmarks/bench_postprocess.py
 	$(PY) benchmarks/bench_rollout.py
+	$(PY) benchmarks/bench_logprobs_memory.py

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,8 @@ import torch
 from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.policy import Policy
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean
-from vlmrl.algorithms.grpo import broadcast_to_tokens, entropy_from_logits, kl_penalty, logprobs_from_logits
+from vlmrl.algorithms.grpo import broadcast_to_tokens, kl_penalty
+from vlmrl.algorithms.logprobs import logprobs_and_entropy
 from vlmrl.algorithms.policy_loss import POLICY_LOSS_FNS
 from vlmrl.types import TrainBatch
 from vlmrl.utils.sequences import chunks
@@ -71,28 +73,58 @@ def micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.device) ->
     )
 
 
+class _ResponseHead(torch.nn.Module):
+    """Stands in for the model's lm_head during one forward: instead of the full-vocabulary logits of every kept
+    position it computes the response's logprobs and entropy chunk by chunk (`logprobs_and_entropy`). It runs
+    inside the model's own forward, so a sharded (FSDP2) model has its head's weight gathered, as for the lm_head."""
+
+    def __init__(self, lm_head: torch.nn.Module, labels: torch.Tensor, temperature: float, chunk: int,
+                 with_entropy: bool, entropy_grad: bool):
+        super().__init__()
+        self.lm_head = lm_head
+        self.labels = labels
+        self.options = {"temperature": temperature, "chunk": chunk, "with_entropy": with_entropy,
+                        "entropy_grad": entropy_grad}
+        self.entropy: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(b, r + 1, H) hidden states of positions P-1 .. L-1 -> (b, r) logprobs (the model returns them as its
+        `logits`); the entropy is kept in `self.entropy`."""
+        logprobs, self.entropy = logprobs_and_entropy(hidden[:, :-1], self.lm_head, self.labels, **self.options)
+        return logprobs
+
+
+@contextmanager
+def _output_head(model: torch.nn.Module, head: torch.nn.Module):
+    """The model with `head` as its output projection for the duration of the block."""
+    lm_head = model.get_output_embeddings()
+    model.set_output_embeddings(head)
+    try:
+        yield
+    finally:
+        model.set_output_embeddings(lm_head)
+
+
 def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool,
-                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy_grad: bool = False, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (b, r) of the response tokens under softmax(logits / temperature), and their entropy (b, r)
-    (without a graph unless `entropy_grad`: a metric needs no backward)."""
+    (without a graph unless `entropy_grad`: a metric needs no backward). `chunk` > 0: the logits are made `chunk`
+    tokens at a time and recomputed in the backward (actor.logprob_chunk_size), so the full (b, r, V) logits never
+    exist; the values are the unchunked ones (float32, up to the projection's summation order)."""
     pixel_values = mb.pixel_values.to(next(model.parameters()).dtype) if mb.pixel_values is not None else None
-    out = model(
-        input_ids=mb.input_ids,
-        attention_mask=mb.attention_mask,
-        position_ids=mb.position_ids,
-        pixel_values=pixel_values,
-        image_grid_thw=mb.image_grid_thw,
-        use_cache=False,
-        logits_to_keep=mb.response_width + 1,  # positions P-1 .. L-2 predict the response tokens P .. L-1
-    )
-    logits = out.logits[:, :-1].float() / temperature  # (b, r, V)
     labels = mb.input_ids[:, -mb.response_width :]
-    logprobs = logprobs_from_logits(logits, labels)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits)
-    return logprobs, entropy
+    head = _ResponseHead(model.get_output_embeddings(), labels, temperature, chunk, with_entropy, entropy_grad)
+    with _output_head(model, head):
+        out = model(
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
+            pixel_values=pixel_values,
+            image_grid_thw=mb.image_grid_thw,
+            use_cache=False,
+            logits_to_keep=mb.response_width + 1,  # positions P-1 .. L-2 predict the response tokens P .. L-1
+        )
+    return out.logits, head.entropy
 
 
 def _pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -193,7 +225,8 @@ class ActorCore:
         entropy = torch.zeros_like(logprobs) if with_entropy else None
         for rows in chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
             with self.autocast():
-                lp, ent = forward_response(model, micro_batch(batch, rows, self.device), self.temperature, with_entropy)
+                lp, ent = forward_response(model, micro_batch(batch, rows, self.device), self.temperature, with_entropy,
+                                           chunk=self.config.logprob_chunk_size)
             logprobs[rows] = _pad_to(lp.cpu(), width)
             if entropy is not None:
                 entropy[rows] = _pad_to(ent.cpu(), width)
@@ -294,7 +327,8 @@ class ActorCore:
             if share == 0 and not keep_empty_micro_batches:
                 continue
             with self.autocast():
-                logprobs, entropy = forward_response(self.model, mb, self.temperature, True, bool(cfg.entropy_coeff))
+                logprobs, entropy = forward_response(self.model, mb, self.temperature, True, bool(cfg.entropy_coeff),
+                                                     chunk=cfg.logprob_chunk_size)
             old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
             adv = token_adv[rows, :width].to(self.device)
             out = loss_fn(logprobs, old, adv, mask, clip_ratio_low=clip_low, clip_ratio_high=clip_high,

@@ -81,7 +81,8 @@ class Actor(ActorCore):
             mb = micro_batch(batch, rows, self.device)
             mask = batch.response_mask[rows, : mb.response_width].to(self.device)
             with self.autocast():
-                logprobs, _ = forward_response(self.model, mb, 1.0, with_entropy=False)
+                logprobs, _ = forward_response(self.model, mb, 1.0, with_entropy=False,
+                                               chunk=self.config.logprob_chunk_size)
             loss = -token_mean(logprobs, mask, num_tokens)
             loss.backward()
             total += float(loss.detach())

@@ -1,5 +1,6 @@
 """RL algorithm math, pure tensor functions: advantage estimators, policy losses, loss aggregation, KL, entropy,
-rollout correction and DAPO's data helpers. The loop selects them by name (the *_FNS registries and name tuples)."""
+chunked response logprobs, rollout correction and DAPO's data helpers. The loop selects them by name (the *_FNS
+registries and name tuples)."""
 
 from importlib import import_module
 
@@ -30,6 +31,7 @@ _LAZY = {
     "kl_penalty": "grpo",
     "logprobs_from_logits": "grpo",
     "ppo_clip_loss": "grpo",
+    "logprobs_and_entropy": "logprobs",
     "POLICY_LOSS_FNS": "policy_loss",
     "POLICY_LOSSES": "policy_loss",
     "TokenLoss": "policy_loss",

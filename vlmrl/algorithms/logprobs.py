@@ -1,0 +1,78 @@
+"""Logprobs and entropy of the response tokens from the model's last hidden states, in chunks of tokens.
+
+The full-vocabulary logits of a response, (b, r, V) float32 with V = 151,936 for Qwen2.5-VL, are the largest tensors
+of a training step (b = 4, r = 2048: 5 GB per copy, and log_softmax, softmax and their gradients make several
+copies). Projecting `chunk` tokens at a time and keeping only each token's logprob and entropy makes the peak grow
+with the chunk instead. Under autograd each chunk runs inside `torch.utils.checkpoint`, so its logits are recomputed
+in the backward instead of being kept from the forward; the gradient is the same.
+
+Pure functions over tensors: no config objects, no process groups, no device assumptions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from vlmrl.algorithms.grpo import entropy_from_logits, logprobs_from_logits
+
+
+def _chunk_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor,
+                                labels: torch.Tensor, temperature: float, with_entropy: bool,
+                                entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(n, H) hidden, (n,) labels -> (n,) logprobs and (n,) entropy (or None): one chunk, float32 math."""
+    logits = head(hidden).float() / temperature  # (n, V)
+    logprobs = logprobs_from_logits(logits, labels)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits)
+    return logprobs, entropy
+
+
+def logprobs_and_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
+                         temperature: float = 1.0, chunk: int = 0, with_entropy: bool = False,
+                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each label under softmax(head(hidden) / temperature), and the distribution's entropy.
+
+    Args:
+        hidden: (b, r, H) last hidden states at the positions that predict `labels`.
+        head: the output projection (H -> V), e.g. the model's `lm_head`.
+        labels: (b, r) long, the tokens whose logprobs are wanted.
+        temperature: logits are divided by it (the distribution the policy sampled).
+        chunk: tokens (over b * r) projected at a time; 0 = all at once. Values are those of the unchunked pass up to
+            the projection's summation order (float32: within 1e-6); gradients likewise.
+        with_entropy: also return the entropy.
+        entropy_grad: give the entropy a graph (for an entropy bonus); otherwise it is a detached metric.
+
+    Returns:
+        (b, r) float32 logprobs, and (b, r) float32 entropy or None.
+
+    >>> head = torch.nn.Linear(4, 10, bias=False)
+    >>> hidden, labels = torch.randn(2, 3, 4), torch.randint(10, (2, 3))
+    >>> whole, _ = logprobs_and_entropy(hidden, head, labels)
+    >>> parts, _ = logprobs_and_entropy(hidden, head, labels, chunk=2)
+    >>> torch.allclose(whole, parts, atol=1e-6)
+    True
+    """
+    b, r = labels.shape
+    # (b * r, H): the head sees a 2-D input, so its backward makes the (V, H) weight gradient in one matmul (a
+    # batched 3-D one would make one per row and sum them)
+    flat_hidden = hidden.reshape(b * r, hidden.shape[-1])
+    flat_labels = labels.reshape(b * r)
+    if chunk <= 0 or chunk >= b * r:
+        logprobs, entropy = _chunk_logprobs_and_entropy(head, flat_hidden, flat_labels, temperature, with_entropy,
+                                                        entropy_grad)
+        return logprobs.view(b, r), (entropy.view(b, r) if with_entropy else None)
+    # Recompute each chunk's logits in the backward rather than keep them: only worth it when a backward will run.
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    logprobs, entropy = [], []
+    for start in range(0, b * r, chunk):
+        part = (head, flat_hidden[start : start + chunk], flat_labels[start : start + chunk], temperature,
+                with_entropy, entropy_grad)
+        lp, ent = (checkpoint(_chunk_logprobs_and_entropy, *part, use_reentrant=False) if recompute
+                   else _chunk_logprobs_and_entropy(*part))
+        logprobs.append(lp)
+        entropy.append(ent)
+    return (torch.cat(logprobs).view(b, r),
+            torch.cat(entropy).view(b, r) if with_entropy else None)
