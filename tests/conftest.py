@@ -41,3 +41,19 @@ def tiny_model_path() -> str:
     from vlmrl.models import ensure_built
 
     return str(ensure_built("tiny"))
+
+
+@pytest.fixture(scope="session")
+def processor(tiny_model_path):
+    """The tiny model's processor (prompts up to 64 tokens), shared by the actor, trainer and distributed tests."""
+    from vlmrl.processors import ProcessorConfig, load_processor
+
+    return load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=64))
+
+
+@pytest.fixture(scope="session")
+def synthetic_rows(tmp_path_factory):
+    """Real synthetic rows written as parquet (tests/batches.py); tests/distributed/ uses a smaller set."""
+    from tests.batches import synthetic_rows as write_synthetic_rows
+
+    return write_synthetic_rows(tmp_path_factory.mktemp("data"), train_size=32, val_size=8)

@@ -1,4 +1,4 @@
-"""Shared pieces for distributed tests: the tiny model's processor, real synthetic rows (batches: tests/batches.py),
+"""Shared pieces for distributed tests: fewer real synthetic rows than the other tests (batches: tests/batches.py),
 and one local Ray cluster per test module (with its own temp folder, torn down at the end of the module)."""
 
 from __future__ import annotations
@@ -10,13 +10,6 @@ import tempfile
 import pytest
 
 from tests.batches import synthetic_rows as write_synthetic_rows
-
-
-@pytest.fixture(scope="session")
-def processor(tiny_model_path):
-    from vlmrl.processors import ProcessorConfig, load_processor
-
-    return load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=64))
 
 
 @pytest.fixture(scope="session")

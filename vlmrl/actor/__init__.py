@@ -13,7 +13,7 @@ loop drives.
   `vlmrl.distributed.DistributedActor`.
 """
 
-from importlib import import_module
+from vlmrl.utils.lazy import lazy_exports
 
 # Imported on first use: the run config reads this package's config module and must not import torch.
 _LAZY = {
@@ -35,10 +35,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(f"vlmrl.actor.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'vlmrl.actor' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = sorted(_LAZY)

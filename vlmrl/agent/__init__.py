@@ -4,9 +4,8 @@ Only the config is imported eagerly: `vlmrl.config` needs `AgentConfig`, and loa
 torch. Everything else is imported on first use.
 """
 
-from importlib import import_module
-
 from vlmrl.agent.config import AgentConfig, PartialRolloutConfig, ToolSpec
+from vlmrl.utils.lazy import lazy_exports
 
 _LAZY = {
     "AgentBatch": "loop", "AgentLoop": "loop", "Group": "loop",
@@ -16,10 +15,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(f"vlmrl.agent.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'vlmrl.agent' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = ["AgentConfig", "PartialRolloutConfig", "ToolSpec", *sorted(_LAZY)]

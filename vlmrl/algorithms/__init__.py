@@ -2,7 +2,7 @@
 chunked response logprobs, rollout correction and DAPO's data helpers. The loop selects them by name (the *_FNS
 registries and name tuples)."""
 
-from importlib import import_module
+from vlmrl.utils.lazy import lazy_exports
 
 # Imported on first use: the run config reads this package's config module and must not import torch.
 _LAZY = {
@@ -41,10 +41,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(f"vlmrl.algorithms.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'vlmrl.algorithms' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = sorted(_LAZY)

@@ -1,6 +1,6 @@
 """Prompt data: verl/EasyR1-schema parquet datasets, their resumable batch order, and the embedded visual tasks."""
 
-from importlib import import_module
+from vlmrl.utils.lazy import lazy_exports
 
 # Imported on first use: the run config reads this package's config module and must not import torch.
 _LAZY = {
@@ -18,10 +18,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(f"vlmrl.data.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'vlmrl.data' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = sorted(_LAZY)

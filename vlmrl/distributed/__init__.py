@@ -3,7 +3,7 @@
 Ray is imported only when a `DistributedActor` is built; the single-process trainer never needs it.
 """
 
-from importlib import import_module
+from vlmrl.utils.lazy import lazy_exports
 
 # Imported on first use: the run config reads this package's config module and must not import torch.
 _LAZY = {
@@ -17,10 +17,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(f"vlmrl.distributed.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'vlmrl.distributed' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = sorted(_LAZY)

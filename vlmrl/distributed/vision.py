@@ -40,6 +40,14 @@ class VisionAlwaysOn(nn.Module):
     def config(self):
         return self.model.config
 
+    # The actor swaps the output projection for a chunked logprob head during its forwards (vlmrl.actor.core); the
+    # projection is the wrapped model's.
+    def get_output_embeddings(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def set_output_embeddings(self, head: nn.Module) -> None:
+        self.model.set_output_embeddings(head)
+
     def forward(self, *, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, **kwargs):
         """input_ids (b, l); pixel_values (patches, patch_dim) and image_grid_thw (images, 3) or None; the rest

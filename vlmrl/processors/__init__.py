@@ -1,6 +1,6 @@
 """Processors: dataset rows -> one `RolloutRequest` for every backend; the trainer's image inputs and mrope ids."""
 
-from importlib import import_module
+from vlmrl.utils.lazy import lazy_exports
 
 # Imported on first use: the run config reads this package's config module and must not import torch.
 _LAZY = {
@@ -15,10 +15,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(import_module(f"vlmrl.processors.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'vlmrl.processors' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = sorted(_LAZY)
