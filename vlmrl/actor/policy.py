@@ -107,8 +107,9 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
         model.model.visual.requires_grad_(False)
     reference = None
     if config.use_kl_loss:
-        initial = model if init_path is None else load_policy(config.model_path, dtype, device)
-        reference = copy.deepcopy(initial).eval().requires_grad_(False)
+        # resuming: the reference is the initial weights, loaded as they are (no second, deep-copied instance)
+        initial = copy.deepcopy(model) if init_path is None else load_policy(config.model_path, dtype, device)
+        reference = initial.eval().requires_grad_(False)
         logger.info("frozen reference loaded from %s (KL %s, coef %g)", config.model_path, config.kl_loss_type,
                     config.kl_loss_coef)
     if wrap is not None:

@@ -14,19 +14,19 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from vlmrl.algorithms.grpo import entropy_from_logits, logprobs_from_logits
-
 
 def _chunk_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor,
                                 labels: torch.Tensor, temperature: float, with_entropy: bool,
                                 entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(n, H) hidden, (n,) labels -> (n,) logprobs and (n,) entropy (or None): one chunk, float32 math."""
     logits = head(hidden).float() / temperature  # (n, V)
-    logprobs = logprobs_from_logits(logits, labels)
+    lse = torch.logsumexp(logits, dim=-1)  # (n,): once for both, the vocabulary-wide pass that dominates
+    logprobs = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - lse  # as logprobs_from_logits
     entropy = None
     if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits)
+        grad = entropy_grad and torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad):  # as entropy_from_logits: logsumexp - E[logit]
+            entropy = (lse if grad else lse.detach()) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
     return logprobs, entropy
 
 

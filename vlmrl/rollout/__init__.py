@@ -21,6 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from vlmrl.rollout.config import BACKENDS, RolloutConfig
+from vlmrl.utils.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from vlmrl.rollout.base import RolloutBackend
@@ -31,10 +32,7 @@ _FROM_BASE = ("EngineDeadError", "EngineTimeoutError", "InvalidRequestError", "R
               "RolloutOptions")
 
 
-def __getattr__(name: str):
-    if name in _FROM_BASE:
-        return getattr(importlib.import_module("vlmrl.rollout.base"), name)
-    raise AttributeError(f"module 'vlmrl.rollout' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, dict.fromkeys(_FROM_BASE, "base"))
 
 
 def backend_class(name: str) -> type[RolloutBackend]:

@@ -214,7 +214,7 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     with timer("weight_sync"):
         run.actor.sync_weights(run.backend)
     return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
-            **step_metrics(collected, advantages, run, timer)}
+            **step_metrics(collected, run, timer)}
 
 
 def loss_inputs(config: Config, batch: TrainBatch, old_logprobs: torch.Tensor | None
@@ -330,7 +330,7 @@ def agent_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
     return Rollout(rolled.requests, rolled.train_samples, rolled.final_answers, rolled.metrics, built.num_skipped)
 
 
-def step_metrics(collected: StepBatch, advantages: torch.Tensor, run: Run, timer: PhaseTimer) -> dict[str, float]:
+def step_metrics(collected: StepBatch, run: Run, timer: PhaseTimer) -> dict[str, float]:
     """Metrics beyond batch_metrics and the actor's: reward failures and timeouts (timeouts are failures too),
     filtered prompts, groups with signal, and the response tokens per second of the step so far."""
     batch = collected.batch
@@ -340,19 +340,17 @@ def step_metrics(collected: StepBatch, advantages: torch.Tensor, run: Run, timer
         "reward/failures": float(collected.reward_failures),
         "reward/timeouts": float(sum(extra.get(TIMEOUT_KEY, 0.0) for extra in batch.reward_extra)),  # padding rows: {}
         "batch/filtered_prompts": float(collected.filtered_prompts),
-        "batch/groups_with_signal": _share_of_groups_with_signal(batch, advantages),
+        "batch/groups_with_signal": _share_of_groups_with_signal(batch),
         "epoch": float(run.sampler.epoch),
         "throughput/response_tokens_per_s": tokens / max(timer.elapsed(), 1e-9),
     }
 
 
-def _share_of_groups_with_signal(batch: TrainBatch, advantages: torch.Tensor) -> float:
-    """Fraction of prompts whose samples got different rewards (only those carry a GRPO gradient)."""
-    groups: dict[str, bool] = {}
-    for i, uid in enumerate(batch.uids):
-        if not batch.is_padding[i]:
-            groups[uid] = groups.get(uid, False) or bool(advantages[i] != 0)
-    return sum(groups.values()) / max(len(groups), 1)
+def _share_of_groups_with_signal(batch: TrainBatch) -> float:
+    """Fraction of prompts whose samples got different rewards (the same rule dynamic sampling and the group
+    estimators use)."""
+    real_groups = {uid for uid, padding in zip(batch.uids, batch.is_padding.tolist()) if not padding}
+    return len(groups_with_signal(batch.rewards, batch.uids, batch.is_padding)) / max(len(real_groups), 1)
 
 
 def training_sampling(config: Config, step: int, draw: int = 0) -> SamplingParams:

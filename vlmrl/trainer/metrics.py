@@ -108,9 +108,11 @@ class MetricsLogger:
         rows = read_metrics(self.path)
         if not rows or rows[-1].get("step") != step:
             raise ValueError(f"{self.path}: the last line is not step {step}, so it cannot be amended")
-        rows[-1] = _row(step, {**{k: v for k, v in rows[-1].items() if k != "step"}, **metrics})
+        first = rows[-1]
+        rows[-1] = _row(step, {**{k: v for k, v in first.items() if k != "step"}, **metrics})
         write_text_atomically(self.path, "".join(json.dumps(row) + "\n" for row in rows))
-        self._to_sinks(step, _row(step, metrics))
+        # The dashboards already have the step's other values: a second point for the same step would show twice.
+        self._to_sinks(step, _row(step, {k: v for k, v in metrics.items() if k not in first}))
 
     def _to_sinks(self, step: int, row: dict[str, Any]) -> dict[str, float]:
         """The row's numbers to TensorBoard and W&B; returns them."""
