@@ -44,6 +44,27 @@ def tiny_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl_path() -> str:
+    from vlmrl.models import ensure_built
+
+    return str(ensure_built("tiny-qwen3-vl"))
+
+
+TINY_FAMILIES = ("tiny", "tiny-qwen3-vl")
+"""One embedded model per supported family: Qwen2.5-VL and Qwen3-VL."""
+
+
+@pytest.fixture(scope="session", params=TINY_FAMILIES)
+def tiny_family(request):
+    """(model folder, its processor with prompts up to 64 tokens) for each embedded family in turn."""
+    from vlmrl.models import ensure_built
+    from vlmrl.processors import ProcessorConfig, load_processor
+
+    path = str(ensure_built(request.param))
+    return path, load_processor(path, ProcessorConfig(max_prompt_length=64))
+
+
+@pytest.fixture(scope="session")
 def processor(tiny_model_path):
     """The tiny model's processor (prompts up to 64 tokens), shared by the actor, trainer and distributed tests."""
     from vlmrl.processors import ProcessorConfig, load_processor

@@ -12,6 +12,11 @@ reach the loss with weight zero.
 Here the zero-weighted output is added to the input embeddings, the place a real image's features go: the backward
 then reaches the vision tower after the decoder layers on every rank, whether its input was real or dummy.
 The result is numerically identical to the plain model (x + 0 == x; the tower's gradient from it is exactly 0).
+
+"Output" means every merger the model family names (`ModelFamily.vision_mergers`): Qwen2.5-VL's one merger, and for
+Qwen3-VL also the deepstack mergers, whose features a real image adds to the first decoder layers. Adding only the
+final merger's output leaves the deepstack mergers out of the backward (measured on the tiny Qwen3-VL: 12 of its 57
+vision tensors got no gradient), and their reduce-scatter would then be issued on image ranks only.
 """
 
 from __future__ import annotations
@@ -19,18 +24,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlmrl.models.families import family_of
+
 
 class VisionAlwaysOn(nn.Module):
-    """A Qwen2-VL / Qwen2.5-VL `...ForConditionalGeneration` whose forward always runs the vision tower once.
+    """A Qwen-VL `...ForConditionalGeneration` (any family of vlmrl.models.families) whose forward always runs the
+    vision tower once.
 
     Takes the same keyword arguments as the wrapped model and returns its output. With `pixel_values` it is the
-    wrapped model's forward; without, the tower runs on a one-token dummy image (a 2x2 patch grid) first.
+    wrapped model's forward; without, the tower runs on a one-token dummy image (a 2x2 patch grid) first and the
+    outputs of all its mergers reach the loss with weight 0.
     The wrapped model is `self.model`: state-dict names carry a `model.` prefix (see `WRAPPED_PREFIX`).
     """
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        family = family_of(model.config)
+        self.tower: nn.Module = model.get_submodule(family.vision_tower)
+        self.mergers: list[nn.Module] = _merger_modules(self.tower, family.vision_mergers)
         vision = model.config.vision_config
         self.merge = int(vision.spatial_merge_size)
         # pixel_values rows are flattened patches: channels x temporal patch x patch x patch
@@ -54,13 +66,30 @@ class VisionAlwaysOn(nn.Module):
         (attention_mask, position_ids (3, b, l), use_cache, logits_to_keep...) is passed through."""
         if pixel_values is not None:
             return self.model(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs)
-        visual = self.model.model.visual
         # run before the decoder, like a real image, so that every rank all-gathers blocks in the same order
         dummy_grid = torch.tensor([[1, self.merge, self.merge]], device=input_ids.device)
-        dummy = torch.zeros(self.merge * self.merge, self.patch_dim, dtype=visual.dtype, device=input_ids.device)
-        features = visual(dummy, grid_thw=dummy_grid).pooler_output
-        embeds = self.model.get_input_embeddings()(input_ids) + 0.0 * features.sum()
+        dummy = torch.zeros(self.merge * self.merge, self.patch_dim, dtype=self.tower.dtype, device=input_ids.device)
+        outputs: list[torch.Tensor] = []
+        hooks = [m.register_forward_hook(lambda _m, _args, out: outputs.append(out)) for m in self.mergers]
+        try:
+            self.tower(dummy, grid_thw=dummy_grid)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if len(outputs) != len(self.mergers):  # a merger the family names did not run: its gradient would be missing
+            raise RuntimeError(f"{len(outputs)} of the {len(self.mergers)} vision mergers ran on the dummy image")
+        zero = 0.0 * sum(out.sum() for out in outputs)
+        embeds = self.model.get_input_embeddings()(input_ids) + zero
         return self.model(input_ids=None, inputs_embeds=embeds, **kwargs)
+
+
+def _merger_modules(tower: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
+    """The merger modules at `paths` under the tower; a ModuleList (Qwen3-VL's deepstack mergers) gives its items."""
+    out: list[nn.Module] = []
+    for path in paths:
+        module = tower.get_submodule(path)
+        out.extend(module if isinstance(module, nn.ModuleList) else [module])
+    return out
 
 
 WRAPPED_PREFIX = "model."
