@@ -164,15 +164,16 @@ def test_dp2_matches_dp1_in_every_mode_with_padding_rows_and_correction_weights(
     assert_same_weights(dict(reference.named_tensors()), weights_dp2, start)
 
 
-def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(
-        ray_cluster, tiny_model_path, processor, synthetic_rows):
+def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray_cluster, tiny_family, synthetic_rows):
     # rank 0: prompts 0-1 with images; rank 1: prompts 2-3 without; one mini-batch. Without the dummy vision forward
-    # on rank 1 its workers abort in the first sharded forward (gloo collective mismatch).
+    # on rank 1 its workers abort in the first sharded forward (gloo collective mismatch). Both families: Qwen3-VL's
+    # deepstack mergers must join rank 1's backward too.
+    model_path, processor = tiny_family
     batch = make_batch(processor, synthetic_rows[8:12], n=2, text_only_rows=(2, 3), seed=2)
     assert all(batch.multi_modal_inputs[i] for i in range(4)) and not any(batch.multi_modal_inputs[4:])
-    reference = single_process(actor_config(tiny_model_path, micro=4), mini_batch_samples=8)
+    reference = single_process(actor_config(model_path, micro=4), mini_batch_samples=8)
     start = {k: v.clone() for k, v in reference.named_tensors()}
-    with start_dp2(actor_config(tiny_model_path, micro=4), mini_batch_samples=8) as dp2:
+    with start_dp2(actor_config(model_path, micro=4), mini_batch_samples=8) as dp2:
         old, _ = dp2.compute_logprobs(batch)
         old = perturbed(old, batch, seed=2)
         advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
@@ -181,8 +182,10 @@ def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(
     expected = reference.update(batch, old, advantages)
     assert_same_metrics(expected, got)
     assert_same_weights(dict(reference.named_tensors()), weights, start)
-    moved = [n for n in weights if "visual" in n and not torch.equal(weights[n], start[n])]
+    moved = {n for n in weights if "visual" in n and not torch.equal(weights[n], start[n])}
     assert moved, "the images on rank 0 should have trained the vision tower"
+    mergers = {n for n in weights if "deepstack_merger_list" in n}
+    assert mergers <= moved, f"deepstack mergers the step left untouched: {sorted(mergers - moved)}"
 
 
 def _rows(batch, rows):

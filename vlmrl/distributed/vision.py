@@ -40,9 +40,8 @@ class VisionAlwaysOn(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
-        family = family_of(model.config)
-        self.tower: nn.Module = model.get_submodule(family.vision_tower)
-        self.mergers: list[nn.Module] = _merger_modules(self.tower, family.vision_mergers)
+        # paths, not modules: a module attribute would register the tower a second time (state-dict names twice)
+        self.family = family_of(model.config)
         vision = model.config.vision_config
         self.merge = int(vision.spatial_merge_size)
         # pixel_values rows are flattened patches: channels x temporal patch x patch x patch
@@ -68,16 +67,18 @@ class VisionAlwaysOn(nn.Module):
             return self.model(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs)
         # run before the decoder, like a real image, so that every rank all-gathers blocks in the same order
         dummy_grid = torch.tensor([[1, self.merge, self.merge]], device=input_ids.device)
-        dummy = torch.zeros(self.merge * self.merge, self.patch_dim, dtype=self.tower.dtype, device=input_ids.device)
+        tower = self.model.get_submodule(self.family.vision_tower)
+        mergers = _merger_modules(tower, self.family.vision_mergers)
+        dummy = torch.zeros(self.merge * self.merge, self.patch_dim, dtype=tower.dtype, device=input_ids.device)
         outputs: list[torch.Tensor] = []
-        hooks = [m.register_forward_hook(lambda _m, _args, out: outputs.append(out)) for m in self.mergers]
+        hooks = [m.register_forward_hook(lambda _m, _args, out: outputs.append(out)) for m in mergers]
         try:
-            self.tower(dummy, grid_thw=dummy_grid)
+            tower(dummy, grid_thw=dummy_grid)
         finally:
             for hook in hooks:
                 hook.remove()
-        if len(outputs) != len(self.mergers):  # a merger the family names did not run: its gradient would be missing
-            raise RuntimeError(f"{len(outputs)} of the {len(self.mergers)} vision mergers ran on the dummy image")
+        if len(outputs) != len(mergers):  # a merger the family names did not run: its gradient would be missing
+            raise RuntimeError(f"{len(outputs)} of the {len(mergers)} vision mergers ran on the dummy image")
         zero = 0.0 * sum(out.sum() for out in outputs)
         embeds = self.model.get_input_embeddings()(input_ids) + zero
         return self.model(input_ids=None, inputs_embeds=embeds, **kwargs)
