@@ -1,4 +1,5 @@
-"""The embedded tiny Qwen2.5-VL: deterministic rebuild, Auto-class loading, HF generate on a chat with an image."""
+"""The embedded tiny models (Qwen2.5-VL `tiny`, Qwen3-VL `tiny-qwen3-vl`): deterministic rebuild, Auto-class loading,
+HF generate on a chat with an image."""
 
 from __future__ import annotations
 
@@ -24,11 +25,19 @@ def file_digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def test_rebuild_is_byte_identical(tmp_path):
-    a = file_digests(build(tmp_path / "a"))
-    b = file_digests(build(tmp_path / "b"))
+@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl"])
+def test_rebuild_is_byte_identical(tmp_path, variant):
+    a = file_digests(build(tmp_path / "a", variant))
+    b = file_digests(build(tmp_path / "b", variant))
     assert a == b
     assert {"model.safetensors", "config.json", "tokenizer.json", "processor_config.json"} <= set(a)
+
+
+def test_the_two_families_are_different_models_with_one_tokenizer(tiny_model_path, tiny_qwen3_vl_path):
+    a, b = file_digests(Path(tiny_model_path)), file_digests(Path(tiny_qwen3_vl_path))
+    assert a["tokenizer.json"] == b["tokenizer.json"]
+    assert a["model.safetensors"] != b["model.safetensors"]
+    assert resolve_model_path("tiny-qwen3-vl") == tiny_qwen3_vl_path
 
 
 def test_name_resolves_to_cached_build(tiny_model_path, tmp_path):
@@ -95,6 +104,35 @@ def test_loads_with_auto_classes_and_generates_on_image_chat(tiny_model_path):
         l1 = model(**inputs).logits[0, -1]
         l2 = model(**other).logits[0, -1]
     assert not torch.allclose(l1, l2)
+
+
+def test_tiny_qwen3_vl_loads_with_auto_classes_and_generates_on_image_chat(tiny_qwen3_vl_path):
+    """The Qwen3-VL build: the Qwen3-VL classes, 16 px patches (a 128x96 image -> an 8x6 grid -> 12 tokens),
+    mean/std 0.5 as in the released processors, interleaved mrope flagged for the engines, deepstack mergers."""
+    import json
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_qwen3_vl_path)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_path, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    assert processor.image_processor.patch_size == 16
+    assert list(processor.image_processor.image_mean) == [0.5] * 3 == list(processor.image_processor.image_std)
+    config = json.loads((Path(tiny_qwen3_vl_path) / "config.json").read_text())
+    assert config["text_config"]["rope_parameters"]["mrope_interleaved"] is True
+    assert len(model.model.visual.deepstack_merger_list) == 2
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[_gradient_image(128, 96)], return_tensors="pt")
+    assert inputs["image_grid_thw"].tolist() == [[1, 6, 8]]
+    assert (inputs["input_ids"] == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum() == 12
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert 1 <= out.shape[1] - inputs["input_ids"].shape[1] <= 8
+    assert torch.equal(out, model.generate(**inputs, max_new_tokens=8, do_sample=False))
+    other = processor(text=[text], images=[Image.new("RGB", (128, 96), (255, 0, 0))], return_tensors="pt")
+    with torch.no_grad():
+        assert not torch.allclose(model(**inputs).logits[0, -1], model(**other).logits[0, -1])
 
 
 def test_answer_words_are_single_tokens(tiny_model_path):

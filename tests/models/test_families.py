@@ -1,0 +1,122 @@
+"""vlmrl.models.families: each family's facts checked against the embedded model of that family (what transformers
+builds and saves), not against copies of the same constants."""
+
+from __future__ import annotations
+
+import copy
+import doctest
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import vlmrl.models.families
+from vlmrl.models.families import (
+    FAMILIES,
+    QWEN2_5_VL,
+    QWEN3_VL,
+    family_for_path,
+    family_of,
+    mrope_interleaved,
+    read_model_config,
+)
+
+
+def test_doctests():
+    result = doctest.testmod(vlmrl.models.families)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model_path, tiny_qwen3_vl_path):
+    """{family name: (folder, model)} for the two embedded models."""
+    from transformers import AutoModelForImageTextToText
+
+    return {family_for_path(path).name: (Path(path), AutoModelForImageTextToText.from_pretrained(path,
+                                                                                                   dtype=torch.float32))
+            for path in (tiny_model_path, tiny_qwen3_vl_path)}
+
+
+def test_each_embedded_model_has_its_family(tiny_model_path, tiny_qwen3_vl_path):
+    assert family_for_path(tiny_model_path) is QWEN2_5_VL
+    assert family_for_path(tiny_qwen3_vl_path) is QWEN3_VL
+    # a transformers config object and config.json as a dict give the same answer
+    from transformers import AutoConfig
+
+    assert family_of(AutoConfig.from_pretrained(tiny_qwen3_vl_path)) is QWEN3_VL
+    assert family_of({"model_type": "qwen2_vl"}) is QWEN2_5_VL
+    assert len({t for f in FAMILIES for t in f.model_types}) == sum(len(f.model_types) for f in FAMILIES)
+
+
+def test_an_unsupported_model_is_refused_naming_it_and_the_supported_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"architecture LlavaForConditionalGeneration is not supported; vlmrl "
+                                         r"handles Qwen2.5-VL \(qwen2_vl / qwen2_5_vl\) and Qwen3-VL \(qwen3_vl\)"):
+        family_of({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"]})
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl_moe"}))
+    with pytest.raises(ValueError, match=f"{tmp_path}: architecture model_type='qwen3_vl_moe' is not supported"):
+        family_for_path(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is .* a Hugging Face model folder"):
+        read_model_config(tmp_path / "missing")
+
+
+def test_checkpoint_names_are_the_names_transformers_saves(built):
+    """Weight sync renames in-memory parameters with checkpoint_name for the engines, which load checkpoint names:
+    for every parameter the renamed name must be the one in the saved safetensors (the engines' loaders map those)."""
+    for name, (folder, model) in built.items():
+        family = family_for_path(folder)
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            saved = set(f.keys())
+        renamed = {family.checkpoint_name(n) for n, _ in model.named_parameters()}
+        assert renamed == saved, f"{name}: renamed but not saved {sorted(renamed - saved)[:4]}, " \
+                                 f"saved but not renamed {sorted(saved - renamed)[:4]}"
+
+
+def test_vision_paths_name_the_tower_and_every_merger(built):
+    """VisionAlwaysOn and the frozen-tower option find the modules by these paths; the mergers named must be the
+    modules whose outputs leave the tower (for Qwen3-VL: the final merger and each deepstack merger)."""
+    for name, (folder, model) in built.items():
+        family = family_for_path(folder)
+        tower = model.get_submodule(family.vision_tower)
+        assert tower is model.model.visual, name
+        merger_params = {n for path in family.vision_mergers for n, _ in tower.get_submodule(path).named_parameters()}
+        assert merger_params, name
+    qwen3 = built["Qwen3-VL"][1]
+    deepstack = qwen3.config.vision_config.deepstack_visual_indexes
+    assert len(qwen3.get_submodule("model.visual.deepstack_merger_list")) == len(deepstack) == 2
+
+
+def test_a_qwen3_vl_config_without_the_interleaving_flag_is_an_engine_problem(tiny_model_path, tiny_qwen3_vl_path):
+    good = read_model_config(tiny_qwen3_vl_path)
+    assert mrope_interleaved(good) and QWEN3_VL.engine_problems(good) == []
+    bad = copy.deepcopy(good)
+    del bad["text_config"]["rope_parameters"]["mrope_interleaved"]
+    problems = QWEN3_VL.engine_problems(bad)
+    assert len(problems) == 1 and '"mrope_interleaved": true' in problems[0]
+    # the older spelling (rope_scaling) carries the flag as well
+    old = copy.deepcopy(bad)
+    old["text_config"]["rope_scaling"] = {"mrope_section": [12, 10, 10], "mrope_interleaved": True}
+    assert QWEN3_VL.engine_problems(old) == []
+    # Qwen2.5-VL never interleaves: no flag needed
+    assert QWEN2_5_VL.engine_problems(read_model_config(tiny_model_path)) == []
+
+
+def test_transformers_interleaves_qwen3_vl_mrope_whatever_the_config_says(tiny_qwen3_vl_path):
+    """The fact behind `interleaved_mrope`: HF's Qwen3-VL logits do not change when the flag is dropped (it always
+    interleaves), so the flag is only for the engines, and an engine without it would compute something else."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    ids = torch.tensor([[1, 5, 9, 300, 301, 302, 303, 17]])
+    # positions where t, h and w differ, as inside an image: interleaving changes which frequency sees which
+    positions = torch.stack([torch.arange(8), torch.arange(8) * 2, torch.arange(8) * 3])[:, None, :]
+    config = AutoConfig.from_pretrained(tiny_qwen3_vl_path)
+    flagged = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_path, config=config, dtype=torch.float32)
+    unflagged_config = copy.deepcopy(config)
+    unflagged_config.text_config.rope_parameters.pop("mrope_interleaved", None)
+    unflagged = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_path, config=unflagged_config,
+                                                            dtype=torch.float32)
+    with torch.no_grad():
+        a = flagged(input_ids=ids, position_ids=positions).logits
+        b = unflagged(input_ids=ids, position_ids=positions).logits
+    assert torch.equal(a, b)
