@@ -1,4 +1,5 @@
-"""The actor on the tiny Qwen2.5-VL: logprobs with explicit 3D positions, micro-batch invariance, KL reference."""
+"""The actor on the tiny Qwen2.5-VL (and, where marked, on both embedded families): logprobs with explicit 3D
+positions, micro-batch invariance, KL reference."""
 
 from __future__ import annotations
 
@@ -28,9 +29,25 @@ def batch(processor, synthetic_rows):
     return make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,))
 
 
-def test_logprobs_equal_transformers_own_position_computation(tiny_model_path, processor, batch):
+@pytest.fixture(scope="module")
+def family_batch(tiny_family, synthetic_rows):
+    """(model path, processor, batch like `batch`) for each embedded family."""
+    path, processor = tiny_family
+    return path, processor, make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,))
+
+
+def test_logprobs_equal_transformers_own_position_computation(family_batch):
+    """The actor passes vlmrl's (3, B, L) position ids and no mm_token_type_ids; transformers, given the token types
+    instead (5.x needs them without position ids), computes its own: the logprobs agree (Qwen3-VL: its own
+    get_rope_index, interleaved mrope, deepstack)."""
+    tiny_model_path, processor, batch = family_batch
     actor = Actor(actor_config(tiny_model_path, ppo_micro_batch_size_per_gpu=3), total_steps=1, mini_batch_samples=8)
+    seen = []
+    hook = actor.model.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(kwargs), with_kwargs=True)
     ours, _ = actor.compute_logprobs(batch)
+    hook.remove()
+    assert seen and all("mm_token_type_ids" not in kw for kw in seen)
+    assert all(kw["position_ids"].shape == (3, *kw["input_ids"].shape) for kw in seen)
     model = actor.model.eval()
     p_len = batch.prompt_length
     for row in range(len(batch)):
@@ -67,7 +84,8 @@ def _one_update(tiny_model_path, batch, micro: int, dtype=torch.float64):
     return actor, metrics, grads
 
 
-def test_one_micro_batch_of_8_equals_eight_of_1(tiny_model_path, batch):
+def test_one_micro_batch_of_8_equals_eight_of_1(family_batch):
+    tiny_model_path, _, batch = family_batch
     big, big_metrics, big_grads = _one_update(tiny_model_path, batch, micro=8)
     small, small_metrics, small_grads = _one_update(tiny_model_path, batch, micro=1)
     assert big_metrics["actor/pg_loss"] == pytest.approx(small_metrics["actor/pg_loss"], abs=1e-12)
@@ -91,7 +109,8 @@ def test_padding_rows_change_no_gradient(tiny_model_path, processor, batch):
         assert torch.allclose(grad, padded_grads[name], rtol=1e-9, atol=1e-12), name
 
 
-def test_update_raises_the_logprob_of_rewarded_samples(tiny_model_path, batch):
+def test_update_raises_the_logprob_of_rewarded_samples(family_batch):
+    tiny_model_path, _, batch = family_batch
     actor = Actor(actor_config(tiny_model_path, optim=OptimConfig(lr=1e-2, weight_decay=0.0)), total_steps=1,
                   mini_batch_samples=len(batch))
     old, _ = actor.compute_logprobs(batch)

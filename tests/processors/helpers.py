@@ -37,7 +37,7 @@ def hf_rope_index(
     hf_model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, grid: torch.Tensor | None,
     image_token_id: int,
 ) -> torch.Tensor:
-    """transformers' own Qwen2.5-VL `get_rope_index`, fed like its processor feeds it (mm_token_type_ids: 1 on
+    """transformers' own `get_rope_index` of the model's family, fed like its processor feeds it (mm_token_type_ids: 1 on
     image tokens, 0 elsewhere)."""
     mm_token_type_ids = (input_ids == image_token_id).to(torch.int32)
     positions, _ = hf_model.model.get_rope_index(

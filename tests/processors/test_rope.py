@@ -1,4 +1,5 @@
-"""mrope position ids: equal to transformers' Qwen2.5-VL get_rope_index on generated batches and real requests."""
+"""mrope position ids: equal to transformers' get_rope_index on generated batches and real requests, for both embedded
+families (Qwen2.5-VL's `Qwen2_5_VLModel.get_rope_index` and Qwen3-VL's `Qwen3VLModel.get_rope_index`)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,23 @@ PLACEMENTS = ("first", "middle", "last")
 PADDINGS = ("left", "left", "right", "none")
 
 
-@pytest.fixture(scope="module")
-def processor(tiny_model_path):
-    return load_processor(tiny_model_path)
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3-vl"])
+def model_path(request):
+    from vlmrl.models import ensure_built
+
+    return str(ensure_built(request.param))
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_model_path):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def processor(model_path):
+    return load_processor(model_path)
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_path).eval()
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_path).eval()
 
 
 def _row(rng: random.Random, processor, num_images: int, placement: str) -> tuple[list[int], list[list[int]]]:
