@@ -18,17 +18,25 @@ P, R, N = 48, 8, 3  # prompt length, response length, samples per prompt
 TOL = 1e-6
 
 
-@pytest.fixture(scope="module")
-def processor(tiny_model_path):
-    return load_processor(tiny_model_path)
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3-vl"])
+def model_path(request):
+    """Each embedded family in turn (Qwen3-VL: its deepstack features go to the image rows' tokens only)."""
+    from vlmrl.models import ensure_built
+
+    return str(ensure_built(request.param))
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_path):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def processor(model_path):
+    return load_processor(model_path)
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_path, attn_implementation="eager").train()
+    return AutoModelForImageTextToText.from_pretrained(model_path, attn_implementation="eager").train()
 
 
 def _random_batch(processor, seed: int) -> TrainBatch:
