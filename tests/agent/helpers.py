@@ -141,12 +141,16 @@ def hf_rope_index(hf_model, input_ids: torch.Tensor, grid: torch.Tensor, image_t
     return positions
 
 
-def check_long_sample(agent_sample: AgentSample, processor, hf_model) -> None:
+def check_long_sample(agent_sample: AgentSample, processor, hf_model, rollout_logprobs: bool = True,
+                      images: list | None = None) -> None:
     """The LONG trajectory equals the processor run on the full final conversation: ids, response_mask, image
-    inputs, position ids; and the trainer's forward on the padded sample reproduces the rollout logprobs."""
+    inputs, position ids; and (rollout_logprobs: a real backend wrote them) the trainer's forward on the padded sample
+    reproduces the rollout logprobs. images: the conversation's two images as shown (default: the prompt image and its
+    zoomed quarter, which the tiny Qwen2.5-VL takes unresized)."""
     s = agent_sample.sample
     image = scripted.prompt_image()
-    ref = scripted.reference(processor, scripted.long_conversation(), [image, image.crop(tuple(scripted.ZOOM_BOX))])
+    images = images or [image, image.crop(tuple(scripted.ZOOM_BOX))]
+    ref = scripted.reference(processor, scripted.long_conversation(), images)
     ids = full_ids(s)
     assert ids.tolist() == ref.input_ids[: ref.length].tolist(), (
         "conversation differs from the template rendering:\n"
@@ -163,6 +167,8 @@ def check_long_sample(agent_sample: AgentSample, processor, hf_model) -> None:
     attended = s.attention_mask.bool()
     assert torch.equal(s.position_ids[:, attended], expected_pos), "position ids differ from get_rope_index"
     assert float(s.position_ids[:, ~attended].abs().sum()) == 0
+    if not rollout_logprobs:
+        return
 
     # The trainer's forward on the padded row (explicit position ids) gives back the rollout logprobs: tool turns and
     # the tool image did not shift anything the policy tokens were generated from.
