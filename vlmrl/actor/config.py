@@ -40,7 +40,7 @@ class OptimConfig:
 @dataclass
 class ActorConfig:
     model_path: str = ""
-    """Policy to train: a local HF folder, a hub id, or an embedded name (`tiny`, `tiny-large`)."""
+    """Policy to train: a local HF folder, a hub id, or an embedded name (`tiny`, `tiny-large`, `tiny-qwen3-vl`)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer settings."""
     ppo_mini_batch_size: int = 128

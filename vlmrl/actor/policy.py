@@ -39,7 +39,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_policy(model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Load a Qwen2-VL / Qwen2.5-VL checkpoint (HF format, or an embedded name or hub id) for training."""
+    """Load a Qwen-VL checkpoint of a supported family (HF format, or an embedded name or hub id) for training."""
     from transformers import AutoModelForImageTextToText
 
     from vlmrl.models import resolve_model_path

@@ -132,7 +132,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
-    """A local model folder for `name_or_path`: `tiny` / `tiny-large` built once; a local folder as it is; a hub id
+    """A local model folder for `name_or_path`: an embedded name (`tiny`, `tiny-qwen3-vl`...) built once; a local folder as it is; a hub id
     (`Qwen/Qwen2.5-VL-7B-Instruct`) downloaded once into the Hugging Face cache (safetensors only; with
     HF_HUB_OFFLINE=1 the cached copy). Anything else raises FileNotFoundError naming it."""
     name = str(name_or_path)
