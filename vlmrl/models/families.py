@@ -70,6 +70,33 @@ class ModelFamily:
                 '"mrope_interleaved": true next to "mrope_section" in config.json.')
         return problems
 
+    def engine_overrides(self, model_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Config values the engines must be started with so that they compute what transformers computes on this
+        config (empty: none needed). The same nested dict serves vLLM (`hf_overrides`) and SGLang
+        (`json_model_override_args`); a sub-dict replaces the whole key there (SGLang does not merge), so the rope
+        parameters come back whole, the released layout (`rope_scaling` + `rope_theta`) as transformers 5 reads it.
+
+        >>> QWEN3_VL.engine_overrides({"text_config": {"rope_parameters": {"rope_type": "default",
+        ...     "mrope_section": [12, 10, 10], "rope_theta": 5e6}}})["text_config"]["rope_parameters"]
+        {'rope_type': 'default', 'mrope_section': [12, 10, 10], 'rope_theta': 5000000.0, 'mrope_interleaved': True}
+        >>> QWEN3_VL.engine_overrides({"text_config": {"rope_scaling": {"rope_type": "default",
+        ...     "mrope_section": [24, 20, 20]}, "rope_theta": 5e6}})["text_config"]["rope_parameters"]["rope_theta"]
+        5000000.0
+        >>> QWEN3_VL.engine_overrides({"text_config": {"rope_parameters": {"mrope_section": [12, 10, 10],
+        ...     "mrope_interleaved": True}}})
+        {}
+        >>> QWEN2_5_VL.engine_overrides({"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}})
+        {}
+        """
+        if not (self.interleaved_mrope and not mrope_interleaved(model_config)):
+            return {}
+        text = model_config.get("text_config") or model_config
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        if "rope_theta" not in rope and "rope_theta" in text:
+            rope["rope_theta"] = text["rope_theta"]
+        rope["mrope_interleaved"] = True
+        return {"text_config": {"rope_parameters": rope}} if "text_config" in model_config else {"rope_parameters": rope}
+
 
 QWEN2_5_VL = ModelFamily(
     name="Qwen2.5-VL",

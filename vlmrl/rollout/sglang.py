@@ -16,6 +16,9 @@ Samples: each of the n samples is its own entry of one batched call, with `sampl
 Stale vision embeddings: SGLang's multimodal embedding cache survives weight updates and `flush_cache`. The engines
 vlmrl starts run with `SGLANG_VLM_CACHE_SIZE_MB=vlm_cache_size_mb` (0 by default), and every request also carries
 `mm_hashes` salted with the weight version, so a cache (e.g. a server given by URL) never serves old embeddings.
+Engine settings: where the model's config.json lacks what its family needs for the engine to compute what
+transformers computes (Qwen3-VL's `mrope_interleaved`), the engine starts with them as `json_model_override_args`; a
+server given by URL must have been started with them (checked at connect, from /server_info).
 Weight sync: Engine `update_weights_from_tensor` between `begin_weight_update` / `end_weight_update`; server:
 safetensors written to a private folder, then `/update_weights_from_disk` (no pickled payloads over HTTP).
 
@@ -31,6 +34,7 @@ import atexit
 import base64
 import hashlib
 import io
+import json
 import logging
 import math
 import os
@@ -48,6 +52,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.models.families import read_model_config
 from vlmrl.rollout.base import (
     DeadlineRunner,
     EngineDeadError,
@@ -55,6 +60,8 @@ from vlmrl.rollout.base import (
     RolloutError,
     RolloutOptions,
     assert_nothing_banned,
+    family_engine_overrides,
+    merged,
     sample_seed,
     top_allowed,
 )
@@ -132,7 +139,14 @@ class _SGLangCommon(RolloutBackend):
                 args["attention_backend"] = o.attention_backend
             if o.enable_memory_saver:
                 args["enable_memory_saver"] = True
-        args.update(o.engine_kwargs)
+        overrides = family_engine_overrides(self.model_path, self.processor.family, o.family_engine_settings,
+                                            self.name)
+        extra = dict(o.engine_kwargs)
+        if overrides or "json_model_override_args" in extra:  # the user's own overrides merge over the family's
+            user = extra.pop("json_model_override_args", "{}")
+            args["json_model_override_args"] = json.dumps(merged(overrides, json.loads(user) if isinstance(user, str)
+                                                                 else user))
+        args.update(extra)
         return args
 
     def encode_images(self, images: Sequence[Any]) -> list[Any]:
@@ -355,6 +369,7 @@ class SGLangServerBackend(_SGLangCommon):
                 self.url = options.server_url.rstrip("/")
                 self._runner.call("reach the server", lambda: self._wait_ready(deadline=time.monotonic() + 30),
                                   options.start_timeout_s)
+                self._check_server_settings()
             else:
                 self.url = self._launch()
             atexit.register(self.close)
@@ -396,6 +411,30 @@ class SGLangServerBackend(_SGLangCommon):
                 last = f"{type(err).__name__}"
             time.sleep(1.0)
         raise RolloutError(f"{self.name}: {self.url} not ready in time ({last}){self._log_hint()}")
+
+    def _check_server_settings(self) -> None:
+        """A server vlmrl did not start must have been started with what the family needs where config.json lacks
+        it (`--json-model-override-args`, read back from /server_info): otherwise it would agree with nothing the
+        trainer computes, silently. Refused unless family_engine_settings=false."""
+        import requests
+
+        model_config = read_model_config(self.model_path)
+        if not self.options.family_engine_settings or not self.processor.family.engine_overrides(model_config):
+            return
+        info = self._runner.call("read the server's settings",
+                                 lambda: requests.get(f"{self.url}/server_info", timeout=30), self.options.timeout_s)
+        if info.status_code != 200:
+            raise RolloutError(f"{self.name}: GET {self.url}/server_info: HTTP {info.status_code}: cannot check the "
+                               "server's engine settings")
+        given = json.loads(info.json().get("json_model_override_args") or "{}")
+        problems = self.processor.family.engine_problems(merged(model_config, given))
+        if problems:
+            needed = json.dumps(self.processor.family.engine_overrides(model_config))
+            raise RolloutError(
+                f"{self.name}: the server at {self.url} runs {self.model_path} without the settings that make it "
+                f"compute what transformers computes: {' '.join(problems)} Restart it with "
+                f"--json-model-override-args '{needed}' (or fix config.json), let vlmrl launch the server (empty "
+                "server_url), or set family_engine_settings=false to accept the drift")
 
     def _health(self) -> str | None:
         if self.process is not None and self.process.poll() is not None:
