@@ -4,6 +4,7 @@ backend is tested against (`EngineContract`, subclassed once per engine module w
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -28,7 +29,8 @@ def noise_image(width: int, height: int, seed: int) -> Image.Image:
 
 def build_batch(processor) -> list[RolloutRequest]:
     """Nine requests through the real processor: three text-only, three with one image, three with two, all images
-    of different sizes (the processor resizes them to multiples of 28 within the model's pixel bounds)."""
+    of different sizes (the processor resizes them to multiples of the model's image factor, 28 or 32, within its pixel
+    bounds)."""
     specs = [
         ("What is two plus two?", []),
         ("Name a colour.", []),
@@ -230,9 +232,11 @@ def assert_sync_changes_seen_images_like_hf(backend, hf, batch, state: dict[str,
     assert not problems, f"engine with {what} != HF with them:\n" + "\n".join(problems)
     assert all(max(abs(a - b) for a, b in zip(ref.response_logprobs, got.response_logprobs)) < LOGPROB_TOL
                for ref, got in zip(expected, after))
-    changed = [a.response_logprobs != b.response_logprobs for a, b in zip(first, after)]
-    assert not any(changed[:3]), "text-only outputs changed although only vision weights did"
-    assert all(changed[3:]), f"{what}: outputs for seen images did not change (stale vision features?): {changed}"
+    # (engines are not bitwise reproducible across batches: 1e-5 is the noise bound the contract uses)
+    moved = [max(abs(a - b) for a, b in zip(x.response_logprobs, y.response_logprobs)) if x.response_ids ==
+             y.response_ids else math.inf for x, y in zip(first, after)]
+    assert max(moved[:3]) < 1e-5, f"text-only outputs changed although only vision weights did: {moved}"
+    assert min(moved[3:]) > 1e-3, f"{what}: outputs for seen images did not change (stale vision features?): {moved}"
     restored = backend.generate(batch, GREEDY)
     assert [r.response_ids for r in restored] == [r.response_ids for r in first]
 

@@ -38,6 +38,11 @@ class ModelFamily:
     the config says; vLLM and SGLang interleave only when the text config's rope parameters carry
     `mrope_interleaved: true`, and otherwise drift from the trainer (about 0.1 nats per token, measured on a tiny
     Qwen3-VL) while still agreeing with each other."""
+    sglang_caller_mm_hashes: bool = True
+    """SGLang takes caller-supplied `mm_hashes` for this family's images (vlmrl salts them with the weight version so
+    that no multimodal cache serves features of old vision weights). Not Qwen3-VL with sglang 0.5.23: its image path
+    pads the prompt with SGLang's own hash before the caller's replaces it, and the scheduler dies on the mismatch
+    (`index_copy_(): index N is out of bounds`); the engine must then run without a multimodal embedding cache."""
 
     def checkpoint_name(self, name: str) -> str:
         """A transformers-5 in-memory parameter name -> the name in this family's checkpoints (what engines load).
@@ -116,6 +121,7 @@ QWEN3_VL = ModelFamily(
     vision_tower="model.visual",
     vision_mergers=("merger", "deepstack_merger_list"),
     interleaved_mrope=True,
+    sglang_caller_mm_hashes=False,
 )
 
 FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL)

@@ -16,6 +16,8 @@ Samples: each of the n samples is its own entry of one batched call, with `sampl
 Stale vision embeddings: SGLang's multimodal embedding cache survives weight updates and `flush_cache`. The engines
 vlmrl starts run with `SGLANG_VLM_CACHE_SIZE_MB=vlm_cache_size_mb` (0 by default), and every request also carries
 `mm_hashes` salted with the weight version, so a cache (e.g. a server given by URL) never serves old embeddings.
+Where SGLang cannot take caller mm_hashes (Qwen3-VL: `ModelFamily.sglang_caller_mm_hashes`) none are sent and the
+cache must stay off (a non-zero vlm_cache_size_mb is refused).
 Engine settings: where the model's config.json lacks what its family needs for the engine to compute what
 transformers computes (Qwen3-VL's `mrope_interleaved`), the engine starts with them as `json_model_override_args`; a
 server given by URL must have been started with them (checked at connect, from /server_info).
@@ -85,7 +87,8 @@ class SGLangOptions(ServingEngineOptions, RolloutOptions):
     """None = torch_native on CPU (the one that runs there), SGLang's default on GPU."""
     vlm_cache_size_mb: int = 0
     """SGLang's multimodal embedding cache (SGLANG_VLM_CACHE_SIZE_MB). 0 = off: nothing computed with old vision
-    weights can be served. Salted mm_hashes make a non-zero cache safe too; it saves re-encoding repeated images."""
+    weights can be served. Salted mm_hashes make a non-zero cache safe too; it saves re-encoding repeated images.
+    Refused on Qwen3-VL, where SGLang cannot take salted mm_hashes."""
     enable_memory_saver: bool = False
     """Let sleep()/wake_up() release and resume GPU memory (CUDA only)."""
     log_level: str = "error"
@@ -115,6 +118,15 @@ class _SGLangCommon(RolloutBackend):
         self.on_cuda = torch.cuda.is_available()
         self.weight_version = 0
         self._sleeping = False
+        family = self.processor.family
+        self.salt_mm_hashes = family.sglang_caller_mm_hashes
+        """Send mm_hashes salted with the weight version; where SGLang cannot take them (the family says), the
+        engine must run with no multimodal cache instead: flush_cache after a sync then drops everything old."""
+        if not self.salt_mm_hashes and options.vlm_cache_size_mb:
+            raise ValueError(
+                f"{self.name}: vlm_cache_size_mb={options.vlm_cache_size_mb} on {family.name}: after a weight sync "
+                "the multimodal cache would serve features of the old vision weights, and the salted mm_hashes that "
+                f"prevent it crash SGLang's scheduler on {family.name} images; set vlm_cache_size_mb=0")
 
     def engine_env(self) -> dict[str, str]:
         """Environment the engine processes must start with."""
@@ -163,9 +175,11 @@ class _SGLangCommon(RolloutBackend):
         draws = 1 if sampling.greedy else sampling.n
         entries: dict[str, list] = {"input_ids": [], "image_data": [], "sampling_params": [], "mm_hashes": []}
         for position, request in enumerate(requests):
-            hashes = request.image_hashes or [image_hash(im) for im in request.images]
-            # The weight version in the hash keeps any multimodal cache from serving old-weight embeddings.
-            salted = [hashlib.sha256(f"{h}:{self.weight_version}".encode()).hexdigest()[:16] for h in hashes]
+            salted = None
+            if self.salt_mm_hashes:
+                hashes = request.image_hashes or [image_hash(im) for im in request.images]
+                # The weight version in the hash keeps any multimodal cache from serving old-weight embeddings.
+                salted = [hashlib.sha256(f"{h}:{self.weight_version}".encode()).hexdigest()[:16] for h in hashes]
             images = self.encode_images(request.images)
             seed = sample_seed(sampling, position)
             for i in range(draws):
@@ -179,6 +193,8 @@ class _SGLangCommon(RolloutBackend):
                 entries["sampling_params"].append(params)
                 entries["mm_hashes"].append(salted)
         body: dict[str, Any] = {**entries, "return_logprob": True}
+        if not self.salt_mm_hashes:
+            del body["mm_hashes"]
         banned = sorted({t for r in requests for t in r.banned_token_ids})
         if banned:  # one flat list for the whole batch: the union (only a request's own ids are biased)
             body["token_ids_logprob"] = banned
@@ -370,6 +386,11 @@ class SGLangServerBackend(_SGLangCommon):
                 self._runner.call("reach the server", lambda: self._wait_ready(deadline=time.monotonic() + 30),
                                   options.start_timeout_s)
                 self._check_server_settings()
+                if not self.salt_mm_hashes:
+                    logger.warning("%s: %s images carry no salted mm_hashes (SGLang crashes on them): the server at "
+                                   "%s must run with SGLANG_VLM_CACHE_SIZE_MB=0, else after a weight sync it serves "
+                                   "features of the old vision weights", self.name, self.processor.family.name,
+                                   self.url)
             else:
                 self.url = self._launch()
             atexit.register(self.close)

@@ -1,6 +1,7 @@
-"""SGLang HTTP server (launched by vlmrl, fp32, CPU, multimodal embedding cache ON) on the embedded Qwen3-VL against
-transformers: the shared engine contract and the deepstack weight sync (salted mm_hashes keep old features out), then
-the mrope setting: passed as a server flag where config.json lacks it, and checked on a server given by URL."""
+"""SGLang HTTP server (launched by vlmrl, fp32, CPU) on the embedded Qwen3-VL against transformers: the shared engine
+contract and the deepstack weight sync, then the mrope setting: passed as a server flag where config.json lacks it,
+and checked on a server given by URL. The multimodal embedding cache stays off: SGLang crashes on the salted mm_hashes
+that would make it safe across weight syncs for Qwen3-VL, so vlmrl refuses to turn it on."""
 
 from __future__ import annotations
 
@@ -16,8 +17,13 @@ pytestmark = pytest.mark.sglang
 def backend(tiny_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("sglang-server-qwen3-vl") / "server.log"
     with get_backend("sglang-server", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
-                     vlm_cache_size_mb=100, log_file=str(log)) as started:
+                     log_file=str(log)) as started:
         yield started
+
+
+def test_multimodal_cache_is_refused_before_any_server_starts(tiny_model_path):
+    with pytest.raises(ValueError, match="vlm_cache_size_mb=100 on Qwen3-VL.*set vlm_cache_size_mb=0"):
+        get_backend("sglang-server", tiny_model_path, max_model_len=1024, vlm_cache_size_mb=100)
 
 
 class TestSGLangServerQwen3VL(Qwen3VLContract):
