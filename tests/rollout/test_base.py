@@ -145,7 +145,7 @@ def test_qwen3_vl_config_without_interleaving_gets_it_as_an_engine_override(tmp_
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert "mrope_interleaved" in QWEN3_VL.engine_problems(config)[0]
     assert base.family_engine_overrides(str(tmp_path), QWEN3_VL, True, "test") == {
-        "text_config": {"rope_parameters": rope}}
+        "text_config": {"rope_parameters": rope}, "rope_parameters": rope}
     assert base.family_engine_overrides(str(tmp_path), QWEN3_VL, False, "test") == {}
     assert base.family_engine_overrides(str(source), QWEN3_VL, True, "test") == {}
 

@@ -80,6 +80,8 @@ class ModelFamily:
         config (empty: none needed). The same nested dict serves vLLM (`hf_overrides`) and SGLang
         (`json_model_override_args`); a sub-dict replaces the whole key there (SGLang does not merge), so the rope
         parameters come back whole, the released layout (`rope_scaling` + `rope_theta`) as transformers 5 reads it.
+        They are given twice: in text_config (where vLLM reads them) and at the top level, where SGLang's Qwen3-VL
+        reads the copy it flattens out of text_config when it loads the config (before any override).
 
         >>> QWEN3_VL.engine_overrides({"text_config": {"rope_parameters": {"rope_type": "default",
         ...     "mrope_section": [12, 10, 10], "rope_theta": 5e6}}})["text_config"]["rope_parameters"]
@@ -100,7 +102,8 @@ class ModelFamily:
         if "rope_theta" not in rope and "rope_theta" in text:
             rope["rope_theta"] = text["rope_theta"]
         rope["mrope_interleaved"] = True
-        return {"text_config": {"rope_parameters": rope}} if "text_config" in model_config else {"rope_parameters": rope}
+        return {"text_config": {"rope_parameters": rope}, "rope_parameters": rope} if "text_config" in model_config \
+            else {"rope_parameters": rope}
 
 
 QWEN2_5_VL = ModelFamily(
