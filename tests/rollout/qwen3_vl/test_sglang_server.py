@@ -45,7 +45,7 @@ def test_server_flag_for_a_config_without_interleaving(backend, flagless_model_p
     assert max_drift_from_hf(hf, batch, results) < LOGPROB_TOL
     with get_backend("sglang-server", flagless_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
                      family_engine_settings=False) as raw:
-        with pytest.raises(RolloutError, match="sglang-server: the server at .* mrope_interleaved.*"
+        with pytest.raises(RolloutError, match="sglang-server: the server at .*mrope_interleaved.*"
                                                "--json-model-override-args"):
             get_backend("sglang-server", flagless_model_path, server_url=raw.url, max_model_len=1024)
         with get_backend("sglang-server", flagless_model_path, server_url=raw.url, max_model_len=1024,
