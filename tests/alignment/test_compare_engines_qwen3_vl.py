@@ -104,8 +104,9 @@ def test_vllm_vs_sglang_and_hf_vs_sglang_fp32_are_exact(setup, hf_vs_vllm):
 
 def test_engine_without_mrope_interleaving_is_not_aligned(setup, hf_vs_vllm, flagless):
     """vLLM started on the flagless config as it is computes other rope angles than transformers: the tool exits 1
-    and names logprob drift or divergences on the image rows; the text row (1-D positions: all three sections
-    carry the same position, so interleaving changes nothing) stays exact."""
+    and names divergences (or logprob drift) on the image rows; the text row (1-D positions: all three sections
+    carry the same position, so interleaving changes nothing) stays exact. Both sides are float32, so the tool's
+    float32 thresholds apply: with the bf16 ones these splits (margins 0.03-0.2 nats) would pass as near-ties."""
     root, overrides, _ = setup
     _, out = hf_vs_vllm
     misset = _validate([*overrides, f"actor.model_path={flagless}", "rollout.family_engine_settings=false"], "vllm",
@@ -114,7 +115,8 @@ def test_engine_without_mrope_interleaving_is_not_aligned(setup, hf_vs_vllm, fla
     report = _report(root / "misset")
     assert status == 1 and not report["ok"]
     causes = {cause: count for cause, count in report["summary"]["causes"].items() if count}
-    assert causes and set(causes) <= {"logprob_drift", "real_divergence", "near_tie"}, causes
+    assert set(causes) <= {"logprob_drift", "real_divergence", "near_tie"}, causes
+    assert causes.get("real_divergence", 0) + causes.get("logprob_drift", 0) >= 1, causes
     assert report["summary"]["max_abs_logprob_delta"] > 1e-2
     text_row = next(s for s in report["samples"] if s["index"] == 6)
     assert text_row["cause"] is None
