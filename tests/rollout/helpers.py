@@ -4,6 +4,7 @@ backend is tested against (`EngineContract`, subclassed once per engine module w
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -28,7 +29,8 @@ def noise_image(width: int, height: int, seed: int) -> Image.Image:
 
 def build_batch(processor) -> list[RolloutRequest]:
     """Nine requests through the real processor: three text-only, three with one image, three with two, all images
-    of different sizes (the processor resizes them to multiples of 28 within the model's pixel bounds)."""
+    of different sizes (the processor resizes them to multiples of the model's image factor, 28 or 32, within its pixel
+    bounds)."""
     specs = [
         ("What is two plus two?", []),
         ("Name a colour.", []),
@@ -200,3 +202,55 @@ class EngineContract:
         assert [r.response_ids for r in restored] == [r.response_ids for r in first]
         assert all(max(abs(a - b) for a, b in zip(x.response_logprobs, y.response_logprobs)) < 1e-5
                    for x, y in zip(first, restored))
+
+
+def perturbed_mergers(state: dict[str, torch.Tensor], module: str, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """The full state with only the parameters under `module` (a name fragment, e.g. Qwen3-VL's
+    `.deepstack_merger_list.`) shifted (seeded)."""
+    gen = torch.Generator().manual_seed(11)
+    touched = {name for name in state if module in name}
+    assert touched, f"no parameter named like {module!r}"
+    return {name: (t + scale * torch.randn(t.shape, generator=gen) if name in touched else t.clone())
+            for name, t in state.items()}
+
+
+def assert_sync_changes_seen_images_like_hf(backend, hf, batch, state: dict[str, torch.Tensor], what: str) -> None:
+    """Pushing `state` (vision-side weights only) changes the backend's greedy outputs for images it has already
+    seen exactly as HF's with the same weights, leaves text-only requests alone, and the original weights bring the
+    first outputs back."""
+    first = backend.generate(batch, GREEDY)
+    original = clone_state(hf.model)
+    backend.update_weights(state.items())
+    hf.update_weights(state.items())
+    try:
+        after = backend.generate(batch, GREEDY)
+        expected = hf.generate(batch, GREEDY)
+    finally:
+        hf.update_weights(original.items())
+        backend.update_weights(original.items())
+    problems = [m for ref, got in zip(expected, after) if (m := greedy_mismatch(ref, got, backend.name))]
+    assert not problems, f"engine with {what} != HF with them:\n" + "\n".join(problems)
+    assert all(max(abs(a - b) for a, b in zip(ref.response_logprobs, got.response_logprobs)) < LOGPROB_TOL
+               for ref, got in zip(expected, after))
+    # (engines are not bitwise reproducible across batches: 1e-5 is the noise bound the contract uses)
+    moved = [max(abs(a - b) for a, b in zip(x.response_logprobs, y.response_logprobs)) if x.response_ids ==
+             y.response_ids else math.inf for x, y in zip(first, after)]
+    assert max(moved[:3]) < 1e-5, f"text-only outputs changed although only vision weights did: {moved}"
+    assert min(moved[3:]) > 1e-3, f"{what}: outputs for seen images did not change (stale vision features?): {moved}"
+    restored = backend.generate(batch, GREEDY)
+    assert [r.response_ids for r in restored] == [r.response_ids for r in first]
+
+
+def max_drift_from_hf(hf, requests, results) -> float:
+    """Largest |logprob - HF teacher-forced logprob| over these results (one per request)."""
+    return max(max(abs(a - b) for a, b in zip(hf.score(r, res.response_ids), res.response_logprobs))
+               for r, res in zip(requests, results))
+
+
+class Qwen3VLContract(EngineContract):
+    """What an engine must also show on Qwen3-VL: the deepstack mergers' weights reach it (seen images re-encode),
+    and a config without `mrope_interleaved` still gives HF's outputs because vlmrl passes the setting."""
+
+    def test_deepstack_merger_sync_reencodes_seen_images(self, backend, hf, batch):
+        state = perturbed_mergers(clone_state(hf.model), ".deepstack_merger_list.")
+        assert_sync_changes_seen_images_like_hf(backend, hf, batch, state, "perturbed deepstack mergers")

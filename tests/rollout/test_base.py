@@ -4,6 +4,8 @@ arithmetic that undoes SGLang's renormalisation over non-banned tokens."""
 from __future__ import annotations
 
 import dataclasses
+import doctest
+import json
 import math
 import subprocess
 import sys
@@ -13,8 +15,10 @@ import pytest
 import torch
 
 from tests.rollout.helpers import GREEDY, noise_image
-from vlmrl.rollout import EngineDeadError, EngineTimeoutError, InvalidRequestError, RolloutError, get_backend
-from vlmrl.rollout.base import DeadlineRunner, checkpoint_name, finish_at_stop, top_allowed
+from vlmrl.models import families
+from vlmrl.models.families import QWEN2_5_VL, QWEN3_VL
+from vlmrl.rollout import EngineDeadError, EngineTimeoutError, InvalidRequestError, RolloutError, base, get_backend
+from vlmrl.rollout.base import DeadlineRunner, checkpoint_state, finish_at_stop, top_allowed
 from vlmrl.types import RolloutRequest, SamplingParams
 
 # ---------------------------------------------------------------------------------------------- request checks
@@ -104,11 +108,46 @@ def test_importing_the_package_and_backend_modules_imports_no_engine():
 # ---------------------------------------------------------------------------------------------- pure helpers
 
 
-def test_checkpoint_names_from_transformers_names():
-    assert checkpoint_name("model.language_model.layers.1.mlp.up_proj.bias") == "model.layers.1.mlp.up_proj.bias"
-    assert checkpoint_name("model.visual.merger.mlp.0.weight") == "visual.merger.mlp.0.weight"
-    assert checkpoint_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
-    assert checkpoint_name("lm_head.weight") == "lm_head.weight"
+def test_checkpoint_names_follow_the_family():
+    """Weight sync renames transformers-5 names into the layout each family's engines load: Qwen2.5-VL's
+    checkpoints flatten the nesting, Qwen3-VL's keep it (vLLM's Qwen3-VL loader has no rule for the flat one)."""
+    assert QWEN2_5_VL.checkpoint_name("model.language_model.layers.1.mlp.up_proj.bias") == \
+        "model.layers.1.mlp.up_proj.bias"
+    assert QWEN2_5_VL.checkpoint_name("model.visual.merger.mlp.0.weight") == "visual.merger.mlp.0.weight"
+    assert QWEN2_5_VL.checkpoint_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert QWEN2_5_VL.checkpoint_name("lm_head.weight") == "lm_head.weight"
+    for name in ("model.language_model.layers.1.mlp.up_proj.bias", "model.visual.deepstack_merger_list.0.norm.weight",
+                 "model.visual.merger.linear_fc1.weight", "lm_head.weight"):
+        assert QWEN3_VL.checkpoint_name(name) == name
+    state = checkpoint_state([("model.visual.merger.linear_fc1.weight", torch.ones(1))], QWEN3_VL)
+    assert list(state) == ["model.visual.merger.linear_fc1.weight"]
+    with pytest.raises(ValueError, match="given twice"):
+        checkpoint_state([("model.language_model.norm.weight", torch.ones(1)), ("model.norm.weight", torch.ones(1))],
+                         QWEN2_5_VL)
+
+
+@pytest.mark.parametrize("module", [families, base])
+def test_doctests(module):
+    failures, tried = doctest.testmod(module)
+    assert tried and not failures
+
+
+def test_qwen3_vl_config_without_interleaving_gets_it_as_an_engine_override(tmp_path):
+    """The embedded Qwen3-VL carries mrope_interleaved (nothing to override); a copy without it is named as a
+    problem and gets the whole rope dict back with the flag set (SGLang replaces sub-dicts rather than merging)."""
+    from vlmrl.models import ensure_built
+
+    source = ensure_built("tiny-qwen3-vl")
+    config = families.read_model_config(source)
+    assert QWEN3_VL.engine_problems(config) == [] and QWEN3_VL.engine_overrides(config) == {}
+    rope = dict(config["text_config"]["rope_parameters"])
+    del config["text_config"]["rope_parameters"]["mrope_interleaved"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert "mrope_interleaved" in QWEN3_VL.engine_problems(config)[0]
+    assert base.family_engine_overrides(str(tmp_path), QWEN3_VL, True, "test") == {
+        "text_config": {"rope_parameters": rope}, "rope_parameters": rope}
+    assert base.family_engine_overrides(str(tmp_path), QWEN3_VL, False, "test") == {}
+    assert base.family_engine_overrides(str(source), QWEN3_VL, True, "test") == {}
 
 
 def test_finish_at_stop_and_top_allowed():

@@ -33,7 +33,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from vlmrl.alignment.artifact import ArtifactError, read_artifact
+from vlmrl.alignment.artifact import ArtifactError, ArtifactMeta, read_artifact
 from vlmrl.alignment.diff import NotComparableError, Thresholds, compare_artifacts
 from vlmrl.alignment.html_report import write_html_report
 from vlmrl.alignment.report import print_summary, write_json_report
@@ -81,13 +81,29 @@ def build_parser() -> argparse.ArgumentParser:
     docs = field_docs(Thresholds)
     group = parser.add_argument_group("thresholds (when the two sides count as aligned)")
     for f in dataclasses.fields(Thresholds):
-        group.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default, metavar="X",
-                           help=f"{docs.get(f.name, '')} (default {f.default})")
+        fp32 = f"; {FP32_THRESHOLDS[f.name]} when both artifacts come from float32 engines" \
+            if f.name in FP32_THRESHOLDS else ""
+        group.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=None, metavar="X",
+                           help=f"{docs.get(f.name, '')} (default {f.default}{fp32})")
     return parser
 
 
-def thresholds_from(args: argparse.Namespace) -> Thresholds:
-    return Thresholds(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Thresholds)})
+FP32_THRESHOLDS = {"near_tie_margin": 0.01, "drift_tolerance": 0.01, "max_mean_logprob_delta": 0.001}
+"""Defaults when both sides ran in float32 (rollout.dtype=float32 in both headers). The defaults above are sized for
+bf16, where two correct engines split on near-ties with margins up to ~0.03 nats; in float32 correct engines agree to
+~1e-5 nats (measured 4e-6 on the tiny models), so a split with a 0.03-0.2 nat margin is a real difference: measured on
+Qwen3-VL with an engine left without mrope interleaving, which the bf16 defaults would call 6 near-ties and aligned."""
+
+
+def both_float32(meta_a: ArtifactMeta, meta_b: ArtifactMeta) -> bool:
+    return all((meta.config.get("rollout") or {}).get("dtype") == "float32" for meta in (meta_a, meta_b))
+
+
+def thresholds_from(args: argparse.Namespace, float32: bool = False) -> Thresholds:
+    """The thresholds given on the command line; the others at their defaults (FP32_THRESHOLDS for float32 sides)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Thresholds) if getattr(args, f.name) is not None}
+    defaults = FP32_THRESHOLDS if float32 else {}
+    return Thresholds(**{**defaults, **given})
 
 
 def _artifact_paths(args: argparse.Namespace, out: Path) -> list[Path]:
@@ -215,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         path_a, path_b = _artifact_paths(args, out)
         meta_a, records_a = read_artifact(path_a)
         meta_b, records_b = read_artifact(path_b)
-        comparison = compare_artifacts(meta_a, records_a, meta_b, records_b, thresholds_from(args))
+        float32 = both_float32(meta_a, meta_b)
+        if float32:
+            logger.info("both sides ran in float32: stricter defaults %s (unless given)", FP32_THRESHOLDS)
+        comparison = compare_artifacts(meta_a, records_a, meta_b, records_b, thresholds_from(args, float32))
     except (UsageError, BackendRunError, ArtifactError, NotComparableError) as error:
         err.print(Text("error: ", style="bold red") + Text(str(error)))
         return EXIT_USAGE

@@ -38,6 +38,11 @@ class ModelFamily:
     the config says; vLLM and SGLang interleave only when the text config's rope parameters carry
     `mrope_interleaved: true`, and otherwise drift from the trainer (about 0.1 nats per token, measured on a tiny
     Qwen3-VL) while still agreeing with each other."""
+    sglang_caller_mm_hashes: bool = True
+    """SGLang takes caller-supplied `mm_hashes` for this family's images (vlmrl salts them with the weight version so
+    that no multimodal cache serves features of old vision weights). Not Qwen3-VL with sglang 0.5.23: its image path
+    pads the prompt with SGLang's own hash before the caller's replaces it, and the scheduler dies on the mismatch
+    (`index_copy_(): index N is out of bounds`); the engine must then run without a multimodal embedding cache."""
 
     def checkpoint_name(self, name: str) -> str:
         """A transformers-5 in-memory parameter name -> the name in this family's checkpoints (what engines load).
@@ -70,6 +75,36 @@ class ModelFamily:
                 '"mrope_interleaved": true next to "mrope_section" in config.json.')
         return problems
 
+    def engine_overrides(self, model_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Config values the engines must be started with so that they compute what transformers computes on this
+        config (empty: none needed). The same nested dict serves vLLM (`hf_overrides`) and SGLang
+        (`json_model_override_args`); a sub-dict replaces the whole key there (SGLang does not merge), so the rope
+        parameters come back whole, the released layout (`rope_scaling` + `rope_theta`) as transformers 5 reads it.
+        They are given twice: in text_config (where vLLM reads them) and at the top level, where SGLang's Qwen3-VL
+        reads the copy it flattens out of text_config when it loads the config (before any override).
+
+        >>> QWEN3_VL.engine_overrides({"text_config": {"rope_parameters": {"rope_type": "default",
+        ...     "mrope_section": [12, 10, 10], "rope_theta": 5e6}}})["text_config"]["rope_parameters"]
+        {'rope_type': 'default', 'mrope_section': [12, 10, 10], 'rope_theta': 5000000.0, 'mrope_interleaved': True}
+        >>> QWEN3_VL.engine_overrides({"text_config": {"rope_scaling": {"rope_type": "default",
+        ...     "mrope_section": [24, 20, 20]}, "rope_theta": 5e6}})["text_config"]["rope_parameters"]["rope_theta"]
+        5000000.0
+        >>> QWEN3_VL.engine_overrides({"text_config": {"rope_parameters": {"mrope_section": [12, 10, 10],
+        ...     "mrope_interleaved": True}}})
+        {}
+        >>> QWEN2_5_VL.engine_overrides({"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}})
+        {}
+        """
+        if not (self.interleaved_mrope and not mrope_interleaved(model_config)):
+            return {}
+        text = model_config.get("text_config") or model_config
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        if "rope_theta" not in rope and "rope_theta" in text:
+            rope["rope_theta"] = text["rope_theta"]
+        rope["mrope_interleaved"] = True
+        return {"text_config": {"rope_parameters": rope}, "rope_parameters": rope} if "text_config" in model_config \
+            else {"rope_parameters": rope}
+
 
 QWEN2_5_VL = ModelFamily(
     name="Qwen2.5-VL",
@@ -89,6 +124,7 @@ QWEN3_VL = ModelFamily(
     vision_tower="model.visual",
     vision_mergers=("merger", "deepstack_merger_list"),
     interleaved_mrope=True,
+    sglang_caller_mm_hashes=False,
 )
 
 FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL)

@@ -14,6 +14,7 @@ Contract shared by all backends (`hf`, `vllm`, `sglang`, `sglang-server`):
 from __future__ import annotations
 
 import abc
+import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from vlmrl.models.families import ModelFamily, read_model_config
 from vlmrl.rollout.config import EngineOptions
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.executor import DaemonExecutor, DeadlineExceeded
@@ -105,8 +107,9 @@ class RolloutBackend(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load these weights into the engine (checkpoint `model.layers.*`/`visual.*` names or transformers-5
-        `model.language_model.*`/`model.visual.*` names) and drop every cache computed with the old ones."""
+        """Load these weights into the engine (transformers-5 in-memory names `model.language_model.*` /
+        `model.visual.*`, or the names of the model's checkpoint; `sync_state` maps them through the model's family)
+        and drop every cache computed with the old ones."""
 
     def sleep(self) -> None:
         """Free accelerator memory between rollouts (where the engine can); otherwise log once and carry on."""
@@ -127,11 +130,13 @@ class RolloutBackend(abc.ABC):
         self.close()
 
     def sync_state(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """What `update_weights` loads: {checkpoint name: CPU tensor}, tied copies the model's checkpoint does not
-        hold left out (see `drop_tied_copies`)."""
+        """What `update_weights` loads: {checkpoint name: CPU tensor} in the layout of the model's family, tied copies
+        the model's checkpoint does not hold left out (see `drop_tied_copies`)."""
         if self._checkpoint_names is None:
             self._checkpoint_names = checkpoint_names(self.model_path)
-        return drop_tied_copies(checkpoint_state(named_tensors), self._checkpoint_names, self.name)
+        family = self.processor.family
+        return drop_tied_copies(checkpoint_state(named_tensors, family), self._checkpoint_names, self.name,
+                                tied_copies(family))
 
     def log_once(self, key: str, message: str) -> None:
         if key not in self._logged_once:
@@ -252,27 +257,13 @@ def assert_nothing_banned(results: Sequence[RolloutResult], requests: Sequence[R
 # ---------------------------------------------------------------------------------------------------- weights
 
 
-def checkpoint_name(name: str) -> str:
-    """transformers-5 in-memory parameter names -> the checkpoint names both engines load.
-    >>> checkpoint_name("model.language_model.layers.0.mlp.up_proj.weight")
-    'model.layers.0.mlp.up_proj.weight'
-    >>> checkpoint_name("model.visual.blocks.0.attn.qkv.bias")
-    'visual.blocks.0.attn.qkv.bias'
-    >>> checkpoint_name("lm_head.weight")
-    'lm_head.weight'
-    """
-    if name.startswith("model.visual."):
-        return name[len("model."):]
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
-    return name
-
-
-def checkpoint_state(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """{checkpoint name: contiguous CPU tensor}, detached; rejects a name given twice."""
+def checkpoint_state(named_tensors: Iterable[tuple[str, torch.Tensor]], family: ModelFamily
+                     ) -> dict[str, torch.Tensor]:
+    """{checkpoint name in the family's layout (what its engines load): contiguous CPU tensor}, detached; rejects a
+    name given twice. Names already in checkpoint form pass through unchanged."""
     state: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors:
-        key = checkpoint_name(name)
+        key = family.checkpoint_name(name)
         if key in state:
             raise ValueError(f"weight {key!r} given twice (as {name!r})")
         state[key] = tensor.detach().to("cpu").contiguous()
@@ -281,22 +272,35 @@ def checkpoint_state(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[
     return state
 
 
-TIED_COPIES = {"lm_head.weight": "model.embed_tokens.weight"}
-"""Checkpoint name of a tensor that tied-embedding models (Qwen2.5-VL-3B) share with another -> that other one. Their
-checkpoints hold only the latter (save_pretrained drops the copy), while transformers' state_dict() lists both."""
+TIED_COPIES = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
+"""Transformers-5 name of a tensor that tied-embedding models (Qwen2.5-VL-3B, Qwen3-VL-2B/4B) share with another ->
+that other one. Their checkpoints hold only the latter (save_pretrained drops the copy), while transformers'
+state_dict() lists both."""
 
 
-def drop_tied_copies(state: dict[str, torch.Tensor], model_names: set[str], backend: str) -> dict[str, torch.Tensor]:
-    """`state` without the tied copies the model's checkpoint (`model_names`) does not hold, so a tied model's sync
-    sends what its engine loads. A copy that differs from the tensor it should be tied to is refused: the engine has
-    one tensor for both, and serving either would differ from the trainer. Unknown names (empty set): unchanged.
+def tied_copies(family: ModelFamily) -> dict[str, str]:
+    """TIED_COPIES in the checkpoint names of this family.
+
+    >>> from vlmrl.models.families import QWEN2_5_VL, QWEN3_VL
+    >>> tied_copies(QWEN2_5_VL), tied_copies(QWEN3_VL)
+    ({'lm_head.weight': 'model.embed_tokens.weight'}, {'lm_head.weight': 'model.language_model.embed_tokens.weight'})
+    """
+    return {family.checkpoint_name(copy): family.checkpoint_name(source) for copy, source in TIED_COPIES.items()}
+
+
+def drop_tied_copies(state: dict[str, torch.Tensor], model_names: set[str], backend: str,
+                     copies: dict[str, str]) -> dict[str, torch.Tensor]:
+    """`state` without the tied copies (`copies`: copy -> source, checkpoint names) the model's checkpoint
+    (`model_names`) does not hold, so a tied model's sync sends what its engine loads. A copy that differs from the
+    tensor it should be tied to is refused: the engine has one tensor for both, and serving either would differ from
+    the trainer. Unknown names (empty set): unchanged.
 
     >>> e = torch.ones(2, 2)
     >>> sorted(drop_tied_copies({"model.embed_tokens.weight": e, "lm_head.weight": e.clone()},
-    ...                         {"model.embed_tokens.weight"}, "doc"))
+    ...                         {"model.embed_tokens.weight"}, "doc", {"lm_head.weight": "model.embed_tokens.weight"}))
     ['model.embed_tokens.weight']
     """
-    for copy, source in TIED_COPIES.items():
+    for copy, source in copies.items():
         if not model_names or copy in model_names or copy not in state or source not in state:
             continue
         if not torch.equal(state[copy], state[source]):
@@ -317,6 +321,44 @@ def checkpoint_names(model_path: str) -> set[str]:
         with safe_open(str(file), "pt") as f:
             names.update(f.keys())
     return names
+
+
+# ---------------------------------------------------------------------------------------------------- engine settings
+
+
+def family_engine_overrides(model_path: str, family: ModelFamily, enabled: bool, backend: str) -> dict[str, Any]:
+    """The model config values an engine must start with to compute what transformers computes on `model_path`
+    (`ModelFamily.engine_overrides`; empty when its config.json already says so). Logged when not empty: engines
+    started outside vlmrl on the same folder would still drift.
+
+    `enabled=False` (rollout.family_engine_settings=false, to reproduce a deployment) passes nothing and warns when
+    the engine will therefore disagree with the trainer."""
+    model_config = read_model_config(model_path)
+    problems = family.engine_problems(model_config)
+    if not enabled:
+        if problems:
+            logger.warning("%s: rollout.family_engine_settings=false: the engine starts on %s as it is and will NOT "
+                           "compute what transformers (the trainer) computes:\n  %s", backend, model_path,
+                           "\n  ".join(problems))
+        return {}
+    overrides = family.engine_overrides(model_config)
+    if overrides:
+        logger.warning("%s: %s; vlmrl starts the engine with the config override %s. Engines started outside vlmrl "
+                       "on this folder would still drift: fix its config.json", backend, " ".join(problems),
+                       json.dumps(overrides))
+    return overrides
+
+
+def merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`base` updated with `extra`, nested dicts merged key by key (`extra` wins).
+
+    >>> merged({"text_config": {"a": 1, "b": 2}}, {"text_config": {"b": 3}, "c": 4})
+    {'text_config': {'a': 1, 'b': 3}, 'c': 4}
+    """
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- deadlines

@@ -56,6 +56,11 @@ class ServingEngineOptions:
     on CPU."""
     tensor_parallel_size: int = 1
     """Tensor parallel degree of the engine (vllm; sglang's tp_size)."""
+    family_engine_settings: bool = True
+    """Start the engine with the model family's settings that make it compute what transformers computes, where the
+    model's config.json lacks them (README "Supported models": Qwen3-VL's mrope_interleaved), and refuse an
+    sglang-server given by URL that runs without them. false: the engine reads config.json as it is (a warning names
+    what will then differ): only to reproduce a misconfigured deployment with the alignment tool."""
 
 
 @dataclass

@@ -22,7 +22,6 @@ from vlmrl.rollout.base import (
     RolloutBackend,
     RolloutOptions,
     assert_nothing_banned,
-    checkpoint_name,
     finish_at_stop,
     sample_seed,
     top_allowed,
@@ -50,7 +49,7 @@ class HFBackend(RolloutBackend):
                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
         self._runner = DeadlineRunner(self.name)
         self.model = self._runner.call("load the model", self._load, options.start_timeout_s)
-        self._params = {checkpoint_name(n): p for n, p in self.model.named_parameters()}
+        self._params = {self.processor.family.checkpoint_name(n): p for n, p in self.model.named_parameters()}
         self._on_cpu_for_sleep = False
 
     def _load(self):

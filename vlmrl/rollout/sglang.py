@@ -16,6 +16,11 @@ Samples: each of the n samples is its own entry of one batched call, with `sampl
 Stale vision embeddings: SGLang's multimodal embedding cache survives weight updates and `flush_cache`. The engines
 vlmrl starts run with `SGLANG_VLM_CACHE_SIZE_MB=vlm_cache_size_mb` (0 by default), and every request also carries
 `mm_hashes` salted with the weight version, so a cache (e.g. a server given by URL) never serves old embeddings.
+Where SGLang cannot take caller mm_hashes (Qwen3-VL: `ModelFamily.sglang_caller_mm_hashes`) none are sent and the
+cache must stay off (a non-zero vlm_cache_size_mb is refused).
+Engine settings: where the model's config.json lacks what its family needs for the engine to compute what
+transformers computes (Qwen3-VL's `mrope_interleaved`), the engine starts with them as `json_model_override_args`; a
+server given by URL must have been started with them (checked at connect, from /server_info).
 Weight sync: Engine `update_weights_from_tensor` between `begin_weight_update` / `end_weight_update`; server:
 safetensors written to a private folder, then `/update_weights_from_disk` (no pickled payloads over HTTP).
 
@@ -31,6 +36,7 @@ import atexit
 import base64
 import hashlib
 import io
+import json
 import logging
 import math
 import os
@@ -48,6 +54,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.models.families import read_model_config
 from vlmrl.rollout.base import (
     DeadlineRunner,
     EngineDeadError,
@@ -55,6 +62,8 @@ from vlmrl.rollout.base import (
     RolloutError,
     RolloutOptions,
     assert_nothing_banned,
+    family_engine_overrides,
+    merged,
     sample_seed,
     top_allowed,
 )
@@ -78,7 +87,8 @@ class SGLangOptions(ServingEngineOptions, RolloutOptions):
     """None = torch_native on CPU (the one that runs there), SGLang's default on GPU."""
     vlm_cache_size_mb: int = 0
     """SGLang's multimodal embedding cache (SGLANG_VLM_CACHE_SIZE_MB). 0 = off: nothing computed with old vision
-    weights can be served. Salted mm_hashes make a non-zero cache safe too; it saves re-encoding repeated images."""
+    weights can be served. Salted mm_hashes make a non-zero cache safe too; it saves re-encoding repeated images.
+    Refused on Qwen3-VL, where SGLang cannot take salted mm_hashes."""
     enable_memory_saver: bool = False
     """Let sleep()/wake_up() release and resume GPU memory (CUDA only)."""
     log_level: str = "error"
@@ -108,6 +118,15 @@ class _SGLangCommon(RolloutBackend):
         self.on_cuda = torch.cuda.is_available()
         self.weight_version = 0
         self._sleeping = False
+        family = self.processor.family
+        self.salt_mm_hashes = family.sglang_caller_mm_hashes
+        """Send mm_hashes salted with the weight version; where SGLang cannot take them (the family says), the
+        engine must run with no multimodal cache instead: flush_cache after a sync then drops everything old."""
+        if not self.salt_mm_hashes and options.vlm_cache_size_mb:
+            raise ValueError(
+                f"{self.name}: vlm_cache_size_mb={options.vlm_cache_size_mb} on {family.name}: after a weight sync "
+                "the multimodal cache would serve features of the old vision weights, and the salted mm_hashes that "
+                f"prevent it crash SGLang's scheduler on {family.name} images; set vlm_cache_size_mb=0")
 
     def engine_env(self) -> dict[str, str]:
         """Environment the engine processes must start with."""
@@ -132,7 +151,14 @@ class _SGLangCommon(RolloutBackend):
                 args["attention_backend"] = o.attention_backend
             if o.enable_memory_saver:
                 args["enable_memory_saver"] = True
-        args.update(o.engine_kwargs)
+        overrides = family_engine_overrides(self.model_path, self.processor.family, o.family_engine_settings,
+                                            self.name)
+        extra = dict(o.engine_kwargs)
+        if overrides or "json_model_override_args" in extra:  # the user's own overrides merge over the family's
+            user = extra.pop("json_model_override_args", "{}")
+            args["json_model_override_args"] = json.dumps(merged(overrides, json.loads(user) if isinstance(user, str)
+                                                                 else user))
+        args.update(extra)
         return args
 
     def encode_images(self, images: Sequence[Any]) -> list[Any]:
@@ -149,9 +175,11 @@ class _SGLangCommon(RolloutBackend):
         draws = 1 if sampling.greedy else sampling.n
         entries: dict[str, list] = {"input_ids": [], "image_data": [], "sampling_params": [], "mm_hashes": []}
         for position, request in enumerate(requests):
-            hashes = request.image_hashes or [image_hash(im) for im in request.images]
-            # The weight version in the hash keeps any multimodal cache from serving old-weight embeddings.
-            salted = [hashlib.sha256(f"{h}:{self.weight_version}".encode()).hexdigest()[:16] for h in hashes]
+            salted = None
+            if self.salt_mm_hashes:
+                hashes = request.image_hashes or [image_hash(im) for im in request.images]
+                # The weight version in the hash keeps any multimodal cache from serving old-weight embeddings.
+                salted = [hashlib.sha256(f"{h}:{self.weight_version}".encode()).hexdigest()[:16] for h in hashes]
             images = self.encode_images(request.images)
             seed = sample_seed(sampling, position)
             for i in range(draws):
@@ -165,6 +193,8 @@ class _SGLangCommon(RolloutBackend):
                 entries["sampling_params"].append(params)
                 entries["mm_hashes"].append(salted)
         body: dict[str, Any] = {**entries, "return_logprob": True}
+        if not self.salt_mm_hashes:
+            del body["mm_hashes"]
         banned = sorted({t for r in requests for t in r.banned_token_ids})
         if banned:  # one flat list for the whole batch: the union (only a request's own ids are biased)
             body["token_ids_logprob"] = banned
@@ -355,6 +385,12 @@ class SGLangServerBackend(_SGLangCommon):
                 self.url = options.server_url.rstrip("/")
                 self._runner.call("reach the server", lambda: self._wait_ready(deadline=time.monotonic() + 30),
                                   options.start_timeout_s)
+                self._check_server_settings()
+                if not self.salt_mm_hashes:
+                    logger.warning("%s: %s images carry no salted mm_hashes (SGLang crashes on them): the server at "
+                                   "%s must run with SGLANG_VLM_CACHE_SIZE_MB=0, else after a weight sync it serves "
+                                   "features of the old vision weights", self.name, self.processor.family.name,
+                                   self.url)
             else:
                 self.url = self._launch()
             atexit.register(self.close)
@@ -396,6 +432,30 @@ class SGLangServerBackend(_SGLangCommon):
                 last = f"{type(err).__name__}"
             time.sleep(1.0)
         raise RolloutError(f"{self.name}: {self.url} not ready in time ({last}){self._log_hint()}")
+
+    def _check_server_settings(self) -> None:
+        """A server vlmrl did not start must have been started with what the family needs where config.json lacks
+        it (`--json-model-override-args`, read back from /server_info): otherwise it would agree with nothing the
+        trainer computes, silently. Refused unless family_engine_settings=false."""
+        import requests
+
+        model_config = read_model_config(self.model_path)
+        if not self.options.family_engine_settings or not self.processor.family.engine_overrides(model_config):
+            return
+        info = self._runner.call("read the server's settings",
+                                 lambda: requests.get(f"{self.url}/server_info", timeout=30), self.options.timeout_s)
+        if info.status_code != 200:
+            raise RolloutError(f"{self.name}: GET {self.url}/server_info: HTTP {info.status_code}: cannot check the "
+                               "server's engine settings")
+        given = json.loads(info.json().get("json_model_override_args") or "{}")
+        problems = self.processor.family.engine_problems(merged(model_config, given))
+        if problems:
+            needed = json.dumps(self.processor.family.engine_overrides(model_config))
+            raise RolloutError(
+                f"{self.name}: the server at {self.url} runs {self.model_path} without the settings that make it "
+                f"compute what transformers computes: {' '.join(problems)} Restart it with "
+                f"--json-model-override-args '{needed}' (or fix config.json), let vlmrl launch the server (empty "
+                "server_url), or set family_engine_settings=false to accept the drift")
 
     def _health(self) -> str | None:
         if self.process is not None and self.process.poll() is not None:

@@ -14,6 +14,8 @@ prefix cache (KV of old weights) are reset. vLLM's per-sync warning "Failed to l
 derived buffers (rotary caches, image mean/std: nothing in a checkpoint, values kept) is filtered out. Only full
 state dicts are accepted: a partial reload was measured to leave the engine's other layers broken (even a later full
 reload did not restore them).
+Engine settings: where the model's config.json lacks what its family needs for the engine to compute what
+transformers computes (Qwen3-VL's `mrope_interleaved`), the engine starts with them as `hf_overrides`.
 On CPU: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, ~3 s start); sleep mode is not supported there.
 """
 
@@ -33,6 +35,8 @@ from vlmrl.rollout.base import (
     RolloutOptions,
     assert_nothing_banned,
     checkpoint_names,
+    family_engine_overrides,
+    merged,
     sample_seed,
     top_allowed,
 )
@@ -170,7 +174,12 @@ class VLLMBackend(RolloutBackend):
         )
         if o.enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
-        kwargs.update(o.engine_kwargs)
+        overrides = family_engine_overrides(self.model_path, self.processor.family, o.family_engine_settings,
+                                            self.name)
+        extra = dict(o.engine_kwargs)
+        if overrides or "hf_overrides" in extra:  # the user's own overrides merge over the family's
+            kwargs["hf_overrides"] = merged(overrides, extra.pop("hf_overrides", {}))
+        kwargs.update(extra)
         # Read by vLLM when the engine is built, so set only around that.
         env = {} if o.multiprocess is None else {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if o.multiprocess else "0"}
         with env_override(env):

@@ -1,0 +1,133 @@
+"""The compare tool on the embedded Qwen3-VL (fp32, CPU) with the real engines: HF, vLLM and SGLang agree exactly,
+and an engine started without Qwen3-VL's mrope interleaving is reported as not aligned.
+
+`compare --backends hf,vllm` runs as a user runs it (each side its own validate-only process); the mis-set engine
+is reached by validating a copy of the model whose config.json lacks `mrope_interleaved` with
+`rollout.family_engine_settings=false` (vlmrl then starts vLLM on that config as it is, as a deployment outside vlmrl
+would), and its artifact is compared with the HF one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.alignment.test_compare_engines import COLOURS, IMAGE_SIZES, REWARD_FILE, _image_bytes
+from vlmrl.alignment.compare import main
+
+pytestmark = pytest.mark.vllm  # every test reuses the `compare --backends hf,vllm` run
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A small verl-schema parquet (6 image rows, larger than the model's max_pixels, + 1 text row) and the
+    overrides every side shares."""
+    from vlmrl.models import ensure_built
+
+    root = tmp_path_factory.mktemp("alignment_qwen3_vl")
+    rows = [{"data_source": "synthetic/colour", "prompt": [{"role": "user", "content": "<image>Which colour is on top?"}],
+             "images": [{"bytes": _image_bytes(size, colour), "path": None}], "ability": "vision",
+             "reward_model": {"style": "rule", "ground_truth": colour}, "extra_info": {"index": i}}
+            for i, (size, colour) in enumerate(zip(IMAGE_SIZES, COLOURS))]
+    rows.append({"data_source": "synthetic/text", "prompt": [{"role": "user", "content": "Name a colour."}],
+                 "images": [], "ability": "text", "reward_model": {"style": "rule", "ground_truth": "red"},
+                 "extra_info": {"index": 6}})
+    data = root / "val.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    (root / "rewards.py").write_text(REWARD_FILE)
+    model = ensure_built("tiny-qwen3-vl")
+    overrides = [f"actor.model_path={model}", f"data.val_files={data}", "data.max_prompt_length=128",
+                 "data.max_response_length=16", "rollout.dtype=float32", "rollout.val_top_logprobs=5",
+                 f"trainer.output_dir={root / 'run'}", f"reward.function={root / 'rewards.py'}:by_length",
+                 "rollout.timeout_s=300"]
+    return root, overrides, model
+
+
+@pytest.fixture(scope="module")
+def hf_vs_vllm(setup):
+    root, overrides, _ = setup
+    out = root / "hf_vs_vllm"
+    return main(["--backends", "hf,vllm", *overrides, "--out", str(out)]), out
+
+
+@pytest.fixture(scope="module")
+def flagless(setup) -> Path:
+    """The model with `mrope_interleaved` removed from config.json (transformers interleaves anyway)."""
+    root, _, model = setup
+    folder = root / "qwen3-vl-flagless"
+    shutil.copytree(model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["text_config"]["rope_parameters"]["mrope_interleaved"]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def _validate(overrides, backend, path):
+    from vlmrl.config import load_config
+    from vlmrl.trainer.validation import run_validation
+
+    config = load_config([*overrides, "trainer.val_only=true", f"rollout.name={backend}"])
+    return run_validation(config, backend, artifact_path=path).artifact_path
+
+
+def _report(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+def test_hf_vs_vllm_fp32_is_aligned_and_exact(hf_vs_vllm):
+    status, out = hf_vs_vllm
+    report = _report(out)
+    assert status == 0 and report["ok"]
+    assert report["summary"]["exact"] == report["summary"]["samples"] == 7
+    assert report["summary"]["max_abs_logprob_delta"] < 1e-4, "fp32 engines agree to float rounding"
+
+
+@pytest.mark.sglang
+def test_vllm_vs_sglang_and_hf_vs_sglang_fp32_are_exact(setup, hf_vs_vllm):
+    """The third engine: vLLM vs SGLang as a user runs it, and HF vs SGLang from the artifacts already written."""
+    root, overrides, _ = setup
+    _, first = hf_vs_vllm
+    out = root / "vllm_vs_sglang"
+    assert main(["--backends", "vllm,sglang", *overrides, "--out", str(out)]) == 0
+    report = _report(out)
+    assert report["summary"]["exact"] == report["summary"]["samples"] == 7
+    assert report["summary"]["max_abs_logprob_delta"] < 1e-4
+    assert main([str(first / "val_a_hf.jsonl"), str(out / "val_b_sglang.jsonl"), "--out", str(root / "hf_vs_sglang"),
+                 "--no-html"]) == 0
+    assert _report(root / "hf_vs_sglang")["summary"]["exact"] == 7
+
+
+def test_engine_without_mrope_interleaving_is_not_aligned(setup, hf_vs_vllm, flagless):
+    """vLLM started on the flagless config as it is computes other rope angles than transformers: the tool exits 1
+    and names divergences (or logprob drift) on the image rows; the text row (1-D positions: all three sections
+    carry the same position, so interleaving changes nothing) stays exact. Both sides are float32, so the tool's
+    float32 thresholds apply: with the bf16 ones these splits (margins 0.03-0.2 nats) would pass as near-ties."""
+    root, overrides, _ = setup
+    _, out = hf_vs_vllm
+    misset = _validate([*overrides, f"actor.model_path={flagless}", "rollout.family_engine_settings=false"], "vllm",
+                       root / "val_vllm_misset.jsonl")
+    status = main([str(out / "val_a_hf.jsonl"), str(misset), "--out", str(root / "misset"), "--no-html"])
+    report = _report(root / "misset")
+    assert status == 1 and not report["ok"]
+    causes = {cause: count for cause, count in report["summary"]["causes"].items() if count}
+    assert set(causes) <= {"logprob_drift", "real_divergence", "near_tie"}, causes
+    assert causes.get("real_divergence", 0) + causes.get("logprob_drift", 0) >= 1, causes
+    assert report["summary"]["max_abs_logprob_delta"] > 1e-2
+    text_row = next(s for s in report["samples"] if s["index"] == 6)
+    assert text_row["cause"] is None
+
+
+def test_same_config_with_vlmrl_settings_is_aligned(setup, hf_vs_vllm, flagless):
+    """The same flagless config with vlmrl's default engine settings (it passes mrope_interleaved): exact again."""
+    root, overrides, _ = setup
+    _, out = hf_vs_vllm
+    fixed = _validate([*overrides, f"actor.model_path={flagless}"], "vllm", root / "val_vllm_fixed.jsonl")
+    assert main([str(out / "val_a_hf.jsonl"), str(fixed), "--out", str(root / "fixed"), "--no-html"]) == 0
+    report = _report(root / "fixed")
+    assert report["summary"]["exact"] == 7
+    assert "config.actor.model_path" in {d["key"] for d in report["setting_differences"]}

@@ -1,0 +1,42 @@
+"""vLLM (in-process, fp32) on the embedded Qwen3-VL against transformers: the shared engine contract (greedy equal
+on nine requests with 0-2 images, n=4 raw logprobs, pad ban, weight sync of the vision tower and of the deepstack
+mergers), and the mrope setting that vlmrl passes where config.json lacks it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.rollout.helpers import GREEDY, LOGPROB_TOL, Qwen3VLContract, greedy_mismatch, max_drift_from_hf
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_path):
+    from vlmrl.rollout import get_backend
+
+    with get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as started:
+        yield started
+
+
+class TestVLLMQwen3VL(Qwen3VLContract):
+    pass
+
+
+def test_config_without_interleaving_gets_the_setting_and_matches_hf(backend, flagless_model_path, hf, batch,
+                                                                     hf_greedy):
+    """On a config without `mrope_interleaved` vlmrl starts vLLM with it (hf_overrides): HF's outputs. Started on
+    that config as it is (family_engine_settings=false) vLLM drifts from HF, which is what the override prevents."""
+    from vlmrl.rollout import get_backend
+
+    backend.close()  # one engine at a time: this module's is not needed any more
+    images = [r for r in batch if r.images]
+    with get_backend("vllm", flagless_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as fixed:
+        results = fixed.generate(batch, GREEDY)
+    problems = [m for ref, got in zip(hf_greedy, results) if (m := greedy_mismatch(ref, got, "vllm"))]
+    assert not problems, "\n".join(problems)
+    assert max_drift_from_hf(hf, batch, results) < LOGPROB_TOL
+    with get_backend("vllm", flagless_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
+                     family_engine_settings=False) as raw:
+        drifted = raw.generate(images, GREEDY)
+    assert max_drift_from_hf(hf, images, drifted) > 100 * LOGPROB_TOL, "the engine interleaves without being told"
