@@ -241,8 +241,9 @@ def frame_hashes(video: Video) -> list[str]:
 
 def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
     """(T, H, W, 3) uint8 frames as an H.264 mp4 at `fps` (lossy): for test data and the synthetic video task."""
-    import av
     from fractions import Fraction
+
+    import av
 
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format="mp4") as container:

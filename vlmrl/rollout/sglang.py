@@ -4,6 +4,14 @@
 Both send the same request: `input_ids` with ONE `<|image_pad|>` per image (SGLang hangs on pre-expanded ids) and
 the resized images (PIL for the Engine, base64 PNG data URLs over HTTP).
 
+Videos (Engine only): `video_data=[frames]`, the request's sampled (T, H, W, 3) uint8 frames. SGLang 0.5.23 takes no
+timing with an array (nor with a `processor_output` dict: its second_per_grid_ts is ignored): its processor reads
+every such video as 24 fps (second_per_grid_ts = 2/24; measured: its logprobs equal transformers' at 24 fps, not at
+the video's 2 fps). A video whose position ids at 24 fps differ from those at its real sampled fps is therefore
+refused (InvalidRequestError naming the fps) instead of generating from other positions than the trainer uses.
+Over HTTP a video needs a decoder in the server (decord / torchcodec: not in the CPU stack), so `sglang-server`
+refuses video requests.
+
 Logprobs: the engine runs with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (before temperature; checked at start by a probe
 that compares a hot-temperature logprob with the greedy one). SGLang applies `logit_bias` BEFORE it computes
 logprobs, so the pad-token ban (a bias of `BAN_LOGIT_BIAS`) would renormalise them over the allowed tokens; the
@@ -51,6 +59,7 @@ import torch
 from vlmrl.rollout.base import (
     DeadlineRunner,
     EngineDeadError,
+    InvalidRequestError,
     RolloutBackend,
     RolloutError,
     RolloutOptions,
@@ -66,6 +75,8 @@ from vlmrl.utils.processes import env_override, is_alive, kill_process_group, ki
 logger = logging.getLogger(__name__)
 
 BAN_LOGIT_BIAS = -1e4
+SGLANG_ASSUMED_VIDEO_FPS = 24.0
+"""The frame rate SGLang 0.5.23's processor assumes for a video given as frames (transformers' default sampled fps)."""
 
 
 @dataclass
@@ -139,6 +150,24 @@ class _SGLangCommon(RolloutBackend):
         """How images travel to this engine (PIL for the Engine; data URLs over HTTP)."""
         return list(images)
 
+    def encode_videos(self, request: RolloutRequest) -> list[Any]:
+        """How videos travel to this engine: the sampled frames, after checking that SGLang's assumed 24 fps gives
+        the same position ids as the video's own timing (see the module docstring)."""
+        from vlmrl.processors.video import torch_interval
+
+        for i, video in enumerate(request.videos):
+            t = self.processor.video.grid(video)[0]
+            tps = self.processor.video.tokens_per_second
+            own = torch_interval(tps, self.processor.video.second_per_grid(video))
+            assumed = torch_interval(tps, 2 / SGLANG_ASSUMED_VIDEO_FPS)
+            if any(int(k * own) != int(k * assumed) for k in range(t)):
+                raise InvalidRequestError(
+                    f"{self.name}: request {request.uid}: video {i} is sampled at {video.sample_fps:.3g} fps, but "
+                    f"SGLang reads frames as {SGLANG_ASSUMED_VIDEO_FPS:g} fps, which gives it other temporal position "
+                    "ids than the trainer's; use the vllm or hf backend for this data, or sample the video at "
+                    f"{SGLANG_ASSUMED_VIDEO_FPS:g} fps (data.video_fps)")
+        return [video.frames for video in request.videos]
+
     def payload(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> dict[str, Any]:
         """One batched /generate input, one entry per sample, request-major (verl sends n copies the same way).
         SGLang's own `n` would give all samples of a request one seed, and it prefills the prompts one after
@@ -148,6 +177,9 @@ class _SGLangCommon(RolloutBackend):
 
         draws = 1 if sampling.greedy else sampling.n
         entries: dict[str, list] = {"input_ids": [], "image_data": [], "sampling_params": [], "mm_hashes": []}
+        with_video = any(r.videos for r in requests)
+        if with_video:
+            entries["video_data"] = []
         for position, request in enumerate(requests):
             hashes = request.image_hashes or [image_hash(im) for im in request.images]
             # The weight version in the hash keeps any multimodal cache from serving old-weight embeddings.
@@ -163,7 +195,11 @@ class _SGLangCommon(RolloutBackend):
                 entries["input_ids"].append(list(request.prompt_ids))
                 entries["image_data"].append(images)
                 entries["sampling_params"].append(params)
-                entries["mm_hashes"].append(salted)
+                # With a video, SGLang's items are images and videos in an order of its own: let it hash them itself
+                # (the multimodal cache is off by default, and a weight update flushes the prefix cache).
+                entries["mm_hashes"].append(None if request.videos else salted)
+                if with_video:
+                    entries["video_data"].append(self.encode_videos(request) or None)
         body: dict[str, Any] = {**entries, "return_logprob": True}
         banned = sorted({t for r in requests for t in r.banned_token_ids})
         if banned:  # one flat list for the whole batch: the union (only a request's own ids are biased)
@@ -424,6 +460,13 @@ class SGLangServerBackend(_SGLangCommon):
 
     def encode_images(self, images: Sequence[Any]) -> list[Any]:
         return [_data_url(im) for im in images]
+
+    def encode_videos(self, request: RolloutRequest) -> list[Any]:
+        if request.videos:
+            raise InvalidRequestError(f"{self.name}: request {request.uid} holds {len(request.videos)} video(s): the "
+                                      "SGLang server decodes videos itself and has no decoder in this stack (decord "
+                                      "/ torchcodec); use the sglang (Engine), vllm or hf backend for video data")
+        return []
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         self.check_requests(requests, sampling)
