@@ -195,11 +195,13 @@ class _SGLangCommon(RolloutBackend):
                 entries["input_ids"].append(list(request.prompt_ids))
                 entries["image_data"].append(images)
                 entries["sampling_params"].append(params)
-                # With a video, SGLang's items are images and videos in an order of its own: let it hash them itself
-                # (the multimodal cache is off by default, and a weight update flushes the prefix cache).
-                entries["mm_hashes"].append(None if request.videos else salted)
+                entries["mm_hashes"].append(salted)
                 if with_video:
                     entries["video_data"].append(self.encode_videos(request) or None)
+        if with_video:
+            # SGLang takes mm_hashes for images only (one per image): with videos it hashes every item itself (the
+            # multimodal cache is off by default, and a weight update flushes the prefix cache).
+            del entries["mm_hashes"]
         body: dict[str, Any] = {**entries, "return_logprob": True}
         banned = sorted({t for r in requests for t in r.banned_token_ids})
         if banned:  # one flat list for the whole batch: the union (only a request's own ids are biased)
