@@ -85,12 +85,12 @@ def frame_size(height: int, width: int, num_frames: int, config: ProcessorConfig
     from qwen_vl_utils.vision_process import smart_resize
 
     low, high = bounds
-    budget = max(min(high, config.video_total_pixels / num_frames * FRAME_FACTOR), int(low * 1.05))
-    if budget > high:  # the minimum alone exceeds what the model's video processor keeps
+    if low * num_frames / FRAME_FACTOR > config.video_total_pixels:  # even the smallest frames do not fit
         raise VideoInputError(f"{num_frames} frames cannot fit data.video_total_pixels={config.video_total_pixels} "
                               f"at data.video_min_pixels={low} per frame (over the pixel budget): sample fewer "
                               "frames (data.video_fps / video_max_frames) or raise video_total_pixels")
     try:
+        budget = min(max(min(high, config.video_total_pixels / num_frames * FRAME_FACTOR), int(low * 1.05)), high)
         return smart_resize(height, width, factor=factor, min_pixels=low, max_pixels=int(budget))
     except ValueError as err:  # aspect ratio over 200:1
         raise VideoInputError(f"cannot resize {width}x{height} frames: {err}") from err
