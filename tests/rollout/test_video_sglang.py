@@ -1,6 +1,6 @@
-"""SGLang's Engine with videos (fp32) against the HF reference. SGLang reads frames as 24 fps whatever the video's
-timing (measured; see vlmrl.rollout.sglang): videos sampled at 24 fps give the same tokens as HF, and a video at 2 fps
-is refused before the engine instead of being read with other position ids."""
+"""SGLang's Engine with videos (fp32) against the HF reference: the request's processor outputs with their timing
+(SGLang would read bare frames as 24 fps; see vlmrl.rollout.sglang) give HF's tokens and raw logprobs at the
+video's own sampling rate."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 
 from tests.rollout.helpers import GREEDY, assert_logprobs_match_hf, greedy_mismatch
 from tests.rollout.video_helpers import video_batch
-from vlmrl.rollout.base import InvalidRequestError
 from vlmrl.types import SamplingParams
 
 pytestmark = pytest.mark.sglang
@@ -25,9 +24,10 @@ def backend(tiny_model_path):
         yield started
 
 
-def test_video_greedy_equals_hf_fp32(backend, hf, tiny_model_path):
-    """7 video requests at 24 fps (one also holding an image): HF's ids token for token, close raw logprobs."""
-    requests = video_batch(tiny_model_path, 24.0)
+@pytest.mark.parametrize("fps", [2.0, 24.0])
+def test_video_greedy_equals_hf_fp32(backend, hf, tiny_model_path, fps):
+    """7 video requests (one also holding an image): HF's ids token for token, close raw logprobs."""
+    requests = video_batch(tiny_model_path, fps)
     ref, got = hf.generate(requests, GREEDY), backend.generate(requests, GREEDY)
     problems = [m for a, b in zip(ref, got) if (m := greedy_mismatch(a, b, "sglang"))]
     assert not problems, "\n".join(problems)
@@ -36,13 +36,16 @@ def test_video_greedy_equals_hf_fp32(backend, hf, tiny_model_path):
 
 
 def test_video_n4_logprobs_match_hf_teacher_forced(backend, hf, tiny_model_path):
-    requests = video_batch(tiny_model_path, 24.0)[:3]
+    requests = video_batch(tiny_model_path, 2.0)[:3]
     results = backend.generate(requests, SamplingParams(n=4, temperature=0.7, max_new_tokens=6, seed=1))
     assert len(results) == 12
     assert_logprobs_match_hf(hf, requests, results, 4, VIDEO_LOGPROB_TOL, "sglang")
 
 
-def test_a_video_whose_fps_sglang_would_misread_is_refused(backend, tiny_model_path):
-    request = video_batch(tiny_model_path, 2.0)[0]
-    with pytest.raises(InvalidRequestError, match="SGLang reads frames as 24 fps"):
-        backend.generate([request], GREEDY)
+def test_the_fps_reaches_the_engine(backend, tiny_model_path):
+    """The same frames at 2 and 24 fps are different inputs (other temporal position ids): SGLang's logprobs differ,
+    so it did not read the video at a rate of its own."""
+    slow, fast = video_batch(tiny_model_path, 2.0)[0], video_batch(tiny_model_path, 24.0)[0]
+    one = SamplingParams(temperature=0.0, max_new_tokens=1)
+    a, b = backend.generate([slow], one)[0], backend.generate([fast], one)[0]
+    assert abs(a.response_logprobs[0] - b.response_logprobs[0]) > 1e-4

@@ -38,6 +38,10 @@ class ModelFamily:
     the config says; vLLM and SGLang interleave only when the text config's rope parameters carry
     `mrope_interleaved: true`, and otherwise drift from the trainer (about 0.1 nats per token, measured on a tiny
     Qwen3-VL) while still agreeing with each other."""
+    video_timing: str | None = None
+    """How the model's inputs carry a video's timing: "second_per_grid_ts" (Qwen2/2.5-VL: one grid per video,
+    temporal position ids spaced by tokens_per_second x seconds per temporal patch); None = vlmrl takes no video for
+    this family yet (Qwen3-VL puts per-frame timestamps in the text and splits the grid per frame)."""
 
     def checkpoint_name(self, name: str) -> str:
         """A transformers-5 in-memory parameter name -> the name in this family's checkpoints (what engines load).
@@ -80,6 +84,7 @@ QWEN2_5_VL = ModelFamily(
     vision_tower="model.visual",
     vision_mergers=("merger",),
     interleaved_mrope=False,
+    video_timing="second_per_grid_ts",
 )
 
 QWEN3_VL = ModelFamily(

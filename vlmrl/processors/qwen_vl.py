@@ -83,7 +83,7 @@ class Processor:
         self.image_factor: int = self.patch_size * self.spatial_merge_size
         """Resized image sides are multiples of this (qwen-vl-utils' rule): the model's patch size x merge size."""
         self.min_pixels, self.max_pixels = self._pixel_bounds()
-        self.video = VideoSupport(hf_processor, model_config, config, self.image_factor)
+        self.video = VideoSupport(hf_processor, model_config, config, self.image_factor, family)
         """Frame sampling, video inputs, video token counts (`vlmrl.processors.video`)."""
 
     def _pixel_bounds(self) -> tuple[int, int]:

@@ -263,8 +263,9 @@ def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
 class VideoSupport:
     """The model-specific video facts a `Processor` asks: frame bounds, grids, token counts, the trainer's inputs."""
 
-    def __init__(self, hf_processor: Any, model_config: dict, config: ProcessorConfig, factor: int):
+    def __init__(self, hf_processor: Any, model_config: dict, config: ProcessorConfig, factor: int, family: Any):
         self.config = config
+        self.family = family
         self.video_processor = getattr(hf_processor, "video_processor", None)
         self.factor = factor
         vision = model_config.get("vision_config") or {}
@@ -294,6 +295,9 @@ class VideoSupport:
         """A dataset video -> a sampled, resized `Video`, checked to be one every backend reads alike."""
         if self.video_processor is None:
             raise VideoInputError("the model's processor has no video processor: it takes no video")
+        if self.family.video_timing != "second_per_grid_ts":
+            raise VideoInputError(f"vlmrl takes no video for {self.family.name} yet (per-frame timestamps in the "
+                                  "text, per-frame grids); Qwen2-VL and Qwen2.5-VL take video")
         video = load_video(source, self.config, self.bounds, self.factor)
         self._check_positions(video)
         return video

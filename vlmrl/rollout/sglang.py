@@ -4,13 +4,17 @@
 Both send the same request: `input_ids` with ONE `<|image_pad|>` per image (SGLang hangs on pre-expanded ids) and
 the resized images (PIL for the Engine, base64 PNG data URLs over HTTP).
 
-Videos (Engine only): `video_data=[frames]`, the request's sampled (T, H, W, 3) uint8 frames. SGLang 0.5.23 takes no
-timing with an array (nor with a `processor_output` dict: its second_per_grid_ts is ignored): its processor reads
-every such video as 24 fps (second_per_grid_ts = 2/24; measured: its logprobs equal transformers' at 24 fps, not at
-the video's 2 fps). A video whose position ids at 24 fps differ from those at its real sampled fps is therefore
-refused (InvalidRequestError naming the fps) instead of generating from other positions than the trainer uses.
-Over HTTP a video needs a decoder in the server (decord / torchcodec: not in the CPU stack), so `sglang-server`
-refuses video requests.
+Videos (Engine only): SGLang 0.5.23 takes no timing with frames given as an array: its processor reads every such
+video as 24 fps (second_per_grid_ts = 2/24), whatever the video's rate. So a request with a video goes as SGLang's
+`processor_output` form instead: the model's own processor outputs for the request's frames and images, computed
+by vlmrl (`pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts` = 2 / sampled fps, and the images'
+`pixel_values`, `image_grid_thw`) in one `video_data` entry, with the EXPANDED prompt ids (that form takes them
+expanded). Measured: its logprobs then equal transformers' at the video's own fps. SGLang keys its prefix cache on
+the pixel values' hash, so a one-video entry carries vlmrl's hash of the frames and their timing instead; an entry
+holding an image and a video cannot carry one (SGLang takes a hash for one-item entries only): the same pixels sent
+again at another fps would reuse the first one's prompt KV. Over HTTP those tensors do not
+travel and a video file needs a decoder in the server (decord / torchcodec: not in the CPU stack), so
+`sglang-server` refuses video requests.
 
 Logprobs: the engine runs with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (before temperature; checked at start by a probe
 that compares a hot-temperature logprob with the greedy one). SGLang applies `logit_bias` BEFORE it computes
@@ -75,8 +79,6 @@ from vlmrl.utils.processes import env_override, is_alive, kill_process_group, ki
 logger = logging.getLogger(__name__)
 
 BAN_LOGIT_BIAS = -1e4
-SGLANG_ASSUMED_VIDEO_FPS = 24.0
-"""The frame rate SGLang 0.5.23's processor assumes for a video given as frames (transformers' default sampled fps)."""
 
 
 @dataclass
@@ -150,23 +152,19 @@ class _SGLangCommon(RolloutBackend):
         """How images travel to this engine (PIL for the Engine; data URLs over HTTP)."""
         return list(images)
 
-    def encode_videos(self, request: RolloutRequest) -> list[Any]:
-        """How videos travel to this engine: the sampled frames, after checking that SGLang's assumed 24 fps gives
-        the same position ids as the video's own timing (see the module docstring)."""
-        from vlmrl.processors.video import torch_interval
-
-        for i, video in enumerate(request.videos):
-            t = self.processor.video.grid(video)[0]
-            tps = self.processor.video.tokens_per_second
-            own = torch_interval(tps, self.processor.video.second_per_grid(video))
-            assumed = torch_interval(tps, 2 / SGLANG_ASSUMED_VIDEO_FPS)
-            if any(int(k * own) != int(k * assumed) for k in range(t)):
-                raise InvalidRequestError(
-                    f"{self.name}: request {request.uid}: video {i} is sampled at {video.sample_fps:.3g} fps, but "
-                    f"SGLang reads frames as {SGLANG_ASSUMED_VIDEO_FPS:g} fps, which gives it other temporal position "
-                    "ids than the trainer's; use the vllm or hf backend for this data, or sample the video at "
-                    f"{SGLANG_ASSUMED_VIDEO_FPS:g} fps (data.video_fps)")
-        return [video.frames for video in request.videos]
+    def video_entry(self, request: RolloutRequest) -> tuple[list[int], list[Any], list[Any]]:
+        """(input_ids, image_data, video_data) of a request with videos: expanded ids and ONE `processor_output`
+        entry holding the request's image and video inputs with their timing (see the module docstring)."""
+        mm = self.processor.multi_modal_inputs(request)
+        ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw"), mm.get("video_grid_thw"))
+        entry: dict[str, Any] = {"format": "processor_output", **mm}
+        if len(request.videos) == 1 and not request.images:
+            # SGLang keys its prefix cache on a hash of the pixel values alone, so the same frames at another fps
+            # (other position ids) would reuse KV computed at the first one's (measured). The video's hash covers
+            # its timing; salted with the weight version. SGLang takes a hash only for a one-item entry.
+            digest = hashlib.sha256(f"{request.videos[0].hash}:{self.weight_version}".encode()).hexdigest()
+            entry["hash"] = int(digest[:15], 16)
+        return ids, [], [entry]
 
     def payload(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> dict[str, Any]:
         """One batched /generate input, one entry per sample, request-major (verl sends n copies the same way).
@@ -184,7 +182,9 @@ class _SGLangCommon(RolloutBackend):
             hashes = request.image_hashes or [image_hash(im) for im in request.images]
             # The weight version in the hash keeps any multimodal cache from serving old-weight embeddings.
             salted = [hashlib.sha256(f"{h}:{self.weight_version}".encode()).hexdigest()[:16] for h in hashes]
-            images = self.encode_images(request.images)
+            ids, images, videos = list(request.prompt_ids), self.encode_images(request.images), None
+            if request.videos:
+                ids, images, videos = self.video_entry(request)
             seed = sample_seed(sampling, position)
             for i in range(draws):
                 params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
@@ -192,12 +192,12 @@ class _SGLangCommon(RolloutBackend):
                           "logit_bias": {str(t): BAN_LOGIT_BIAS for t in request.banned_token_ids} or None}
                 if seed is not None:
                     params["sampling_seed"] = seed + i
-                entries["input_ids"].append(list(request.prompt_ids))
+                entries["input_ids"].append(ids)
                 entries["image_data"].append(images)
                 entries["sampling_params"].append(params)
                 entries["mm_hashes"].append(salted)
                 if with_video:
-                    entries["video_data"].append(self.encode_videos(request) or None)
+                    entries["video_data"].append(videos)
         if with_video:
             # SGLang takes mm_hashes for images only (one per image): with videos it hashes every item itself (the
             # multimodal cache is off by default, and a weight update flushes the prefix cache).
@@ -463,12 +463,10 @@ class SGLangServerBackend(_SGLangCommon):
     def encode_images(self, images: Sequence[Any]) -> list[Any]:
         return [_data_url(im) for im in images]
 
-    def encode_videos(self, request: RolloutRequest) -> list[Any]:
-        if request.videos:
-            raise InvalidRequestError(f"{self.name}: request {request.uid} holds {len(request.videos)} video(s): the "
-                                      "SGLang server decodes videos itself and has no decoder in this stack (decord "
-                                      "/ torchcodec); use the sglang (Engine), vllm or hf backend for video data")
-        return []
+    def video_entry(self, request: RolloutRequest) -> tuple[list[int], list[Any], list[Any]]:
+        raise InvalidRequestError(f"{self.name}: request {request.uid} holds {len(request.videos)} video(s): over "
+                                  "HTTP the processor outputs do not travel and the server has no video decoder in "
+                                  "this stack (decord / torchcodec); use the sglang (Engine), vllm or hf backend")
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         self.check_requests(requests, sampling)
