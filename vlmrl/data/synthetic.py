@@ -13,6 +13,9 @@ Tasks (`data_source` is `synthetic/<task>`):
   - ``motion`` (video): 4 frames of 112x112 in which one shape moves steadily left or right; which way? No single
     frame tells (the start is anywhere along the path): the answer needs two frames or more. The row's `videos`
     column holds the frames as PNG images (a video given as a list of frames, taken at data.video_fps).
+  - ``last_colour`` (video, the video demo): 4 frames of 112x112; one shape changes colour halfway (frames 0-1 one
+    colour, frames 2-3 another); which colour is it at the end? Both colours are in the video, so the answer needs
+    the frames' order (the temporal position ids), not one frame's pixels.
 """
 
 from __future__ import annotations
@@ -166,6 +169,20 @@ def _draw_motion(rng: np.random.Generator, answer: str) -> Drawn:
     return Drawn(frames, answer, {"colour": colour, "shape": kind})
 
 
+def _draw_last_colour(rng: np.random.Generator, answer: str) -> Drawn:
+    """The same shape in the same place for 4 frames: another colour in frames 0-1, the answer's in frames 2-3."""
+    first = str(rng.choice([c for c in COLOURS if c != answer]))
+    kind = str(rng.choice(SHAPES))
+    box = _random_box(rng, MOTION_SIZE, 32, 64)
+    grey = int(rng.integers(225, 256))
+    frames = []
+    for colour in (first, first, answer, answer):
+        image = Image.new("RGB", (MOTION_SIZE, MOTION_SIZE), (grey, grey, grey))
+        _shape(ImageDraw.Draw(image), kind, box, _shade(rng, colour))
+        frames.append(image)
+    return Drawn(frames, answer, {"colour": answer, "shape": kind})
+
+
 TASKS: dict[str, SyntheticTask] = {
     task.name: task
     for task in (
@@ -177,6 +194,8 @@ TASKS: dict[str, SyntheticTask] = {
                       _draw_count),
         SyntheticTask("motion", "Does the shape move to the left or to the right? Answer with one word.",
                       ("left", "right"), MOTION_SIZE, _draw_motion, video=True),
+        SyntheticTask("last_colour", "What colour is the shape at the end of the video? Answer with one word.",
+                      tuple(COLOURS), MOTION_SIZE, _draw_last_colour, video=True),
     )
 }
 DEFAULT_TASK = "colour"
