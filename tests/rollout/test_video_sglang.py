@@ -49,3 +49,16 @@ def test_the_fps_reaches_the_engine(backend, tiny_model_path):
     one = SamplingParams(temperature=0.0, max_new_tokens=1)
     a, b = backend.generate([slow], one)[0], backend.generate([fast], one)[0]
     assert abs(a.response_logprobs[0] - b.response_logprobs[0]) > 1e-4
+
+
+def test_the_server_refuses_video_before_any_http_call(tiny_model_path):
+    """Over HTTP the processor outputs do not travel and the server has no video decoder here: a clear refusal
+    naming the way out, not a server-side crash."""
+    from types import SimpleNamespace
+
+    from vlmrl.rollout.base import InvalidRequestError
+    from vlmrl.rollout.sglang import SGLangServerBackend
+
+    request = video_batch(tiny_model_path, 2.0)[0]
+    with pytest.raises(InvalidRequestError, match="sglang-server: .* holds 1 video.*use the sglang \\(Engine\\)"):
+        SGLangServerBackend.video_entry(SimpleNamespace(name="sglang-server"), request)
