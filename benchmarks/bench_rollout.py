@@ -5,8 +5,9 @@
     python benchmarks/bench_rollout.py --models tiny-large --dtype bfloat16 \
         --engine-kwargs 'vllm={"attention_backend": "TRITON_ATTN"}'      # on a GPU; engine arguments per backend
 
-The same requests (built by vlmrl.processors: a quarter text-only, half with one image, a quarter with two) go to
-each backend in turn; one backend is alive at a time. Per backend: start (timed apart), one warm-up call, then
+The same requests (built by vlmrl.processors: a quarter text-only, half with one image, a quarter with two; with
+`--workloads video`, one 4-frame 112x112 video each, the synthetic motion task's rows sampled at 24 fps, the rate
+SGLang reads frames at; sglang-server takes no video) go to each backend in turn; one backend is alive at a time. Per backend: start (timed apart), one warm-up call, then
 `--repeats` timed calls of all requests x n samples; reported: the median call's generated tokens / seconds.
 Before timing, every backend's greedy output on the requests is checked against hf's: in float32 a backend that
 does not reproduce hf token for token is reported as MISMATCH instead of a speed; in bfloat16 (where greedy outputs
@@ -47,6 +48,7 @@ BACKENDS = ["hf", "vllm", "sglang", "sglang-server"]
 @dataclass
 class Row:
     model: str
+    workload: str
     backend: str
     start_s: float
     call_s: float
@@ -56,8 +58,15 @@ class Row:
     ratio_to_hf: float | None = None
 
 
-def build_requests(model_path: str, count: int) -> list:
-    """`count` requests from verl-style rows: 1/4 text-only, 1/2 one image, 1/4 two images, varied sizes."""
+def build_requests(model_path: str, count: int, workload: str = "images") -> list:
+    """`count` requests from verl-style rows: 1/4 text-only, 1/2 one image, 1/4 two images, varied sizes; or
+    (workload "video") one video each."""
+    if workload == "video":
+        from vlmrl.data.synthetic import generate_rows
+        from vlmrl.processors.config import ProcessorConfig
+
+        processor = load_processor(model_path, ProcessorConfig(video_fps=24.0, max_prompt_length=2048))
+        return [processor.build_request(row, index=i) for i, row in enumerate(generate_rows("motion", count, 0, "val"))]
     processor = load_processor(model_path)
     rng = np.random.default_rng(0)
     rows = []
@@ -71,7 +80,7 @@ def build_requests(model_path: str, count: int) -> list:
 
 
 def measure(name: str, model: str, model_path: str, requests, sampling: SamplingParams, repeats: int,
-            reference: list | None, dtype: str, engine_kwargs: dict) -> tuple[Row, list]:
+            reference: list | None, dtype: str, engine_kwargs: dict, workload: str = "images") -> tuple[Row, list]:
     t0 = time.perf_counter()
     with get_backend(name, model_path, dtype=dtype, max_model_len=2048, timeout_s=1800,
                      start_timeout_s=1800, engine_kwargs=engine_kwargs) as backend:
@@ -85,8 +94,8 @@ def measure(name: str, model: str, model_path: str, requests, sampling: Sampling
             results = backend.generate(requests, sampling)
             timings.append((time.perf_counter() - t, sum(len(r.response_ids) for r in results)))
     call_s, tokens = sorted(timings)[len(timings) // 2]
-    row = Row(model, name, round(start, 1), round(call_s, 3), tokens, round(tokens / call_s, 1), matches)
-    print(f"  {model:10s} {name:14s} start {start:6.1f} s  call {call_s:7.3f} s  {tokens:6d} tokens  "
+    row = Row(model, workload, name, round(start, 1), round(call_s, 3), tokens, round(tokens / call_s, 1), matches)
+    print(f"  {model:10s} {workload:7s} {name:14s} start {start:6.1f} s  call {call_s:7.3f} s  {tokens:6d} tokens  "
           f"{tokens / call_s:9.1f} tok/s  greedy==hf: {matches}", flush=True)
     return row, greedy
 
@@ -115,6 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "tiny-large"])
     parser.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    parser.add_argument("--workloads", nargs="+", default=["images"], choices=["images", "video"])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -138,21 +148,28 @@ def main() -> None:
           f"on {os.cpu_count()} CPUs; {device_name()}")
     for model in args.models:
         path = str(ensure_built(model))
-        requests = build_requests(path, args.requests)
-        reference = None
-        for name in backends:
-            row, greedy = measure(name, model, path, requests, sampling, args.repeats, reference, args.dtype,
-                                  engine_kwargs.get(name, {}))
-            reference = greedy if name == "hf" else reference
-            rows.append(row)
-        base = next(r.tokens_per_s for r in rows if r.model == model and r.backend == "hf")
-        for r in rows:
-            if r.model == model:
-                r.ratio_to_hf = round(r.tokens_per_s / base, 2)
-    print("\n| model | backend | start s | tokens/s | ratio to hf | greedy == hf |\n|---|---|---|---|---|---|")
+        for workload in args.workloads:
+            requests = build_requests(path, args.requests, workload)
+            reference = None
+            for name in backends:
+                if workload == "video" and name == "sglang-server":
+                    print(f"  {model:10s} {workload:7s} {name:14s} skipped: the server takes no video here")
+                    continue
+                row, greedy = measure(name, model, path, requests, sampling, args.repeats, reference, args.dtype,
+                                      engine_kwargs.get(name, {}), workload)
+                reference = greedy if name == "hf" else reference
+                rows.append(row)
+            base = next(r.tokens_per_s for r in rows
+                        if r.model == model and r.workload == workload and r.backend == "hf")
+            for r in rows:
+                if r.model == model and r.workload == workload:
+                    r.ratio_to_hf = round(r.tokens_per_s / base, 2)
+    print("\n| model | workload | backend | start s | tokens/s | ratio to hf | greedy == hf |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
         speed = f"{r.tokens_per_s:.0f}" if r.greedy_matches_hf or args.dtype != "float32" else "MISMATCH"
-        print(f"| {r.model} | {r.backend} | {r.start_s} | {speed} | {r.ratio_to_hf}x | {r.greedy_matches_hf} |")
+        print(f"| {r.model} | {r.workload} | {r.backend} | {r.start_s} | {speed} | {r.ratio_to_hf}x | "
+              f"{r.greedy_matches_hf} |")
     print(f"(load average {os.getloadavg()[0]:.1f} at the end)")
     if args.out:
         out_dir = os.path.dirname(os.path.abspath(args.out))

@@ -1,8 +1,9 @@
 """Typed records passed between stages: dataset row -> request -> rollout result -> padded sample -> train batch.
 
 Shapes use: P = padded prompt length, R = padded response length, L = P + R, B = batch size.
-All token ids in a `Sample`/`TrainBatch` are EXPANDED (one `<|image_pad|>` per merged vision patch, as the trainer's
-forward needs); a `RolloutRequest` holds UNEXPANDED ids (one `<|image_pad|>` per image, as both engines take them).
+All token ids in a `Sample`/`TrainBatch` are EXPANDED (one `<|image_pad|>` / `<|video_pad|>` per merged vision patch,
+as the trainer's forward needs); a `RolloutRequest` holds UNEXPANDED ids (one `<|image_pad|>` per image and one
+`<|video_pad|>` per video, as both engines take them).
 """
 
 from __future__ import annotations
@@ -10,8 +11,51 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
+
+
+@dataclass
+class Video:
+    """One video as every backend receives it: frames sampled and resized ONCE by `vlmrl.processors.video`, with the
+    timing the model's position ids need. Every backend gets exactly these frames and this timing."""
+
+    frames: np.ndarray
+    """(T, H, W, 3) uint8 RGB: the sampled frames, resized (sides multiples of 28), T a multiple of the temporal patch
+    size (2)."""
+    fps: float
+    """Frame rate of the SOURCE video (for a list of frame images: the rate they were taken at, data.video_fps)."""
+    frame_indices: list[int]
+    """Index in the source of each sampled frame (len T)."""
+    total_frames: int
+    """Frames in the source video."""
+    hash: str = ""
+    """sha256 over the frames' shape and bytes and the timing: equal inputs have equal hashes on every backend."""
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.frames.shape[0])
+
+    @property
+    def sample_fps(self) -> float:
+        """Frames per second of the sampled frames (qwen-vl-utils' `sample_fps`; transformers' `sampled_fps`)."""
+        return len(self.frame_indices) / self.total_frames * self.fps
+
+    @property
+    def timestamps(self) -> list[float]:
+        """Time of each sampled frame in seconds."""
+        return [i / self.fps for i in self.frame_indices]
+
+    @property
+    def duration(self) -> float:
+        return self.total_frames / self.fps
+
+    def metadata(self) -> dict[str, Any]:
+        """transformers' / vLLM's video metadata of these frames (the processor then samples nothing)."""
+        return {"fps": float(self.fps), "total_num_frames": int(self.total_frames),
+                "frames_indices": [int(i) for i in self.frame_indices], "duration": float(self.duration),
+                "width": int(self.frames.shape[2]), "height": int(self.frames.shape[1])}
 
 
 @dataclass
@@ -28,6 +72,8 @@ class RolloutRequest:
     """sha256 of each resized image's raw RGB bytes + size: identical inputs have identical hashes on every backend."""
     banned_token_ids: list[int] = field(default_factory=list)
     """Token ids no backend may ever sample (image/video pad tokens...)."""
+    videos: list[Video] = field(default_factory=list)
+    """Videos in prompt order, one `<|video_pad|>` each in prompt_ids: frames sampled and resized once."""
     data_source: str = "unknown"
     ground_truth: Any = None
     extra_info: dict[str, Any] = field(default_factory=dict)
@@ -87,7 +133,8 @@ class PromptInputs:
     position_ids: torch.Tensor
     """(3, n) long: the prompt's mrope ids."""
     multi_modal_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """`pixel_values` and `image_grid_thw`; empty for a text-only prompt."""
+    """`pixel_values` and `image_grid_thw` with images; `pixel_values_videos`, `video_grid_thw` and
+    `second_per_grid_ts` with videos; empty for a text-only prompt."""
     data_source: str = "unknown"
     ground_truth: Any = None
 
@@ -110,8 +157,9 @@ class Sample:
     position_ids: torch.Tensor
     """(3, L) long: mrope (temporal, height, width) position ids, continued across the response."""
     multi_modal_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """`pixel_values` (num_patches, C*T*p*p) and `image_grid_thw` (num_images, 3); EMPTY for text-only and padding
-    rows."""
+    """`pixel_values` (num_patches, C*T*p*p) and `image_grid_thw` (num_images, 3); with videos `pixel_values_videos`
+    (num_video_patches, C*T*p*p), `video_grid_thw` (num_videos, 3) and `second_per_grid_ts` (num_videos,); EMPTY for
+    text-only and padding rows."""
     rollout_logprobs: torch.Tensor | None = None
     """(R,) float: the backend's logprobs of the response tokens (0 on padding)."""
     reward: float = 0.0

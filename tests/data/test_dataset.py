@@ -201,10 +201,13 @@ def test_synthetic_rows_become_requests_with_one_short_token_answer(tmp_path, ti
         batch = build_requests(processor, data, range(len(data)))
         assert batch.num_skipped == 0 and [r.index for r in batch.requests] == [0, 1, 2, 3]
         for index, request in enumerate(batch.requests):
-            assert request.prompt_ids.count(processor.image_token_id) == 1
+            video = TASKS[task].video
+            pad = processor.video_token_id if video else processor.image_token_id
+            assert request.prompt_ids.count(pad) == 1
             assert request.ground_truth == data[index]["reward_model"]["ground_truth"]
             assert request.data_source == f"synthetic/{task}"
-            assert request.images[0].size == (TASKS[task].image_size,) * 2, "already a multiple of 28: not resized"
+            size = request.videos[0].frames.shape[2:0:-1] if video else request.images[0].size
+            assert tuple(size) == (TASKS[task].image_size,) * 2, "already a multiple of 28: not resized"
 
 
 def test_easyr1_schema_without_data_source_loads_as_unknown(tmp_path):

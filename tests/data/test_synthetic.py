@@ -48,7 +48,7 @@ def test_splits_are_disjoint_balanced_and_the_text_carries_no_answer(tmp_path, t
     # One prompt for the whole task: the text cannot tell the answers apart.
     prompts = {row["prompt"][0]["content"] for row in rows}
     assert len(prompts) == 1, prompts
-    assert prompts.pop().startswith("<image>")
+    assert prompts.pop().startswith("<video>" if TASKS[task].video else "<image>")
     assert {row["data_source"] for row in rows} == {f"synthetic/{task}"}
     assert [row["extra_info"]["index"] for row in train] == list(range(41))
 

@@ -235,9 +235,9 @@ def test_a_size_the_engines_would_resize_again_is_refused_by_row(processor, size
     _bad(processor, [noise_image(*size)], r"resizes to .* but the engines' image processor resizes it again")
 
 
-def test_video_rows_are_refused_not_sent_as_text(processor):
-    _bad(processor, [], "holds video", question="<video>What happens?")
-    with pytest.raises(BadRowError, match="holds video"):
+def test_video_markers_and_videos_must_match_not_sent_as_text(processor):
+    _bad(processor, [], "1 video placeholders in the prompt but 0 videos", question="<video>What happens?")
+    with pytest.raises(BadRowError, match="0 video placeholders in the prompt but 1 videos"):
         processor.build_request(dict(image_row("What happens?", []), videos=[{"path": "clip.mp4"}]), index=ROW)
 
 

@@ -131,12 +131,6 @@ def test_image_token_count_mismatch_names_the_row():
         mrope_position_ids(ids, None, torch.tensor([[1, 4, 4], [1, 4, 4]]), image_token_id=9)
 
 
-def test_video_tokens_are_refused(processor):
-    ids = torch.tensor([[1, processor.video_token_id, 2]])
-    with pytest.raises(ValueError, match="images only"):
-        processor.position_ids(ids, None, None)
-
-
 def test_a_masked_hole_inside_an_image_is_an_error():
     ids = torch.tensor([[1, 9, 9, 9, 9, 2]])
     mask = torch.tensor([[1, 1, 1, 0, 1, 1]])

@@ -16,7 +16,7 @@ import logging
 import math
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,8 @@ class MicroBatch:
     """r: the last r columns are the (trimmed) response."""
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
+    video_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """pixel_values_videos, video_grid_thw, second_per_grid_ts of the rows with videos; empty without."""
 
 
 def micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.device) -> MicroBatch:
@@ -60,8 +62,12 @@ def micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.device) ->
     width = int(attended_response[-1]) + 1 if len(attended_response) else 1
     columns = slice(start, prompt_len + width)
     mm = [batch.multi_modal_inputs[i] for i in rows if batch.multi_modal_inputs[i]]
-    pixel_values = torch.cat([m["pixel_values"] for m in mm]).to(device) if mm else None
-    grid = torch.cat([m["image_grid_thw"] for m in mm]).to(device) if mm else None
+    with_images = [m for m in mm if "pixel_values" in m]
+    pixel_values = torch.cat([m["pixel_values"] for m in with_images]).to(device) if with_images else None
+    grid = torch.cat([m["image_grid_thw"] for m in with_images]).to(device) if with_images else None
+    with_videos = [m for m in mm if "pixel_values_videos" in m]
+    video_inputs = {key: torch.cat([m[key] for m in with_videos]).to(device)
+                    for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")} if with_videos else {}
     return MicroBatch(
         rows=list(rows),
         input_ids=batch.input_ids[index, columns].to(device),
@@ -70,6 +76,7 @@ def micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.device) ->
         response_width=width,
         pixel_values=pixel_values,
         image_grid_thw=grid,
+        video_inputs=video_inputs,
     )
 
 
@@ -111,7 +118,9 @@ def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float,
     (without a graph unless `entropy_grad`: a metric needs no backward). `chunk` > 0: the logits are made `chunk`
     tokens at a time and recomputed in the backward (actor.logprob_chunk_size), so the full (b, r, V) logits never
     exist; the values are the unchunked ones (float32, up to the projection's summation order)."""
-    pixel_values = mb.pixel_values.to(next(model.parameters()).dtype) if mb.pixel_values is not None else None
+    dtype = next(model.parameters()).dtype
+    pixel_values = mb.pixel_values.to(dtype) if mb.pixel_values is not None else None
+    videos = {k: v.to(dtype) if k == "pixel_values_videos" else v for k, v in mb.video_inputs.items()}
     labels = mb.input_ids[:, -mb.response_width :]
     head = _ResponseHead(model.get_output_embeddings(), labels, temperature, chunk, with_entropy, entropy_grad)
     with _output_head(model, head):
@@ -121,6 +130,7 @@ def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float,
             position_ids=mb.position_ids,
             pixel_values=pixel_values,
             image_grid_thw=mb.image_grid_thw,
+            **videos,
             use_cache=False,
             logits_to_keep=mb.response_width + 1,  # positions P-1 .. L-2 predict the response tokens P .. L-1
         )

@@ -333,7 +333,8 @@ class AgentLoop:
 
     def _prompt_tokens(self, request: RolloutRequest) -> int:
         """Expanded length of a request's prompt (as the engine counts it)."""
-        return len(request.prompt_ids) + sum(self.processor.image_token_count(im) - 1 for im in request.images)
+        return (len(request.prompt_ids) + sum(self.processor.image_token_count(im) - 1 for im in request.images)
+                + sum(self.processor.video.token_count(v) - 1 for v in request.videos))
 
     def _turn_limit(self, expanded_length: int, turn_so_far: int, sampling: SamplingParams) -> int:
         """New tokens the next call may generate: the response budget left, the turn's limit left, one chunk."""

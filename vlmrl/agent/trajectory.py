@@ -76,7 +76,7 @@ class Trajectory:
         return RolloutRequest(
             uid=r.uid, prompt_ids=list(r.prompt_ids) + self.response_ids, images=self.images,
             image_hashes=list(r.image_hashes) + self.tool_image_hashes, banned_token_ids=list(r.banned_token_ids),
-            data_source=r.data_source, ground_truth=r.ground_truth, extra_info=r.extra_info, index=r.index,
+            videos=list(r.videos), data_source=r.data_source, ground_truth=r.ground_truth, extra_info=r.extra_info, index=r.index,
         )
 
     def add_generated(self, result: RolloutResult, version: int) -> None:
@@ -151,7 +151,9 @@ def to_sample(
                                                               images=traj.tool_images))
         mm_inputs = _concat_mm(prompt.multi_modal_inputs, tool_mm)
         full = torch.cat([prompt.input_ids, torch.tensor(expanded_ids, dtype=torch.long)])
-        position_ids = processor.position_ids(full.unsqueeze(0), None, mm_inputs["image_grid_thw"])[:, 0]
+        position_ids = processor.position_ids(full.unsqueeze(0), None, mm_inputs["image_grid_thw"],
+                                              mm_inputs.get("video_grid_thw"),
+                                              mm_inputs.get("second_per_grid_ts"))[:, 0]
     oldest = traj.oldest_version
     sample = pad_sample(
         prompt, expanded_ids, prompt_length=prompt_length, response_length=response_length,
@@ -166,6 +168,8 @@ def to_sample(
 
 
 def _concat_mm(prompt_mm: dict[str, torch.Tensor], tool_mm: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if not prompt_mm:
-        return dict(tool_mm)
-    return {key: torch.cat([prompt_mm[key], tool_mm[key]], dim=0) for key in ("pixel_values", "image_grid_thw")}
+    """Prompt images first, then tool images; the prompt's video inputs as they are."""
+    if "pixel_values" not in prompt_mm:
+        return {**prompt_mm, **tool_mm}
+    return {**prompt_mm, **{key: torch.cat([prompt_mm[key], tool_mm[key]], dim=0)
+                            for key in ("pixel_values", "image_grid_thw")}}

@@ -107,6 +107,10 @@ class ValidationRecord:
     """Per response position, the top-k [token_id, logprob] pairs, best first; None when not requested."""
     thumbnails: list[str] | None = None
     """Base64 PNG thumbnails of the resized images (on sample 0 of each prompt only), for the HTML report."""
+    videos: list[dict[str, Any]] = field(default_factory=list)
+    """Per video, as sent to the engine: `hash` (frames + timing), `frame_hashes`, `num_frames`, `fps` (source),
+    `sample_fps`, `frame_indices`, `size` [width, height] and `grid_thw`. Empty without videos (and in artifacts
+    written before videos existed)."""
 
 
 _RECORD_FIELDS = {f.name for f in fields(ValidationRecord)}
@@ -266,7 +270,7 @@ def records_from_rollout(
             raise ValueError(f"result {i} has uid {result.uid!r}, which no request carries")
         if request.uid not in per_request:
             per_request[request.uid] = _request_facts(request, processor, thumbnails)
-        grid, expanded_length, thumbs = per_request[request.uid]
+        grid, expanded_length, thumbs, video_facts = per_request[request.uid]
         top = None
         if result.top_logprobs is not None:
             top = [sorted(([int(t), float(lp)] for t, lp in pos.items()), key=lambda p: -p[1])
@@ -291,14 +295,25 @@ def records_from_rollout(
                 ground_truth=request.ground_truth,
                 top_logprobs=top,
                 thumbnails=thumbs if result.sample_index == 0 else None,
+                videos=video_facts,
             )
         )
     return records
 
 
 def _request_facts(request: RolloutRequest, processor: Processor, thumbnails: bool):
-    """(image_grid_thw, expanded prompt length, thumbnails) of one request, computed once for its n samples."""
+    """(image_grid_thw, expanded prompt length, thumbnails, video facts) of one request, once for its n samples."""
+    import torch
+
+    from vlmrl.processors.video import frame_hashes
+
     grid = processor.image_grid_thw(request.images)  # (N, 3), from the resized sizes (no pixel work)
-    expanded_length = len(processor.expand_prompt_ids(request.prompt_ids, grid))
+    video_grids = [list(processor.video.grid(v)) for v in request.videos]
+    expanded_length = len(processor.expand_prompt_ids(
+        request.prompt_ids, grid, torch.tensor(video_grids, dtype=torch.long).reshape(-1, 3)))
     thumbs = [thumbnail_png_base64(image) for image in request.images] if thumbnails and request.images else None
-    return [[int(v) for v in row] for row in grid.tolist()], expanded_length, thumbs
+    videos = [{"hash": v.hash, "frame_hashes": frame_hashes(v), "num_frames": v.num_frames, "fps": float(v.fps),
+               "sample_fps": float(v.sample_fps), "frame_indices": [int(i) for i in v.frame_indices],
+               "size": [int(v.frames.shape[2]), int(v.frames.shape[1])], "grid_thw": [int(x) for x in g]}
+              for v, g in zip(request.videos, video_grids)]
+    return [[int(v) for v in row] for row in grid.tolist()], expanded_length, thumbs, videos

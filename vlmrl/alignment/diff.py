@@ -293,6 +293,26 @@ def diff_inputs(a: ValidationRecord, b: ValidationRecord) -> list[str]:
     for i, (ga, gb) in enumerate(zip(a.image_grid_thw, b.image_grid_thw)):
         if list(ga) != list(gb):
             out.append(f"image {i} grid_thw {list(ga)} vs {list(gb)}")
+    return out + diff_videos(a.videos, b.videos)
+
+
+VIDEO_FACTS = ("num_frames", "fps", "sample_fps", "frame_indices", "size", "grid_thw")
+"""Video facts compared one by one (then the frames' pixels): another frame sampling or fps on one side is an input
+mismatch, not a model difference (the temporal position ids follow the sampled fps)."""
+
+
+def diff_videos(a: list[dict], b: list[dict]) -> list[str]:
+    """Every way two records' videos differ, in words: count, the facts in VIDEO_FACTS, then frame pixels.
+
+    >>> diff_videos([{"fps": 2.0, "frame_hashes": ["x"]}], [{"fps": 24.0, "frame_hashes": ["x"]}])
+    ['video 0 fps 2.0 vs 24.0']
+    """
+    out = [f"{len(a)} vs {len(b)} videos"] if len(a) != len(b) else []
+    for i, (va, vb) in enumerate(zip(a, b)):
+        out += [f"video {i} {key} {va.get(key)} vs {vb.get(key)}" for key in VIDEO_FACTS if va.get(key) != vb.get(key)]
+        frames = [j for j, (x, y) in enumerate(zip(va.get("frame_hashes", []), vb.get("frame_hashes", []))) if x != y]
+        if frames:
+            out.append(f"video {i} frames {frames[:5]} differ in pixels")
     return out
 
 

@@ -166,6 +166,11 @@ class RLDataset:
         elif not isinstance(images, list):  # a single image column (one struct / path per row)
             images = [images]
         row["images"] = [_resolve_image_path(image, path.parent) for image in images]
+        videos = row.get("videos")
+        if videos is not None:  # a video is a path / {bytes, path}, or a list of frame images
+            videos = videos if isinstance(videos, list) else [videos]
+            row["videos"] = [[_resolve_image_path(f, path.parent) for f in v] if isinstance(v, list)
+                             else _resolve_image_path(v, path.parent) for v in videos]
         row.setdefault("data_source", "unknown")
         row.setdefault("extra_info", {})
         if row["extra_info"] is None:

@@ -10,6 +10,12 @@ Tasks (`data_source` is `synthetic/<task>`):
   - ``shape``: a 56x56 image, one shape of any of those colours; which shape is it (circle, square, triangle)?
   - ``position``: a 56x56 image, one shape wholly in the left or the right half; which side?
   - ``count``: a 112x112 image with 1-4 separated shapes of mixed kinds and colours; how many?
+  - ``motion`` (video): 4 frames of 112x112 in which one shape moves steadily left or right; which way? No single
+    frame tells (the start is anywhere along the path): the answer needs two frames or more. The row's `videos`
+    column holds the frames as PNG images (a video given as a list of frames, taken at data.video_fps).
+  - ``last_colour`` (video, the video demo): 4 frames of 112x112; one shape changes colour halfway (frames 0-1 one
+    colour, frames 2-3 another); which colour is it at the end? Both colours are in the video, so the answer needs
+    the frames' order (the temporal position ids), not one frame's pixels.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ SHADE_JITTER = 25
 class Drawn:
     """One rendered example: the image and what is in it (the answer plus the facts a test can check)."""
 
-    image: Image.Image
+    image: Image.Image | list[Image.Image]
+    """The image, or a video task's frames."""
     answer: str
     details: dict[str, str]
 
@@ -57,7 +64,9 @@ class SyntheticTask:
     answers: tuple[str, ...]
     image_size: int
     draw: Callable[[np.random.Generator, str], Drawn]
-    """Renders an image whose true answer is the given one."""
+    """Renders an image (a video task: frames) whose true answer is the given one."""
+    video: bool = False
+    """The task's rows hold a video (`videos` column, `<video>` marker) instead of an image."""
 
     @property
     def data_source(self) -> str:
@@ -137,6 +146,43 @@ def _draw_count(rng: np.random.Generator, answer: str) -> Drawn:
     return Drawn(image, answer, {"count": answer})
 
 
+MOTION_FRAMES = 4
+MOTION_SIZE = 112
+
+
+def _draw_motion(rng: np.random.Generator, answer: str) -> Drawn:
+    """One shape moving `answer`-wards by a fixed step per frame, along a random row from a random start."""
+    colour, kind = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
+    side = int(rng.integers(18, 27))
+    step = int(rng.integers(12, 19))
+    travel = step * (MOTION_FRAMES - 1)
+    x0 = int(rng.integers(0, MOTION_SIZE - side - travel + 1))
+    y0 = int(rng.integers(0, MOTION_SIZE - side + 1))
+    grey = int(rng.integers(225, 256))
+    fill = _shade(rng, colour)
+    frames = []
+    for i in range(MOTION_FRAMES):
+        image = Image.new("RGB", (MOTION_SIZE, MOTION_SIZE), (grey, grey, grey))
+        x = x0 + i * step if answer == "right" else x0 + travel - i * step
+        _shape(ImageDraw.Draw(image), kind, (x, y0, x + side - 1, y0 + side - 1), fill)
+        frames.append(image)
+    return Drawn(frames, answer, {"colour": colour, "shape": kind})
+
+
+def _draw_last_colour(rng: np.random.Generator, answer: str) -> Drawn:
+    """The same shape in the same place for 4 frames: another colour in frames 0-1, the answer's in frames 2-3."""
+    first = str(rng.choice([c for c in COLOURS if c != answer]))
+    kind = str(rng.choice(SHAPES))
+    box = _random_box(rng, MOTION_SIZE, 32, 64)
+    grey = int(rng.integers(225, 256))
+    frames = []
+    for colour in (first, first, answer, answer):
+        image = Image.new("RGB", (MOTION_SIZE, MOTION_SIZE), (grey, grey, grey))
+        _shape(ImageDraw.Draw(image), kind, box, _shade(rng, colour))
+        frames.append(image)
+    return Drawn(frames, answer, {"colour": answer, "shape": kind})
+
+
 TASKS: dict[str, SyntheticTask] = {
     task.name: task
     for task in (
@@ -146,6 +192,10 @@ TASKS: dict[str, SyntheticTask] = {
                       ("left", "right"), 56, _draw_position),
         SyntheticTask("count", "How many shapes are there? Answer with a number.", ("1", "2", "3", "4"), 112,
                       _draw_count),
+        SyntheticTask("motion", "Does the shape move to the left or to the right? Answer with one word.",
+                      ("left", "right"), MOTION_SIZE, _draw_motion, video=True),
+        SyntheticTask("last_colour", "What colour is the shape at the end of the video? Answer with one word.",
+                      tuple(COLOURS), MOTION_SIZE, _draw_last_colour, video=True),
     )
 }
 DEFAULT_TASK = "colour"
@@ -180,13 +230,15 @@ def generate_rows(task: str, n: int, seed: int, split: str, exclude: set[str] = 
     for index, answer in enumerate(labels):
         while True:
             drawn = spec.draw(rng, answer)
-            data = png_bytes(drawn.image)
-            if hashlib.sha256(data).hexdigest() not in exclude:
+            frames = [png_bytes(f) for f in (drawn.image if spec.video else [drawn.image])]
+            if hashlib.sha256(b"".join(frames)).hexdigest() not in exclude:
                 break
+        media = [{"bytes": f, "path": None} for f in frames]
         rows.append({
             "data_source": spec.data_source,
-            "prompt": [{"role": "user", "content": "<image>" + spec.question}],
-            "images": [{"bytes": data, "path": None}],
+            "prompt": [{"role": "user", "content": ("<video>" if spec.video else "<image>") + spec.question}],
+            "images": [] if spec.video else media,
+            **({"videos": [media]} if spec.video else {}),
             "ability": "visual",
             "reward_model": {"style": "rule", "ground_truth": answer},
             "extra_info": {"split": split, "index": index, "task": task, "answer": answer,
@@ -200,7 +252,11 @@ _DETAIL_KEYS = ("colour", "shape", "count")
 
 
 def image_hashes(rows: list[dict]) -> set[str]:
-    return {hashlib.sha256(image["bytes"]).hexdigest() for row in rows for image in row["images"]}
+    """sha256 of each row's image (of a video row: of its frames' PNG bytes joined), as generate_rows excludes."""
+    out = {hashlib.sha256(image["bytes"]).hexdigest() for row in rows for image in row["images"]}
+    out |= {hashlib.sha256(b"".join(f["bytes"] for f in video)).hexdigest() for row in rows
+            for video in row.get("videos", [])}
+    return out
 
 
 def write_rows(rows: list[dict], path: str | os.PathLike) -> Path:
@@ -214,10 +270,12 @@ def write_rows(rows: list[dict], path: str | os.PathLike) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    videos = {"videos": datasets.List(datasets.List(datasets.Image()))} if rows and "videos" in rows[0] else {}
     features = datasets.Features({
         "data_source": datasets.Value("string"),
         "prompt": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
         "images": datasets.List(datasets.Image()),
+        **videos,
         "ability": datasets.Value("string"),
         "reward_model": {"style": datasets.Value("string"), "ground_truth": datasets.Value("string")},
         "extra_info": {"split": datasets.Value("string"), "index": datasets.Value("int64"),

@@ -63,7 +63,7 @@ class VisionAlwaysOn(nn.Module):
                 image_grid_thw: torch.Tensor | None = None, **kwargs):
         """input_ids (b, l); pixel_values (patches, patch_dim) and image_grid_thw (images, 3) or None; the rest
         (attention_mask, position_ids (3, b, l), use_cache, logits_to_keep...) is passed through."""
-        if pixel_values is not None:
+        if pixel_values is not None or kwargs.get("pixel_values_videos") is not None:  # the tower runs anyway
             return self.model(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs)
         # run before the decoder, like a real image, so that every rank all-gathers blocks in the same order
         dummy_grid = torch.tensor([[1, self.merge, self.merge]], device=input_ids.device)

@@ -43,6 +43,10 @@ class ModelFamily:
     that no multimodal cache serves features of old vision weights). Not Qwen3-VL with sglang 0.5.23: its image path
     pads the prompt with SGLang's own hash before the caller's replaces it, and the scheduler dies on the mismatch
     (`index_copy_(): index N is out of bounds`); the engine must then run without a multimodal embedding cache."""
+    video_timing: str | None = None
+    """How the model's inputs carry a video's timing: "second_per_grid_ts" (Qwen2/2.5-VL: one grid per video,
+    temporal position ids spaced by tokens_per_second x seconds per temporal patch); None = vlmrl takes no video for
+    this family yet (Qwen3-VL puts per-frame timestamps in the text and splits the grid per frame)."""
 
     def checkpoint_name(self, name: str) -> str:
         """A transformers-5 in-memory parameter name -> the name in this family's checkpoints (what engines load).
@@ -115,6 +119,7 @@ QWEN2_5_VL = ModelFamily(
     vision_tower="model.visual",
     vision_mergers=("merger",),
     interleaved_mrope=False,
+    video_timing="second_per_grid_ts",
 )
 
 QWEN3_VL = ModelFamily(

@@ -1,4 +1,5 @@
-"""Processors: dataset rows -> one `RolloutRequest` for every backend; the trainer's image inputs and mrope ids."""
+"""Processors: dataset rows -> one `RolloutRequest` for every backend; the trainer's image and video inputs and mrope
+ids."""
 
 from vlmrl.utils.lazy import lazy_exports
 
@@ -12,6 +13,7 @@ _LAZY = {
     "Processor": "qwen_vl",
     "load_processor": "qwen_vl",
     "mrope_position_ids": "rope",
+    "VideoInputError": "video",
 }
 
 

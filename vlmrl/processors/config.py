@@ -30,8 +30,9 @@ class ProcessorConfig:
     """Drop (and count) prompts over max_prompt_length; False makes them an error naming the row. A prompt is never
     truncated: cutting through an image breaks every consumer."""
     on_bad_image: str = "error"
-    """A corrupt, missing, empty, oversized or disallowed image, or a row whose image count differs from its
-    placeholders: "error" stops with the row named, "filter" skips the row (counted and logged)."""
+    """A corrupt, missing, empty, oversized or disallowed image or video (too few frames, over the frame or pixel
+    budget), or a row whose image/video count differs from its placeholders: "error" stops with the row named,
+    "filter" skips the row (counted and logged)."""
     data_root: str | None = None
     """Folder image paths live in: relative paths resolve under it and no path may point outside it (symlinks and
     '..' resolved first). null = paths are taken as given (relative to the working directory)."""
@@ -45,6 +46,26 @@ class ProcessorConfig:
     max_image_pixels: int = 89_478_485
     """Decompression-bomb guard: an image whose header declares more pixels than this is rejected before it is
     decoded (PIL's default). Not a resize bound: see max_pixels."""
+
+    video_fps: float = 2.0
+    """Frames sampled per second of video (qwen-vl-utils' `fps`); also the rate a video given as a list of frame
+    images was taken at."""
+    video_nframes: int | None = None
+    """Sample exactly this many frames per video (rounded to a multiple of 2) instead of by video_fps."""
+    video_min_frames: int = 4
+    """Fewest frames sampled from a video; a video with fewer frames is a bad input (qwen-vl-utils' FPS_MIN_FRAMES)."""
+    video_max_frames: int = 768
+    """Most frames sampled from a video (the frame budget; qwen-vl-utils' FPS_MAX_FRAMES)."""
+    video_min_pixels: int | None = None
+    """Each frame is resized to at least this many pixels; null = the model's video processor's bound."""
+    video_max_pixels: int | None = None
+    """Each frame is resized to at most this many pixels; null = the model's video processor's bound."""
+    video_total_pixels: int = int(128000 * 28 * 28 * 0.9)
+    """All of a video's frames together stay within this many pixels (per temporal patch of 2 frames: a frame gets
+    at most video_total_pixels / frames * 2); qwen-vl-utils' default. A video that cannot fit at video_min_pixels
+    per frame is over the pixel budget: a bad input."""
+    video_max_decoded_frames: int = 100_000
+    """A video file with more frames than this is refused before sampling (decoding keeps every frame in memory)."""
 
     def problems(self) -> list[str]:
         """What is wrong, each with what to change; empty when valid. The bounds are checked against the model's
@@ -64,6 +85,19 @@ class ProcessorConfig:
                 out.append(f"data.{name}={getattr(self, name)} must be > 0")
         if high is not None and self.max_image_pixels < high:
             out.append(max_image_pixels_problem(self.max_image_pixels, high))
+        if not self.video_fps > 0:
+            out.append(f"data.video_fps={self.video_fps} must be > 0")
+        if self.video_nframes is not None and self.video_nframes < 2:
+            out.append(f"data.video_nframes={self.video_nframes} must be >= 2 (or null to sample by video_fps)")
+        if not 2 <= self.video_min_frames <= self.video_max_frames:
+            out.append(f"data.video_min_frames={self.video_min_frames} and video_max_frames={self.video_max_frames} "
+                       "must satisfy 2 <= min <= max")
+        vlow, vhigh = self.video_min_pixels, self.video_max_pixels
+        if vlow is not None and vhigh is not None and vlow > vhigh:
+            out.append(f"data.video_min_pixels={vlow} > data.video_max_pixels={vhigh}")
+        for name in ("video_total_pixels", "video_max_decoded_frames"):
+            if getattr(self, name) <= 0:
+                out.append(f"data.{name}={getattr(self, name)} must be > 0")
         return out
 
 

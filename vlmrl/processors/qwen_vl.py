@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,12 +23,13 @@ from vlmrl.processors.config import ProcessorConfig, max_image_pixels_problem
 from vlmrl.processors.errors import BadRowError, FilteredRow
 from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
 from vlmrl.processors.rope import mrope_position_ids
+from vlmrl.processors.video import VideoInputError, VideoSupport
 from vlmrl.types import PromptInputs, RolloutRequest
 
 logger = logging.getLogger(__name__)
 
 IMAGE_MARKER = "<image>"  # verl/EasyR1 rows mark image positions in the prompt text with it
-VIDEO_MARKER = "<video>"  # ... and video positions with this (not supported: such rows are refused)
+VIDEO_MARKER = "<video>"  # ... and video positions with this
 
 
 def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Processor:
@@ -81,6 +83,8 @@ class Processor:
         self.image_factor: int = self.patch_size * self.spatial_merge_size
         """Resized image sides are multiples of this (qwen-vl-utils' rule): the model's patch size x merge size."""
         self.min_pixels, self.max_pixels = self._pixel_bounds()
+        self.video = VideoSupport(hf_processor, model_config, config, self.image_factor, family)
+        """Frame sampling, video inputs, video token counts (`vlmrl.processors.video`)."""
 
     def _pixel_bounds(self) -> tuple[int, int]:
         """Config bounds, checked to lie within the model's: the engines run the model's image processor, which
@@ -111,18 +115,16 @@ class Processor:
             FilteredRow: the config says to skip such a row (overlong prompt, bad image): count it and go on.
             BadRowError: the row is unusable and the config says to fail.
         """
-        messages, inline_images = _normalise_messages(row.get("prompt"), index)
-        if row.get("videos") or any(_has_video(m["content"]) for m in messages):
-            self._bad_image(index, "the row holds video (a `videos` column or <video> in the prompt): vlmrl's "
-                                   "processor takes images only")
+        messages, inline_images, inline_videos = _normalise_messages(row.get("prompt"), index)
         listed = list(row.get("images") or [])
         if listed and inline_images:
             self._bad_image(index, f"images both in the `images` column ({len(listed)}) and inline in the prompt's "
                                    f"content parts ({len(inline_images)}): give them in one place")
         sources = listed or inline_images
-        placeholders = sum(_count_image_parts(m["content"]) for m in messages)
+        placeholders = sum(_count_parts(m["content"], "image") for m in messages)
         if placeholders != len(sources):
             self._bad_image(index, f"{placeholders} image placeholders in the prompt but {len(sources)} images")
+        videos = self._videos(row, messages, inline_videos, index)
         images = []
         for i, source in enumerate(sources):
             try:
@@ -135,9 +137,14 @@ class Processor:
         found = prompt_ids.count(self.image_token_id)
         if found != len(images):  # e.g. a literal <|image_pad|> typed in the prompt text
             self._bad_image(index, f"the rendered prompt holds {found} <|image_pad|> tokens for {len(images)} images")
-        expanded = len(prompt_ids) - len(images) + sum(self.image_token_count(im) for im in images)
+        found = prompt_ids.count(self.video_token_id)
+        if found != len(videos):
+            self._bad_image(index, f"the rendered prompt holds {found} <|video_pad|> tokens for {len(videos)} videos")
+        expanded = (len(prompt_ids) - len(images) + sum(self.image_token_count(im) for im in images)
+                    - len(videos) + sum(self.video.token_count(v) for v in videos))
         if expanded > self.config.max_prompt_length:
-            reason = (f"prompt is {expanded} tokens (expanded, with {len(images)} images) > max_prompt_length="
+            reason = (f"prompt is {expanded} tokens (expanded, with {len(images)} images, {len(videos)} videos) > "
+                      f"max_prompt_length="
                       f"{self.config.max_prompt_length}; never truncated (it would cut through an image)")
             raise (FilteredRow if self.config.filter_overlong_prompts else BadRowError)(index, reason)
         reward_model = row.get("reward_model") or {}
@@ -147,11 +154,32 @@ class Processor:
             images=images,
             image_hashes=[image_hash(im) for im in images],
             banned_token_ids=list(self.banned_token_ids),
+            videos=videos,
             data_source=str(row.get("data_source") or "unknown"),
             ground_truth=reward_model.get("ground_truth", row.get("answer")),
             extra_info=dict(row.get("extra_info") or {}),
             index=index,
         )
+
+    def _videos(self, row: dict[str, Any], messages: list[dict[str, Any]], inline: list[Any], index: int) -> list:
+        """The row's videos (`videos` column or inline content parts), sampled and resized, checked against the
+        prompt's video placeholders."""
+        listed = row.get("videos")
+        listed = [] if listed is None else ([listed] if isinstance(listed, (str, dict, bytes)) else list(listed))
+        if listed and inline:
+            self._bad_image(index, f"videos both in the `videos` column ({len(listed)}) and inline in the prompt's "
+                                   f"content parts ({len(inline)}): give them in one place")
+        sources = listed or inline
+        placeholders = sum(_count_parts(m["content"], "video") for m in messages)
+        if placeholders != len(sources):
+            self._bad_image(index, f"{placeholders} video placeholders in the prompt but {len(sources)} videos")
+        videos = []
+        for i, source in enumerate(sources):
+            try:
+                videos.append(self.video.load(source))
+            except VideoInputError as err:
+                self._bad_image(index, f"video {i}: {err}")
+        return videos
 
     def _bad_image(self, index: int, reason: str) -> None:
         raise (FilteredRow if self.config.on_bad_image == "filter" else BadRowError)(index, reason)
@@ -167,19 +195,24 @@ class Processor:
         """How many `<|image_pad|>` tokens one resized image expands to."""
         return (image.height // self.patch_size) * (image.width // self.patch_size) // self.spatial_merge_size**2
 
-    def expand_prompt_ids(self, prompt_ids: Sequence[int], image_grid_thw: torch.Tensor | None) -> list[int]:
-        """Unexpanded ids (one `<|image_pad|>` per image) -> expanded ids (one per merged patch), as the trainer's
-        forward needs. image_grid_thw: (N, 3) for the N images of these ids, in order."""
-        grids = [] if image_grid_thw is None else image_grid_thw.tolist()
-        count = sum(1 for t in prompt_ids if t == self.image_token_id)
-        if count != len(grids):
-            raise ValueError(f"{count} <|image_pad|> tokens in the prompt ids but {len(grids)} image grids")
+    def expand_prompt_ids(self, prompt_ids: Sequence[int], image_grid_thw: torch.Tensor | None,
+                          video_grid_thw: torch.Tensor | None = None) -> list[int]:
+        """Unexpanded ids (one `<|image_pad|>` per image, one `<|video_pad|>` per video) -> expanded ids (one per
+        merged patch), as the trainer's forward needs. image_grid_thw / video_grid_thw: (N, 3) for the N images /
+        videos of these ids, in order."""
+        grids = {}
+        for token, name, grid in ((self.image_token_id, "image", image_grid_thw),
+                                  (self.video_token_id, "video", video_grid_thw)):
+            rows = [] if grid is None else grid.tolist()
+            count = sum(1 for t in prompt_ids if t == token)
+            if count != len(rows):
+                raise ValueError(f"{count} <|{name}_pad|> tokens in the prompt ids but {len(rows)} {name} grids")
+            grids[token] = iter(rows)
         merge = self.spatial_merge_size**2
         expanded: list[int] = []
-        grid_iter = iter(grids)
         for token in prompt_ids:
-            if token == self.image_token_id:
-                t, h, w = next(grid_iter)
+            if token in grids:
+                t, h, w = next(grids[token])
                 expanded.extend([token] * (t * h * w // merge))
             else:
                 expanded.append(token)
@@ -188,45 +221,53 @@ class Processor:
     def prompt_inputs(self, request: RolloutRequest) -> PromptInputs:
         """Expand a request's prompt and compute its image inputs and position ids, once for all its samples."""
         mm_inputs = self.multi_modal_inputs(request)
-        grid = mm_inputs.get("image_grid_thw")
-        ids = torch.tensor(self.expand_prompt_ids(request.prompt_ids, grid), dtype=torch.long)
-        positions = self.position_ids(ids.unsqueeze(0), None, grid)[:, 0]
+        grid, video_grid = mm_inputs.get("image_grid_thw"), mm_inputs.get("video_grid_thw")
+        ids = torch.tensor(self.expand_prompt_ids(request.prompt_ids, grid, video_grid), dtype=torch.long)
+        positions = self.position_ids(ids.unsqueeze(0), None, grid, video_grid,
+                                      mm_inputs.get("second_per_grid_ts"))[:, 0]
         return PromptInputs(request.uid, ids, positions, mm_inputs, request.data_source, request.ground_truth)
 
     def multi_modal_inputs(self, request: RolloutRequest) -> dict[str, torch.Tensor]:
-        """{"pixel_values": (patches, C*T*p*p), "image_grid_thw": (N, 3)} for the trainer; {} without images."""
+        """{"pixel_values": (patches, C*T*p*p), "image_grid_thw": (N, 3)} for the trainer (and with videos
+        "pixel_values_videos", "video_grid_thw" (V, 3), "second_per_grid_ts" (V,)); {} without images or videos."""
+        video_inputs = self.video.inputs(request.videos, request.uid) if request.videos else {}
         if not request.images:
-            return {}
+            return video_inputs
         out = self.image_processor(images=list(request.images), return_tensors="pt")
         grid = out["image_grid_thw"].to(torch.long)
         expected = self.image_grid_thw(request.images)
         if not torch.equal(grid, expected):  # the image processor resized again: trainer and engines would disagree
             raise RuntimeError(f"request {request.uid}: image processor grid {grid.tolist()} != the resized images' "
                                f"{expected.tolist()}; check min_pixels/max_pixels against the model's processor")
-        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid, **video_inputs}
 
     def position_ids(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, image_grid_thw: torch.Tensor | None
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(3, B, L) mrope ids of (B, L) EXPANDED ids; equal to transformers' `get_rope_index` (0 on padding).
-        image_grid_thw: (N, 3) for every image of the batch, in row then prompt order."""
+        image_grid_thw / video_grid_thw (+ second_per_grid_ts): every image / video of the batch, in row then prompt
+        order."""
         return mrope_position_ids(input_ids, attention_mask, image_grid_thw, image_token_id=self.image_token_id,
-                                  spatial_merge_size=self.spatial_merge_size, video_token_id=self.video_token_id)
+                                  spatial_merge_size=self.spatial_merge_size, video_token_id=self.video_token_id,
+                                  video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts,
+                                  tokens_per_second=self.video.tokens_per_second)
 
 
-def _normalise_messages(prompt: Any, index: int) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Chat messages with content parts for images; also images carried inline by content parts."""
+def _normalise_messages(prompt: Any, index: int) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
+    """Chat messages with content parts for images and videos; also images and videos carried inline by content
+    parts."""
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if prompt is None or isinstance(prompt, dict) or not len(prompt):
         raise BadRowError(index, f"prompt must be a list of chat messages or a string, got {type(prompt).__name__}")
-    messages, inline = [], []
+    messages, inline, inline_videos = [], [], []
     for message in prompt:
         if not isinstance(message, dict):
             raise BadRowError(index, f"prompt messages must be dicts (role, content), got {type(message).__name__}")
         content = message.get("content")
         if isinstance(content, str):
-            if IMAGE_MARKER in content:
+            if IMAGE_MARKER in content or VIDEO_MARKER in content:
                 content = _split_markers(content)
         elif content is not None:
             # Parquet gives every content part every struct field (None where unset): drop those, so a text part
@@ -235,34 +276,36 @@ def _normalise_messages(prompt: Any, index: int) -> tuple[list[dict[str, Any]], 
             for part in content:
                 if part.get("type") == "image" and part.get("image") is not None:
                     inline.append(part.pop("image"))
+                if part.get("type") == "video" and part.get("video") is not None:
+                    inline_videos.append(part.pop("video"))
         else:
             raise BadRowError(index, f"message without content: {message!r}"[:300])
         messages.append({"role": message.get("role", "user"), "content": content})
-    return messages, inline
+    return messages, inline, inline_videos
+
+
+_MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
 
 
 def _split_markers(text: str) -> list[dict[str, str]]:
-    """'a <image> b' -> [text a, image, text b] (the content-part form the chat template renders)."""
+    """'a <image> b <video>' -> [text a, image, text b, video] (the content-part form the chat template renders)."""
     parts: list[dict[str, str]] = []
-    for i, piece in enumerate(text.split(IMAGE_MARKER)):
-        if i:
+    for piece in _MARKERS.split(text):
+        if piece == IMAGE_MARKER:
             parts.append({"type": "image"})
-        if piece:
+        elif piece == VIDEO_MARKER:
+            parts.append({"type": "video"})
+        elif piece:
             parts.append({"type": "text", "text": piece})
     return parts
 
 
-def _has_video(content: Any) -> bool:
-    if isinstance(content, str):
-        return VIDEO_MARKER in content
-    return any(part.get("type") == "video" or "video" in part or VIDEO_MARKER in str(part.get("text", ""))
-               for part in content)
-
-
-def _count_image_parts(content: Any) -> int:
+def _count_parts(content: Any, kind: str) -> int:
+    """Content parts of one kind ("image" also counts image_url parts); a plain string has none."""
     if isinstance(content, str):
         return 0
-    return sum(1 for part in content if part.get("type") == "image" or "image" in part or "image_url" in part)
+    keys = (kind, "image_url") if kind == "image" else (kind, "video_url")
+    return sum(1 for part in content if part.get("type") == kind or any(k in part for k in keys))
 
 
 def _eos_ids(generation_config: dict, tokenizer_eos: int | None) -> list[int]:

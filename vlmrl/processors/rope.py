@@ -2,13 +2,17 @@
 
 The one function that owns position ids, so that no two places disagree on their shape or layout: the trainer, the
 padding code and every backend-side check ask it. Its output equals transformers' `Qwen2_5_VLModel.get_rope_index`
-(5.19) for image inputs, token for token:
+(5.19) for image and video inputs, token for token:
 
 - padding (attention_mask 0) gets position 0 on all three rows, attended tokens are laid out as if packed together;
 - a text token takes `current + 1` on all three rows;
 - an image of merged grid (t, h, w) starting at `s` takes (s + t_i, s + h_i, s + w_i) for its t*h*w tokens in
   (t, h, w) row-major order, and the next token continues at `s + max(h, w)`;
-- a run of consecutive image tokens is one image; images are taken from `image_grid_thw` in batch-row order.
+- a video of merged grid (t, h, w) starting at `s` takes (s + floor(t_i * interval), s + h_i, s + w_i), interval =
+  tokens_per_second * second_per_grid_t (float32, as transformers multiplies), and the next token continues at
+  `s + max(h, w)` as for an image (transformers 5.19; see `vlmrl.processors.video.VideoSupport._check_positions`);
+- a run of consecutive image (video) tokens is one image (video); images are taken from `image_grid_thw` and videos
+  from `video_grid_thw`, each in batch-row order.
 
 transformers loops over samples and over token groups in Python; here every step is one tensor op over (B, L).
 """
@@ -26,6 +30,9 @@ def mrope_position_ids(
     image_token_id: int,
     spatial_merge_size: int = 2,
     video_token_id: int | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+    tokens_per_second: float = 1.0,
 ) -> torch.Tensor:
     """3D rope position ids for a batch of EXPANDED ids.
 
@@ -37,34 +44,56 @@ def mrope_position_ids(
             then prompt order; None or empty when no row holds an image.
         image_token_id: the `<|image_pad|>` id.
         spatial_merge_size: patches merged per side into one token (2 for Qwen2/2.5-VL).
-        video_token_id: when given, an attended video token raises (videos are not supported).
+        video_token_id: the `<|video_pad|>` id (None: the ids hold no video).
+        video_grid_thw: (V, 3) long, the patch grid of every video of the batch, in row then prompt order.
+        second_per_grid_ts: (V,) seconds per temporal patch of each video (None: 1.0 each, transformers' default).
+        tokens_per_second: the model's vision_config.tokens_per_second (Qwen2.5-VL; 1.0 leaves t_i as it is).
 
     Returns:
         (3, B, L) long: temporal, height, width positions; 0 on padding.
 
     Raises:
-        ValueError: the image tokens do not match `image_grid_thw` (count of images or tokens of one image),
-            naming the batch row.
+        ValueError: the image (video) tokens do not match `image_grid_thw` (`video_grid_thw`): count of images or
+            tokens of one image, naming the batch row.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, L), got shape {tuple(input_ids.shape)}")
     batch, length = input_ids.shape
     device = input_ids.device
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    if video_token_id is not None and bool(((input_ids == video_token_id) & valid).any()):
-        raise ValueError("video tokens in the input: vlmrl supports images only (the video pad token is banned)")
 
     # transformers drops padding and lays the attended tokens out packed: index j among the attended tokens
     # (in-place ops below: fresh (B, L) buffers cost more in page faults than the arithmetic itself)
     packed = torch.cumsum(valid, dim=1).sub_(1)  # (B, L) long
     is_image = (input_ids == image_token_id) & valid  # (B, L)
-    # An image is a run of image tokens. (A masked hole inside a run splits it here, where transformers would merge
-    # the halves; the halves then fail the length check below instead of giving a silent answer.)
-    run_start = is_image.clone()
-    run_start[:, 1:] &= ~is_image[:, :-1]
-    images_per_row = run_start.sum(dim=1)  # (B,)
-    num_images = int(images_per_row.sum())
-    grid = _merged_grid(image_grid_thw, num_images, images_per_row, spatial_merge_size, device)  # (N, 3)
+    is_video = (input_ids == video_token_id) & valid if video_token_id is not None else torch.zeros_like(is_image)
+    # An image (video) is a run of image (video) tokens. (A masked hole inside a run splits it here, where
+    # transformers would merge the halves; the halves then fail the length check below instead of giving a silent
+    # answer.) Below, "image" means any vision item, image or video, in flat (row, column) order.
+    image_start = is_image.clone()
+    image_start[:, 1:] &= ~is_image[:, :-1]
+    video_start = is_video.clone()
+    video_start[:, 1:] &= ~is_video[:, :-1]
+    image_grid = _merged_grid(image_grid_thw, int(image_start.sum()), image_start.sum(dim=1), spatial_merge_size,
+                              device, "image")
+    video_grid = _merged_grid(video_grid_thw, int(video_start.sum()), video_start.sum(dim=1), spatial_merge_size,
+                              device, "video")
+    is_image = is_image | is_video
+    run_start = image_start | video_start
+    num_images = int(run_start.sum())
+    # items in flat order: each run start takes the next grid of its own modality
+    starts_flat = run_start.flatten().nonzero().squeeze(1)
+    video_item = video_start.flatten()[starts_flat]  # (N,) bool
+    grid = torch.zeros(num_images, 3, dtype=torch.long, device=device)
+    grid[~video_item] = image_grid
+    grid[video_item] = video_grid
+    interval = torch.ones(num_images, dtype=torch.float32, device=device)
+    if int(video_item.sum()):
+        seconds = (torch.ones(video_grid.shape[0], dtype=torch.float32, device=device) if second_per_grid_ts is None
+                   else torch.as_tensor(second_per_grid_ts, dtype=torch.float32, device=device).reshape(-1))
+        if seconds.numel() != video_grid.shape[0]:
+            raise ValueError(f"second_per_grid_ts has {seconds.numel()} values for {video_grid.shape[0]} videos")
+        interval[video_item] = torch.tensor(tokens_per_second, dtype=torch.float32) * seconds
     tokens_per_image = grid.prod(dim=1)  # (N,)
     span = torch.maximum(grid[:, 1], grid[:, 2])  # how far positions jump past an image's start
     _check_image_lengths(is_image, run_start, tokens_per_image)
@@ -85,7 +114,8 @@ def mrope_position_ids(
         # an image starts where a text token there would sit
         start = text_pos.flatten()[starts][image] - (span - tokens_per_image)[image]
         h, w = grid[image, 1], grid[image, 2]
-        flat[0, tokens] = start + offset // (h * w)
+        t_index = (offset // (h * w)).to(torch.float32) * interval[image]  # float32, floored as transformers does
+        flat[0, tokens] = start + t_index.long()
         flat[1, tokens] = start + (offset // w) % h
         flat[2, tokens] = start + offset % w
     return positions.to(input_ids.dtype)
@@ -97,14 +127,15 @@ def _merged_grid(
     images_per_row: torch.Tensor,
     merge: int,
     device: torch.device,
+    kind: str = "image",
 ) -> torch.Tensor:
-    """(N, 3) merged grid (t, h // merge, w // merge), checked against the image runs found in the ids."""
+    """(N, 3) merged grid (t, h // merge, w // merge), checked against the image (video) runs found in the ids."""
     given = 0 if image_grid_thw is None else int(image_grid_thw.shape[0])
     if given != num_images:
         rows_with_images = {i: int(n) for i, n in enumerate(images_per_row.tolist()) if n}
         raise ValueError(
-            f"image_grid_thw has {given} images but the ids hold {num_images} image runs "
-            f"(images per batch row: {rows_with_images})"
+            f"{kind}_grid_thw has {given} {kind}s but the ids hold {num_images} {kind} runs "
+            f"({kind}s per batch row: {rows_with_images})"
         )
     if num_images == 0:
         return torch.zeros(0, 3, dtype=torch.long, device=device)

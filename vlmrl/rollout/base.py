@@ -148,8 +148,10 @@ class RolloutBackend(abc.ABC):
         validate_requests(requests, sampling, image_token_id=self.processor.image_token_id,
                           video_token_id=self.processor.video_token_id,
                           tokens_per_image=self.processor.image_token_count,
+                          tokens_per_video=self.processor.video.token_count,
                           image_factor=self.processor.image_factor,
                           max_model_len=self.options.max_model_len, limit_images=self.options.limit_images,
+                          limit_videos=self.options.limit_videos,
                           backend=self.name)
 
 
@@ -165,11 +167,12 @@ def describe(request: RolloutRequest, position: int) -> str:
 def validate_requests(
     requests: Sequence[RolloutRequest], sampling: SamplingParams, *, image_token_id: int, video_token_id: int,
     tokens_per_image: Callable[[Any], int], image_factor: int, max_model_len: int, limit_images: int,
-    backend: str,
+    backend: str, tokens_per_video: Callable[[Any], int] | None = None, limit_videos: int = 0,
 ) -> None:
     """Raise InvalidRequestError for the first request an engine must not see:
     a placeholder count that differs from the image count (an engine would hang, crash or misalign images),
-    video placeholders (no video input in a RolloutRequest), images that are not RGB or not resized to multiples
+    a `<|video_pad|>` count that differs from the video count, videos whose frames are not (T, H, W, 3) uint8 with T
+    even and sides multiples of `image_factor`, images that are not RGB or not resized to multiples
     of `image_factor` (each engine would resize differently), more images than `limit_images`, an empty prompt, or
     an expanded prompt + max_new_tokens over `max_model_len` (never truncated: that would cut through an image).
     Bad sampling settings raise too."""
@@ -183,8 +186,22 @@ def validate_requests(
             raise InvalidRequestError(
                 f"{backend}: {name}: {placeholders} <|image_pad|> placeholders in prompt_ids but "
                 f"{len(request.images)} images; build requests with vlmrl.processors (one placeholder per image)")
-        if video_token_id in request.prompt_ids:
-            raise InvalidRequestError(f"{backend}: {name}: holds <|video_pad|> but requests carry no videos")
+        video_placeholders = sum(1 for t in request.prompt_ids if t == video_token_id)
+        if video_placeholders != len(request.videos):
+            raise InvalidRequestError(
+                f"{backend}: {name}: {video_placeholders} <|video_pad|> placeholders in prompt_ids but "
+                f"{len(request.videos)} videos; build requests with vlmrl.processors (one placeholder per video)")
+        for i, video in enumerate(request.videos):
+            f = video.frames
+            if (f.ndim != 4 or f.shape[3] != 3 or f.dtype.name != "uint8" or f.shape[0] % 2 or f.shape[1] % image_factor
+                    or f.shape[2] % image_factor or len(video.frame_indices) != f.shape[0]):
+                raise InvalidRequestError(
+                    f"{backend}: {name}: video {i} frames are {f.dtype} {tuple(f.shape)} ({len(video.frame_indices)} "
+                    f"indices); requests carry (T, H, W, 3) uint8 frames, T even, sides multiples of {image_factor} "
+                    "(vlmrl.processors does this)")
+        if len(request.videos) > limit_videos:
+            raise InvalidRequestError(f"{backend}: {name}: {len(request.videos)} videos > limit_videos="
+                                      f"{limit_videos}; raise limit_videos")
         if len(request.images) > limit_images:
             raise InvalidRequestError(f"{backend}: {name}: {len(request.images)} images > limit_images="
                                       f"{limit_images}; raise limit_images")
@@ -194,6 +211,8 @@ def validate_requests(
                     f"{backend}: {name}: image {i} is {image.mode} {image.width}x{image.height}; requests carry RGB "
                     f"images resized to multiples of {image_factor} (vlmrl.processors does this)")
         expanded = len(request.prompt_ids) - placeholders + sum(tokens_per_image(im) for im in request.images)
+        if tokens_per_video is not None:
+            expanded += sum(tokens_per_video(v) - 1 for v in request.videos)
         if expanded + sampling.max_new_tokens > max_model_len:
             raise InvalidRequestError(
                 f"{backend}: {name}: prompt of {expanded} tokens (expanded) + max_new_tokens="

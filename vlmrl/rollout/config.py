@@ -42,6 +42,9 @@ class EngineOptions:
     limit_images: int = 8
     """Most images one engine request may carry (vLLM limit_mm_per_prompt): prompt images plus, with agent.enable,
     the images tools add to the conversation."""
+    limit_videos: int = 1
+    """Most videos one engine request may carry (vLLM limit_mm_per_prompt; vLLM profiles memory for this many videos
+    of the largest size at start-up, so keep it at what the data holds)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments given to the engine as they are (vLLM `LLM(...)`, SGLang `Engine(...)` or server
     flags, transformers `from_pretrained(...)` for hf)."""

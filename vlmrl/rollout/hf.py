@@ -80,16 +80,18 @@ class HFBackend(RolloutBackend):
         return results
 
     def _model_inputs(self, request: RolloutRequest, response_ids: Sequence[int] = ()) -> dict[str, torch.Tensor]:
-        """input_ids (1, L) expanded prompt (+ response), attention_mask, mm_token_type_ids (1 on image tokens,
-        as transformers' processor gives them; 0 over the response) and the image inputs."""
+        """input_ids (1, L) expanded prompt (+ response), attention_mask, mm_token_type_ids (1 on image tokens, 2 on
+        video tokens, as transformers' processor gives them; 0 over the response) and the image and video inputs
+        (the request's frames through the model's video processor, with their timing: second_per_grid_ts)."""
         mm = self.processor.multi_modal_inputs(request)
-        ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw")) + list(response_ids)
+        ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw"),
+                                               mm.get("video_grid_thw")) + list(response_ids)
         input_ids = torch.tensor([ids], dtype=torch.long)
-        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-                  "mm_token_type_ids": (input_ids == self.processor.image_token_id).to(torch.int32)}
-        if mm:
-            inputs["pixel_values"] = mm["pixel_values"].to(self.model.dtype)
-            inputs["image_grid_thw"] = mm["image_grid_thw"]
+        types = ((input_ids == self.processor.image_token_id).to(torch.int32)
+                 + 2 * (input_ids == self.processor.video_token_id).to(torch.int32))
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "mm_token_type_ids": types}
+        for key, value in mm.items():
+            inputs[key] = value.to(self.model.dtype) if key.startswith("pixel_values") else value
         return {k: v.to(self.device) for k, v in inputs.items()}
 
     @torch.no_grad()

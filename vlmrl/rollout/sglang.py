@@ -4,6 +4,18 @@
 Both send the same request: `input_ids` with ONE `<|image_pad|>` per image (SGLang hangs on pre-expanded ids) and
 the resized images (PIL for the Engine, base64 PNG data URLs over HTTP).
 
+Videos (Engine only): SGLang 0.5.23 takes no timing with frames given as an array: its processor reads every such
+video as 24 fps (second_per_grid_ts = 2/24), whatever the video's rate. So a request with a video goes as SGLang's
+`processor_output` form instead: the model's own processor outputs for the request's frames and images, computed
+by vlmrl (`pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts` = 2 / sampled fps, and the images'
+`pixel_values`, `image_grid_thw`) in one `video_data` entry, with the EXPANDED prompt ids (that form takes them
+expanded). Measured: its logprobs then equal transformers' at the video's own fps. SGLang keys its prefix cache on
+the pixel values' hash, so a one-video entry carries vlmrl's hash of the frames and their timing instead; an entry
+holding an image and a video cannot carry one (SGLang takes a hash for one-item entries only): the same pixels sent
+again at another fps would reuse the first one's prompt KV. Over HTTP those tensors do not
+travel and a video file needs a decoder in the server (decord / torchcodec: not in the CPU stack), so
+`sglang-server` refuses video requests.
+
 Logprobs: the engine runs with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (before temperature; checked at start by a probe
 that compares a hot-temperature logprob with the greedy one). SGLang applies `logit_bias` BEFORE it computes
 logprobs, so the pad-token ban (a bias of `BAN_LOGIT_BIAS`) would renormalise them over the allowed tokens; the
@@ -58,6 +70,7 @@ from vlmrl.models.families import read_model_config
 from vlmrl.rollout.base import (
     DeadlineRunner,
     EngineDeadError,
+    InvalidRequestError,
     RolloutBackend,
     RolloutError,
     RolloutOptions,
@@ -165,6 +178,20 @@ class _SGLangCommon(RolloutBackend):
         """How images travel to this engine (PIL for the Engine; data URLs over HTTP)."""
         return list(images)
 
+    def video_entry(self, request: RolloutRequest) -> tuple[list[int], list[Any], list[Any]]:
+        """(input_ids, image_data, video_data) of a request with videos: expanded ids and ONE `processor_output`
+        entry holding the request's image and video inputs with their timing (see the module docstring)."""
+        mm = self.processor.multi_modal_inputs(request)
+        ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw"), mm.get("video_grid_thw"))
+        entry: dict[str, Any] = {"format": "processor_output", **mm}
+        if len(request.videos) == 1 and not request.images:
+            # SGLang keys its prefix cache on a hash of the pixel values alone, so the same frames at another fps
+            # (other position ids) would reuse KV computed at the first one's (measured). The video's hash covers
+            # its timing; salted with the weight version. SGLang takes a hash only for a one-item entry.
+            digest = hashlib.sha256(f"{request.videos[0].hash}:{self.weight_version}".encode()).hexdigest()
+            entry["hash"] = int(digest[:15], 16)
+        return ids, [], [entry]
+
     def payload(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> dict[str, Any]:
         """One batched /generate input, one entry per sample, request-major (verl sends n copies the same way).
         SGLang's own `n` would give all samples of a request one seed, and it prefills the prompts one after
@@ -174,13 +201,18 @@ class _SGLangCommon(RolloutBackend):
 
         draws = 1 if sampling.greedy else sampling.n
         entries: dict[str, list] = {"input_ids": [], "image_data": [], "sampling_params": [], "mm_hashes": []}
+        with_video = any(r.videos for r in requests)
+        if with_video:
+            entries["video_data"] = []
         for position, request in enumerate(requests):
             salted = None
             if self.salt_mm_hashes:
                 hashes = request.image_hashes or [image_hash(im) for im in request.images]
                 # The weight version in the hash keeps any multimodal cache from serving old-weight embeddings.
                 salted = [hashlib.sha256(f"{h}:{self.weight_version}".encode()).hexdigest()[:16] for h in hashes]
-            images = self.encode_images(request.images)
+            ids, images, videos = list(request.prompt_ids), self.encode_images(request.images), None
+            if request.videos:
+                ids, images, videos = self.video_entry(request)
             seed = sample_seed(sampling, position)
             for i in range(draws):
                 params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
@@ -188,13 +220,19 @@ class _SGLangCommon(RolloutBackend):
                           "logit_bias": {str(t): BAN_LOGIT_BIAS for t in request.banned_token_ids} or None}
                 if seed is not None:
                     params["sampling_seed"] = seed + i
-                entries["input_ids"].append(list(request.prompt_ids))
+                entries["input_ids"].append(ids)
                 entries["image_data"].append(images)
                 entries["sampling_params"].append(params)
                 entries["mm_hashes"].append(salted)
+                if with_video:
+                    entries["video_data"].append(videos)
+        if with_video:
+            # SGLang takes mm_hashes for images only (one per image): with videos it hashes every item itself (the
+            # multimodal cache is off by default, and a weight update flushes the prefix cache).
+            del entries["mm_hashes"]
         body: dict[str, Any] = {**entries, "return_logprob": True}
         if not self.salt_mm_hashes:
-            del body["mm_hashes"]
+            body.pop("mm_hashes", None)
         banned = sorted({t for r in requests for t in r.banned_token_ids})
         if banned:  # one flat list for the whole batch: the union (only a request's own ids are biased)
             body["token_ids_logprob"] = banned
@@ -484,6 +522,11 @@ class SGLangServerBackend(_SGLangCommon):
 
     def encode_images(self, images: Sequence[Any]) -> list[Any]:
         return [_data_url(im) for im in images]
+
+    def video_entry(self, request: RolloutRequest) -> tuple[list[int], list[Any], list[Any]]:
+        raise InvalidRequestError(f"{self.name}: request {request.uid} holds {len(request.videos)} video(s): over "
+                                  "HTTP the processor outputs do not travel and the server has no video decoder in "
+                                  "this stack (decord / torchcodec); use the sglang (Engine), vllm or hf backend")
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         self.check_requests(requests, sampling)

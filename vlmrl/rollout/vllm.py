@@ -1,7 +1,10 @@
 """The vLLM backend (offline `LLM`): the only module of vlmrl that imports vllm, and only inside the backend.
 
-Inputs: `TokensPrompt(prompt_token_ids=<unexpanded ids>, multi_modal_data={"image": [resized PIL images]})`;
-vLLM expands each `<|image_pad|>` itself.
+Inputs: `TokensPrompt(prompt_token_ids=<unexpanded ids>, multi_modal_data={"image": [resized PIL images],
+"video": [(frames, metadata)]})`; vLLM expands each `<|image_pad|>` / `<|video_pad|>` itself. A video is the request's
+sampled frames (T, H, W, 3) uint8 with their metadata (source fps, total frames, sampled indices, duration: vLLM
+refuses a bare array), and the engine runs with `mm_processor_kwargs={"do_sample_frames": False}`, so it samples
+nothing and its processor derives second_per_grid_ts from the same sampled fps as the trainer.
 Logprobs: the engine runs with `logprobs_mode="raw_logprobs"`: log_softmax of the logits before any processing
 (temperature, top-p/top-k, bad words), i.e. the raw model distribution of the vlmrl contract.
 Banned tokens: `bad_words` holding each banned token's text; it is checked at start that each text tokenizes back
@@ -167,7 +170,8 @@ class VLLMBackend(RolloutBackend):
         kwargs = dict(
             model=self.model_path, dtype=o.resolved_dtype(), max_model_len=o.max_model_len, seed=o.seed,
             enforce_eager=(not self.on_cuda) if o.enforce_eager is None else o.enforce_eager,
-            limit_mm_per_prompt={"image": o.limit_images}, logprobs_mode="raw_logprobs",
+            limit_mm_per_prompt={"image": o.limit_images, "video": o.limit_videos}, logprobs_mode="raw_logprobs",
+            mm_processor_kwargs={"do_sample_frames": False},
             max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
             enable_prefix_caching=o.enable_prefix_caching, tensor_parallel_size=o.tensor_parallel_size,
             gpu_memory_utilization=o.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
@@ -220,8 +224,13 @@ class VLLMBackend(RolloutBackend):
         prompts, params = [], []
         for position, request in enumerate(requests):
             prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+            data: dict = {}
             if request.images:
-                prompt["multi_modal_data"] = {"image": list(request.images)}
+                data["image"] = list(request.images)
+            if request.videos:
+                data["video"] = [(v.frames, v.metadata()) for v in request.videos]
+            if data:
+                prompt["multi_modal_data"] = data
             prompts.append(prompt)
             params.append(VLLMSampling(
                 n=draws, temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0),

@@ -1,0 +1,95 @@
+"""Video rows -> requests: frames sampled once by qwen-vl-utils' rules and resized once, the same data-root rules as
+images, and every bad video a clear error naming the row (or a counted skip with on_bad_image=filter)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vlmrl.data.synthetic import generate_rows
+from vlmrl.processors import BadRowError, FilteredRow, load_processor
+from vlmrl.processors.config import ProcessorConfig
+from vlmrl.processors.video import encode_mp4
+
+
+def _processor(tiny_model_path, **kwargs):
+    return load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=2048, **kwargs))
+
+
+def _mp4(frames: int, fps: float = 10.0, size: int = 224) -> bytes:
+    rng = np.random.default_rng(frames)
+    return encode_mp4(rng.integers(0, 256, size=(frames, size, size, 3), dtype=np.uint8), fps)
+
+
+def _row(video, prompt: str = "<video>Which way?") -> dict:
+    return {"prompt": [{"role": "user", "content": prompt}], "videos": [video], "reward_model": {"ground_truth": "x"}}
+
+
+def test_an_mp4_is_sampled_at_video_fps(tiny_model_path):
+    """20 frames at 10 fps (2 s) sampled at 2 fps: 4 frames spread over the whole clip, resized within the tiny
+    model's per-frame bound (112x112), one <|video_pad|>."""
+    processor = _processor(tiny_model_path)
+    request = processor.build_request(_row({"bytes": _mp4(20)}), 0)
+    (video,) = request.videos
+    assert video.frames.shape == (4, 112, 112, 3) and video.frames.dtype == np.uint8
+    assert video.frame_indices == [0, 6, 13, 19] and video.fps == 10.0
+    assert video.sample_fps == pytest.approx(2.0) and request.prompt_ids.count(processor.video_token_id) == 1
+
+
+def test_nframes_and_content_parts(tiny_model_path, tmp_path):
+    (tmp_path / "clip.mp4").write_bytes(_mp4(30))
+    processor = _processor(tiny_model_path, video_nframes=4, data_root=str(tmp_path))
+    row = {"prompt": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"},
+                                                    {"type": "text", "text": "Which way?"}]}]}
+    (video,) = processor.build_request(row, 0).videos
+    assert video.num_frames == 4 and video.frame_indices == [0, 10, 19, 29]
+
+
+def test_a_list_of_frames_is_a_video_at_video_fps(tiny_model_path):
+    row = generate_rows("motion", 1, 0, "val")[0]
+    (video,) = _processor(tiny_model_path, video_fps=4.0).build_request(row, 0).videos
+    assert video.num_frames == 4 and video.sample_fps == 4.0 and video.timestamps == [0.0, 0.25, 0.5, 0.75]
+
+
+@pytest.mark.parametrize(("video", "config", "message"), [
+    ({"bytes": b"not a video at all"}, {}, "not a readable video"),
+    ({"bytes": b""}, {}, "empty"),
+    ({"path": "/nonexistent/clip.mp4"}, {}, "not found"),
+    ({"bytes": _mp4(3)}, {}, "fewer than data.video_min_frames=4"),
+    ({"bytes": _mp4(30)}, {"video_nframes": 20, "video_max_frames": 8}, "frame budget"),
+    ({"bytes": _mp4(20)}, {"video_total_pixels": 3136}, "over the pixel budget"),
+    ({"bytes": _mp4(60)}, {}, "would then disagree on the position ids"),
+    ("../outside.mp4", {"data_root": "/tmp/vlmrl-video-root"}, "outside data_root"),
+    ("https://example.com/v.mp4", {}, "allow_remote_images"),
+])
+def test_bad_videos_name_the_row(tiny_model_path, video, config, message):
+    processor = _processor(tiny_model_path, **config)
+    with pytest.raises(BadRowError, match=f"row 7: video 0: .*{message}"):
+        processor.build_request(_row(video), 7)
+    with pytest.raises(FilteredRow):
+        _processor(tiny_model_path, on_bad_image="filter", **config).build_request(_row(video), 7)
+
+
+def test_marker_count_must_match_the_videos(tiny_model_path):
+    processor = _processor(tiny_model_path)
+    with pytest.raises(BadRowError, match="row 3: 2 video placeholders in the prompt but 1 videos"):
+        processor.build_request(_row({"bytes": _mp4(20)}, "<video><video>Which way?"), 3)
+
+
+def test_trainer_inputs_of_a_video_request(tiny_model_path):
+    processor = _processor(tiny_model_path)
+    request = processor.build_request(generate_rows("motion", 1, 0, "val")[0], 0)
+    inputs = processor.prompt_inputs(request)
+    mm = inputs.multi_modal_inputs
+    assert mm["video_grid_thw"].tolist() == [[2, 8, 8]] and mm["second_per_grid_ts"].tolist() == [1.0]
+    assert mm["pixel_values_videos"].shape == (2 * 8 * 8, 3 * 2 * 14 * 14)
+    assert int((inputs.input_ids == processor.video_token_id).sum()) == 32
+    assert processor.video_token_id in request.banned_token_ids
+
+
+def test_a_family_without_video_support_refuses_video_by_row():
+    """Qwen3-VL carries a video's timing differently (timestamps in the text, per-frame grids): until vlmrl builds
+    that, its rows with video are refused by name instead of being sent with Qwen2.5-VL's timing."""
+    processor = load_processor("tiny-qwen3-vl", ProcessorConfig(max_prompt_length=2048))
+    with pytest.raises(BadRowError, match="row 2: video 0: vlmrl takes no video for Qwen3-VL yet"):
+        processor.build_request(generate_rows("motion", 1, 0, "val")[0], 2)

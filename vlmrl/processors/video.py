@@ -1,0 +1,355 @@
+"""Videos: load (a file or bytes decoded with PyAV, or a list of frame images), sample frames by qwen-vl-utils' rules,
+resize them once, hash them.
+
+Every video reaches the engines and the trainer through here, once: the frames are sampled ONCE (fps or nframes,
+within [min_frames, max_frames], a multiple of the temporal patch size) and resized ONCE (sides multiples of 28, each
+frame within [video_min_pixels, video_max_pixels] and all frames together within video_total_pixels), so every backend
+gets the same uint8 frames and the same timing (`vlmrl.types.Video`), and no engine samples or resizes again.
+
+Decoding uses PyAV (`av`, already brought by qwen-vl-utils): torchvision's video reader is not in the CPU stack and
+decord is not installed. Paths follow the image rules: under data.data_root, remote URLs only with
+allow_remote_images.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from vlmrl.processors.config import ProcessorConfig
+from vlmrl.processors.images import ImageInputError, _fetch, _resolve_path, load_image, to_8bit
+from vlmrl.types import Video
+
+FRAME_FACTOR = 2
+"""Sampled frame counts are multiples of this: Qwen2/2.5-VL's temporal patch size (qwen-vl-utils' FRAME_FACTOR)."""
+
+
+class VideoInputError(ImageInputError):
+    """A video that cannot be used; `Processor.build_request` turns it into a row error or a counted skip."""
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+
+
+def sample_count(total_frames: int, video_fps: float, config: ProcessorConfig) -> int:
+    """How many frames to sample from a video of `total_frames` at `video_fps` (qwen-vl-utils' `smart_nframes`):
+    `video_nframes` when set, else duration x `video_fps` clamped to [video_min_frames, video_max_frames], rounded
+    down to a multiple of 2. Raises VideoInputError when the video holds fewer frames than that minimum, or when
+    `video_nframes` asks for more than video_max_frames.
+
+    >>> cfg = ProcessorConfig()
+    >>> sample_count(300, 30.0, cfg)  # 10 s at 2 fps
+    20
+    >>> sample_count(12, 24.0, cfg)  # half a second: the 4-frame minimum
+    4
+    """
+    if config.video_nframes is not None:
+        wanted = _round_to(config.video_nframes, FRAME_FACTOR)
+        if wanted > config.video_max_frames:
+            raise VideoInputError(f"data.video_nframes={config.video_nframes} asks for more frames than "
+                                  f"data.video_max_frames={config.video_max_frames} (the frame budget)")
+    else:
+        low = _ceil_to(config.video_min_frames, FRAME_FACTOR)
+        high = _floor_to(min(config.video_max_frames, total_frames), FRAME_FACTOR)
+        wanted = _floor_to(min(max(total_frames / video_fps * config.video_fps, low), high, total_frames),
+                           FRAME_FACTOR)
+        if total_frames < low:
+            raise VideoInputError(f"the video has {total_frames} frames, fewer than data.video_min_frames={low}")
+    if not FRAME_FACTOR <= wanted <= total_frames:
+        raise VideoInputError(f"cannot sample {wanted} frames from a video of {total_frames} frames "
+                              f"(need {FRAME_FACTOR}..{total_frames})")
+    return wanted
+
+
+def sample_indices(total_frames: int, count: int) -> list[int]:
+    """`count` frame indices spread evenly from the first frame to the last (qwen-vl-utils' linspace + round).
+
+    >>> sample_indices(10, 4)
+    [0, 3, 6, 9]
+    """
+    return [int(i) for i in np.round(np.linspace(0, total_frames - 1, count))]
+
+
+def frame_size(height: int, width: int, num_frames: int, config: ProcessorConfig, bounds: tuple[int, int],
+               factor: int) -> tuple[int, int]:
+    """(height, width) every frame is resized to (qwen-vl-utils' rule): each frame within [min, max] pixels, where max
+    shrinks so that all frames together stay within video_total_pixels (counted per temporal patch of 2 frames).
+    `bounds` are the per-frame (min, max) pixels, already checked against the model's video processor."""
+    from qwen_vl_utils.vision_process import smart_resize
+
+    low, high = bounds
+    if low * num_frames / FRAME_FACTOR > config.video_total_pixels:  # even the smallest frames do not fit
+        raise VideoInputError(f"{num_frames} frames cannot fit data.video_total_pixels={config.video_total_pixels} "
+                              f"at data.video_min_pixels={low} per frame (over the pixel budget): sample fewer "
+                              "frames (data.video_fps / video_max_frames) or raise video_total_pixels")
+    try:
+        budget = min(max(min(high, config.video_total_pixels / num_frames * FRAME_FACTOR), int(low * 1.05)), high)
+        return smart_resize(height, width, factor=factor, min_pixels=low, max_pixels=int(budget))
+    except ValueError as err:  # aspect ratio over 200:1
+        raise VideoInputError(f"cannot resize {width}x{height} frames: {err}") from err
+
+
+def _round_to(n: float, f: int) -> int:
+    return round(n / f) * f
+
+
+def _ceil_to(n: float, f: int) -> int:
+    return math.ceil(n / f) * f
+
+
+def _floor_to(n: float, f: int) -> int:
+    return math.floor(n / f) * f
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+
+def load_video(source: Any, config: ProcessorConfig, bounds: tuple[int, int], factor: int) -> Video:
+    """One dataset video -> a sampled, resized `Video`.
+
+    Accepts a path (`file://` allowed; under data.data_root), raw bytes, {"bytes"/"path"}, an http(s) URL when
+    allow_remote_images, or a list of frame images (anything `load_image` takes; taken as sampled at data.video_fps,
+    padded to an even count by repeating the last frame, as qwen-vl-utils does). Raises VideoInputError.
+    """
+    if isinstance(source, dict) and source.get("video") is not None:  # a content part carrying its video inline
+        source = source["video"]
+    if isinstance(source, (list, tuple)):
+        return _from_frames(list(source), config, bounds, factor)
+    data, what = _read_bytes(source, config)
+    frames, fps = decode(data, what, config)
+    total = len(frames)
+    indices = sample_indices(total, sample_count(total, fps, config))
+    picked = [frames[i] for i in indices]
+    return _finish(picked, fps, indices, total, config, bounds, factor)
+
+
+def _from_frames(sources: list[Any], config: ProcessorConfig, bounds: tuple[int, int], factor: int) -> Video:
+    if not sources:
+        raise VideoInputError("the video is an empty list of frames")
+    frames = []
+    for i, src in enumerate(sources):
+        try:
+            frames.append(to_8bit(load_image(src, config)).convert("RGB"))
+        except ImageInputError as err:
+            raise VideoInputError(f"frame {i}: {err}") from err
+    if len(frames) < config.video_min_frames:
+        raise VideoInputError(f"the video has {len(frames)} frames, fewer than data.video_min_frames="
+                              f"{config.video_min_frames}")
+    if len(frames) > config.video_max_frames:
+        raise VideoInputError(f"the video has {len(frames)} frames, more than data.video_max_frames="
+                              f"{config.video_max_frames} (the frame budget)")
+    sizes = {f.size for f in frames}
+    if len(sizes) > 1:
+        raise VideoInputError(f"the frames differ in size ({sorted(sizes)[:3]}): a video's frames share one size")
+    count = _ceil_to(len(frames), FRAME_FACTOR)
+    frames += [frames[-1]] * (count - len(frames))
+    return _finish(frames, config.video_fps, list(range(count)), count, config, bounds, factor)
+
+
+def _finish(frames: Sequence[Image.Image], fps: float, indices: list[int], total: int, config: ProcessorConfig,
+            bounds: tuple[int, int], factor: int) -> Video:
+    width, height = frames[0].size
+    new_h, new_w = frame_size(height, width, len(frames), config, bounds, factor)
+    resized = np.stack([np.asarray(f.resize((new_w, new_h), Image.Resampling.BICUBIC)
+                                   if f.size != (new_w, new_h) else f) for f in frames])
+    video = Video(frames=resized, fps=float(fps), frame_indices=indices, total_frames=int(total))
+    video.hash = video_hash(video)
+    return video
+
+
+def _read_bytes(source: Any, config: ProcessorConfig) -> tuple[bytes, str]:
+    if isinstance(source, dict):
+        if source.get("bytes") is not None:
+            return bytes(source["bytes"]), "video bytes"
+        if source.get("path"):
+            source = source["path"]
+        else:
+            raise VideoInputError(f"video entry has neither bytes nor path (keys: {sorted(source)})")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source), "video bytes"
+    if not isinstance(source, (str, Path)):
+        raise VideoInputError(f"unsupported video value of type {type(source).__name__}")
+    value = str(source)
+    if value.startswith(("http://", "https://")):
+        if not config.allow_remote_images:
+            raise VideoInputError(f"remote video URL {value[:200]!r} is not allowed: set allow_remote_images=true "
+                                  "to fetch it, or store the video in the dataset")
+        try:
+            return _fetch(value, config), f"video from {value[:200]}"
+        except ImageInputError as err:
+            raise VideoInputError(str(err).replace("image", "video")) from err
+    try:
+        path = _resolve_path(value.removeprefix("file://"), config.data_root)
+    except ImageInputError as err:
+        raise VideoInputError(str(err).replace("image path", "video path")) from err
+    try:
+        return path.read_bytes(), f"video file {path}"
+    except FileNotFoundError as err:
+        raise VideoInputError(f"video file not found: {path}") from err
+    except OSError as err:
+        raise VideoInputError(f"cannot read video file {path}: {err}") from err
+
+
+def decode(data: bytes, what: str, config: ProcessorConfig) -> tuple[list[Image.Image], float]:
+    """All frames of the first video stream as RGB images, and the stream's frame rate. Stops with an error past
+    video_max_decoded_frames (a long video must not fill memory before sampling)."""
+    import av
+
+    if not data:
+        raise VideoInputError(f"{what} is empty (0 bytes)")
+    frames: list[Image.Image] = []
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise VideoInputError(f"{what} holds no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            for frame in container.decode(stream):
+                frames.append(frame.to_image())
+                if len(frames) > config.video_max_decoded_frames:
+                    raise VideoInputError(f"{what} has over data.video_max_decoded_frames="
+                                          f"{config.video_max_decoded_frames} frames (the decode budget)")
+    except (av.FFmpegError, ValueError, OSError) as err:
+        raise VideoInputError(f"{what} is not a readable video: {err}") from err
+    if not frames:
+        raise VideoInputError(f"{what} holds no frames")
+    fps = float(rate) if rate else 0.0
+    if not fps > 0:
+        raise VideoInputError(f"{what} declares no frame rate")
+    return frames, fps
+
+
+def video_hash(video: Video) -> str:
+    """sha256 over the frames' shape and bytes and the timing (fps, indices, total): the same frames at another fps
+    hash differently, since the model's position ids depend on it."""
+    digest = hashlib.sha256(f"{video.frames.shape}:{video.fps!r}:{video.total_frames}:{video.frame_indices}:".encode())
+    digest.update(np.ascontiguousarray(video.frames, dtype=np.uint8).tobytes())
+    return digest.hexdigest()
+
+
+def frame_hashes(video: Video) -> list[str]:
+    """sha256 (16 hex digits) of each frame's pixels, for the alignment artifact."""
+    return [hashlib.sha256(np.ascontiguousarray(f).tobytes()).hexdigest()[:16] for f in video.frames]
+
+
+def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
+    """(T, H, W, 3) uint8 frames as an H.264 mp4 at `fps` (lossy): for test data and the synthetic video task."""
+    from fractions import Fraction
+
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000))
+        stream.width, stream.height, stream.pix_fmt = int(frames.shape[2]), int(frames.shape[1]), "yuv420p"
+        for array in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(array), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------------- the model side
+
+
+class VideoSupport:
+    """The model-specific video facts a `Processor` asks: frame bounds, grids, token counts, the trainer's inputs."""
+
+    def __init__(self, hf_processor: Any, model_config: dict, config: ProcessorConfig, factor: int, family: Any):
+        self.config = config
+        self.family = family
+        self.video_processor = getattr(hf_processor, "video_processor", None)
+        self.factor = factor
+        vision = model_config.get("vision_config") or {}
+        self.tokens_per_second: float = float(vision.get("tokens_per_second", 1.0))
+        """Temporal position ids per second of video (Qwen2.5-VL: position = t_index x tokens_per_second x
+        second_per_grid_t); Qwen2-VL has none (1 per temporal patch)."""
+        self.temporal_patch_size = int(vision.get("temporal_patch_size", FRAME_FACTOR))
+        self.patch_size = int(vision.get("patch_size", 14))
+        self.merge = int(vision.get("spatial_merge_size", 2))
+        self.bounds = self._bounds()
+
+    def _bounds(self) -> tuple[int, int]:
+        """Per-frame pixel bounds: the config's, checked to lie within the model's video processor's (which would
+        resize the frames again otherwise, and the engines and the trainer would disagree)."""
+        if self.video_processor is None:
+            return (self.config.video_min_pixels or 0, self.config.video_max_pixels or 0)
+        size = self.video_processor.size
+        model_min, model_max = int(size["shortest_edge"]), int(size["longest_edge"])
+        low = self.config.video_min_pixels if self.config.video_min_pixels is not None else model_min
+        high = self.config.video_max_pixels if self.config.video_max_pixels is not None else model_max
+        if not model_min <= low <= high <= model_max:
+            raise ValueError(f"video_min_pixels={low}, video_max_pixels={high} must lie within the model's video "
+                             f"processor bounds [{model_min}, {model_max}]; the engines would resize the frames again")
+        return low, high
+
+    def load(self, source: Any) -> Video:
+        """A dataset video -> a sampled, resized `Video`, checked to be one every backend reads alike."""
+        if self.video_processor is None:
+            raise VideoInputError("the model's processor has no video processor: it takes no video")
+        if self.family.video_timing != "second_per_grid_ts":
+            raise VideoInputError(f"vlmrl takes no video for {self.family.name} yet (per-frame timestamps in the "
+                                  "text, per-frame grids); Qwen2-VL and Qwen2.5-VL take video")
+        video = load_video(source, self.config, self.bounds, self.factor)
+        self._check_positions(video)
+        return video
+
+    def grid(self, video: Video) -> tuple[int, int, int]:
+        """(t, h, w) patch grid of one sampled video (before merging)."""
+        t, height, width = video.frames.shape[:3]
+        return (t // self.temporal_patch_size, height // self.patch_size, width // self.patch_size)
+
+    def token_count(self, video: Video) -> int:
+        """How many `<|video_pad|>` tokens one video expands to."""
+        t, h, w = self.grid(video)
+        return t * h * w // self.merge**2
+
+    def second_per_grid(self, video: Video) -> float:
+        """Seconds one temporal patch spans: temporal patch size / sample fps (transformers' second_per_grid_ts)."""
+        return self.temporal_patch_size / video.sample_fps
+
+    def _check_positions(self, video: Video) -> None:
+        """transformers 5.19's get_rope_index continues the text after a video at start + max(h, w) (merged), while
+        vLLM 0.32 and SGLang 0.5.23 continue it at the video's largest position + 1. They agree while the video's
+        last temporal position stays below max(h, w); past it the trainer (and the hf backend) would place the rest
+        of the prompt elsewhere than the engines. Refuse such a video by name instead of training on a mismatch."""
+        t, h, w = self.grid(video)
+        interval = torch_interval(self.tokens_per_second, self.second_per_grid(video))
+        last = int((t - 1) * interval)
+        span = max(h, w) // self.merge
+        if last >= span:
+            raise VideoInputError(
+                f"{video.num_frames} frames at {video.sample_fps:.3g} fps reach temporal position {last} >= the "
+                f"frame's {span} merged patches per side: transformers and the engines would then disagree on the "
+                "position ids after the video; sample fewer frames (data.video_fps, video_nframes, video_max_frames) "
+                "or use larger frames (data.video_min_pixels)")
+
+    def inputs(self, videos: Sequence[Video], uid: str) -> dict[str, Any]:
+        """{"pixel_values_videos", "video_grid_thw" (V, 3), "second_per_grid_ts" (V,)} through the model's own video
+        processor, told not to sample (the frames are the sampled ones) and given each video's timing."""
+        import torch
+
+        out = self.video_processor(videos=[v.frames for v in videos], return_tensors="pt", do_sample_frames=False,
+                                   video_metadata=[v.metadata() for v in videos])
+        grid = out["video_grid_thw"].to(torch.long)
+        expected = torch.tensor([self.grid(v) for v in videos], dtype=torch.long).reshape(-1, 3)
+        if not torch.equal(grid, expected):
+            raise RuntimeError(f"request {uid}: video processor grid {grid.tolist()} != the sampled frames' "
+                               f"{expected.tolist()}; check video_min_pixels/video_max_pixels against the model's")
+        seconds = torch.tensor([self.second_per_grid(v) for v in videos], dtype=torch.float32)
+        return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid,
+                "second_per_grid_ts": seconds}
+
+
+def torch_interval(tokens_per_second: float, second_per_grid: float) -> float:
+    """tokens_per_second x second_per_grid_t in float32, as transformers multiplies them (a float32 tensor), so a
+    temporal position floors exactly as there."""
+    return float(np.float32(tokens_per_second) * np.float32(second_per_grid))
