@@ -230,8 +230,9 @@ def test_two_device_run_goes_through_the_same_loop(tiny_model_path, tmp_path):
 def test_demo_config_learns_the_synthetic_task(tmp_path, model):
     """The no-argument demo's recipe, and the same on the embedded Qwen3-VL (`MODEL_PATH=tiny-qwen3-vl`): validation
     accuracy rises >= 0.3 above its step-0 value (after the format warm-up, which trains on random labels and leaves
-    accuracy at chance). Measured on the hf backend, tiny-qwen3-vl: 0.25 until step 100, 0.68 at 110, 0.73 at 120."""
-    backend = "vllm" if importlib.util.find_spec("vllm") and model == "tiny" else "hf"
+    accuracy at chance). Measured on the hf backend, tiny-qwen3-vl: 0.25 until step 100, 0.68 at 110, 0.73 at 120
+    (hf and vLLM agree on it exactly in fp32, so the vLLM run follows the same curve)."""
+    backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
     out = tmp_path / "demo"
     fit(load_config(["config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic.yaml"), f"actor.model_path={model}",
                      f"rollout.name={backend}", "trainer.total_steps=120", f"trainer.output_dir={out}"]))
