@@ -64,6 +64,17 @@ class VLLMOptions(ServingEngineOptions, RolloutOptions):
     """CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE unless it is already set)."""
     multiprocess: bool | None = None
     """Run the engine core in its own process; None = vLLM's default (VLLM_ENABLE_V1_MULTIPROCESSING)."""
+    max_lora_rank: int = 0
+    """> 0: start the engine with LoRA serving (enable_lora, one adapter at a time) for adapters up to this rank
+    (rounded up to a rank vLLM accepts), so a LoRA policy syncs its adapter instead of merged weights; 0 = off.
+    Set by the run when actor.lora syncs adapters."""
+    tower_connector_lora: bool = False
+    """With max_lora_rank: let adapters cover the vision tower and merger too (vLLM's enable_tower_connector_lora;
+    actor.lora.vision)."""
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM 0.32 accepts."""
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -152,6 +163,7 @@ class VLLMBackend(RolloutBackend):
         self._checkpoint_names = checkpoint_names(model_path)  # what update_weights must receive, exactly
         self.stop_ids = set(self.processor.eos_token_ids)
         self._sleeping = False
+        self._lora_request = None  # the adapter requests generate under (update_adapter), None = the base weights
 
     def _start(self):
         route_engine_logs("vllm", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))  # before vLLM configures its logging
@@ -170,6 +182,13 @@ class VLLMBackend(RolloutBackend):
         )
         if o.enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        if o.max_lora_rank > 0:
+            rank = next((r for r in VLLM_LORA_RANKS if r >= o.max_lora_rank), None)
+            if rank is None:
+                raise ValueError(f"vllm: LoRA rank {o.max_lora_rank} > {VLLM_LORA_RANKS[-1]}, the largest vLLM serves; "
+                                 "sync merged weights (actor.lora.sync=merged)")
+            kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1,
+                          enable_tower_connector_lora=o.tower_connector_lora)
         kwargs.update(o.engine_kwargs)
         # Read by vLLM when the engine is built, so set only around that.
         env = {} if o.multiprocess is None else {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if o.multiprocess else "0"}
@@ -221,8 +240,10 @@ class VLLMBackend(RolloutBackend):
                 logprobs=sampling.top_logprobs + len(request.banned_token_ids) if sampling.top_logprobs else 0,
                 detokenize=False, skip_special_tokens=False,
             ))
+        lora = self._lora_request
         outputs = self._runner.call(f"generate {len(requests)} requests",
-                                    lambda: self.llm.generate(prompts, params, use_tqdm=False), self.options.timeout_s)
+                                    lambda: self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora),
+                                    self.options.timeout_s)
         results = [result for request, output in zip(requests, outputs)
                    for result in self._results(request, output, sampling)]
         assert_nothing_banned(results, requests, sampling.n, self.name)
@@ -277,6 +298,34 @@ class VLLMBackend(RolloutBackend):
 
         count = self._runner.call("update weights", run, self.options.timeout_s)
         logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: DEBUG
+
+    def serves_adapters(self) -> bool:
+        return self.options.max_lora_rank > 0
+
+    def update_adapter(self, folder: str) -> None:
+        """Serve this PEFT adapter folder from now on: loaded under a new id (vLLM caches adapters by id), the
+        previous one removed, then the encoder cache (vision embeddings of a tower adapter) and the prefix cache
+        (KV under the old adapter) reset."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.serves_adapters():
+            return super().update_adapter(folder)
+        old = self._lora_request
+        new = LoRARequest(f"vlmrl-{(old.lora_int_id if old else 0) + 1}", (old.lora_int_id if old else 0) + 1, folder)
+
+        def run() -> None:
+            if not self.llm.llm_engine.add_lora(new):
+                raise RuntimeError(f"add_lora refused the adapter {folder}")
+            if old is not None:
+                self.llm.llm_engine.remove_lora(old.lora_int_id)
+            self.llm.llm_engine.reset_encoder_cache()
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("reset_prefix_cache() refused (requests still running?)")
+
+        self._runner.call("load a LoRA adapter", run, self.options.timeout_s)
+        self._lora_request = new
+        logger.debug("vllm: serving LoRA adapter %s (id %d); encoder and prefix caches reset", folder,
+                     new.lora_int_id)
 
     def sleep(self) -> None:
         if not self.options.enable_sleep_mode:
