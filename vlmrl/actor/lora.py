@@ -72,13 +72,21 @@ def peft_config(model: torch.nn.Module, lora: LoraConfig):
                           target_modules=target_modules(model, lora), bias="none")
 
 
+LORA_INIT_SEED = 0
+"""Seed of the adapters' initialisation (A random, B = 0): every FSDP rank builds the same adapters (sharding keeps
+each rank's own values, it does not broadcast them) and dp=1 starts where dp=N does. The caller's RNG is untouched."""
+
+
 def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
-    """The model wrapped by PEFT with fresh adapters (B = 0: the output is the base model's until a step is taken).
-    Every base weight is frozen; only the adapters require grad."""
+    """The model wrapped by PEFT with fresh adapters (B = 0: the output is the base model's until a step is taken),
+    initialised from `LORA_INIT_SEED`. Every base weight is frozen; only the adapters require grad."""
     from peft import get_peft_model
 
     config = peft_config(model, lora)
-    wrapped = get_peft_model(model, config)
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(LORA_INIT_SEED)
+        wrapped = get_peft_model(model, config)
     adapters = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     logger.info("LoRA rank %d alpha %g on %d layers (vision: %s): %.3fM adapter parameters, base frozen",
                 lora.rank, lora.alpha, len(config.target_modules), lora.vision, adapters / 1e6)
@@ -146,11 +154,14 @@ def merged_tensors(named: Iterable[tuple[str, torch.Tensor]], scaling: float, ch
 
 
 def merge_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """base + (b @ a) * scaling as PEFT merges it: a 16-bit adapter on CPU is multiplied in float32, then cast back.
-    base (out, in), a (r, in), b (out, r)."""
+    """base + (b @ a) * scaling as PEFT merges it: a 16-bit adapter on CPU is multiplied in float32 and cast back,
+    and the delta is added in place into (a copy of) the base weight, which keeps its dtype (PEFT keeps float32
+    adapters on a bfloat16 base). base (out, in), a (r, in), b (out, r)."""
     low = a.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
-    delta = (b.float() @ a.float()) * scaling if low else (b @ a) * scaling
-    return base + delta.to(b.dtype)
+    delta = ((b.float() @ a.float()) * scaling).to(b.dtype) if low else (b @ a) * scaling
+    merged = base.clone()
+    merged += delta
+    return merged
 
 
 def adapter_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
