@@ -100,6 +100,13 @@ def peft_model_of(model: torch.nn.Module):
     return next((m for m in model.modules() if isinstance(m, PeftModel)), None)
 
 
+def base_model_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under a PeftModel (whose attributes are one level deeper), or the model itself."""
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
 @contextmanager
 def adapters_disabled(model: torch.nn.Module):
     """Inside the block the model computes exactly its base model (every LoRA layer calls only its base layer): the

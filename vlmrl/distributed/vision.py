@@ -54,12 +54,15 @@ class VisionAlwaysOn(nn.Module):
         (attention_mask, position_ids (3, b, l), use_cache, logits_to_keep...) is passed through."""
         if pixel_values is not None:
             return self.model(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs)
-        visual = self.model.model.visual
+        from vlmrl.actor.lora import base_model_of
+
+        hf = base_model_of(self.model)  # with LoRA the wrapped model is a PeftModel around the HF model
+        visual = hf.model.visual
         # run before the decoder, like a real image, so that every rank all-gathers blocks in the same order
         dummy_grid = torch.tensor([[1, self.merge, self.merge]], device=input_ids.device)
         dummy = torch.zeros(self.merge * self.merge, self.patch_dim, dtype=visual.dtype, device=input_ids.device)
         features = visual(dummy, grid_thw=dummy_grid).pooler_output
-        embeds = self.model.get_input_embeddings()(input_ids) + 0.0 * features.sum()
+        embeds = hf.get_input_embeddings()(input_ids) + 0.0 * features.sum()
         return self.model(input_ids=None, inputs_embeds=embeds, **kwargs)
 
 
