@@ -164,3 +164,15 @@ def test_adapter_folder_round_trips_and_loads_in_peft(tiny_model_path, batch, tm
                          total_steps=1, mini_batch_samples=8)
     merged_actor.model.load_state_dict(merged.state_dict())
     assert torch.allclose(merged_actor.compute_logprobs(batch)[0], actor.compute_logprobs(batch)[0], atol=1e-5)
+
+
+def test_the_lora_recipe_overlay_loads_on_the_geo3k_recipe():
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parents[2] / "examples" / "configs"
+    config = load_config([f"config={configs / 'qwen2_5_vl_geo3k.yaml'}",
+                          f"config={configs / 'qwen2_5_vl_geo3k_lora.yaml'}"], check_model=False)
+    lora = config.actor.lora
+    assert (lora.rank, lora.alpha, config.actor.optim.lr) == (64, 64.0, 1e-5)  # EasyR1's published LoRA settings
+    assert lora.vision == "off" and lora.exclude_modules == r"model\.visual\..*" and config.actor.use_kl_loss
+    assert config.data.max_response_length == 2048  # the overlay keeps the geo3k recipe's lengths
