@@ -14,6 +14,9 @@ prefix cache (KV of old weights) are reset. vLLM's per-sync warning "Failed to l
 derived buffers (rotary caches, image mean/std: nothing in a checkpoint, values kept) is filtered out. Only full
 state dicts are accepted: a partial reload was measured to leave the engine's other layers broken (even a later full
 reload did not restore them).
+LoRA (`max_lora_rank` > 0): the engine serves one PEFT adapter at a time (`enable_lora`, tower/connector LoRA with
+`tower_connector_lora`); `update_adapter` loads a new one under a new id, removes the old and resets the encoder and
+prefix caches, and every request is generated under it (a LoRA policy's adapter sync, `vlmrl.actor.lora.LoraSync`).
 On CPU: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, ~3 s start); sleep mode is not supported there.
 """
 
