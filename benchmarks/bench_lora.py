@@ -10,9 +10,9 @@ whole layers); LoRA adapter into vLLM (enable_lora: the adapter file only); LoRA
 layers only: a partial update). After each sync the engine's greedy output on 4 image requests is checked against
 transformers on the actor's (merged) weights: a row that differs says MISMATCH instead of a time.
 
-Memory: one process per side (full, LoRA) builds the actor and runs one PPO update of 16 samples; reported: the
-process's peak RSS (ru_maxrss) and what it grew by from just after the model loaded (the training state: gradients,
-AdamW moments, activations), and the trainable parameters. Writes JSON (atomically) with --out.
+Memory: one process per side (full, LoRA) builds the actor and runs two PPO updates of 16 samples; reported: the
+peak RSS during the updates (sampled every 2 ms), what it grew by over the RSS just before them (the training state:
+gradients, AdamW moments, activations), and the trainable parameters. `--backends none` measures memory only. Writes JSON (atomically) with --out.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -32,6 +32,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from vlmrl.actor import Actor  # noqa: E402
@@ -104,11 +105,23 @@ def memory_side(model: str, rank: int) -> dict:
     processor = load_processor(model, ProcessorConfig(max_prompt_length=64))
     batch = make_batch(processor, rows[:8], n=2, response_length=32)
     policy = actor(model, rank)
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding)
-    policy.update(batch, None, advantages)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"rank": rank, "peak_rss_mib": peak / 1024, "training_mib": (peak - loaded) / 1024,
+    process = psutil.Process()
+    before = process.memory_info().rss
+    peak, done = [before], threading.Event()
+
+    def sample() -> None:  # RSS every 2 ms while the update runs (ru_maxrss cannot be reset after loading)
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    for _ in range(2):  # the second step has AdamW's moments in place
+        policy.update(batch, None, advantages)
+    done.set()
+    sampler.join()
+    return {"rank": rank, "peak_rss_mib": peak[0] / 2**20, "training_mib": (peak[0] - before) / 2**20,
             "trainable": sum(p.numel() for p in policy.trainable)}
 
 
