@@ -13,16 +13,12 @@ LR_SCHEDULERS = ("constant", "cosine")
 LORA_VISION = ("off", "tower", "merger", "tower+merger")
 LORA_SYNC = ("auto", "merged", "adapter")
 
-# Qwen2-VL / Qwen2.5-VL module names LoRA selects by (transformers-5 names). Kept together here so that they move as one
-# into the model-family registry (vlmrl.models.families) when it lands.
+# The defaults of actor.lora's module keys: names shared by the Qwen-VL families (transformers-5 names). Which vision
+# layers lora.vision adapts comes from the model's family (vlmrl.models.families: vision_tower, vision_mergers).
 QWEN_VL_LM_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """The language model's attention and MLP projections (every anchor's LoRA default)."""
 QWEN_VL_VISION = r"model\.visual\..*"
-"""Everything of the vision side: the tower's blocks, its patch embedding and the merger."""
-QWEN_VL_TOWER = r"model\.visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(gate_proj|up_proj|down_proj))"
-"""The vision tower's linear layers (what vLLM's tower LoRA adapts)."""
-QWEN_VL_MERGER = r"model\.visual\.merger\.mlp\.(0|2)"
-"""The merger's (vision -> language connector) linear layers."""
+"""Everything of the vision side (the families' vision_tower): its blocks, patch embedding and mergers."""
 
 
 @dataclass

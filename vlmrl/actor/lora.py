@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from vlmrl.actor.config import QWEN_VL_MERGER, QWEN_VL_TOWER, LoraConfig
+from vlmrl.actor.config import LoraConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +41,27 @@ ADAPTER_CONFIG = "adapter_config.json"
 _LORA_PART = re.compile(r"^(?P<module>.+)\.(?P<part>base_layer\.weight|base_layer\.bias|lora_[AB](?:\.[^.]+)?\.weight)$")
 
 
+def vision_patterns(model: torch.nn.Module, vision: str) -> list[str]:
+    """Regexes (full match) of the vision-side Linear layers lora.vision adapts, from the model's family
+    (vlmrl.models.families): `tower` = every Linear of the tower's blocks, `merger` = every Linear of its mergers
+    (Qwen3-VL's deepstack mergers included)."""
+    from vlmrl.models.families import family_of
+
+    family = family_of(model.config)
+    tower = re.escape(family.vision_tower)
+    patterns = []
+    if vision in ("tower", "tower+merger"):
+        patterns.append(rf"{tower}\.blocks\.\d+\..+")
+    if vision in ("merger", "tower+merger"):
+        patterns.append(rf"{tower}\.({'|'.join(re.escape(m) for m in family.vision_mergers)})\..+")
+    return patterns
+
+
 def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     """Full names of the Linear layers that get adapters: those whose name ends with one of lora.target_modules
     (PEFT's suffix rule) and is not matched whole by lora.exclude_modules, plus the vision tower's and/or the
-    merger's linear layers when lora.vision asks for them."""
-    vision = []
-    if lora.vision in ("tower", "tower+merger"):
-        vision.append(QWEN_VL_TOWER)
-    if lora.vision in ("merger", "tower+merger"):
-        vision.append(QWEN_VL_MERGER)
+    merger's linear layers when lora.vision asks for them (`vision_patterns`)."""
+    vision = vision_patterns(model, lora.vision)
     exclude = re.compile(lora.exclude_modules) if lora.exclude_modules else None
     names = []
     for name, module in model.named_modules():
