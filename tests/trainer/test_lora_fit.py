@@ -81,3 +81,4 @@ def test_lora_run_killed_after_a_checkpoint_resumes_bit_exactly(tiny_model_path,
     assert got == expected
     assert all(r["actor/kl_loss"] > 0 for r in got[1:]), "the adapters never left the base: nothing was resumed"
     assert (tmp_path / "killed" / "checkpoints" / "global_step_4" / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()
+
