@@ -34,10 +34,17 @@
 #       sequence-level ratio clipped to 3e-4/4e-4, seq-mean-token-mean, no KL). With the real recipe the overlay
 #       comes after qwen2_5_vl_geo3k.yaml; on the CPU demo only its losses are kept (tiny_synthetic.yaml is applied
 #       after it) and DAPO's overlong buffer is scaled to the demo's 6-token budget. RECIPE=grpo (default) = plain.
+#   LORA_RANK=64 [LORA_ALPHA=64] [LORA_VISION=off|tower|merger|tower+merger] examples/qwen2_5_vl_grpo.sh
+#       LoRA adapters instead of full fine-tuning, on either run (actor.lora.rank / alpha / vision; README "LoRA"):
+#       only the adapters train, the KL reference is the base with adapters disabled, vLLM serves the adapter itself
+#       (SGLang gets merged weights). With the real recipe examples/configs/qwen2_5_vl_geo3k_lora.yaml comes after it
+#       (EasyR1's rank 64 / alpha 64 / lr 1e-5); on the CPU demo at the demo's lr (LoRA on the random-init tiny
+#       model has not been seen to learn the task within the demo's budget: README "LoRA"). LORA_ALPHA defaults to
+#       LORA_RANK.
 #
 # Any key=value argument overrides the config (docs/config.md lists every key), e.g. trainer.total_steps=50.
 # OUTPUT_DIR sets trainer.output_dir (defaults: outputs/demo, outputs/demo-<embedded name>, outputs/qwen2_5_vl_geo3k,
-# outputs/qwen3_vl_geo3k; "_dapo" / "_gspo" added for RECIPE, "-val" for VAL_ONLY).
+# outputs/qwen3_vl_geo3k; "_lora" added for LORA_RANK, "_dapo" / "_gspo" for RECIPE, "-val" for VAL_ONLY).
 # DRY_RUN=1 prints the training command (one argument a line) instead of running it.
 # PYTHON selects the interpreter (make demo passes the venv's). -h / --help prints this.
 set -euo pipefail
@@ -142,6 +149,16 @@ else
   if [[ -n "$DEMO_MODEL" ]]; then
     ARGS+=("actor.model_path=$DEMO_MODEL")
   fi
+fi
+if [[ -n "${LORA_RANK:-}" && "$VAL_ONLY" != "1" ]]; then
+  if [[ -n "${MODEL_PATH:-}" || -n "${DATA:-}" || -n "${N_GPUS:-}" || -n "${N_NODES:-}" ]]; then
+    ARGS+=(config=examples/configs/qwen2_5_vl_geo3k_lora.yaml
+           "trainer.output_dir=${OUTPUT_DIR:-outputs/qwen2_5_vl_geo3k_lora${RECIPE:+_$RECIPE}}")
+  else
+    ARGS+=("trainer.output_dir=${OUTPUT_DIR:-outputs/demo_lora${RECIPE:+_$RECIPE}}")
+  fi
+  ARGS+=("actor.lora.rank=$LORA_RANK" "actor.lora.alpha=${LORA_ALPHA:-$LORA_RANK}"
+         "actor.lora.vision=${LORA_VISION:-off}")
 fi
 if [[ "$VAL_ONLY" == "1" ]]; then
   ARGS+=(trainer.val_only=true)

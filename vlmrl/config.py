@@ -28,14 +28,14 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from vlmrl.actor.config import ActorConfig, OptimConfig
+from vlmrl.actor.config import ActorConfig, LoraConfig, OptimConfig
 from vlmrl.agent.config import AgentConfig
 from vlmrl.algorithms.config import AlgorithmConfig
 from vlmrl.data.config import DataConfig
 from vlmrl.distributed.config import ClusterConfig
 from vlmrl.processors.config import IMAGE_PATCH_PIXELS, ProcessorConfig
 from vlmrl.rewards.config import RewardConfig
-from vlmrl.rollout.config import BACKENDS, RolloutConfig
+from vlmrl.rollout.config import ADAPTER_BACKENDS, BACKENDS, RolloutConfig
 from vlmrl.trainer.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ RENAMED_KEYS = {
 
 __all__ = [
     "ROLLOUT_BACKENDS", "ActorConfig", "AgentConfig", "AlgorithmConfig", "ClusterConfig", "Config", "ConfigError",
-    "DataConfig", "OptimConfig", "ProcessorConfig", "RewardConfig", "RolloutConfig", "TrainerConfig",
+    "DataConfig", "LoraConfig", "OptimConfig", "ProcessorConfig", "RewardConfig", "RolloutConfig", "TrainerConfig",
     "check_model_context", "describe", "field_docs", "load_config", "to_dict", "to_yaml", "validate",
 ]
 
@@ -175,6 +175,10 @@ def cross_section_problems(config: Config) -> list[str]:
              "use sglang (one engine per worker) or vllm")
         need(r.tensor_parallel_size == 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: with "
              f"{world} devices each colocated engine runs on its worker's one device; set it to 1")
+    if a.lora.enabled:
+        need(a.lora.sync != "adapter" or r.name in ADAPTER_BACKENDS,
+             f"actor.lora.sync=adapter needs a backend that serves LoRA adapters ({list(ADAPTER_BACKENDS)}); "
+             f"rollout.name={r.name} gets merged weights: set actor.lora.sync=auto or merged")
     # ---- algorithm: how rollout correction and DAPO fit the rollout, data and agent sections
     al = config.algorithm
     need(al.rollout_correction == "off" or r.temperature == 1.0,

@@ -19,6 +19,10 @@ from vlmrl.distributed import ClusterConfig, DistributedActor, WorkerSpec
 
 pytestmark = pytest.mark.ray
 WEIGHT_ATOL = 1e-9
+LORA_ATOL = 1e-5
+"""Adapters after two steps of lr 1e-3: 1% of one step. lora_A gets its first gradient only through the lora_B the
+first step moved (B starts at 0), some of it near AdamW's eps (1e-8), where the normalised step g / (|g| + eps)
+turns float64 summation-order noise into ~1e-6 (measured 6e-7); a wrong normaliser or a lost rank is off by ~lr."""
 
 
 def actor_config(model_path: str, micro: int, **overrides) -> ActorConfig:
@@ -50,13 +54,14 @@ def perturbed(logprobs: torch.Tensor, batch, seed: int = 0) -> torch.Tensor:
     return (logprobs.double() + 0.05 * noise) * batch.response_mask
 
 
-def assert_same_weights(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], start: dict) -> None:
+def assert_same_weights(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], start: dict,
+                        atol: float = WEIGHT_ATOL) -> None:
     assert expected.keys() == got.keys()
     moved = max(float((expected[k].double() - start[k].double()).abs().max()) for k in expected)
     assert moved > 1e-4, "the step did not change the weights: nothing was compared"
     for name, tensor in expected.items():
         diff = float((tensor.double() - got[name].double()).abs().max())
-        assert diff <= WEIGHT_ATOL, f"{name}: dp=2 differs from dp=1 by {diff:.3g} (one step moved up to {moved:.3g})"
+        assert diff <= atol, f"{name}: dp=2 differs from dp=1 by {diff:.3g} (one step moved up to {moved:.3g})"
 
 
 def assert_same_metrics(expected: dict[str, float], got: dict[str, float]) -> None:
@@ -255,3 +260,44 @@ def _batch_of(processor, requests, results):
 def _max_gap(logprobs: torch.Tensor, batch) -> float:
     """Largest |trainer - engine| logprob over the policy tokens."""
     return float(((logprobs - batch.rollout_logprobs).abs() * batch.response_mask).max())
+
+
+def test_dp2_lora_step_matches_dp1(ray_cluster, tiny_model_path, processor, synthetic_rows, tmp_path):
+    """LoRA (language model + vision tower + merger) sharded over two ranks: the same adapters from the same seed on
+    every rank, the adapters-off reference from the shards, and after a GRPO step with the KL loss the same adapters
+    and merged weights as one process."""
+    from safetensors.torch import load_file
+
+    from vlmrl.actor.lora import ADAPTER_DIR, ADAPTER_WEIGHTS
+    from vlmrl.config import LoraConfig
+
+    batch = make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(1, 3))
+    extra = dict(use_kl_loss=True, kl_loss_coef=0.1, lora=LoraConfig(rank=4, alpha=8, vision="tower"))
+    reference = single_process(actor_config(tiny_model_path, micro=3, **extra), mini_batch_samples=4)
+    start = {k: v.clone() for k, v in reference.named_tensors()}
+    with start_dp2(actor_config(tiny_model_path, micro=1, **extra), mini_batch_samples=4) as dp2:
+        dp2.save_adapter(tmp_path / "before")
+        ref_lp, _ = dp2.compute_logprobs(batch, reference=True)
+        advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
+        old = perturbed(dp2.compute_logprobs(batch)[0], batch)
+        got = dp2.update(batch, old, advantages, ref_lp.double())
+        weights = dict(dp2.full_model().state_dict())
+        dp2.save_adapter(tmp_path / "after")
+    ours_before = load_file(tmp_path / "before" / ADAPTER_DIR / ADAPTER_WEIGHTS)
+    reference.save_adapter(tmp_path / "dp1-before")
+    assert all(torch.equal(t.double(), load_file(tmp_path / "dp1-before" / ADAPTER_DIR / ADAPTER_WEIGHTS)[k].double())
+               for k, t in ours_before.items()), "the ranks' adapters start elsewhere than dp=1's"
+    expected_ref, _ = reference.compute_logprobs(batch, reference=True)
+    assert torch.allclose(ref_lp, expected_ref, atol=1e-9), "the adapters-off reference differs from dp=1"
+    expected = reference.update(batch, old, advantages, ref_lp.double())
+    assert_same_metrics(expected, got)
+    reference.save_adapter(tmp_path / "dp1-after")
+    adapters = load_file(tmp_path / "after" / ADAPTER_DIR / ADAPTER_WEIGHTS)
+    single = load_file(tmp_path / "dp1-after" / ADAPTER_DIR / ADAPTER_WEIGHTS)
+    assert adapters.keys() == single.keys() and any(".visual." in k for k in adapters)
+    for name, tensor in single.items():
+        diff = float((tensor.double() - adapters[name].double()).abs().max())
+        assert diff <= LORA_ATOL, f"{name}: dp=2 adapter differs from dp=1 by {diff:.3g}"
+    moved = max(float((single[k].double() - ours_before[k].double()).abs().max()) for k in single)
+    assert moved > 1e-4, "the step did not move the adapters: nothing was compared"
+    assert_same_weights(dict(reference.named_tensors()), weights, start, atol=LORA_ATOL)

@@ -9,6 +9,7 @@ loop drives.
 - `policy`: ONE construction path (device, dtypes, load, frozen vision tower, reference, AdamW, lr schedule) for the
   single-process actor and every rank of the sharded one (`vlmrl.distributed.actor.ShardedActor`).
 - `core`: micro-batches, the logprob pass and the update loop both run.
+- `lora`: LoRA (PEFT) adapters, the reference as the base with adapters disabled, merged or adapter weight sync.
 - `local`: the single-process `Actor`. `base`: the `PolicyActor` protocol, also implemented by
   `vlmrl.distributed.DistributedActor`.
 """
@@ -25,6 +26,11 @@ _LAZY = {
     "micro_batch": "core",
     "needs_old_logprobs": "core",
     "Actor": "local",
+    "LoraSync": "lora",
+    "adapters_disabled": "lora",
+    "apply_lora": "lora",
+    "merged_tensors": "lora",
+    "write_adapter": "lora",
     "DTYPES": "policy",
     "Policy": "policy",
     "build_policy": "policy",

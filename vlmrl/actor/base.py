@@ -8,6 +8,7 @@ the same logprob pass and update loop (`vlmrl.actor.core`), so the loop needs no
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -55,7 +56,11 @@ class PolicyActor(Protocol):
         ...
 
     def full_model(self) -> torch.nn.Module:
-        """The policy as a plain HF model with the current weights (for `save_pretrained`)."""
+        """The policy as a plain HF model with the current weights (for `save_pretrained`; LoRA: merged)."""
+        ...
+
+    def save_adapter(self, folder: Path) -> None:
+        """With LoRA: the PEFT adapter (weights + adapter_config.json) into `folder`/adapter; nothing without."""
         ...
 
     def state_dict(self) -> dict:

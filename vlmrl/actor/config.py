@@ -10,6 +10,15 @@ PRECISIONS = ("float32", "bfloat16")
 """Precisions a run config may name for weights and compute (vlmrl.actor.policy.DTYPES also maps float64, for
 tests); `auto` is added where the device decides (actor.compute_dtype, rollout.dtype)."""
 LR_SCHEDULERS = ("constant", "cosine")
+LORA_VISION = ("off", "tower", "merger", "tower+merger")
+LORA_SYNC = ("auto", "merged", "adapter")
+
+# The defaults of actor.lora's module keys: names shared by the Qwen-VL families (transformers-5 names). Which vision
+# layers lora.vision adapts comes from the model's family (vlmrl.models.families: vision_tower, vision_mergers).
+QWEN_VL_LM_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""The language model's attention and MLP projections (every anchor's LoRA default)."""
+QWEN_VL_VISION = r"model\.visual\..*"
+"""Everything of the vision side (the families' vision_tower): its blocks, patch embedding and mergers."""
 
 
 @dataclass
@@ -34,6 +43,53 @@ class OptimConfig:
             out.append(f"actor.optim.betas={self.betas} must be two numbers, e.g. [0.9, 0.999]")
         if self.lr_scheduler not in LR_SCHEDULERS:
             out.append(f"actor.optim.lr_scheduler={self.lr_scheduler!r} is not one of {list(LR_SCHEDULERS)}")
+        return out
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (PEFT) instead of full fine-tuning: only the adapters train and hold optimizer state, and the KL
+    reference is the same model with its adapters disabled (no second copy)."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = LoRA off (full fine-tuning)."""
+    alpha: float = 16.0
+    """Scale of the adapter update: delta W = (alpha / rank) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (0 keeps the update forward equal to the logprob pass)."""
+    target_modules: list[str] = field(default_factory=lambda: list(QWEN_VL_LM_PROJECTIONS))
+    """Linear layers to adapt, by the last part(s) of their name (PEFT's rule); default the language model's
+    attention and MLP projections."""
+    exclude_modules: str = QWEN_VL_VISION
+    """Regex of module names target_modules never adapts (full match); default the whole vision side, as verl's
+    `.*visual.*`. lora.vision adds vision layers regardless of it."""
+    vision: str = "off"
+    """Adapt the vision side too: off, tower (the vision blocks' attention and MLP), merger (the connector to the
+    language model) or tower+merger."""
+    sync: str = "auto"
+    """How the rollout engine gets the weights: merged (base + scaled adapter deltas as full weights; every
+    backend), adapter (the adapter itself, served as a LoRA: vllm only) or auto (adapter where the backend can,
+    else merged, said once in the log)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def problems(self) -> list[str]:
+        """What is wrong, each with what to change; empty when valid."""
+        out = []
+        if self.rank < 0:
+            out.append(f"actor.lora.rank={self.rank} must be >= 0 (0 = off; 8-64 are usual)")
+        if self.enabled and self.alpha <= 0:
+            out.append(f"actor.lora.alpha={self.alpha} must be > 0 (often rank or 2 x rank)")
+        if not 0 <= self.dropout < 1:
+            out.append(f"actor.lora.dropout={self.dropout} must be in [0, 1)")
+        if self.vision not in LORA_VISION:
+            out.append(f"actor.lora.vision={self.vision!r} is not one of {list(LORA_VISION)}")
+        if self.sync not in LORA_SYNC:
+            out.append(f"actor.lora.sync={self.sync!r} is not one of {list(LORA_SYNC)}")
+        if self.enabled and not self.target_modules and self.vision == "off":
+            out.append("actor.lora.target_modules is empty and lora.vision=off: nothing to adapt")
         return out
 
 
@@ -68,7 +124,8 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus (loss -= entropy_coeff * token-mean entropy)."""
     use_kl_loss: bool = False
-    """Add a KL loss to a frozen reference (the initial weights). Loads a second copy of the model."""
+    """Add a KL loss to a frozen reference (the initial weights). Loads a second copy of the model, except with LoRA
+    (the reference is then the model with its adapters disabled)."""
     kl_loss_coef: float = 0.0
     """Weight of the KL loss; must be > 0 exactly when use_kl_loss is true."""
     kl_loss_type: str = "low_var_kl"
@@ -90,6 +147,8 @@ class ActorConfig:
     """Recompute activations in the backward (less memory, ~30% slower)."""
     device: str = "auto"
     """Torch device for the actor: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (lora.rank > 0) instead of full fine-tuning."""
 
     def problems(self) -> list[str]:
         """What is wrong, each with what to change; empty when valid."""
@@ -130,4 +189,7 @@ class ActorConfig:
             out.append(f"actor.dtype={self.dtype!r} must be float32 or bfloat16")
         if self.compute_dtype not in ("auto", *PRECISIONS):
             out.append(f"actor.compute_dtype={self.compute_dtype!r} must be auto, float32 or bfloat16")
-        return out + self.optim.problems()
+        if self.lora.enabled and self.freeze_vision_tower and self.lora.vision != "off":
+            out.append(f"actor.freeze_vision_tower=true with actor.lora.vision={self.lora.vision}: the tower's adapters "
+                       "would train anyway; set one of them back")
+        return out + self.optim.problems() + self.lora.problems()

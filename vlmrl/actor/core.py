@@ -205,6 +205,8 @@ class ActorCore:
         self.trainable = policy.trainable
         self.optimizer = policy.optimizer
         self.scheduler = policy.scheduler
+        self.peft_config = policy.peft_config
+        """The PEFT LoraConfig with actor.lora on (the model is a PeftModel), else None."""
 
     def autocast(self):
         """Mixed precision for a forward (and its backward) when compute and weight dtypes differ."""
@@ -223,8 +225,14 @@ class ActorCore:
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) logprobs of the response tokens (0 on padding) and, optionally, their (B, R) entropy.
-        `reference=True` uses the frozen reference (only when the KL loss is on). On a sharded model every rank must
-        call it with the same number of rows (the forwards are collectives)."""
+        `reference=True` uses the frozen reference (only when the KL loss is on): with LoRA, the policy itself with
+        its adapters disabled. On a sharded model every rank must call it with the same number of rows (the forwards
+        are collectives)."""
+        if reference and self.peft_config is not None:
+            from vlmrl.actor.lora import adapters_disabled
+
+            with adapters_disabled(self.model):
+                return self.compute_logprobs(batch, reference=False, with_entropy=with_entropy)
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: it is loaded only when actor.use_kl_loss is true")

@@ -1,14 +1,17 @@
 """The single-process actor: the policy on one device, its optimizer, and (when KL is on) a frozen reference copy of
-the initial weights. It implements `vlmrl.actor.PolicyActor` for the fit loop."""
+the initial weights, or with LoRA the base model under the adapters. It implements `vlmrl.actor.PolicyActor` for the
+fit loop."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.core import ActorCore, forward_response, micro_batch, mini_batch_scales, needs_old_logprobs
+from vlmrl.actor.lora import ADAPTER_DIR, LoraSync, merged_tensors, peft_model_of, write_adapter
 from vlmrl.actor.policy import build_policy
 from vlmrl.algorithms.grpo import token_mean
 from vlmrl.rollout import RolloutBackend
@@ -34,6 +37,9 @@ class Actor(ActorCore):
         """
         super().__init__(config, build_policy(config, total_steps, init_path), temperature)
         self.mini_batch_samples = mini_batch_samples
+        self.lora_sync = LoraSync(config.lora, self.peft_config) if self.peft_config is not None else None
+        self.last_sync_bytes = 0
+        """What the last sync_weights sent: merged tensors or the adapter file (LoRA), else the full weights."""
 
     # ---- update -----------------------------------------------------------------------------------------------------
 
@@ -95,17 +101,40 @@ class Actor(ActorCore):
     # ---- weights and state ------------------------------------------------------------------------------------------
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of every weight, as `model.state_dict()` names them (what the backends' sync takes)."""
-        for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
+        """(name, tensor) of every weight, as the HF model's `state_dict()` names them (what the backends' sync
+        takes); with LoRA the merged weights (base + scaled adapter deltas)."""
+        named = ((name, tensor.detach()) for name, tensor in self.model.state_dict().items())
+        if self.lora_sync is not None:
+            yield from merged_tensors(named, self.lora_sync.scaling)
+        else:
+            yield from named
 
     def sync_weights(self, backend: RolloutBackend) -> None:
-        """The current weights into the backend's engine."""
-        backend.update_weights(self.named_tensors())
+        """The current weights into the backend's engine (LoRA: merged or as the adapter, `LoraSync`)."""
+        if self.lora_sync is not None:
+            self.last_sync_bytes = self.lora_sync.push(backend, self.model.state_dict().items())
+            return
+        state = list(self.named_tensors())
+        backend.update_weights(state)
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for _, t in state)
 
     def full_model(self) -> torch.nn.Module:
-        """The live policy (for `save_pretrained`)."""
-        return self.model
+        """The live policy (for `save_pretrained`); with LoRA a plain HF model holding the merged weights."""
+        if self.lora_sync is None:
+            return self.model
+        from transformers import AutoModelForImageTextToText
+
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(peft_model_of(self.model).base_model.model.config)
+        model.load_state_dict(dict(self.named_tensors()), strict=True, assign=True)
+        model.tie_weights()
+        return model.eval()
+
+    def save_adapter(self, folder: Path) -> None:
+        """With LoRA: the PEFT adapter (weights + config) into `folder`/adapter, what resume reads back and vLLM or
+        `PeftModel.from_pretrained` load. Nothing without LoRA."""
+        if self.lora_sync is not None:
+            write_adapter(Path(folder) / ADAPTER_DIR, self.model.state_dict().items(), self.peft_config)
 
     def state_dict(self) -> dict:
         """Optimizer and scheduler state (the weights are saved in HF format beside it)."""

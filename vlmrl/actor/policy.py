@@ -1,8 +1,9 @@
 """Building the policy: ONE construction path for the single-process actor and every rank of the sharded one.
 
 Device and dtypes are resolved once, the model is loaded with its cache off (training never decodes), gradient
-checkpointing and the frozen vision tower are applied, the KL reference is copied from the initial weights, and
-AdamW plus the lr schedule are built over the trainable parameters. A sharded rank passes `wrap` (FSDP2 around the
+checkpointing and the frozen vision tower are applied, LoRA adapters are added (actor.lora: then the KL reference is
+the same model with its adapters disabled) or else the KL reference is copied from the initial weights, and AdamW
+plus the lr schedule are built over the trainable parameters. A sharded rank passes `wrap` (FSDP2 around the
 model) and gets everything else unchanged, so the two actors cannot differ in what they train or in which dtype.
 """
 
@@ -13,6 +14,8 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,12 +79,14 @@ class Policy:
     model: torch.nn.Module
     """The policy (wrapped, when built with `wrap`)."""
     reference: torch.nn.Module | None
-    """The frozen initial weights, when actor.use_kl_loss (wrapped like the model)."""
+    """The frozen initial weights, when actor.use_kl_loss without LoRA (wrapped like the model)."""
     trainable: list[torch.nn.Parameter]
-    """The model's parameters that require grad (all but a frozen vision tower)."""
+    """The model's parameters that require grad (all but a frozen vision tower; with LoRA the adapters only)."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     """One step per training step (not per optimizer step)."""
+    peft_config: Any = None
+    """The PEFT LoraConfig when actor.lora is on (the model is then a PeftModel, its reference the base inside)."""
 
 
 def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = None,
@@ -92,21 +97,36 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
         config: actor settings.
         total_steps: training steps (the lr schedule's length).
         init_path: load the policy from here instead of config.model_path (a checkpoint to resume from); the
-            reference always comes from config.model_path.
+            reference always comes from config.model_path. With LoRA the base is config.model_path and the adapters
+            come from the checkpoint's adapter folder (the merged weights beside it are for the engines).
         wrap: applied to the policy and to the reference after freezing (a sharded rank: FSDP2); the optimizer is
             built on the wrapped model's parameters, which wrapping may replace.
     """
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     compute_dtype = resolve_dtype(config.compute_dtype, device)
-    model = load_policy(init_path or config.model_path, dtype, device)
+    lora = config.lora.enabled
+    model = load_policy(config.model_path if lora else init_path or config.model_path, dtype, device)
     model.config.use_cache = False
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+        if lora:  # the frozen embeddings' output must carry grad for the checkpointed blocks' adapters
+            model.enable_input_require_grads()
     if config.freeze_vision_tower:
         model.model.visual.requires_grad_(False)
-    reference = None
-    if config.use_kl_loss:
+    reference, adapters = None, None
+    if lora:
+        from vlmrl.actor.lora import ADAPTER_DIR, apply_lora, load_adapter_weights
+
+        model = apply_lora(model, config.lora)
+        adapters = model.peft_config["default"]
+        if init_path is not None:
+            load_adapter_weights(model, Path(init_path) / ADAPTER_DIR)
+            logger.info("LoRA adapters restored from %s", Path(init_path) / ADAPTER_DIR)
+        if config.use_kl_loss:
+            logger.info("KL reference: the base model with its adapters disabled (no copy loaded; KL %s, coef %g)",
+                        config.kl_loss_type, config.kl_loss_coef)
+    elif config.use_kl_loss:
         # resuming: the reference is the initial weights, loaded as they are (no second, deep-copied instance)
         initial = copy.deepcopy(model) if init_path is None else load_policy(config.model_path, dtype, device)
         reference = initial.eval().requires_grad_(False)
@@ -121,4 +141,4 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.optim, total_steps))
     logger.info("actor %s: %.2fM trainable parameters, %s weights, %s compute on %s", init_path or config.model_path,
                 sum(p.numel() for p in trainable) / 1e6, dtype, compute_dtype, device)
-    return Policy(device, dtype, compute_dtype, model, reference, trainable, optimizer, scheduler)
+    return Policy(device, dtype, compute_dtype, model, reference, trainable, optimizer, scheduler, adapters)

@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -209,6 +210,15 @@ class DistributedActor:
         model.load_state_dict(dict(self.named_tensors()), strict=True, assign=True)
         model.tie_weights()
         return model.eval()
+
+    def save_adapter(self, folder: Path) -> None:
+        """With LoRA: the PEFT adapter gathered from the shards into `folder`/adapter, as `Actor.save_adapter`."""
+        if not self.spec.actor.lora.enabled:
+            return
+        from vlmrl.actor.lora import ADAPTER_DIR, write_adapter
+
+        tensors, config = self._each("adapter_state", [()] * self.dp_size, "gathering the LoRA adapter")[0]
+        write_adapter(Path(folder) / ADAPTER_DIR, tensors.items(), config)
 
     def state_dict(self) -> dict:
         """Optimizer (full: loadable on any number of ranks) and scheduler state, as `Actor.state_dict`."""

@@ -24,8 +24,10 @@ def worker_spec(config: Config, total_steps: int, init_path: str | None = None) 
                          "sglang")
     d = config.data
     options = backend_options(config.rollout, name, max_model_len=d.max_prompt_length + d.max_response_length,
-                              seed=config.trainer.seed)
-    engine = EngineSpec(name=name, model_path=init_path or config.actor.model_path, options=options)
+                              seed=config.trainer.seed, lora=config.actor.lora)
+    # with LoRA the engines start on the base (an adapter applies to it); a resumed run syncs the policy after start
+    start = config.actor.model_path if config.actor.lora.enabled else init_path or config.actor.model_path
+    engine = EngineSpec(name=name, model_path=start, options=options)
     return WorkerSpec(actor=config.actor, temperature=config.rollout.temperature, init_path=init_path,
                       total_steps=total_steps, engine=engine,
                       torch_threads=config.trainer.torch_threads, timeout_s=config.rollout.timeout_s)

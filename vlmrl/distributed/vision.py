@@ -65,9 +65,12 @@ class VisionAlwaysOn(nn.Module):
         (attention_mask, position_ids (3, b, l), use_cache, logits_to_keep...) is passed through."""
         if pixel_values is not None or kwargs.get("pixel_values_videos") is not None:  # the tower runs anyway
             return self.model(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs)
+        from vlmrl.actor.lora import base_model_of
+
         # run before the decoder, like a real image, so that every rank all-gathers blocks in the same order
         dummy_grid = torch.tensor([[1, self.merge, self.merge]], device=input_ids.device)
-        tower = self.model.get_submodule(self.family.vision_tower)
+        hf = base_model_of(self.model)  # with LoRA the wrapped model is a PeftModel around the HF model
+        tower = hf.get_submodule(self.family.vision_tower)
         mergers = _merger_modules(tower, self.family.vision_mergers)
         dummy = torch.zeros(self.merge * self.merge, self.patch_dim, dtype=tower.dtype, device=input_ids.device)
         outputs: list[torch.Tensor] = []
@@ -80,7 +83,7 @@ class VisionAlwaysOn(nn.Module):
         if len(outputs) != len(mergers):  # a merger the family names did not run: its gradient would be missing
             raise RuntimeError(f"{len(outputs)} of the {len(mergers)} vision mergers ran on the dummy image")
         zero = 0.0 * sum(out.sum() for out in outputs)
-        embeds = self.model.get_input_embeddings()(input_ids) + zero
+        embeds = hf.get_input_embeddings()(input_ids) + zero
         return self.model(input_ids=None, inputs_embeds=embeds, **kwargs)
 
 

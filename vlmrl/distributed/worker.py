@@ -70,6 +70,7 @@ class TrainWorker:
         self.engine = None
         self.engine_sleeps = False
         self.engine_asleep = False
+        self.lora_sync = None  # with actor.lora: how this rank's engine gets the policy (merged or the adapter)
 
     # ---- setup ------------------------------------------------------------------------------------------------------
 
@@ -102,6 +103,10 @@ class TrainWorker:
         init_process_group(rank, world_size, master[0], master[1], device, self.spec.timeout_s)
         self.actor = ShardedActor(self.spec.actor, world_size, self.spec.temperature, self.spec.init_path,
                                   self.spec.total_steps)
+        if self.actor.peft_config is not None:
+            from vlmrl.actor.lora import LoraSync
+
+            self.lora_sync = LoraSync(self.spec.actor.lora, self.actor.peft_config)
         if host_engine and self.spec.engine is not None:
             from vlmrl.rollout import get_backend
 
@@ -129,7 +134,21 @@ class TrainWorker:
         for name, tensor in self.actor.named_tensors():
             if self.rank == 0:
                 tensors[name] = tensor.cpu().clone()
-        return tensors if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        if self.lora_sync is not None:  # PeftModel names -> the merged HF model's
+            from vlmrl.actor.lora import merged_tensors
+
+            return dict(merged_tensors(tensors.items(), self.lora_sync.scaling))
+        return tensors
+
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], object] | None:
+        """With LoRA: (the adapter tensors in PEFT file names, the PEFT LoraConfig) on rank 0, None elsewhere;
+        every rank must call it (the shards are gathered)."""
+        from vlmrl.actor.lora import adapter_tensors
+
+        named = [(n, t.cpu()) for n, t in self.actor.named_tensors() if ".lora_" in n and self.rank == 0]
+        return (adapter_tensors(named), self.actor.peft_config) if self.rank == 0 else None
 
     def sync_weights(self) -> int:
         """Gather the full weights (every rank takes part) and load them into this rank's engine, if it has one.
@@ -141,7 +160,10 @@ class TrainWorker:
         if self.engine is None:
             return 0
         self._wake_engine()
-        self.engine.update_weights(named)
+        if self.lora_sync is not None:  # merged weights or the adapter, as for the single-process actor
+            self.lora_sync.push(self.engine, named)
+        else:
+            self.engine.update_weights(named)
         return len(named)
 
     def load_engine_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
@@ -186,6 +208,8 @@ class TrainWorker:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.lora_sync is not None:
+            self.lora_sync.close()
         import torch.distributed as dist
 
         if dist.is_initialized():

@@ -20,7 +20,8 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from vlmrl.rollout.config import BACKENDS, RolloutConfig
+from vlmrl.actor.config import LoraConfig
+from vlmrl.rollout.config import BACKENDS, RolloutConfig, lora_engine_options
 from vlmrl.utils.lazy import lazy_exports
 
 if TYPE_CHECKING:
@@ -57,22 +58,27 @@ def get_backend(name: str, model_path: str, **options: Any) -> RolloutBackend:
     return cls(resolve_model_path(model_path), cls.options_class.from_kwargs(name, options))
 
 
-def backend_options(rollout: RolloutConfig, name: str, *, max_model_len: int, seed: int) -> dict[str, Any]:
+def backend_options(rollout: RolloutConfig, name: str, *, max_model_len: int, seed: int,
+                    lora: LoraConfig | None = None) -> dict[str, Any]:
     """get_backend options of a run for backend `name`: the rollout section's engine options that this backend takes
     (each declared once, in the class of the backends that take it: vlmrl.rollout.config), the longest request
-    (data.max_prompt_length + data.max_response_length) and the seed (trainer.seed)."""
+    (data.max_prompt_length + data.max_response_length), the seed (trainer.seed) and what a LoRA policy's adapter
+    sync needs (`lora_engine_options`)."""
     accepted = {f.name for f in dataclasses.fields(backend_class(name).options_class)}
     options = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout) if f.name in accepted}
     options["engine_kwargs"] = dict(rollout.engine_kwargs)
-    return {**options, "max_model_len": max_model_len, "seed": seed}
+    extra = lora_engine_options(lora, name) if lora is not None else {}
+    return {**options, "max_model_len": max_model_len, "seed": seed, **extra}
 
 
 def start_backend(rollout: RolloutConfig, model_path: str, *, max_model_len: int, seed: int,
-                  name: str | None = None) -> RolloutBackend:
-    """Start the run's rollout backend (rollout.name, or `name`) on `model_path` (the actor's model or a checkpoint)."""
+                  name: str | None = None, lora: LoraConfig | None = None) -> RolloutBackend:
+    """Start the run's rollout backend (rollout.name, or `name`) on `model_path` (the actor's model or a checkpoint);
+    `lora`: the actor's LoRA settings (the engine then serves adapters where they sync as such)."""
     name = name or rollout.name
     logger.info("starting rollout backend %s on %s", name, model_path)
-    return get_backend(name, model_path, **backend_options(rollout, name, max_model_len=max_model_len, seed=seed))
+    return get_backend(name, model_path, **backend_options(rollout, name, max_model_len=max_model_len, seed=seed,
+                                                           lora=lora))
 
 
 __all__ = [

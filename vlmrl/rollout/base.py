@@ -86,6 +86,9 @@ class RolloutBackend(abc.ABC):
 
     name: str = "base"
     options_class: type[RolloutOptions] = RolloutOptions
+    accepts_partial_weights: bool = False
+    """`update_weights` may be given some of the weights only (the others stay): a LoRA policy's merged sync then
+    sends only the adapted layers. False: every weight, every time."""
 
     def __init__(self, model_path: str, options: RolloutOptions):
         from vlmrl.processors import load_processor
@@ -110,6 +113,15 @@ class RolloutBackend(abc.ABC):
         """Load these weights into the engine (transformers-5 in-memory names `model.language_model.*` /
         `model.visual.*`, or the names of the model's checkpoint; `sync_state` maps them through the model's family)
         and drop every cache computed with the old ones."""
+
+    def serves_adapters(self) -> bool:
+        """Whether `update_adapter` works: the engine was started to serve LoRA adapters (vLLM with enable_lora)."""
+        return False
+
+    def update_adapter(self, folder: str) -> None:
+        """Generate under this PEFT LoRA adapter folder from now on (replacing the previous one), every cache of
+        results computed under the old one dropped. Only where `serves_adapters()`."""
+        raise NotImplementedError(f"{self.name}: this backend does not serve LoRA adapters; sync merged weights")
 
     def sleep(self) -> None:
         """Free accelerator memory between rollouts (where the engine can); otherwise log once and carry on."""

@@ -15,7 +15,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmrl.actor.config import PRECISIONS
+from vlmrl.actor.config import PRECISIONS, LoraConfig
 
 BACKENDS: dict[str, tuple[str, str]] = {
     "hf": ("vlmrl.rollout.hf", "HFBackend"),
@@ -26,6 +26,18 @@ BACKENDS: dict[str, tuple[str, str]] = {
 """Backend name -> (module, class); modules import their engine only inside the backend's methods."""
 ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "sglang-server": "sglang"}
 """The package each engine backend needs installed (hf needs only transformers)."""
+ADAPTER_BACKENDS = ("vllm",)
+"""Backends that serve a LoRA policy's adapter itself (actor.lora.sync adapter / auto). SGLang's LoRA loading
+allocates pinned memory, which needs an accelerator (measured with SGLang 0.5.23 on CPU: it fails at start), so the
+sglang backends get merged weights."""
+
+
+def lora_engine_options(lora: LoraConfig, backend: str) -> dict[str, Any]:
+    """Engine options a LoRA policy's sync path needs: vLLM started to serve adapters when actor.lora syncs them
+    (sync adapter, or auto), with tower/connector LoRA for lora.vision; nothing otherwise."""
+    if not lora.enabled or lora.sync == "merged" or backend not in ADAPTER_BACKENDS:
+        return {}
+    return {"max_lora_rank": lora.rank, "tower_connector_lora": lora.vision != "off"}
 
 
 @dataclass

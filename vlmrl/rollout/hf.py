@@ -42,6 +42,7 @@ class HFBackend(RolloutBackend):
 
     name = "hf"
     options_class = HFOptions
+    accepts_partial_weights = True  # parameters are copied in place, by name
 
     def __init__(self, model_path: str, options: HFOptions):
         super().__init__(model_path, options)

@@ -317,6 +317,7 @@ class SGLangBackend(_SGLangCommon):
 
     name = "sglang"
     options_class = SGLangOptions
+    accepts_partial_weights = True  # update_weights_from_tensor loads the tensors it is given, by name
 
     def __init__(self, model_path: str, options: SGLangOptions):
         super().__init__(model_path, options)

@@ -19,6 +19,9 @@ state dicts are accepted: a partial reload was measured to leave the engine's ot
 reload did not restore them).
 Engine settings: where the model's config.json lacks what its family needs for the engine to compute what
 transformers computes (Qwen3-VL's `mrope_interleaved`), the engine starts with them as `hf_overrides`.
+LoRA (`max_lora_rank` > 0): the engine serves one PEFT adapter at a time (`enable_lora`, tower/connector LoRA with
+`tower_connector_lora`); `update_adapter` loads a new one under a new id, removes the old and resets the encoder and
+prefix caches, and every request is generated under it (a LoRA policy's adapter sync, `vlmrl.actor.lora.LoraSync`).
 On CPU: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, ~3 s start); sleep mode is not supported there.
 """
 
@@ -71,6 +74,17 @@ class VLLMOptions(ServingEngineOptions, RolloutOptions):
     """CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE unless it is already set)."""
     multiprocess: bool | None = None
     """Run the engine core in its own process; None = vLLM's default (VLLM_ENABLE_V1_MULTIPROCESSING)."""
+    max_lora_rank: int = 0
+    """> 0: start the engine with LoRA serving (enable_lora, one adapter at a time) for adapters up to this rank
+    (rounded up to a rank vLLM accepts), so a LoRA policy syncs its adapter instead of merged weights; 0 = off.
+    Set by the run when actor.lora syncs adapters."""
+    tower_connector_lora: bool = False
+    """With max_lora_rank: let adapters cover the vision tower and merger too (vLLM's enable_tower_connector_lora;
+    actor.lora.vision)."""
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM 0.32 accepts."""
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -159,6 +173,7 @@ class VLLMBackend(RolloutBackend):
         self._checkpoint_names = checkpoint_names(model_path)  # what update_weights must receive, exactly
         self.stop_ids = set(self.processor.eos_token_ids)
         self._sleeping = False
+        self._lora_request = None  # the adapter requests generate under (update_adapter), None = the base weights
 
     def _start(self):
         route_engine_logs("vllm", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))  # before vLLM configures its logging
@@ -178,6 +193,13 @@ class VLLMBackend(RolloutBackend):
         )
         if o.enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        if o.max_lora_rank > 0:
+            rank = next((r for r in VLLM_LORA_RANKS if r >= o.max_lora_rank), None)
+            if rank is None:
+                raise ValueError(f"vllm: LoRA rank {o.max_lora_rank} > {VLLM_LORA_RANKS[-1]}, the largest vLLM serves; "
+                                 "sync merged weights (actor.lora.sync=merged)")
+            kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1,
+                          enable_tower_connector_lora=o.tower_connector_lora)
         overrides = family_engine_overrides(self.model_path, self.processor.family, o.family_engine_settings,
                                             self.name)
         extra = dict(o.engine_kwargs)
@@ -239,8 +261,10 @@ class VLLMBackend(RolloutBackend):
                 logprobs=sampling.top_logprobs + len(request.banned_token_ids) if sampling.top_logprobs else 0,
                 detokenize=False, skip_special_tokens=False,
             ))
+        lora = self._lora_request
         outputs = self._runner.call(f"generate {len(requests)} requests",
-                                    lambda: self.llm.generate(prompts, params, use_tqdm=False), self.options.timeout_s)
+                                    lambda: self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora),
+                                    self.options.timeout_s)
         results = [result for request, output in zip(requests, outputs)
                    for result in self._results(request, output, sampling)]
         assert_nothing_banned(results, requests, sampling.n, self.name)
@@ -295,6 +319,34 @@ class VLLMBackend(RolloutBackend):
 
         count = self._runner.call("update weights", run, self.options.timeout_s)
         logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: DEBUG
+
+    def serves_adapters(self) -> bool:
+        return self.options.max_lora_rank > 0
+
+    def update_adapter(self, folder: str) -> None:
+        """Serve this PEFT adapter folder from now on: loaded under a new id (vLLM caches adapters by id), the
+        previous one removed, then the encoder cache (vision embeddings of a tower adapter) and the prefix cache
+        (KV under the old adapter) reset."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.serves_adapters():
+            return super().update_adapter(folder)
+        old = self._lora_request
+        new = LoRARequest(f"vlmrl-{(old.lora_int_id if old else 0) + 1}", (old.lora_int_id if old else 0) + 1, folder)
+
+        def run() -> None:
+            if not self.llm.llm_engine.add_lora(new):
+                raise RuntimeError(f"add_lora refused the adapter {folder}")
+            if old is not None:
+                self.llm.llm_engine.remove_lora(old.lora_int_id)
+            self.llm.llm_engine.reset_encoder_cache()
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("reset_prefix_cache() refused (requests still running?)")
+
+        self._runner.call("load a LoRA adapter", run, self.options.timeout_s)
+        self._lora_request = new
+        logger.debug("vllm: serving LoRA adapter %s (id %d); encoder and prefix caches reset", folder,
+                     new.lora_int_id)
 
     def sleep(self) -> None:
         if not self.options.enable_sleep_mode:

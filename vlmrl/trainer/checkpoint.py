@@ -7,6 +7,8 @@ Layout under OUTPUT_DIR/checkpoints/:
                              trainer_state.json (step, data position, the config; readable by eye)
                              agent_carried.json + .safetensors (partial rollout's carried groups, when agent.enable;
                              vlmrl.agent.carry)
+                             adapter/ (with actor.lora: the PEFT adapter, adapter_model.safetensors +
+                             adapter_config.json; the weights beside it are the merged model, base + adapter deltas)
     latest                   a symlink to the newest complete checkpoint folder: a model path like any other
                              (actor.model_path=OUTPUT_DIR/checkpoints/latest, vllm serve ..., from_pretrained)
 
@@ -118,7 +120,7 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
         (tmp / STATE_JSON).write_text(json.dumps({**info, "step": step}, indent=1, default=str))
         if write_extra is not None:
             write_extra(tmp)
-        for path in tmp.iterdir():  # durable before it becomes visible
+        for path in tmp.rglob("*"):  # durable before it becomes visible (the LoRA adapter/ folder's files too)
             if not path.is_file():
                 continue
             with open(path, "rb") as handle:

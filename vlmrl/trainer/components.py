@@ -18,7 +18,8 @@ def start_run_backend(config: Config, name: str | None = None, model_path: str |
     """The run's rollout backend (rollout.name, or `name`) on the actor's model (or `model_path`, e.g. a checkpoint
     folder), sized for the longest request: data.max_prompt_length + data.max_response_length."""
     return start_backend(config.rollout, model_path or config.actor.model_path, name=name, seed=config.trainer.seed,
-                         max_model_len=config.data.max_prompt_length + config.data.max_response_length)
+                         max_model_len=config.data.max_prompt_length + config.data.max_response_length,
+                         lora=config.actor.lora)
 
 
 def start_agent(config: Config, backend: RolloutBackend, processor: Processor) -> AgentLoop:

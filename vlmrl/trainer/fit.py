@@ -428,9 +428,12 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     else:
         actor = Actor(config.actor, total_steps, config.actor.ppo_mini_batch_size * config.rollout.n,
                       temperature=config.rollout.temperature, init_path=init_path)
-        # A resumed backend starts from the checkpoint folder (HF format): weights already in sync.
-        backend = start_run_backend(config, model_path=init_path)
+        # A resumed backend starts from the checkpoint folder (HF format): weights already in sync. With LoRA it
+        # starts on the base model (an adapter applies to the base) and gets the policy's weights below.
+        backend = start_run_backend(config, model_path=None if config.actor.lora.enabled else init_path)
         opened.append(backend.close)
+    if checkpoint is not None and config.actor.lora.enabled:
+        actor.sync_weights(backend)
     step = 0
     if checkpoint is not None:
         state, info = load_checkpoint_state(checkpoint)
@@ -495,10 +498,17 @@ def save(run: Run) -> Path:
     if run.agent is not None:
         # Prompts taken from the sampler but not started yet; the carried groups go into files of their own.
         info.update(prompt_queue=list(run.prompts.pending), agent_carried_groups=len(run.agent.carried))
+    agent = run.agent
+
+    def write_extra(folder: Path) -> None:  # the LoRA adapter (with LoRA) and the agent's carried groups
+        run.actor.save_adapter(folder)
+        if agent is not None:
+            agent.save_carried(folder)
+
     path = save_checkpoint(
         run.output_dir, run.step, model, run.config.actor.model_path,
         trainer_state={"actor": run.actor.state_dict(), "rng": rng_state()}, info=info,
-        keep=run.config.trainer.max_ckpt_to_keep, write_extra=None if run.agent is None else run.agent.save_carried)
+        keep=run.config.trainer.max_ckpt_to_keep, write_extra=write_extra)
     logger.info("saved step %d: %s", run.step, path)
     return path
 

@@ -16,7 +16,7 @@ import logging
 import numpy as np
 import torch
 
-from vlmrl.actor import PolicyActor
+from vlmrl.actor import Actor
 from vlmrl.batch import pad_sample, stack_samples
 from vlmrl.config import Config
 from vlmrl.data import RLDataset
@@ -37,7 +37,7 @@ def answer_set(dataset: RLDataset) -> list[str]:
     return answers
 
 
-def format_warmup(actor: PolicyActor, processor: Processor, dataset: RLDataset, config: Config) -> list[float]:
+def format_warmup(actor: Actor, processor: Processor, dataset: RLDataset, config: Config) -> list[float]:
     """Run `trainer.format_warmup_steps` supervised steps on random labels; returns the loss of each step.
 
     Each step: `format_warmup_batch_size` random training prompts, each paired with an answer drawn uniformly from
@@ -48,8 +48,8 @@ def format_warmup(actor: PolicyActor, processor: Processor, dataset: RLDataset, 
     label_ids = {a: processor.tokenizer.encode(a, add_special_tokens=False) + [processor.eos_token_ids[0]]
                  for a in answers}
     rng = np.random.default_rng([t.seed, 0x5EED])
-    # one device (checked at config load): full_model() is the live policy, its trainable parameters the actor's
-    trainable = [p for p in actor.full_model().parameters() if p.requires_grad]
+    # one device (checked at config load): the single-process Actor's trainable parameters (with LoRA: the adapters)
+    trainable = list(actor.trainable)
     optimizer = torch.optim.AdamW(trainable, lr=t.format_warmup_lr, weight_decay=0.0)
     response_length = max(len(ids) for ids in label_ids.values())
     losses = []

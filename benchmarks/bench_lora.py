@@ -1,0 +1,178 @@
+"""LoRA vs full fine-tuning on the embedded tiny-large Qwen2.5-VL: weight-sync time and bytes per sync for each path,
+and the trainer's peak memory for one update step, as ratios in the same run.
+
+    .venv/bin/python benchmarks/bench_lora.py                      # rank 64, vLLM + SGLang, 3 syncs each
+    .venv/bin/python benchmarks/bench_lora.py --rank 8 --backends vllm --syncs 5
+
+Sync rows (each one started engine, synced `--syncs` times after a step that moves every trainable weight, the
+median time reported): full fine-tuning into vLLM (every weight); LoRA merged into vLLM (every weight: vLLM reloads
+whole layers); LoRA adapter into vLLM (enable_lora: the adapter file only); LoRA merged into SGLang (the adapted
+layers only: a partial update). After each sync the engine's greedy output on 4 image requests is checked against
+transformers on the actor's (merged) weights: a row that differs says MISMATCH instead of a time.
+
+Memory: one process per side (full, LoRA) builds the actor and runs two PPO updates of 16 samples; reported: the
+peak RSS during the updates (sampled every 2 ms), what it grew by over the RSS just before them (the training state:
+gradients, AdamW moments, activations), and the trainable parameters. `--backends none` measures memory only. Writes JSON (atomically) with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+from vlmrl.actor import Actor  # noqa: E402
+from vlmrl.atomic import write_text_atomically  # noqa: E402
+from vlmrl.config import ActorConfig, LoraConfig, OptimConfig  # noqa: E402
+from vlmrl.models import ensure_built  # noqa: E402
+from vlmrl.types import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+
+def actor(model: str, rank: int) -> Actor:
+    lora = LoraConfig(rank=rank, alpha=rank) if rank else LoraConfig()
+    config = ActorConfig(model_path=model, device="cpu", optim=OptimConfig(lr=1e-3), ppo_micro_batch_size_per_gpu=4,
+                         lora=lora)
+    return Actor(config, total_steps=1, mini_batch_samples=16)
+
+
+def perturb(policy: Actor, seed: int) -> None:
+    """Move every trainable weight (a stand-in for a training step; LoRA's B leaves 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.trainable:
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def requests(model: str) -> list:
+    import numpy as np
+    from PIL import Image
+
+    from vlmrl.processors import load_processor
+
+    processor = load_processor(model)
+    rows = []
+    for i in range(4):
+        pixels = np.random.default_rng(i).integers(0, 256, size=(112, 112, 3), dtype=np.uint8)
+        rows.append({"data_source": "bench", "prompt": [{"role": "user", "content": "<image>What is it?"}],
+                     "images": [Image.fromarray(pixels, mode="RGB")]})
+    return [processor.build_request(row, index=i) for i, row in enumerate(rows)]
+
+
+def sync_row(name: str, policy: Actor, backend: str, model: str, syncs: int, reference, **options) -> dict:
+    from vlmrl.rollout import get_backend
+
+    batch = requests(model)
+    times, sent, exact = [], 0, True
+    with get_backend(backend, model, dtype="float32", max_model_len=1024, timeout_s=900, **options) as engine:
+        for k in range(syncs):
+            perturb(policy, seed=k)
+            start = time.perf_counter()
+            policy.sync_weights(engine)
+            times.append(time.perf_counter() - start)
+            sent = policy.last_sync_bytes
+            reference.update_weights(list(policy.named_tensors()))
+            exact &= ([r.response_ids for r in engine.generate(batch, GREEDY)]
+                      == [r.response_ids for r in reference.generate(batch, GREEDY)])
+    return {"row": name, "backend": backend, "sync_s": statistics.median(times), "bytes": sent,
+            "path": policy.lora_sync.path(engine) if policy.lora_sync else "full", "equal_to_hf": exact}
+
+
+def memory_side(model: str, rank: int) -> dict:
+    """One update step in this process; returns its peak RSS and trainable parameters."""
+    import tempfile
+
+    from tests.batches import make_batch, synthetic_rows
+    from vlmrl.algorithms.grpo import group_advantages
+    from vlmrl.processors import ProcessorConfig, load_processor
+
+    rows = synthetic_rows(tempfile.mkdtemp(), train_size=8, val_size=2)
+    processor = load_processor(model, ProcessorConfig(max_prompt_length=64))
+    batch = make_batch(processor, rows[:8], n=2, response_length=32)
+    policy = actor(model, rank)
+    advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding)
+    process = psutil.Process()
+    before = process.memory_info().rss
+    peak, done = [before], threading.Event()
+
+    def sample() -> None:  # RSS every 2 ms while the update runs (ru_maxrss cannot be reset after loading)
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    for _ in range(2):  # the second step has AdamW's moments in place
+        policy.update(batch, None, advantages)
+    done.set()
+    sampler.join()
+    return {"rank": rank, "peak_rss_mib": peak[0] / 2**20, "training_mib": (peak[0] - before) / 2**20,
+            "trainable": sum(p.numel() for p in policy.trainable)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-large")
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--backends", nargs="+", default=["vllm", "sglang"])
+    parser.add_argument("--syncs", type=int, default=3)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--memory-side", type=int, default=-1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    model = str(ensure_built(args.model))
+    if args.memory_side >= 0:
+        print(json.dumps(memory_side(model, args.memory_side)))
+        return
+    from vlmrl.rollout import get_backend
+
+    result: dict = {"model": args.model, "rank": args.rank, "sync": [], "memory": []}
+    with get_backend("hf", model, dtype="float32", max_model_len=1024, timeout_s=900) as reference:
+        full, lora = actor(model, 0), actor(model, args.rank)
+        if "vllm" in args.backends:
+            result["sync"].append(sync_row("full fine-tuning", full, "vllm", model, args.syncs, reference))
+            lora.config.lora.sync = "merged"
+            result["sync"].append(sync_row("LoRA merged", lora, "vllm", model, args.syncs, reference))
+            lora.config.lora.sync = "auto"
+            result["sync"].append(sync_row("LoRA adapter", lora, "vllm", model, args.syncs, reference,
+                                           max_lora_rank=args.rank))
+        if "sglang" in args.backends:
+            result["sync"].append(sync_row("full fine-tuning", full, "sglang", model, args.syncs, reference))
+            result["sync"].append(sync_row("LoRA merged (partial)", lora, "sglang", model, args.syncs, reference))
+    for rank in (0, args.rank):
+        out = subprocess.run([sys.executable, __file__, "--model", args.model, "--memory-side", str(rank)],
+                             capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        result["memory"].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    full_sync = {r["backend"]: r for r in result["sync"] if r["row"] == "full fine-tuning"}
+    print(f"{args.model}, LoRA rank {args.rank}")
+    print(f"{'sync':28} {'backend':8} {'path':8} {'s/sync':>8} {'MB/sync':>9} {'vs full':>8}  equal to hf")
+    for r in result["sync"]:
+        base = full_sync[r["backend"]]
+        print(f"{r['row']:28} {r['backend']:8} {r['path']:8} {r['sync_s']:8.3f} {r['bytes'] / 1e6:9.2f} "
+              f"{r['bytes'] / base['bytes']:8.4f}  {'yes' if r['equal_to_hf'] else 'MISMATCH'}")
+    full_mem, lora_mem = result["memory"]
+    for m in result["memory"]:
+        print(f"memory rank {m['rank']:3}: peak RSS {m['peak_rss_mib']:8.1f} MiB, training state "
+              f"{m['training_mib']:7.1f} MiB, trainable {m['trainable'] / 1e6:.3f}M")
+    print(f"peak RSS ratio LoRA/full {lora_mem['peak_rss_mib'] / full_mem['peak_rss_mib']:.3f}; training state "
+          f"ratio {lora_mem['training_mib'] / max(full_mem['training_mib'], 1e-9):.3f}")
+    if args.out:
+        write_text_atomically(args.out, json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

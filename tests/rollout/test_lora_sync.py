@@ -1,0 +1,154 @@
+"""A LoRA policy's weights in the real engines (fp32, CPU): after `Actor.sync_weights`, each engine's greedy output
+equals the transformers model with the adapters merged, on 8 requests with images; language-model and vision
+(tower + merger) adapters together.
+
+Paths (actor.lora.sync): (a) merged weights on every backend - vLLM takes the full state dict, SGLang and hf only
+the adapted layers (partial updates); (b) the adapter itself on vLLM (started with enable_lora and
+enable_tower_connector_lora). SGLang cannot serve adapters on CPU (its LoRA memory pool needs pinned memory, i.e. an
+accelerator), so `auto` falls back to merged there and says so once. After a sync that changes only the vision
+adapters, a request whose image the engine has already encoded must come out as the new weights compute it (the
+engines' encoder caches are reset or keyed by weight version)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.rollout.helpers import GREEDY, greedy_mismatch, noise_image
+from vlmrl.actor import Actor
+from vlmrl.config import ActorConfig, LoraConfig
+
+RANK = 8
+
+
+def image_requests(processor) -> list:
+    """Eight requests, each with one or two images of different sizes (built by the real processor)."""
+    specs = [("<image>What is in the picture?", [(112, 112)]), ("Describe <image> briefly.", [(200, 90)]),
+             ("<image>Count the shapes.", [(60, 150)]), ("<image><image>Which image is brighter?", [(112, 84), (70, 70)]),
+             ("Compare <image> with <image>.", [(168, 56), (90, 120)]), ("<image>Name its colour.", [(84, 84)]),
+             ("<image>First, then <image> second.", [(56, 56), (150, 100)]), ("Where is the dot? <image>", [(140, 56)])]
+    rows = [{"data_source": "lora-test", "prompt": [{"role": "user", "content": text}],
+             "images": [noise_image(w, h, seed=100 + 10 * i + k) for k, (w, h) in enumerate(sizes)]}
+            for i, (text, sizes) in enumerate(specs)]
+    return [processor.build_request(row, index=i) for i, row in enumerate(rows)]
+
+
+def set_adapters(actor: Actor, language: float, vision: float, seed: int) -> None:
+    """Seeded random lora_B (A is PEFT's random init): `language` scales the language model's, `vision` the tower's
+    and merger's (0 = that side computes the base model)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in actor.model.named_parameters():
+            if "lora_B" in name:
+                scale = vision if ".visual." in name else language
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_path) -> Actor:
+    config = ActorConfig(model_path=tiny_model_path, device="cpu",
+                         lora=LoraConfig(rank=RANK, alpha=16, vision="tower+merger"))
+    return Actor(config, total_steps=1, mini_batch_samples=1)
+
+
+@pytest.fixture(scope="module")
+def requests(hf):
+    return image_requests(hf.processor)
+
+
+@pytest.fixture(scope="module")
+def merged_hf(tiny_model_path):
+    """A transformers backend of its own: the merged model's greedy outputs are read from it."""
+    from vlmrl.rollout import get_backend
+
+    with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as backend:
+        yield backend
+
+
+def hf_merged_greedy(policy: Actor, merged_hf, requests) -> list:
+    policy.lora_sync.lora.sync = "merged"
+    policy.sync_weights(merged_hf)
+    return merged_hf.generate(requests, GREEDY)
+
+
+def assert_equal_to_hf(results, expected, backend: str) -> None:
+    problems = [message for ref, got in zip(expected, results) if (message := greedy_mismatch(ref, got, backend))]
+    assert not problems, "\n".join(problems)
+
+
+def sync_and_check(policy: Actor, engine, merged_hf, requests, sync: str, path: str) -> list:
+    """Sync the policy into `engine` by `sync`, check the path taken, and that its greedy outputs equal HF merged's."""
+    expected = hf_merged_greedy(policy, merged_hf, requests)
+    policy.lora_sync.lora.sync = sync
+    assert policy.lora_sync.path(engine) == path
+    policy.sync_weights(engine)
+    results = engine.generate(requests, GREEDY)
+    assert_equal_to_hf(results, expected, f"{engine.name} ({path})")
+    return results
+
+
+def check_engine(policy: Actor, engine, base_greedy, merged_hf, requests, sync: str, path: str) -> None:
+    """Both adapters on: == HF merged and != the base model; then only the vision adapters change, and the same
+    requests (images already encoded by the engine) follow."""
+    set_adapters(policy, language=0.5, vision=0.0, seed=1)
+    first = sync_and_check(policy, engine, merged_hf, requests, sync, path)
+    assert any(a.response_ids != b.response_ids for a, b in zip(first, base_greedy)), \
+        "the adapters did not change any output: nothing was compared"
+    set_adapters(policy, language=0.5, vision=2.0, seed=1)  # the language adapters as before: only vision moves
+    second = sync_and_check(policy, engine, merged_hf, requests, sync, path)
+    assert any(a.response_ids != b.response_ids for a, b in zip(first, second)), \
+        "the vision adapters changed no output for images the engine had seen: stale vision embeddings?"
+
+
+@pytest.fixture(scope="module")
+def base_greedy(hf, requests):
+    return hf.generate(requests, GREEDY)
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_adapter_itself_path_b(tiny_model_path, policy, base_greedy, merged_hf, requests):
+    from vlmrl.rollout import get_backend
+
+    with get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
+                     max_lora_rank=RANK, tower_connector_lora=True) as engine:
+        assert engine.serves_adapters()
+        check_engine(policy, engine, base_greedy, merged_hf, requests, sync="auto", path="adapter")
+        assert policy.last_sync_bytes == sum(p.numel() * 4 for p in policy.trainable), "adapter file = adapters"
+
+
+@pytest.mark.vllm
+def test_vllm_takes_merged_weights_path_a(tiny_model_path, policy, base_greedy, merged_hf, requests):
+    from vlmrl.rollout import get_backend
+
+    with get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as engine:
+        assert not engine.serves_adapters() and not engine.accepts_partial_weights
+        check_engine(policy, engine, base_greedy, merged_hf, requests, sync="auto", path="merged")
+        full = sum(t.numel() * t.element_size() for t in policy.full_model().state_dict().values())
+        assert policy.last_sync_bytes == full, "vLLM reloads whole layers: every weight is sent"
+
+
+@pytest.mark.sglang
+def test_sglang_takes_merged_adapted_layers_only_path_a(tiny_model_path, policy, base_greedy, merged_hf, requests):
+    from vlmrl.rollout import get_backend
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # the engines reconfigure logging; a handler on the logger itself sees it all
+    lora_logger = logging.getLogger("vlmrl.actor.lora")
+    with get_backend("sglang", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as engine:
+        assert not engine.serves_adapters() and engine.accepts_partial_weights
+        lora_logger.addHandler(handler)
+        level, lora_logger.level = lora_logger.level, logging.WARNING  # SGLang's log_level=error lowers the root's
+        try:
+            check_engine(policy, engine, base_greedy, merged_hf, requests, sync="auto", path="merged")
+        finally:
+            lora_logger.removeHandler(handler)
+            lora_logger.setLevel(level)
+        fallbacks = [r.getMessage() for r in records if "syncing merged weights" in r.getMessage()]
+        assert len(fallbacks) == 1 and fallbacks[0].startswith("sglang:"), fallbacks
+        from peft.tuners.lora import LoraLayer
+
+        adapted = sum(m.base_layer.weight.numel() * 4 for m in policy.model.modules() if isinstance(m, LoraLayer))
+        assert policy.last_sync_bytes == adapted, "a partial update sends the adapted layers' weights only"

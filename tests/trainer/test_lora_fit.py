@@ -1,0 +1,84 @@
+"""LoRA runs of the fit loop on the tiny model: a checkpoint holds the PEFT adapter beside a merged HF folder that
+vLLM and SGLang load as it is (and vLLM serves the adapter on the base model to the same outputs); a run killed with
+SIGKILL after a checkpoint resumes bit-exactly (adapters and their optimizer state restored)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from tests.rollout.helpers import GREEDY, LOGPROB_TOL, build_batch, greedy_mismatch
+from tests.trainer.test_fit import _straight_and_killed_then_resumed, base_args
+from vlmrl.actor.lora import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS
+from vlmrl.config import load_config
+from vlmrl.trainer.fit import fit
+from vlmrl.trainer.metrics import read_metrics
+
+LORA = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.vision=tower", "actor.optim.lr=1e-2",
+        # the random-init model earns no reward, so no GRPO gradient: the format warm-up (which trains what the
+        # actor trains: the adapters) moves them off B = 0, and the KL term then has something to pull on
+        "trainer.format_warmup_steps=3", "trainer.format_warmup_batch_size=4", "trainer.format_warmup_lr=5e-2"]
+
+
+def _greedy(name: str, model_path: str, requests, adapter=None) -> list:
+    """Greedy outputs of backend `name` on `model_path`; `adapter`: vLLM serving that adapter folder on it."""
+    from vlmrl.rollout import get_backend
+
+    options = {"max_lora_rank": 8, "tower_connector_lora": True} if adapter else {}
+    with get_backend(name, model_path, dtype="float32", max_model_len=1024, timeout_s=300, **options) as backend:
+        if adapter:
+            backend.update_adapter(str(adapter))
+        return backend.generate(requests, GREEDY)
+
+
+@pytest.mark.vllm
+@pytest.mark.sglang
+def test_lora_checkpoint_is_a_merged_model_vllm_and_sglang_load_plus_the_adapter(tiny_model_path, tmp_path):
+    out = tmp_path / "lora"
+    fit(load_config(base_args(tiny_model_path, out, *LORA, "rollout.name=vllm", "trainer.total_steps=2",
+                              "trainer.save_freq=2", "trainer.val_before_train=false", "actor.use_kl_loss=true",
+                              "actor.kl_loss_coef=0.01")))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [0, 1, 2]  # step 0: the warm-up's line
+    assert rows[1]["rollout/logprob_abs_diff"] < 1e-3, "the engine's adapter is not the trainer's policy"
+    assert rows[1]["actor/kl_loss"] > 0  # the KL reference: the adapters-off model, away from the policy
+    checkpoint = out / "checkpoints" / "global_step_2"
+    adapter = checkpoint / ADAPTER_DIR
+    assert (adapter / ADAPTER_WEIGHTS).is_file()
+    assert json.loads((adapter / ADAPTER_CONFIG).read_text())["r"] == 8
+    with safe_open(str(adapter / ADAPTER_WEIGHTS), "pt") as weights:
+        assert any(".visual.blocks." in name for name in weights.keys())  # lora.vision=tower
+    assert (checkpoint / "model.safetensors").is_file()
+
+    from vlmrl.processors import load_processor
+
+    requests = build_batch(load_processor(str(checkpoint)))
+    expected = _greedy("hf", str(checkpoint), requests)  # transformers on the merged folder
+    base = _greedy("hf", tiny_model_path, requests)
+    moved = max((abs(x - y) for a, b in zip(expected, base) if a.response_ids == b.response_ids
+                for x, y in zip(a.response_logprobs, b.response_logprobs)), default=0.0)
+    assert moved > 10 * LOGPROB_TOL or any(a.response_ids != b.response_ids for a, b in zip(expected, base)), \
+        "training changed nothing the engines could be checked on"
+    runs = {"vllm": _greedy("vllm", str(checkpoint), requests), "sglang": _greedy("sglang", str(checkpoint), requests),
+            "vllm + adapter on the base": _greedy("vllm", tiny_model_path, requests, adapter=adapter)}
+    problems = [message for name, results in runs.items() for ref, got in zip(expected, results)
+                if (message := greedy_mismatch(ref, got, name))]
+    assert not problems, "\n".join(problems)
+    for name, results in runs.items():  # the trained weights themselves, not only the same argmax
+        worst = max(abs(x - y) for ref, got in zip(expected, results)
+                    for x, y in zip(ref.response_logprobs, got.response_logprobs))
+        assert worst <= LOGPROB_TOL, f"{name}: logprobs differ from HF on the checkpoint by {worst:.2e}"
+
+
+@pytest.mark.slow
+def test_lora_run_killed_after_a_checkpoint_resumes_bit_exactly(tiny_model_path, tmp_path):
+    common = [*LORA, "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01", "trainer.total_steps=5",
+              "trainer.save_freq=2", "trainer.test_freq=5", "trainer.val_before_train=false"]
+    expected, got = _straight_and_killed_then_resumed(tiny_model_path, tmp_path, *common)
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4, 5]
+    assert got == expected
+    assert all(r["actor/kl_loss"] > 0 for r in got[1:]), "the adapters never left the base: nothing was resumed"
+    assert (tmp_path / "killed" / "checkpoints" / "global_step_4" / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()
+

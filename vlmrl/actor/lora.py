@@ -1,0 +1,289 @@
+"""LoRA for the policy (PEFT): which layers get adapters, the reference as the base with adapters disabled, merged
+weights for the engines, and the adapter files vLLM serves and checkpoints keep.
+
+    model = apply_lora(model, config.lora)                   # PeftModel; only lora_A / lora_B require grad
+    with adapters_disabled(model): ...                        # the base model: the KL reference, exactly
+    merged_tensors(model.state_dict().items(), scaling)       # (HF name, base + scaling * B @ A) for every weight
+    write_adapter(folder, model.state_dict().items(), peft_config)   # adapter_model.safetensors + adapter_config.json
+
+Names. Inside a PeftModel every weight is `base_model.model.<HF name>`; an adapted Linear's own weight becomes
+`<module>.base_layer.weight` beside `<module>.lora_A.default.weight` / `lora_B.default.weight`. `merged_tensors` and
+`adapter_tensors` work on such (name, tensor) pairs from any source, a plain model's state dict or the gathered
+shards of an FSDP2 model, so the single-process and the sharded actor sync and save through the same code.
+
+The merge is PEFT's own arithmetic (`LoraLayer.get_delta_weight`: (B @ A) * scaling, in float32 for a 16-bit
+weight on CPU, then added to the base weight), so the merged weights equal `merge_and_unload()`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from vlmrl.actor.config import LoraConfig
+
+logger = logging.getLogger(__name__)
+
+PEFT_PREFIX = "base_model.model."
+"""What a PeftModel puts before every HF parameter name."""
+ADAPTER_DIR = "adapter"
+"""A checkpoint's PEFT adapter folder (beside the merged HF weights)."""
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# a LoRA layer's parts in a state dict: its base layer, and lora_A / lora_B with (PeftModel) or without (adapter file)
+# the adapter's name
+_LORA_PART = re.compile(r"^(?P<module>.+)\.(?P<part>base_layer\.weight|base_layer\.bias|lora_[AB](?:\.[^.]+)?\.weight)$")
+
+
+def vision_patterns(model: torch.nn.Module, vision: str) -> list[str]:
+    """Regexes (full match) of the vision-side Linear layers lora.vision adapts, from the model's family
+    (vlmrl.models.families): `tower` = every Linear of the tower's blocks, `merger` = every Linear of its mergers
+    (Qwen3-VL's deepstack mergers included)."""
+    from vlmrl.models.families import family_of
+
+    family = family_of(model.config)
+    tower = re.escape(family.vision_tower)
+    patterns = []
+    if vision in ("tower", "tower+merger"):
+        patterns.append(rf"{tower}\.blocks\.\d+\..+")
+    if vision in ("merger", "tower+merger"):
+        patterns.append(rf"{tower}\.({'|'.join(re.escape(m) for m in family.vision_mergers)})\..+")
+    return patterns
+
+
+def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
+    """Full names of the Linear layers that get adapters: those whose name ends with one of lora.target_modules
+    (PEFT's suffix rule) and is not matched whole by lora.exclude_modules, plus the vision tower's and/or the
+    merger's linear layers when lora.vision asks for them (`vision_patterns`)."""
+    vision = vision_patterns(model, lora.vision)
+    exclude = re.compile(lora.exclude_modules) if lora.exclude_modules else None
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        suffix = any(name == t or name.endswith("." + t) for t in lora.target_modules)
+        if (suffix and not (exclude and exclude.fullmatch(name))) or any(re.fullmatch(v, name) for v in vision):
+            names.append(name)
+    if not names:
+        raise ValueError(f"actor.lora selects no Linear layer of {type(model).__name__} (target_modules="
+                         f"{lora.target_modules}, exclude_modules={lora.exclude_modules!r}, vision={lora.vision})")
+    return names
+
+
+def peft_config(model: torch.nn.Module, lora: LoraConfig):
+    """The PEFT LoraConfig for this model: the resolved layer names (`target_modules`) as an explicit list."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=target_modules(model, lora), bias="none")
+
+
+LORA_INIT_SEED = 0
+"""Seed of the adapters' initialisation (A random, B = 0): every FSDP rank builds the same adapters (sharding keeps
+each rank's own values, it does not broadcast them) and dp=1 starts where dp=N does. The caller's RNG is untouched."""
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+    """The model wrapped by PEFT with fresh adapters (B = 0: the output is the base model's until a step is taken),
+    initialised from `LORA_INIT_SEED`. Every base weight is frozen; only the adapters require grad."""
+    from peft import get_peft_model
+
+    config = peft_config(model, lora)
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(LORA_INIT_SEED)
+        wrapped = get_peft_model(model, config)
+    adapters = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    logger.info("LoRA rank %d alpha %g on %d layers (vision: %s): %.3fM adapter parameters, base frozen",
+                lora.rank, lora.alpha, len(config.target_modules), lora.vision, adapters / 1e6)
+    return wrapped
+
+
+def peft_model_of(model: torch.nn.Module):
+    """The PeftModel inside `model` (itself, or wrapped by VisionAlwaysOn / FSDP2); None when there is none."""
+    from peft import PeftModel
+
+    return next((m for m in model.modules() if isinstance(m, PeftModel)), None)
+
+
+def base_model_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under a PeftModel (whose attributes are one level deeper), or the model itself."""
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+@contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """Inside the block the model computes exactly its base model (every LoRA layer calls only its base layer): the
+    KL reference without a second copy of the weights."""
+    peft_model = peft_model_of(model)
+    if peft_model is None:
+        raise ValueError("adapters_disabled needs a model with LoRA adapters (actor.lora.rank > 0)")
+    with peft_model.disable_adapter():
+        yield
+
+
+def lora_scaling(lora: LoraConfig) -> float:
+    """PEFT's scaling of the adapter update (plain LoRA: alpha / rank)."""
+    return lora.alpha / lora.rank
+
+
+def _parts(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, str | None, torch.Tensor]]:
+    """(HF module or weight name, LoRA part or None, tensor) with the PeftModel prefix removed."""
+    for name, tensor in named:
+        name = name.removeprefix(PEFT_PREFIX)
+        match = _LORA_PART.match(name)
+        if match is None:
+            yield name, None, tensor
+        else:
+            yield match["module"], match["part"].split(".")[0] if "lora_" in match["part"] else match["part"], tensor
+
+
+def merged_tensors(named: Iterable[tuple[str, torch.Tensor]], scaling: float, changed_only: bool = False
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of the merged model from a PeftModel's (name, tensor) pairs: every adapted layer's weight
+    is base + scaling * B @ A (PEFT's merge), every other weight as it is (left out with `changed_only`: the base
+    never changes, so an engine that takes a partial update needs only the adapted layers)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for module, part, tensor in _parts(named):
+        if part is None:
+            if not changed_only:
+                yield module, tensor
+            continue
+        if part == "base_layer.bias":
+            if not changed_only:
+                yield f"{module}.bias", tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        if len(parts) == 3:
+            del pending[module]
+            yield f"{module}.weight", merge_weight(parts["base_layer.weight"], parts["lora_A"], parts["lora_B"],
+                                                   scaling)
+    if pending:
+        raise ValueError(f"LoRA layers with missing parts: {sorted(pending)[:3]} (each needs base_layer.weight, "
+                         "lora_A and lora_B)")
+
+
+def merge_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """base + (b @ a) * scaling as PEFT merges it: a 16-bit adapter on CPU is multiplied in float32 and cast back,
+    and the delta is added in place into (a copy of) the base weight, which keeps its dtype (PEFT keeps float32
+    adapters on a bfloat16 base). base (out, in), a (r, in), b (out, r)."""
+    low = a.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+    delta = ((b.float() @ a.float()) * scaling).to(b.dtype) if low else (b @ a) * scaling
+    merged = base.clone()
+    merged += delta
+    return merged
+
+
+def adapter_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """{PEFT file name: tensor} of the adapter weights only, named as `PeftModel.save_pretrained` writes them
+    (`base_model.model.<module>.lora_A.weight`): what vLLM loads and `load_adapter_weights` reads back."""
+    out = {}
+    for name, tensor in named:
+        match = _LORA_PART.match(name.removeprefix(PEFT_PREFIX))
+        if match and "lora_" in match["part"]:
+            kind = match["part"].split(".")[0]
+            out[f"{PEFT_PREFIX}{match['module']}.{kind}.weight"] = tensor.detach().to("cpu").contiguous()
+    if not out:
+        raise ValueError("no LoRA adapter weights among the tensors given")
+    return out
+
+
+def write_adapter(folder: str | Path, named: Iterable[tuple[str, torch.Tensor]], config) -> int:
+    """Write a PEFT adapter folder (adapter_model.safetensors + adapter_config.json) that vLLM serves and
+    `PeftModel.from_pretrained` loads. `config` is the PEFT LoraConfig. Returns the weight bytes written."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = adapter_tensors(named)
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS))
+    settings = config.to_dict()
+    settings["target_modules"] = sorted(settings["target_modules"])
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(settings, indent=1, default=str))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def load_adapter_weights(model: torch.nn.Module, folder: str | Path) -> None:
+    """Load an adapter folder's weights (written by `write_adapter`) into the PeftModel's adapters, exactly."""
+    from safetensors.torch import load_file
+
+    if not (Path(folder) / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"{folder}/{ADAPTER_WEIGHTS} not found: the checkpoint was written without LoRA. Resume it "
+                         "with actor.lora.rank=0, or train LoRA into a new trainer.output_dir")
+    saved = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
+    params = {}
+    for name, param in model.named_parameters():
+        match = _LORA_PART.match(name.removeprefix(PEFT_PREFIX))
+        if match and "lora_" in match["part"]:
+            params[f"{PEFT_PREFIX}{match['module']}.{match['part'].split('.')[0]}.weight"] = param
+    if set(saved) != set(params):
+        missing, unknown = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+        raise ValueError(f"adapter {folder} does not fit the model's LoRA layers (actor.lora changed?): "
+                         f"{len(missing)} missing (e.g. {missing[:2]}), {len(unknown)} unknown (e.g. {unknown[:2]})")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(saved[name])
+
+
+class LoraSync:
+    """Pushes a LoRA policy into rollout engines, by the path actor.lora.sync picks for each backend:
+
+    - merged: base + scaling * B @ A as full weights (`backend.update_weights`); only the adapted layers' weights
+      where the backend takes a partial update (`accepts_partial_weights`), since no other weight ever changes;
+    - adapter: the adapter itself, written as a PEFT folder and served as a LoRA (`backend.update_adapter`; vLLM
+      started with enable_lora). `auto` takes it where the backend serves adapters, else merged (logged once).
+    """
+
+    def __init__(self, lora: LoraConfig, config):
+        """lora: the actor's settings; config: the PEFT LoraConfig of the model (what an adapter folder records)."""
+        import tempfile
+
+        self.lora, self.config = lora, config
+        self.scaling = lora_scaling(lora)
+        self.folder = Path(tempfile.mkdtemp(prefix="vlmrl-lora-sync-"))
+        self.version = 0
+        self._logged: set[str] = set()
+
+    def path(self, backend) -> str:
+        """`adapter` or `merged` for this backend (see the class docstring)."""
+        serves = backend.serves_adapters()
+        if self.lora.sync == "adapter" and not serves:
+            raise ValueError(f"actor.lora.sync=adapter but the {backend.name} backend does not serve LoRA adapters "
+                             "here: set actor.lora.sync=auto or merged")
+        if self.lora.sync == "auto" and not serves and backend.name not in self._logged:
+            self._logged.add(backend.name)
+            logger.warning("%s: LoRA adapters cannot be served by this backend here; syncing merged weights "
+                           "(base + scaled adapter deltas) instead", backend.name)
+        return "adapter" if serves and self.lora.sync != "merged" else "merged"
+
+    def push(self, backend, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """The policy's current weights (its PeftModel (name, tensor) pairs) into the backend; returns the bytes
+        sent (adapter file, or merged tensors)."""
+        if self.path(backend) == "adapter":
+            self.version += 1
+            folder = self.folder / f"v{self.version}"
+            sent = write_adapter(folder, named, self.config)
+            backend.update_adapter(str(folder))
+            previous = self.folder / f"v{self.version - 1}"
+            if previous.exists():  # the engine has dropped it; the new one is read when first used
+                import shutil
+
+                shutil.rmtree(previous, ignore_errors=True)
+            return sent
+        state = list(merged_tensors(named, self.scaling, changed_only=backend.accepts_partial_weights))
+        backend.update_weights(state)
+        return sum(t.numel() * t.element_size() for _, t in state)
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
