@@ -47,6 +47,16 @@ class ActorConfig:
     """Prompts per optimizer step (times rollout.n samples); train_batch_size / this = updates per step."""
     ppo_micro_batch_size_per_gpu: int = 4
     """Samples per forward/backward; micro-batches accumulate gradients. Changes memory, not the update."""
+    micro_batch_tokens: int = 0
+    """Token budget of one forward/backward (verl's ppo_max_token_len_per_gpu, EasyR1's dynamic batching): rows are
+    packed into micro-batches that process at most this many tokens each (padded: rows x (longest prompt + longest
+    response); with padding_free: the rows' summed lengths), sharded ranks are given rows of equal token totals; a
+    row longer than the budget runs alone (with a warning). 0 = fixed rows (ppo_micro_batch_size_per_gpu). Changes
+    memory and speed, not the update."""
+    padding_free: bool = False
+    """Packed forward (verl's use_remove_padding, EasyR1's padding_free): a micro-batch's rows run as one sequence
+    without padding, attention kept within each row and each row's own 3D position ids. Same logprobs; no compute
+    spent on padding. On CUDA with flash-attention (varlen), else sdpa/eager with a block-diagonal mask."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     policy_loss: str = "ppo-clip"
@@ -99,6 +109,9 @@ class ActorConfig:
         for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs"):
             if getattr(self, name) < 1:
                 out.append(f"actor.{name}={getattr(self, name)} must be >= 1")
+        if self.micro_batch_tokens < 0:
+            out.append(f"actor.micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0 = fixed rows of "
+                       "ppo_micro_batch_size_per_gpu; e.g. 16384 packs micro-batches to 16k tokens)")
         if self.logprob_chunk_size < 0:
             out.append(f"actor.logprob_chunk_size={self.logprob_chunk_size} must be >= 0 (0 = unchunked; 256 keeps "
                        "the logits of a 152k vocabulary small)")

@@ -80,6 +80,17 @@ class ShardedActor(ActorCore):
 
         super().__init__(config, build_policy(config, total_steps, init_path, wrap=shard), temperature)
 
+    def agree_count(self, count: int) -> int:
+        """The most micro-batches any rank plans (a collective): every rank runs that many forwards, so that their
+        all-gathers pair up; a rank with fewer splits its packs (`vlmrl.actor.micro_batches.split_to_count`)."""
+        if self.world_size == 1:
+            return count
+        import torch.distributed as dist
+
+        value = torch.tensor([count], dtype=torch.long, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
     def clip_gradients(self) -> float:
         """The GLOBAL gradient norm over every rank's shards (a collective), clipped to config.grad_clip."""
         return clip_grad_norm(self.trainable, self.config.grad_clip)
