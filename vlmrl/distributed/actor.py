@@ -120,6 +120,11 @@ class ShardedActor(ActorCore):
         """(HF name, full tensor) of every weight, one at a time. A collective: every rank must consume it all."""
         return iter_full_state_dict(self.model, prefix_to_strip=WRAPPED_PREFIX)
 
+    def weight_names(self) -> list[str]:
+        """The names `named_tensors` gives, in its order, without gathering anything."""
+        return [name[len(WRAPPED_PREFIX):] if name.startswith(WRAPPED_PREFIX) else name
+                for name in self.model.state_dict()]
+
     def optimizer_state(self) -> dict:
         """Optimizer (full, gathered: independent of the number of ranks, so a run can resume on another dp size)
         and scheduler state. A collective; the optimizer part is complete on rank 0 only (empty elsewhere)."""
