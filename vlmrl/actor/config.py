@@ -38,6 +38,23 @@ class OptimConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """What the actor keeps in host memory instead of on its GPU (every anchor offers it): memory for PCIe time."""
+
+    params: bool = False
+    """Sharded parameters and their gradients on the CPU (torch FSDP2 CPUOffloadPolicy); each block is copied to the
+    GPU for its forward/backward and the optimizer steps on the CPU. Frees ~16 bytes/parameter of GPU memory with
+    fp32 master weights and AdamW, at the cost of host<->GPU copies every step and a CPU optimizer step. Needs FSDP
+    (a sharded actor); ignored, with a warning, by the single-device actor."""
+    optimizer: bool = False
+    """AdamW's state (8 bytes/parameter in fp32) on the CPU between optimizer steps, moved to the GPU for each step
+    (verl's optimizer offload). Implied by params."""
+    reference: bool = True
+    """The frozen KL reference on the CPU: FSDP2 CPUOffloadPolicy when sharded, else moved to the GPU only for its
+    logprob pass. It runs once per step without a backward, so the copies cost little next to its weights' memory."""
+
+
+@dataclass
 class ActorConfig:
     model_path: str = ""
     """Policy to train: a local HF folder, a hub id, or an embedded name (`tiny`, `tiny-large`)."""
@@ -96,6 +113,8 @@ class ActorConfig:
     are recomputed in the backward); 0 = all of a micro-batch's at once. At Qwen2.5-VL's 151,936 tokens one
     float32 token row is 0.6 MB: 256 tokens make 156 MB per copy where 4 rows x 2048 tokens unchunked make 5 GB.
     Changes memory, not the values."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Host-memory offload of parameters, optimizer state and the reference."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward (less memory, ~30% slower)."""
     device: str = "auto"

@@ -22,7 +22,7 @@ import torch
 
 from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.micro_batches import micro_batch_rows, row_spans, split_to_count
-from vlmrl.actor.policy import Policy
+from vlmrl.actor.policy import Policy, move_optimizer_state
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean
 from vlmrl.algorithms.grpo import broadcast_to_tokens, kl_penalty
 from vlmrl.algorithms.logprobs import logprobs_and_entropy
@@ -263,12 +263,25 @@ class ActorCore:
         self.trainable = policy.trainable
         self.optimizer = policy.optimizer
         self.scheduler = policy.scheduler
+        self.reference_on_host = policy.reference_on_host
+        # actor.offload.optimizer: AdamW's state waits in host memory between steps (with offloaded parameters it
+        # lives there anyway: the optimizer steps on the CPU)
+        self.offload_optimizer = config.offload.optimizer and not config.offload.params
 
     def autocast(self):
         """Mixed precision for a forward (and its backward) when compute and weight dtypes differ."""
         lower = self.compute_dtype in (torch.bfloat16, torch.float16)  # autocast only casts down
         return torch.autocast(self.device.type, dtype=self.compute_dtype,
                               enabled=lower and self.compute_dtype != self.dtype)
+
+    def optimizer_step(self) -> None:
+        """One optimizer step; with actor.offload.optimizer its state comes from host memory and goes back."""
+        if not self.offload_optimizer:
+            self.optimizer.step()
+            return
+        move_optimizer_state(self.optimizer, self.device)
+        self.optimizer.step()
+        move_optimizer_state(self.optimizer, "cpu")
 
     def clip_gradients(self) -> float:
         """Clip the gradient norm to config.grad_clip (<= 0: measure only); returns the norm before clipping."""
@@ -307,6 +320,8 @@ class ActorCore:
             raise RuntimeError("no reference model: it is loaded only when actor.use_kl_loss is true")
         was_training = model.training
         model.eval()
+        if reference and self.reference_on_host:  # actor.offload.reference: on the device for this pass only
+            model.to(self.device)
         width = batch.response_mask.shape[1]
         logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
@@ -318,6 +333,8 @@ class ActorCore:
             if entropy is not None:
                 entropy[rows] = _pad_to(ent.cpu(), width)
         model.train(was_training)
+        if reference and self.reference_on_host:
+            model.to("cpu")
         return logprobs * batch.response_mask, (entropy * batch.response_mask if entropy is not None else None)
 
     # ---- update -----------------------------------------------------------------------------------------------------
@@ -368,7 +385,7 @@ class ActorCore:
                                          ref_logprobs, loss_weights, keep_empty_micro_batches)
                 grad_norm = self.clip_gradients()
                 if math.isfinite(grad_norm):  # sharded: the same global norm on every rank, so all step or none
-                    self.optimizer.step()
+                    self.optimizer_step()
                 else:  # a NaN/inf gradient would poison the weights: skip the step, say so in the metrics
                     logger.warning("non-finite gradient norm; optimizer step skipped")
                     skipped += 1

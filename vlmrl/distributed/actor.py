@@ -18,6 +18,7 @@ what differs with several ranks is the FSDP2 wrapping and what this class feeds 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from vlmrl.actor.config import ActorConfig
 from vlmrl.distributed.fsdp import clip_grad_norm, iter_full_state_dict, shard_model
 from vlmrl.distributed.vision import WRAPPED_PREFIX, VisionAlwaysOn
 from vlmrl.types import TrainBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,11 +77,16 @@ class ShardedActor(ActorCore):
         """
         self.world_size = world_size
 
-        def shard(model: torch.nn.Module) -> torch.nn.Module:
+        def shard(model: torch.nn.Module, offload: bool = config.offload.params) -> torch.nn.Module:
             # sharding replaces the parameters by DTensors: build_policy builds the optimizer on the sharded ones
-            return shard_model(VisionAlwaysOn(model), world_size)
+            return shard_model(VisionAlwaysOn(model), world_size, offload=offload)
 
-        super().__init__(config, build_policy(config, total_steps, init_path, wrap=shard), temperature)
+        if world_size == 1 and config.offload.params:
+            logger.warning("actor.offload.params needs FSDP sharding (dp >= 2): one rank keeps its parameters on "
+                           "its device")
+        super().__init__(config, build_policy(config, total_steps, init_path, wrap=shard,
+                                              wrap_reference=lambda m: shard(m, config.offload.reference)),
+                         temperature)
 
     def agree_count(self, count: int) -> int:
         """The most micro-batches any rank plans (a collective): every rank runs that many forwards, so that their
