@@ -5,6 +5,7 @@ masked out of the loss) and padding-row batches."""
 from __future__ import annotations
 
 import dataclasses
+import doctest
 import logging
 import random
 
@@ -21,6 +22,15 @@ from vlmrl.batch.padding import upsample_to_multiple
 from vlmrl.utils.partition import fewest_bins_under, karmarkar_karp
 
 # ---- partitions (cases after verl's tests/utils/test_seqlen_balancing.py) ------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["vlmrl.utils.partition", "vlmrl.actor.micro_batches", "vlmrl.rollout.base",
+                                    "vlmrl.distributed.sharding"])
+def test_doctests(module):
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
 
 
 def _random_lengths(seed: int, n: int = 20) -> list[int]:

@@ -45,7 +45,7 @@ class OffloadConfig:
     """Sharded parameters and their gradients on the CPU (torch FSDP2 CPUOffloadPolicy); each block is copied to the
     GPU for its forward/backward and the optimizer steps on the CPU. Frees ~16 bytes/parameter of GPU memory with
     fp32 master weights and AdamW, at the cost of host<->GPU copies every step and a CPU optimizer step. Needs FSDP
-    (a sharded actor); ignored, with a warning, by the single-device actor."""
+    (dp >= 2); a single-device actor keeps its parameters on the device, with a warning."""
     optimizer: bool = False
     """AdamW's state (8 bytes/parameter in fp32) on the CPU between optimizer steps, moved to the GPU for each step
     (verl's optimizer offload). Implied by params."""

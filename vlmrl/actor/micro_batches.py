@@ -49,7 +49,8 @@ def plan_micro_batches(spans: Sequence[tuple[int, int]], budget: int, packed: bo
     as few as found, at least `min_count` (<= len(spans); sharded ranks must run the same number of forwards).
 
     Packed: Karmarkar-Karp sets (`fewest_bins_under`: balanced sums, fewest sets that fit). Padded: rows sorted by
-    length and cut into runs greedily, so each run's padding is to rows of about its own length.
+    response length (in bands of 256) and prompt length, cut into runs greedily, so each run pads to rows of about
+    its own lengths.
 
     >>> plan_micro_batches([(2, 2), (2, 1), (9, 9), (1, 1)], budget=8, packed=True)
     [[0], [1, 3], [2]]
@@ -68,7 +69,9 @@ def plan_micro_batches(spans: Sequence[tuple[int, int]], budget: int, packed: bo
         plan = [[rest[j] for j in s] for s in sets]
     else:
         plan, run = [], []
-        for i in sorted(rest, key=lambda i: (sum(spans[i]), i)):
+        # rows of about the same response length (256-token bands), and within a band of about the same prompt
+        # length: a run pads to its longest prompt plus its longest response
+        for i in sorted(rest, key=lambda i: (spans[i][1] // 256, spans[i][0], i)):
             if run and cost([spans[j] for j in run + [i]], packed) > budget:
                 plan.append(run)
                 run = []

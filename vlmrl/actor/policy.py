@@ -120,7 +120,10 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
     if wrap is not None:
         model = wrap(model)
         reference = (wrap_reference or wrap)(reference).eval() if reference is not None else None
-    elif reference is not None and config.offload.reference and device.type != "cpu":
+    elif config.offload.params:
+        logger.warning("actor.offload.params needs FSDP sharding (dp >= 2): this single-device actor keeps its "
+                       "parameters on %s", device)
+    if wrap is None and reference is not None and config.offload.reference and device.type != "cpu":
         reference, reference_on_host = reference.to("cpu"), True  # actor.offload.reference
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
