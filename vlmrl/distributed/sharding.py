@@ -66,8 +66,8 @@ def update_row_blocks(num_rows: int, mini_batch_rows: int, world_size: int,
 
     >>> update_row_blocks(8, 4, 2)
     [[0, 1, 4, 5], [2, 3, 6, 7]]
-    >>> update_row_blocks(4, 4, 2, lengths=[9, 9, 1, 1])
-    [[0, 2], [1, 3]]
+    >>> update_row_blocks(4, 4, 2, lengths=[9, 9, 1, 1])  # 10 tokens each
+    [[0, 3], [1, 2]]
     """
     if num_rows % mini_batch_rows:
         raise ValueError(f"{num_rows} rows are not a whole number of mini-batches of {mini_batch_rows}: upsample the "
