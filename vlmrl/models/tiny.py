@@ -1,4 +1,4 @@
-"""The embedded default model: a tiny random-init Qwen2.5-VL built locally, without any hub access.
+"""The embedded models: tiny random-init Qwen2.5-VL and Qwen3-VL built locally, without any hub access.
 
 `build(out_dir)` writes tokenizer, chat template, image processor, config, generation config and safetensors
 weights. Rebuilding gives byte-identical files on any machine with the same torch/transformers: the tokenizer files
@@ -9,6 +9,8 @@ SGLang serve it.
 Variants (pass the name wherever a model path is taken):
   - ``tiny``:  text hidden 128, 2 layers; vision depth 2, hidden 64 (~0.85 M params, ~3.5 MB). Tests and the demo.
   - ``tiny-large``: text hidden 768, 6 layers; vision depth 4, hidden 256 (~50 M params, ~200 MB). Benchmarks.
+  - ``tiny-qwen3-vl``: a Qwen3-VL: text hidden 128, 3 layers, head_dim 64, interleaved mrope [12, 10, 10]; vision
+    depth 3, patch 16, deepstack mergers at vision layers 0 and 1 (~1.3 M params). Same tokenizer and template.
 """
 
 from __future__ import annotations
@@ -79,9 +81,32 @@ class TinySpec:
     max_pixels: int
 
 
-VARIANTS: dict[str, TinySpec] = {
+@dataclass(frozen=True)
+class TinyQwen3Spec:
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    head_dim: int
+    text_intermediate: int
+    mrope_section: tuple[int, int, int]
+    vision_depth: int
+    vision_hidden: int
+    vision_heads: int
+    vision_intermediate: int
+    deepstack_layers: tuple[int, ...]
+    """Vision layers whose features a deepstack merger adds to the first decoder layers."""
+    num_position_embeddings: int
+    """Learned vision position embeddings (a square grid, interpolated to each image's patch grid)."""
+    min_pixels: int
+    max_pixels: int
+
+
+VARIANTS: dict[str, TinySpec | TinyQwen3Spec] = {
     "tiny": TinySpec(128, 2, 2, 256, (8, 12, 12), 2, 64, 2, 128, 28 * 28 * 4, 28 * 28 * 16),
     "tiny-large": TinySpec(768, 6, 6, 2048, (16, 24, 24), 4, 256, 4, 512, 28 * 28 * 4, 28 * 28 * 64),
+    # Qwen3-VL's factor is 32 (patch 16 x merge 2): 4..16 merged tokens per image, as for `tiny`
+    "tiny-qwen3-vl": TinyQwen3Spec(128, 3, 2, 64, 256, (12, 10, 10), 3, 64, 2, 128, (0, 1), 64,
+                                   32 * 32 * 4, 32 * 32 * 16),
 }
 
 
@@ -178,15 +203,41 @@ def _build_tokenizer():
 
 def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
     """Write the full model folder for `variant` into out_dir (created if needed)."""
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-
     spec = VARIANTS[variant]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = _build_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    if isinstance(spec, TinyQwen3Spec):
+        _build_qwen3_vl(out, spec, tok, ids)
+    else:
+        _build_qwen2_5_vl(out, spec, tok, ids)
+    tok.save_pretrained(out)
+    from transformers import GenerationConfig
+
+    GenerationConfig(bos_token_id=ids["<|endoftext|>"], eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+                     pad_token_id=ids["<|endoftext|>"], do_sample=False).save_pretrained(out)
+    return out
+
+
+def _seeded_init(model: torch.nn.Module) -> None:
+    """Every parameter from one seeded generator (independent of module init order); a wider init than default
+    so the untrained model's outputs are not near-uniform (greedy comparisons need clear argmaxes)."""
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.08 if p.dim() >= 2 else 0.02))
+    model.eval()
+
+
+def _build_qwen2_5_vl(out: Path, spec: TinySpec, tok, ids: dict[str, int]) -> None:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
     head_dim = spec.text_hidden // spec.text_heads
     assert sum(spec.mrope_section) == head_dim // 2, "mrope sections must sum to head_dim / 2"
     config = Qwen2_5_VLConfig(
@@ -211,16 +262,7 @@ def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
     torch.manual_seed(SEED)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-    # Every parameter from one seeded generator (independent of module init order); a wider init than default
-    # so the untrained model's outputs are not near-uniform (greedy comparisons need clear argmaxes).
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if "norm" in name and p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.08 if p.dim() >= 2 else 0.02))
-    model.eval()
+    _seeded_init(model)
     model.save_pretrained(out, safe_serialization=True)
 
     image_processor = Qwen2VLImageProcessorPil(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
@@ -230,16 +272,54 @@ def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
     processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
                                     chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(out)
-    tok.save_pretrained(out)
-    GenerationConfig(bos_token_id=ids["<|endoftext|>"], eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-                     pad_token_id=ids["<|endoftext|>"], do_sample=False).save_pretrained(out)
-    return out
+
+
+def _build_qwen3_vl(out: Path, spec: TinyQwen3Spec, tok, ids: dict[str, int]) -> None:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    assert sum(spec.mrope_section) == spec.head_dim // 2, "mrope sections must sum to head_dim / 2"
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=VOCAB_SIZE, hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
+            num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
+            num_key_value_heads=spec.text_heads, head_dim=spec.head_dim, max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            # the released checkpoints carry mrope_interleaved: the engines interleave only with it (HF always does)
+            rope_parameters={"rope_type": "default", "mrope_section": list(spec.mrope_section),
+                             "mrope_interleaved": True, "rope_theta": 5e6},
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=spec.vision_intermediate,
+            num_heads=spec.vision_heads, in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+            out_hidden_size=spec.text_hidden, num_position_embeddings=spec.num_position_embeddings,
+            deepstack_visual_indexes=list(spec.deepstack_layers),
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    torch.manual_seed(SEED)
+    model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
+    _seeded_init(model)
+    model.save_pretrained(out, safe_serialization=True)
+    # the released Qwen3-VL processors normalise with mean = std = 0.5
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
+                                               patch_size=16, temporal_patch_size=2, merge_size=2,
+                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    video_processor = Qwen3VLVideoProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
+    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                                 chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(out)
 
 
 def main() -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Build an embedded tiny Qwen2.5-VL (no hub access).")
+    parser = argparse.ArgumentParser(description="Build an embedded tiny Qwen-VL model (no hub access).")
     parser.add_argument("out_dir", nargs="?", help="target folder (default: the cache; prints its path)")
     parser.add_argument("--variant", default="tiny", choices=sorted(VARIANTS))
     args = parser.parse_args()

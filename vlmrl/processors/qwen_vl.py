@@ -1,4 +1,4 @@
-"""The Qwen2-VL / Qwen2.5-VL processor: dataset row -> RolloutRequest, multi_modal_inputs, expanded ids, mrope ids.
+"""The Qwen-VL processor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): dataset row -> RolloutRequest, multi_modal_inputs, expanded ids, mrope ids.
 
 One request serves every backend: prompt ids hold ONE `<|image_pad|>` per image (the form vLLM and SGLang take; they
 expand it themselves, so expanded ids would be expanded twice: a corrupted prompt, or a hang in SGLang), the images
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.models.families import ModelFamily, family_for_path, read_model_config
 from vlmrl.processors.config import ProcessorConfig, max_image_pixels_problem
 from vlmrl.processors.errors import BadRowError, FilteredRow
 from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
@@ -25,16 +26,16 @@ from vlmrl.types import PromptInputs, RolloutRequest
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
 IMAGE_MARKER = "<image>"  # verl/EasyR1 rows mark image positions in the prompt text with it
 VIDEO_MARKER = "<video>"  # ... and video positions with this (not supported: such rows are refused)
 
 
 def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Processor:
-    """The processor of a Qwen2-VL / Qwen2.5-VL checkpoint folder (or an embedded name: `tiny`, `tiny-large`).
+    """The processor of a Qwen-VL checkpoint folder (or an embedded name: `tiny`, `tiny-large`, `tiny-qwen3-vl`).
 
     `config` is a ProcessorConfig or the run's data section (a DataConfig is one). Raises ValueError naming the
-    architecture for any other model, or listing what is wrong with the config. Loads no remote code.
+    architecture for any other model (vlmrl.models.families lists the supported ones), or listing what is wrong
+    with the config. Loads no remote code.
     """
     from transformers import AutoProcessor
 
@@ -45,19 +46,13 @@ def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Pr
     if problems:
         raise ValueError("invalid processor configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     path = Path(resolve_model_path(model_path))
-    model_config = _read_json(path / "config.json")
-    model_type = model_config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        arch = ", ".join(model_config.get("architectures") or []) or f"model_type={model_type!r}"
-        raise ValueError(
-            f"{path}: architecture {arch} is not supported; vlmrl's processor handles "
-            f"{' and '.join(SUPPORTED_MODEL_TYPES.values())} (model_type {' / '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    family = family_for_path(path)
+    model_config = read_model_config(path)
     hf_processor = AutoProcessor.from_pretrained(str(path))
     generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
-    processor = Processor(hf_processor, model_config, generation, config)
+    processor = Processor(hf_processor, model_config, generation, config, family)
     logger.info("processor for %s (%s): images %d..%d pixels, factor %d, max_prompt_length %d", path,
-                SUPPORTED_MODEL_TYPES[model_type], processor.min_pixels, processor.max_pixels,
+                family.name, processor.min_pixels, processor.max_pixels,
                 processor.image_factor, processor.config.max_prompt_length)
     return processor
 
@@ -65,8 +60,10 @@ def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Pr
 class Processor:
     """Turns dataset rows into `RolloutRequest`s and requests into the trainer's inputs. Build with `load_processor`."""
 
-    def __init__(self, hf_processor: Any, model_config: dict, generation_config: dict, config: ProcessorConfig):
+    def __init__(self, hf_processor: Any, model_config: dict, generation_config: dict, config: ProcessorConfig,
+                 family: ModelFamily):
         self.config = config
+        self.family = family
         self.hf_processor = hf_processor
         self.tokenizer = hf_processor.tokenizer
         self.image_processor = hf_processor.image_processor
