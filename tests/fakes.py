@@ -64,7 +64,8 @@ class ScriptedBackend(RolloutBackend):
         assert_nothing_banned(results, requests, sampling.n, self.name)
         return results
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
+                       ) -> None:
         self.sync_state(named_tensors)  # the same name checks as a real sync
         self.weight_syncs += 1
 

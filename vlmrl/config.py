@@ -160,7 +160,7 @@ def cross_section_problems(config: Config) -> list[str]:
              f"mini-batches of actor.ppo_mini_batch_size * rollout.n = {a.ppo_mini_batch_size * r.n}: make "
              "data.train_batch_size a multiple of actor.ppo_mini_batch_size (e.g. ppo_mini_batch_size="
              f"{_largest_divisor(d.train_batch_size, a.ppo_mini_batch_size)})")
-        need((a.ppo_mini_batch_size * r.n) % a.ppo_micro_batch_size_per_gpu == 0,
+        need(a.micro_batch_tokens > 0 or (a.ppo_mini_batch_size * r.n) % a.ppo_micro_batch_size_per_gpu == 0,
              f"a mini-batch of {a.ppo_mini_batch_size * r.n} samples (ppo_mini_batch_size * rollout.n) does not "
              f"split into micro-batches of actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}: "
              f"pick a divisor of {a.ppo_mini_batch_size * r.n}")

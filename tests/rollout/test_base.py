@@ -183,3 +183,66 @@ def test_sglang_ban_renormalisation_is_undone_exactly():
     for p, top in enumerate(result.top_logprobs):
         assert list(top) == [t for t in raw[p].argsort(descending=True).tolist() if t not in (7, 9)][:2]
     assert result.finish_reason == "length"
+
+
+# ---- bucketed weight sync (rollout.sync_bucket_mb) -----------------------------------------------------------------
+
+
+def _named(sizes: list[int], dtype=torch.float32) -> list[tuple[str, torch.Tensor]]:
+    return [(f"model.language_model.layers.{i}.mlp.up_proj.weight", torch.full((n,), float(i), dtype=dtype))
+            for i, n in enumerate(sizes)]
+
+
+def test_buckets_hold_at_most_the_bucket_size_but_for_a_larger_tensor_alone():
+    from vlmrl.rollout.base import weight_sync
+
+    named = _named([100, 100, 300, 50, 50, 50])  # float32: 400, 400, 1200, 200, 200, 200 bytes
+    sync = weight_sync(named, None, set(), torch.float32, bucket_bytes=800, backend="test")
+    buckets = list(sync.buckets)
+    assert [len(b) for b in buckets] == [2, 1, 3]  # the 1200-byte tensor alone
+    assert [k for b in buckets for k in b] == [f"model.layers.{i}.mlp.up_proj.weight" for i in range(6)]
+    assert sync.names == {k for b in buckets for k in b}
+
+
+def test_buckets_are_cast_to_the_engine_dtype_and_read_lazily():
+    from vlmrl.rollout.base import weight_sync
+
+    named = _named([10, 10, 10])
+    read: list[str] = []
+
+    def stream():
+        for name, tensor in named:
+            read.append(name)
+            yield name, tensor
+
+    sync = weight_sync(stream(), [n for n, _ in named], set(), torch.bfloat16, bucket_bytes=20, backend="test")
+    assert read == []  # names come first; nothing gathered yet
+    first = next(sync.buckets)
+    assert len(read) <= 2 and all(t.dtype == torch.bfloat16 for t in first.values())
+
+
+def test_a_stream_that_differs_from_its_announced_names_is_refused():
+    from vlmrl.rollout.base import weight_sync
+
+    named = _named([4, 4])
+    sync = weight_sync(iter(named), [named[1][0], named[0][0]], set(), None, 0, "test")
+    with pytest.raises(ValueError, match="not the announced"):
+        list(sync.buckets)
+
+
+def test_an_untied_copy_is_refused_in_a_stream_even_buckets_apart():
+    from vlmrl.rollout.base import weight_sync
+
+    embed = torch.randn(8, 4)
+    named = [("model.language_model.embed_tokens.weight", embed), *_named([64, 64]), ("lm_head.weight", embed + 1)]
+    model_names = {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+                   "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match="ties lm_head.weight to model.embed_tokens.weight"):  # values at hand
+        weight_sync(named, None, model_names, None, 256, "test")
+    sync = weight_sync(iter(named), [n for n, _ in named], model_names, None, 256, "test")
+    assert sync.names == model_names
+    with pytest.raises(ValueError, match="ties lm_head.weight to model.embed_tokens.weight"):
+        list(sync.buckets)
+    tied = [*named[:-1], ("lm_head.weight", embed.clone())]
+    buckets = list(weight_sync(iter(tied), [n for n, _ in tied], model_names, None, 256, "test").buckets)
+    assert len(buckets) > 1 and "lm_head.weight" not in {k for b in buckets for k in b}

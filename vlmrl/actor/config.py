@@ -94,6 +94,23 @@ class LoraConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """What the actor keeps in host memory instead of on its GPU (every anchor offers it): memory for PCIe time."""
+
+    params: bool = False
+    """Sharded parameters and their gradients on the CPU (torch FSDP2 CPUOffloadPolicy); each block is copied to the
+    GPU for its forward/backward and the optimizer steps on the CPU. Frees ~16 bytes/parameter of GPU memory with
+    fp32 master weights and AdamW, at the cost of host<->GPU copies every step and a CPU optimizer step. Needs FSDP
+    (dp >= 2); a single-device actor keeps its parameters on the device, with a warning."""
+    optimizer: bool = False
+    """AdamW's state (8 bytes/parameter in fp32) on the CPU between optimizer steps, moved to the GPU for each step
+    (verl's optimizer offload). Implied by params."""
+    reference: bool = True
+    """The frozen KL reference on the CPU: FSDP2 CPUOffloadPolicy when sharded, else moved to the GPU only for its
+    logprob pass. It runs once per step without a backward, so the copies cost little next to its weights' memory."""
+
+
+@dataclass
 class ActorConfig:
     model_path: str = ""
     """Policy to train: a local HF folder, a hub id, or an embedded name (`tiny`, `tiny-large`, `tiny-qwen3-vl`)."""
@@ -103,6 +120,16 @@ class ActorConfig:
     """Prompts per optimizer step (times rollout.n samples); train_batch_size / this = updates per step."""
     ppo_micro_batch_size_per_gpu: int = 4
     """Samples per forward/backward; micro-batches accumulate gradients. Changes memory, not the update."""
+    micro_batch_tokens: int = 0
+    """Token budget of one forward/backward (verl's ppo_max_token_len_per_gpu, EasyR1's dynamic batching): rows are
+    packed into micro-batches that process at most this many tokens each (padded: rows x (longest prompt + longest
+    response); with padding_free: the rows' summed lengths), sharded ranks are given rows of equal token totals; a
+    row longer than the budget runs alone (with a warning). 0 = fixed rows (ppo_micro_batch_size_per_gpu). Changes
+    memory and speed, not the update."""
+    padding_free: bool = False
+    """Packed forward (verl's use_remove_padding, EasyR1's padding_free): a micro-batch's rows run as one sequence
+    without padding, attention kept within each row and each row's own 3D position ids. Same logprobs; no compute
+    spent on padding. On CUDA with flash-attention (varlen), else sdpa/eager with a block-diagonal mask."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     policy_loss: str = "ppo-clip"
@@ -143,6 +170,8 @@ class ActorConfig:
     are recomputed in the backward); 0 = all of a micro-batch's at once. At Qwen2.5-VL's 151,936 tokens one
     float32 token row is 0.6 MB: 256 tokens make 156 MB per copy where 4 rows x 2048 tokens unchunked make 5 GB.
     Changes memory, not the values."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Host-memory offload of parameters, optimizer state and the reference."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward (less memory, ~30% slower)."""
     device: str = "auto"
@@ -158,6 +187,9 @@ class ActorConfig:
         for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs"):
             if getattr(self, name) < 1:
                 out.append(f"actor.{name}={getattr(self, name)} must be >= 1")
+        if self.micro_batch_tokens < 0:
+            out.append(f"actor.micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0 = fixed rows of "
+                       "ppo_micro_batch_size_per_gpu; e.g. 16384 packs micro-batches to 16k tokens)")
         if self.logprob_chunk_size < 0:
             out.append(f"actor.logprob_chunk_size={self.logprob_chunk_size} must be >= 0 (0 = unchunked; 256 keeps "
                        "the logits of a 152k vocabulary small)")

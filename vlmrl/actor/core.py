@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vlmrl.actor.config import ActorConfig
-from vlmrl.actor.policy import Policy
+from vlmrl.actor.micro_batches import micro_batch_rows, row_spans, split_to_count
+from vlmrl.actor.policy import Policy, move_optimizer_state
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean
 from vlmrl.algorithms.grpo import broadcast_to_tokens, kl_penalty
 from vlmrl.algorithms.logprobs import logprobs_and_entropy
@@ -34,25 +35,47 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class MicroBatch:
-    """Model inputs for some rows of a TrainBatch, with all-padding columns trimmed (positions are explicit, so
-    dropping columns that no row attends changes nothing but the cost)."""
+    """Model inputs for some rows of a TrainBatch: a padded (b, l) block with all-padding columns trimmed (positions
+    are explicit, so dropping columns that no row attends changes nothing but the cost), or, packed, the rows'
+    tokens one after another in a (1, T) sequence without any padding."""
 
     rows: list[int]
     input_ids: torch.Tensor
-    """(b, l) long."""
-    attention_mask: torch.Tensor
-    """(b, l) long."""
+    """(b, l) long; packed: (1, T), T the rows' summed lengths."""
+    attention_mask: torch.Tensor | None
+    """(b, l) long; packed: None (attention stays within each row through the position ids)."""
     position_ids: torch.Tensor
-    """(3, b, l) long: the layout the HF forward takes."""
+    """(3, b, l) long: the layout the HF forward takes; packed: (4, 1, T), row 0 each row's own 0..len-1 text
+    positions (transformers starts a new sequence wherever they do not step by 1), rows 1-3 the mrope ids."""
     response_width: int
-    """r: the last r columns are the (trimmed) response."""
+    """r: the (trimmed) response width; padded: the last r columns are the response."""
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
     video_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     """pixel_values_videos, video_grid_thw, second_per_grid_ts of the rows with videos; empty without."""
+    response_index: torch.Tensor | None = None
+    """Packed: (N,) positions of the sequence whose next token is a response token (row by row)."""
+    response_lengths: list[int] | None = None
+    """Packed: response tokens of each row (N = their sum)."""
 
 
-def micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.device) -> MicroBatch:
+def _vision_inputs(batch: TrainBatch, rows: Sequence[int], device: torch.device
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The rows' pixel values and grids, and their video inputs (pixel_values_videos, video_grid_thw,
+    second_per_grid_ts), each concatenated in row order (the order of their image / video tokens)."""
+    mm = [batch.multi_modal_inputs[i] for i in rows if batch.multi_modal_inputs[i]]
+    with_images = [m for m in mm if "pixel_values" in m]
+    pixel_values = torch.cat([m["pixel_values"] for m in with_images]).to(device) if with_images else None
+    grid = torch.cat([m["image_grid_thw"] for m in with_images]).to(device) if with_images else None
+    with_videos = [m for m in mm if "pixel_values_videos" in m]
+    video_inputs = {key: torch.cat([m[key] for m in with_videos]).to(device)
+                    for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")} if with_videos else {}
+    return pixel_values, grid, video_inputs
+
+
+def micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.device, packed: bool = False) -> MicroBatch:
+    if packed:
+        return packed_micro_batch(batch, rows, device)
     index = torch.as_tensor(list(rows), dtype=torch.long)
     attention = batch.attention_mask[index]
     prompt_len = batch.prompt_length
@@ -61,13 +84,7 @@ def micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.device) ->
     attended_response = attention[:, prompt_len:].any(dim=0).nonzero()
     width = int(attended_response[-1]) + 1 if len(attended_response) else 1
     columns = slice(start, prompt_len + width)
-    mm = [batch.multi_modal_inputs[i] for i in rows if batch.multi_modal_inputs[i]]
-    with_images = [m for m in mm if "pixel_values" in m]
-    pixel_values = torch.cat([m["pixel_values"] for m in with_images]).to(device) if with_images else None
-    grid = torch.cat([m["image_grid_thw"] for m in with_images]).to(device) if with_images else None
-    with_videos = [m for m in mm if "pixel_values_videos" in m]
-    video_inputs = {key: torch.cat([m[key] for m in with_videos]).to(device)
-                    for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")} if with_videos else {}
+    pixel_values, grid, video_inputs = _vision_inputs(batch, rows, device)
     return MicroBatch(
         rows=list(rows),
         input_ids=batch.input_ids[index, columns].to(device),
@@ -80,24 +97,60 @@ def micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.device) ->
     )
 
 
+def packed_micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.device) -> MicroBatch:
+    """The rows' attended tokens concatenated (padding-free, actor.padding_free): row i's prompt and response
+    columns [P - n_i, P + r_i), its own mrope ids, and a text-position row restarting at 0, from which transformers
+    builds a block-diagonal causal mask (sdpa/eager) or varlen boundaries (flash-attention)."""
+    p_len = batch.prompt_length
+    ids, positions, text, index, lengths = [], [], [], [], []
+    offset = 0
+    for row in rows:
+        n = int(batch.attention_mask[row, :p_len].sum())
+        r = int(batch.attention_mask[row, p_len:].sum())
+        columns = slice(p_len - n, p_len + r)
+        ids.append(batch.input_ids[row, columns])
+        positions.append(batch.position_ids[row][:, columns])
+        text.append(torch.arange(n + r, dtype=torch.long))
+        index.append(torch.arange(offset + n - 1, offset + n - 1 + r, dtype=torch.long))
+        lengths.append(r)
+        offset += n + r
+    position_ids = torch.cat([torch.cat(text)[None], torch.cat(positions, dim=1)])[:, None, :]
+    pixel_values, grid, video_inputs = _vision_inputs(batch, rows, device)
+    return MicroBatch(
+        rows=list(rows),
+        input_ids=torch.cat(ids)[None].to(device),
+        attention_mask=None,
+        position_ids=position_ids.contiguous().to(device),
+        response_width=max(max(lengths), 1),
+        pixel_values=pixel_values,
+        image_grid_thw=grid,
+        video_inputs=video_inputs,
+        response_index=torch.cat(index).to(device),
+        response_lengths=lengths,
+    )
+
+
 class _ResponseHead(torch.nn.Module):
     """Stands in for the model's lm_head during one forward: instead of the full-vocabulary logits of every kept
     position it computes the response's logprobs and entropy chunk by chunk (`logprobs_and_entropy`). It runs
     inside the model's own forward, so a sharded (FSDP2) model has its head's weight gathered, as for the lm_head."""
 
     def __init__(self, lm_head: torch.nn.Module, labels: torch.Tensor, temperature: float, chunk: int,
-                 with_entropy: bool, entropy_grad: bool):
+                 with_entropy: bool, entropy_grad: bool, drop_last: bool = True):
         super().__init__()
         self.lm_head = lm_head
         self.labels = labels
+        self.drop_last = drop_last
         self.options = {"temperature": temperature, "chunk": chunk, "with_entropy": with_entropy,
                         "entropy_grad": entropy_grad}
         self.entropy: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """(b, r + 1, H) hidden states of positions P-1 .. L-1 -> (b, r) logprobs (the model returns them as its
-        `logits`); the entropy is kept in `self.entropy`."""
-        logprobs, self.entropy = logprobs_and_entropy(hidden[:, :-1], self.lm_head, self.labels, **self.options)
+        `logits`); packed (`drop_last` False): (1, N, H) of exactly the predicting positions -> (1, N). The entropy
+        is kept in `self.entropy`."""
+        hidden = hidden[:, :-1] if self.drop_last else hidden
+        logprobs, self.entropy = logprobs_and_entropy(hidden, self.lm_head, self.labels, **self.options)
         return logprobs
 
 
@@ -121,8 +174,15 @@ def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float,
     dtype = next(model.parameters()).dtype
     pixel_values = mb.pixel_values.to(dtype) if mb.pixel_values is not None else None
     videos = {k: v.to(dtype) if k == "pixel_values_videos" else v for k, v in mb.video_inputs.items()}
-    labels = mb.input_ids[:, -mb.response_width :]
-    head = _ResponseHead(model.get_output_embeddings(), labels, temperature, chunk, with_entropy, entropy_grad)
+    packed = mb.response_index is not None
+    if packed:
+        labels = mb.input_ids[:, mb.response_index + 1]  # (1, N)
+        keep = mb.response_index  # only the predicting positions reach the head
+    else:
+        labels = mb.input_ids[:, -mb.response_width :]
+        keep = mb.response_width + 1  # positions P-1 .. L-2 predict the response tokens P .. L-1
+    head = _ResponseHead(model.get_output_embeddings(), labels, temperature, chunk, with_entropy, entropy_grad,
+                         drop_last=not packed)
     with _output_head(model, head):
         out = model(
             input_ids=mb.input_ids,
@@ -132,9 +192,18 @@ def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float,
             image_grid_thw=mb.image_grid_thw,
             **videos,
             use_cache=False,
-            logits_to_keep=mb.response_width + 1,  # positions P-1 .. L-2 predict the response tokens P .. L-1
+            logits_to_keep=keep,
         )
-    return out.logits, head.entropy
+    if not packed:
+        return out.logits, head.entropy
+    return (_unpack(out.logits[0], mb.response_lengths, mb.response_width),
+            None if head.entropy is None else _unpack(head.entropy[0], mb.response_lengths, mb.response_width))
+
+
+def _unpack(values: torch.Tensor, lengths: list[int], width: int) -> torch.Tensor:
+    """(N,) row-by-row response values -> (b, width), zero-filled after each row's own length."""
+    rows = torch.split(values, lengths)
+    return torch.stack([torch.nn.functional.pad(row, (0, width - row.shape[0])) for row in rows])
 
 
 def _pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -207,6 +276,10 @@ class ActorCore:
         self.scheduler = policy.scheduler
         self.peft_config = policy.peft_config
         """The PEFT LoraConfig with actor.lora on (the model is a PeftModel), else None."""
+        self.reference_on_host = policy.reference_on_host
+        # actor.offload.optimizer: AdamW's state waits in host memory between steps (with offloaded parameters it
+        # lives there anyway: the optimizer steps on the CPU)
+        self.offload_optimizer = config.offload.optimizer and not config.offload.params
 
     def autocast(self):
         """Mixed precision for a forward (and its backward) when compute and weight dtypes differ."""
@@ -214,10 +287,38 @@ class ActorCore:
         return torch.autocast(self.device.type, dtype=self.compute_dtype,
                               enabled=lower and self.compute_dtype != self.dtype)
 
+    def optimizer_step(self) -> None:
+        """One optimizer step; with actor.offload.optimizer its state comes from host memory and goes back."""
+        if not self.offload_optimizer:
+            self.optimizer.step()
+            return
+        move_optimizer_state(self.optimizer, self.device)
+        self.optimizer.step()
+        move_optimizer_state(self.optimizer, "cpu")
+
     def clip_gradients(self) -> float:
         """Clip the gradient norm to config.grad_clip (<= 0: measure only); returns the norm before clipping."""
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(self.trainable, max_norm))
+
+    # ---- micro-batches ------------------------------------------------------------------------------------------------
+
+    def micro_batches(self, batch: TrainBatch, rows: Sequence[int]) -> list[list[int]]:
+        """The micro-batches (row indices) that `rows` run in: runs of actor.ppo_micro_batch_size_per_gpu, or packs
+        under actor.micro_batch_tokens; a sharded rank then splits its packs up to the most any rank has
+        (`agree_count`), since every rank must issue the same forwards."""
+        cfg = self.config
+        plan = micro_batch_rows(batch, rows, cfg.ppo_micro_batch_size_per_gpu, cfg.micro_batch_tokens,
+                                cfg.padding_free)
+        if cfg.micro_batch_tokens > 0:
+            count = self.agree_count(len(plan))
+            if count > len(plan):
+                plan = split_to_count(plan, row_spans(batch), count, cfg.padding_free)
+        return plan
+
+    def agree_count(self, count: int) -> int:
+        """The number of micro-batches every rank runs, given this rank's: its own on a single process."""
+        return count
 
     # ---- logprobs ---------------------------------------------------------------------------------------------------
 
@@ -238,17 +339,21 @@ class ActorCore:
             raise RuntimeError("no reference model: it is loaded only when actor.use_kl_loss is true")
         was_training = model.training
         model.eval()
+        if reference and self.reference_on_host:  # actor.offload.reference: on the device for this pass only
+            model.to(self.device)
         width = batch.response_mask.shape[1]
         logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
-        for rows in chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
+        for rows in self.micro_batches(batch, range(len(batch))):
             with self.autocast():
-                lp, ent = forward_response(model, micro_batch(batch, rows, self.device), self.temperature, with_entropy,
-                                           chunk=self.config.logprob_chunk_size)
+                lp, ent = forward_response(model, micro_batch(batch, rows, self.device, self.config.padding_free),
+                                           self.temperature, with_entropy, chunk=self.config.logprob_chunk_size)
             logprobs[rows] = _pad_to(lp.cpu(), width)
             if entropy is not None:
                 entropy[rows] = _pad_to(ent.cpu(), width)
         model.train(was_training)
+        if reference and self.reference_on_host:
+            model.to("cpu")
         return logprobs * batch.response_mask, (entropy * batch.response_mask if entropy is not None else None)
 
     # ---- update -----------------------------------------------------------------------------------------------------
@@ -299,7 +404,7 @@ class ActorCore:
                                          ref_logprobs, loss_weights, keep_empty_micro_batches)
                 grad_norm = self.clip_gradients()
                 if math.isfinite(grad_norm):  # sharded: the same global norm on every rank, so all step or none
-                    self.optimizer.step()
+                    self.optimizer_step()
                 else:  # a NaN/inf gradient would poison the weights: skip the step, say so in the metrics
                     logger.warning("non-finite gradient norm; optimizer step skipped")
                     skipped += 1
@@ -337,8 +442,8 @@ class ActorCore:
         compare_rollout = batch.rollout_logprobs is not None and self.temperature == 1.0
         if compare_rollout:
             parts["rollout/logprob_abs_diff"] = 0.0
-        for rows in chunks(mini_rows, cfg.ppo_micro_batch_size_per_gpu):
-            mb = micro_batch(batch, rows, self.device)
+        for rows in self.micro_batches(batch, mini_rows):
+            mb = micro_batch(batch, rows, self.device, cfg.padding_free)
             width = mb.response_width
             mask = batch.response_mask[rows, :width].to(self.device)
             share = float(mask.sum() / num_tokens)  # this micro-batch's weight in the mini-batch token mean

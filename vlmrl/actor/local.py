@@ -16,7 +16,6 @@ from vlmrl.actor.policy import build_policy
 from vlmrl.algorithms.grpo import token_mean
 from vlmrl.rollout import RolloutBackend
 from vlmrl.types import TrainBatch
-from vlmrl.utils.sequences import chunks
 
 
 class Actor(ActorCore):
@@ -83,8 +82,8 @@ class Actor(ActorCore):
         optimizer.zero_grad(set_to_none=True)
         num_tokens = batch.response_mask.sum()
         total = 0.0
-        for rows in chunks(range(len(batch)), self.config.ppo_micro_batch_size_per_gpu):
-            mb = micro_batch(batch, rows, self.device)
+        for rows in self.micro_batches(batch, range(len(batch))):
+            mb = micro_batch(batch, rows, self.device, self.config.padding_free)
             mask = batch.response_mask[rows, : mb.response_width].to(self.device)
             with self.autocast():
                 logprobs, _ = forward_response(self.model, mb, 1.0, with_entropy=False,

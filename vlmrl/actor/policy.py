@@ -87,10 +87,13 @@ class Policy:
     """One step per training step (not per optimizer step)."""
     peft_config: Any = None
     """The PEFT LoraConfig when actor.lora is on (the model is then a PeftModel, its reference the base inside)."""
+    reference_on_host: bool = False
+    """The (unsharded) reference waits in host memory and is moved to `device` for its logprob pass only."""
 
 
 def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = None,
-                 wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> Policy:
+                 wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+                 wrap_reference: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> Policy:
     """Load, configure and wrap the policy (and reference), and build its optimizer and lr schedule.
 
     Args:
@@ -101,6 +104,7 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
             come from the checkpoint's adapter folder (the merged weights beside it are for the engines).
         wrap: applied to the policy and to the reference after freezing (a sharded rank: FSDP2); the optimizer is
             built on the wrapped model's parameters, which wrapping may replace.
+        wrap_reference: applied to the reference instead of `wrap` (a sharded rank offloading it); None = `wrap`.
     """
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -132,13 +136,29 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
         reference = initial.eval().requires_grad_(False)
         logger.info("frozen reference loaded from %s (KL %s, coef %g)", config.model_path, config.kl_loss_type,
                     config.kl_loss_coef)
+    reference_on_host = False
     if wrap is not None:
         model = wrap(model)
-        reference = wrap(reference).eval() if reference is not None else None
+        reference = (wrap_reference or wrap)(reference).eval() if reference is not None else None
+    elif config.offload.params:
+        logger.warning("actor.offload.params needs FSDP sharding (dp >= 2): this single-device actor keeps its "
+                       "parameters on %s", device)
+    if wrap is None and reference is not None and config.offload.reference and device.type != "cpu":
+        reference, reference_on_host = reference.to("cpu"), True  # actor.offload.reference
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
                                   weight_decay=config.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.optim, total_steps))
     logger.info("actor %s: %.2fM trainable parameters, %s weights, %s compute on %s", init_path or config.model_path,
                 sum(p.numel() for p in trainable) / 1e6, dtype, compute_dtype, device)
-    return Policy(device, dtype, compute_dtype, model, reference, trainable, optimizer, scheduler, adapters)
+    return Policy(device, dtype, compute_dtype, model, reference, trainable, optimizer, scheduler, adapters,
+                  reference_on_host)
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Every tensor of the optimizer's state (AdamW's moments and step; a sharded model's local shards) to `device`:
+    the CPU between steps, the parameters' device for a step (actor.offload.optimizer, verl's optimizer offload)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)

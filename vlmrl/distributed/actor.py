@@ -18,6 +18,7 @@ what differs with several ranks is the FSDP2 wrapping and what this class feeds 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from vlmrl.actor.config import ActorConfig
 from vlmrl.distributed.fsdp import clip_grad_norm, iter_full_state_dict, shard_model
 from vlmrl.distributed.vision import WRAPPED_PREFIX, VisionAlwaysOn
 from vlmrl.types import TrainBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,11 +77,27 @@ class ShardedActor(ActorCore):
         """
         self.world_size = world_size
 
-        def shard(model: torch.nn.Module) -> torch.nn.Module:
+        def shard(model: torch.nn.Module, offload: bool = config.offload.params) -> torch.nn.Module:
             # sharding replaces the parameters by DTensors: build_policy builds the optimizer on the sharded ones
-            return shard_model(VisionAlwaysOn(model), world_size)
+            return shard_model(VisionAlwaysOn(model), world_size, offload=offload)
 
-        super().__init__(config, build_policy(config, total_steps, init_path, wrap=shard), temperature)
+        if world_size == 1 and config.offload.params:
+            logger.warning("actor.offload.params needs FSDP sharding (dp >= 2): one rank keeps its parameters on "
+                           "its device")
+        super().__init__(config, build_policy(config, total_steps, init_path, wrap=shard,
+                                              wrap_reference=lambda m: shard(m, config.offload.reference)),
+                         temperature)
+
+    def agree_count(self, count: int) -> int:
+        """The most micro-batches any rank plans (a collective): every rank runs that many forwards, so that their
+        all-gathers pair up; a rank with fewer splits its packs (`vlmrl.actor.micro_batches.split_to_count`)."""
+        if self.world_size == 1:
+            return count
+        import torch.distributed as dist
+
+        value = torch.tensor([count], dtype=torch.long, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
 
     def clip_gradients(self) -> float:
         """The GLOBAL gradient norm over every rank's shards (a collective), clipped to config.grad_clip."""
@@ -108,6 +127,11 @@ class ShardedActor(ActorCore):
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, one at a time. A collective: every rank must consume it all."""
         return iter_full_state_dict(self.model, prefix_to_strip=WRAPPED_PREFIX)
+
+    def weight_names(self) -> list[str]:
+        """The names `named_tensors` gives, in its order, without gathering anything."""
+        return [name[len(WRAPPED_PREFIX):] if name.startswith(WRAPPED_PREFIX) else name
+                for name in self.model.state_dict()]
 
     def optimizer_state(self) -> dict:
         """Optimizer (full, gathered: independent of the number of ranks, so a run can resume on another dp size)

@@ -33,7 +33,8 @@ class ColocatedEngines(RolloutBackend):
         self.check_requests(requests, sampling)  # a bad request fails here, naming it, before any worker sees it
         return self.actor.generate(list(requests), sampling)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
+                       ) -> None:
         self.actor.load_engine_weights(list(named_tensors))
 
     def close(self) -> None:

@@ -71,23 +71,28 @@ def shardable_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def shard_model(model: nn.Module, world_size: int) -> nn.Module:
+def shard_model(model: nn.Module, world_size: int, offload: bool = False) -> nn.Module:
     """Apply FSDP2 (`fully_shard`) to every block and then the root; returns the same module, now sharded in place.
 
-    world_size 1 returns the module untouched (the single-process path needs no collectives).
+    world_size 1 returns the module untouched (the single-process path needs no collectives). `offload`: the shards
+    (and their gradients) live in host memory (CPUOffloadPolicy), copied to the device block by block.
     The vision blocks are sharded too: that is safe only because every rank runs the vision tower in every forward
     (see `vlmrl.distributed.vision.VisionAlwaysOn`).
     """
     if world_size == 1:
         return model
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    # pinned host memory makes the copies asynchronous; it needs CUDA
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     blocks = shardable_blocks(model)
     for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
-    logger.info("FSDP2: sharded %d blocks + the root over %d ranks", len(blocks), world_size)
+        fully_shard(block, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+    logger.info("FSDP2: sharded %d blocks + the root over %d ranks%s", len(blocks), world_size,
+                ", parameters offloaded to the CPU" if offload else "")
     return model
+
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

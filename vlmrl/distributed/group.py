@@ -31,7 +31,7 @@ from vlmrl.actor import needs_old_logprobs
 from vlmrl.distributed.config import ClusterConfig
 from vlmrl.distributed.sharding import (
     engine_hosts,
-    even_row_blocks,
+    logprob_row_blocks,
     mean_metrics,
     select_rows,
     update_shards,
@@ -166,12 +166,17 @@ class DistributedActor:
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) logprobs (and optionally entropy) of the batch, each rank computing an equal contiguous slice.
         B must divide by dp_size (upsample with padding rows first)."""
-        blocks = even_row_blocks(len(batch), self.dp_size)
+        blocks = logprob_row_blocks(batch, self.dp_size, balanced=self.spec.actor.micro_batch_tokens > 0)
         parts = self._each("compute_logprobs",
                            [(select_rows(batch, rows), reference, with_entropy) for rows in blocks],
                            "reference logprobs" if reference else "logprobs")
-        logprobs = torch.cat([lp for lp, _ in parts])
-        entropy = torch.cat([ent for _, ent in parts]) if with_entropy else None
+        order = torch.as_tensor([row for rows in blocks for row in rows], dtype=torch.long)
+        logprobs = torch.empty_like(batch.response_mask, dtype=torch.float32)
+        logprobs[order] = torch.cat([lp for lp, _ in parts])
+        entropy = None
+        if with_entropy:
+            entropy = torch.empty_like(logprobs)
+            entropy[order] = torch.cat([ent for _, ent in parts])
         return logprobs, entropy
 
     def needs_old_logprobs(self, batch_rows: int) -> bool:
@@ -185,7 +190,8 @@ class DistributedActor:
         """The policy-loss update over the batch, sharded: every rank takes its slice of each mini-batch, the loss is
         normalised by the global mini-batch's normaliser. Same arguments and metrics as `Actor.update`."""
         shards = update_shards(batch, old_logprobs, advantages, ref_logprobs, self.mini_batch_samples, self.dp_size,
-                               self.spec.actor.loss_agg_mode, loss_weights)
+                               self.spec.actor.loss_agg_mode, loss_weights,
+                               balanced=self.spec.actor.micro_batch_tokens > 0)
         return mean_metrics(self._each("update_shard", [(shard,) for shard in shards], "the policy update"))
 
     def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:

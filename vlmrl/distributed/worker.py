@@ -151,20 +151,26 @@ class TrainWorker:
         return (adapter_tensors(named), self.actor.peft_config) if self.rank == 0 else None
 
     def sync_weights(self) -> int:
-        """Gather the full weights (every rank takes part) and load them into this rank's engine, if it has one.
-        Returns the number of tensors loaded (0 without an engine)."""
-        named = []
-        for name, tensor in self.actor.named_tensors():  # every rank joins each gather; only hosts keep the tensor
-            if self.engine is not None:  # in host memory: the whole model gathered on the device would not fit
-                named.append((name, tensor.to("cpu")))
+        """Gather the full weights (every rank takes part) and load them into this rank's engine, if it has one,
+        bucket by bucket (rollout.sync_bucket_mb): a tensor is gathered when its bucket is filled, so host memory
+        holds about one bucket, not the model. Returns the number of tensors loaded (0 without an engine)."""
+        names = self.actor.weight_names()
+        stream = self.actor.named_tensors()  # each tensor is an all-gather every rank joins
         if self.engine is None:
+            for _ in stream:
+                pass
             return 0
         self._wake_engine()
-        if self.lora_sync is not None:  # merged weights or the adapter, as for the single-process actor
+        if self.lora_sync is not None:  # merged weights or the adapter, as for the single-process actor (unbucketed:
+            named = [(name, tensor.to("cpu")) for name, tensor in stream]  # the merge needs each layer's A and B)
             self.lora_sync.push(self.engine, named)
-        else:
-            self.engine.update_weights(named)
-        return len(named)
+            return len(named)
+        try:
+            self.engine.update_weights(stream, names=names)
+        finally:
+            for _ in stream:  # an engine that failed half-way: the other ranks still gather every tensor
+                pass
+        return len(names)
 
     def load_engine_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Load weights given by the driver into this rank's engine (the generic `update_weights` path)."""

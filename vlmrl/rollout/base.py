@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -30,6 +30,9 @@ from vlmrl.utils.executor import DaemonExecutor, DeadlineExceeded
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Engine dtypes by name (`RolloutOptions.resolved_dtype`)."""
 
 
 class RolloutError(RuntimeError):
@@ -109,10 +112,12 @@ class RolloutBackend(abc.ABC):
         bad request, RolloutError (EngineDeadError / EngineTimeoutError) when the engine fails."""
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
+                       ) -> None:
         """Load these weights into the engine (transformers-5 in-memory names `model.language_model.*` /
-        `model.visual.*`, or the names of the model's checkpoint; `sync_state` maps them through the model's family)
-        and drop every cache computed with the old ones."""
+        `model.visual.*`, or the names of the model's checkpoint; mapped through the model's family), a bucket of rollout.sync_bucket_mb at a time, and drop
+        every cache computed with the old ones. `names`: the names `named_tensors` will give, in order, for a stream
+        read only once (`weight_sync`); None = `named_tensors` is read into a list of references first."""
 
     def serves_adapters(self) -> bool:
         """Whether `update_adapter` works: the engine was started to serve LoRA adapters (vLLM with enable_lora)."""
@@ -141,14 +146,19 @@ class RolloutBackend(abc.ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def sync_state(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """What `update_weights` loads: {checkpoint name: CPU tensor} in the layout of the model's family, tied copies
-        the model's checkpoint does not hold left out (see `drop_tied_copies`)."""
+    def sync_plan(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None,
+                  whole: bool = False) -> WeightSync:
+        """What `update_weights` loads (`weight_sync`): the names, then buckets of rollout.sync_bucket_mb in the
+        engine's dtype; `whole`: one bucket."""
         if self._checkpoint_names is None:
             self._checkpoint_names = checkpoint_names(self.model_path)
-        family = self.processor.family
-        return drop_tied_copies(checkpoint_state(named_tensors, family), self._checkpoint_names, self.name,
-                                tied_copies(family))
+        bucket_bytes = 0 if whole else int(self.options.sync_bucket_mb * 2**20)
+        return weight_sync(named_tensors, names, self._checkpoint_names, DTYPES[self.options.resolved_dtype()],
+                           bucket_bytes, self.name, self.processor.family)
+
+    def sync_state(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Every tensor `update_weights` would load, at once: {checkpoint name: CPU tensor}."""
+        return {k: v for bucket in self.sync_plan(named_tensors, whole=True).buckets for k, v in bucket.items()}
 
     def log_once(self, key: str, message: str) -> None:
         if key not in self._logged_once:
@@ -339,6 +349,106 @@ def drop_tied_copies(state: dict[str, torch.Tensor], model_names: set[str], back
                              "but the weights sent differ: the trainer untied them, which the engine cannot follow")
         state = {k: v for k, v in state.items() if k != copy}
     return state
+
+
+@dataclass
+class WeightSync:
+    """What one `update_weights` call loads: every checkpoint name, known before the first tensor is read (so a
+    backend can refuse a wrong set before its engine sees anything), and the tensors in buckets."""
+
+    names: set[str]
+    """Checkpoint names the buckets will hold (tied copies the checkpoint does not hold left out)."""
+    buckets: Iterator[dict[str, torch.Tensor]]
+    """{checkpoint name: contiguous CPU tensor in the engine's dtype}, each bucket at most the bucket size (a larger
+    tensor alone); lazily read: a gathering actor gathers as the buckets are consumed."""
+
+
+def weight_sync(named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None,
+                model_names: set[str], dtype: torch.dtype | None, bucket_bytes: int, backend: str,
+                family: ModelFamily) -> WeightSync:
+    """Plan a bucketed weight sync (rollout.sync_bucket_mb): names checked first, then tensors cast to the engine's
+    `dtype` (floating ones), moved to the CPU and grouped `bucket_bytes` at a time, so host memory holds about one
+    bucket however large the model. bucket_bytes <= 0: one bucket of everything.
+
+    Args:
+        named_tensors: (transformers or checkpoint name, tensor) pairs, read once, in order.
+        names: their names in that order, when `named_tensors` is a stream that must not be read twice (a sharded
+            actor gathers each tensor as it is read); None = read `named_tensors` into a list of references first.
+        model_names: the checkpoint names of the engine's model (`checkpoint_names`); empty = unknown.
+        dtype: the engine's dtype; None = as given.
+        family: the model's family: its checkpoint names are what the engine loads.
+
+    A tied copy the checkpoint does not hold (`tied_copies(family)`) is left out; one that differs from the tensor it is tied
+    to is refused (the engine has one tensor for both): before anything is sent when the values are at hand, else
+    when the copy is read.
+    """
+    if names is None:
+        named_tensors = list(named_tensors)  # references to tensors that exist anyway: no copy
+        names = [name for name, _ in named_tensors]
+        values = {family.checkpoint_name(name): tensor for name, tensor in named_tensors}
+    else:
+        values = None
+    keys = [family.checkpoint_name(name) for name in names]
+    if not keys:
+        raise ValueError("update_weights got no tensors")
+    seen: set[str] = set()
+    for name, key in zip(names, keys):
+        if key in seen:
+            raise ValueError(f"weight {key!r} given twice (as {name!r})")
+        seen.add(key)
+    dropped = {copy: source for copy, source in tied_copies(family).items()
+               if model_names and copy not in model_names and copy in seen and source in seen}
+    if values is not None:
+        for copy, source in dropped.items():
+            if not torch.equal(values[copy].to(values[source].dtype), values[source]):
+                raise ValueError(_untied(copy, source, backend))
+    return WeightSync(seen - set(dropped), _buckets(named_tensors, keys, dropped, dtype, bucket_bytes, backend,
+                                                        family))
+
+
+def _untied(copy: str, source: str, backend: str) -> str:
+    return (f"{backend}: the model ties {copy} to {source} (its checkpoint holds only the latter), but the weights "
+            "sent differ: the trainer untied them, which the engine cannot follow")
+
+
+def _fingerprint(tensor: torch.Tensor) -> bytes:
+    """A digest of the tensor's bytes: compares a tied copy with its source without keeping the source."""
+    import hashlib
+
+    return hashlib.blake2b(tensor.reshape(-1).view(torch.uint8).numpy(), digest_size=32).digest()
+
+
+def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], keys: list[str], dropped: dict[str, str],
+             dtype: torch.dtype | None, bucket_bytes: int, backend: str, family: ModelFamily
+             ) -> Iterator[dict[str, torch.Tensor]]:
+    sources = {source: copy for copy, source in dropped.items()}
+    prints: dict[str, bytes] = {}
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    read = 0
+    for (name, tensor), key in zip(named_tensors, keys, strict=True):
+        read += 1
+        if family.checkpoint_name(name) != key:
+            raise ValueError(f"{backend}: weight {read} is {name!r}, not the announced {key!r}")
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)  # on the trainer's device: half the bytes to move for a bf16 engine
+        tensor = tensor.to("cpu").contiguous()
+        if key in sources or key in dropped:
+            prints[key] = _fingerprint(tensor)
+            pair = (key, sources[key]) if key in sources else (dropped[key], key)
+            if all(k in prints for k in pair) and prints[pair[0]] != prints[pair[1]]:
+                raise ValueError(_untied(pair[1], pair[0], backend))
+            if key in dropped:
+                continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and bucket_bytes > 0 and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[key] = tensor
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def checkpoint_names(model_path: str) -> set[str]:

@@ -51,6 +51,10 @@ class EngineOptions:
     generates the whole step's batch: raise it for large batches x n on one engine."""
     start_timeout_s: float = 600.0
     """The engine's start-up (loading, compiling, CUDA graphs) must finish within this; raise it for large models."""
+    sync_bucket_mb: float = 512.0
+    """Weight sync moves the weights this many MiB at a time (verl's update_weights_bucket_megabytes): each bucket is
+    gathered, cast to the engine's dtype and loaded before the next is read, so a rank's host memory holds about one
+    bucket instead of the model (several copies of it before). 0 = the whole model in one bucket."""
     limit_images: int = 8
     """Most images one engine request may carry (vLLM limit_mm_per_prompt): prompt images plus, with agent.enable,
     the images tools add to the conversation."""
@@ -134,6 +138,8 @@ class RolloutConfig(EngineOptions, ServingEngineOptions, ServerOptions):
                        "samples: set rollout.val_temperature > 0 or rollout.val_n=1")
         if self.dtype not in ("auto", *PRECISIONS):
             out.append(f"rollout.dtype={self.dtype!r} must be auto, float32 or bfloat16")
+        if self.sync_bucket_mb < 0:
+            out.append(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be >= 0 (0 = one bucket; 512 is verl's)")
         for name in ("timeout_s", "start_timeout_s"):
             if getattr(self, name) <= 0:
                 out.append(f"rollout.{name}={getattr(self, name)} must be > 0 (seconds): every engine call has a "

@@ -152,22 +152,25 @@ class HFBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        state = self.sync_state(named_tensors)
-        unknown = sorted(set(state) - set(self._params))
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
+                       ) -> None:
+        sync = self.sync_plan(named_tensors, names)
+        unknown = sorted(sync.names - set(self._params))
         if unknown:
             raise ValueError(f"{self.name}: update_weights got {len(unknown)} name(s) the model does not have, "
                              f"e.g. {unknown[:3]}")
+        for bucket in sync.buckets:
+            self._runner.call(f"load {len(bucket)} tensors", lambda bucket=bucket: self._load_bucket(bucket),
+                              self.options.timeout_s)
+            del bucket  # host memory holds one bucket while the next is read
 
-        @torch.no_grad()
-        def run() -> None:
-            for name, tensor in state.items():
-                param = self._params[name]
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != the model's {tuple(param.shape)}")
-                param.copy_(tensor.to(dtype=param.dtype))
-
-        self._runner.call(f"load {len(state)} tensors", run, self.options.timeout_s)
+    @torch.no_grad()
+    def _load_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
+        for name, tensor in bucket.items():
+            param = self._params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != the model's {tuple(param.shape)}")
+            param.copy_(tensor.to(dtype=param.dtype))
 
     def sleep(self) -> None:
         if self.device.type != "cuda":

@@ -371,21 +371,29 @@ class SGLangBackend(_SGLangCommon):
         assert_nothing_banned(results, requests, sampling.n, self.name)
         return results
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        state = list(self.sync_state(named_tensors).items())
-
-        def run() -> None:
-            self.engine.begin_weight_update()  # outside begin/end the update returns (False, ...) and changes nothing
-            try:
-                ok, message = self.engine.update_weights_from_tensor(state, flush_cache=True)[:2]
-            finally:
-                self.engine.end_weight_update()
-            if not ok:
-                raise RuntimeError(f"update_weights_from_tensor refused: {message}")
-
-        self._runner.call("update weights", run, self.options.timeout_s)
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
+                       ) -> None:
+        sync = self.sync_plan(named_tensors, names)
+        timeout = self.options.timeout_s
+        # outside begin/end an update returns (False, ...) and changes nothing
+        self._runner.call("begin the weight update", self.engine.begin_weight_update, timeout)
+        try:
+            for bucket in sync.buckets:
+                ok, message = self._runner.call(
+                    f"load {len(bucket)} tensors",
+                    lambda bucket=bucket: self.engine.update_weights_from_tensor(list(bucket.items()),
+                                                                                 flush_cache=False), timeout)[:2]
+                if not ok:
+                    raise RolloutError(f"{self.name}: update_weights_from_tensor refused: {message}")
+                del bucket  # host memory holds one bucket while the next is read
+        finally:
+            self._runner.call("end the weight update", self.engine.end_weight_update, timeout)
+        flushed = self._runner.call("flush the cache", self.engine.flush_cache, timeout)  # once, not per bucket
+        if not flushed.success:
+            raise RolloutError(f"{self.name}: flush_cache refused after the weight update: {flushed.message}")
         self.weight_version += 1
-        logger.debug("sglang: loaded %d tensors (weight version %d); caches flushed", len(state), self.weight_version)
+        logger.debug("sglang: loaded %d tensors (weight version %d); caches flushed", len(sync.names),
+                     self.weight_version)
 
     def call_engine(self, method: str, body: dict) -> Any:
         return self._runner.call(method, lambda: getattr(self.engine, method)(**body), self.options.timeout_s)
@@ -536,20 +544,30 @@ class SGLangServerBackend(_SGLangCommon):
         assert_nothing_banned(results, requests, sampling.n, self.name)
         return results
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
+                       ) -> None:
         from safetensors.torch import save_file
 
-        state = self.sync_state(named_tensors)
-        target = self.weights_dir / "model.safetensors"
-        partial = self.weights_dir / ".model.safetensors.partial"
-        save_file(state, str(partial))
-        os.replace(partial, target)  # the server never reads a half-written file
+        sync = self.sync_plan(named_tensors, names)
+        written = set()
+        for number, bucket in enumerate(sync.buckets):
+            # one shard file per bucket: this process holds one bucket; the server reads the folder's shards
+            target = self.weights_dir / f"bucket-{number:05d}.safetensors"
+            partial = self.weights_dir / f".bucket-{number:05d}.partial"
+            save_file(bucket, str(partial))
+            os.replace(partial, target)  # the server never reads a half-written file
+            written.add(target.name)
+            del bucket
+        for stale in self.weights_dir.glob("*.safetensors"):  # shards of an earlier, larger sync
+            if stale.name not in written:
+                stale.unlink()
         reply = self._post("/update_weights_from_disk", {"model_path": str(self.weights_dir)}, "update weights")
         if not reply.get("success", False):
             raise RolloutError(f"{self.name}: update_weights_from_disk refused: {reply.get('message')}")
         self._flush()  # the update flushes too, but refuses quietly while requests run
         self.weight_version += 1
-        logger.debug("sglang-server: loaded %d tensors (weight version %d)", len(state), self.weight_version)
+        logger.debug("sglang-server: loaded %d tensors in %d shard(s) (weight version %d)", len(sync.names),
+                     len(written), self.weight_version)
 
     def _flush(self) -> None:
         import requests

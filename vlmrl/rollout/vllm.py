@@ -10,10 +10,11 @@ Logprobs: the engine runs with `logprobs_mode="raw_logprobs"`: log_softmax of th
 Banned tokens: `bad_words` holding each banned token's text; it is checked at start that each text tokenizes back
 to exactly that one id, so the ban is an unconditional -inf on it.
 Seeds: sample i of the request at batch position j uses `seed + j * n + i` (vLLM adds i itself).
-Weight sync: tensors travel as safetensors bytes (they survive vLLM's IPC; tensors would arrive as lists) to
-`WeightSyncWorkerExtension.vlmrl_reload_weights`, which runs the worker's `reload_weights` (after start-up
-`model.load_weights` fails on CPU: linear weights are repacked). Then the encoder cache (vision embeddings) and the
-prefix cache (KV of old weights) are reset. vLLM's per-sync warning "Failed to load weights" for layers that hold only
+Weight sync: in buckets of rollout.sync_bucket_mb, each as safetensors bytes (they survive vLLM's IPC; tensors would
+arrive as lists), through `WeightSyncWorkerExtension`: begin, one load per bucket, finish: the three steps of the
+worker's own in-place `reload_weights` (after start-up a plain `model.load_weights` fails on CPU: linear weights are
+repacked), so a layer whose weights span two buckets is rebuilt when its last one comes. Then the encoder cache
+(vision embeddings) and the prefix cache (KV of old weights) are reset. vLLM's per-sync warning "Failed to load weights" for layers that hold only
 derived buffers (rotary caches, image mean/std: nothing in a checkpoint, values kept) is filtered out. Only full
 state dicts are accepted: a partial reload was measured to leave the engine's other layers broken (even a later full
 reload did not restore them).
@@ -91,21 +92,47 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 class WeightSyncWorkerExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`); `self` is the worker."""
+    """Mixed into vLLM's worker class (`worker_extension_cls`); `self` is the worker.
 
-    def vlmrl_reload_weights(self, blob: bytes) -> int:
-        from safetensors.torch import load
+    A sync is begin, one load per bucket, finish: vLLM's own in-place reload (`reload_weights`) split into its three
+    steps, so that the weights can arrive a bucket at a time. Begin puts every layer back on the meta device with
+    its loaders deferred; each layer is rebuilt (and repacked for the CPU GEMM) once all of its weights have come,
+    whichever buckets they came in; finish restores what no bucket held (derived buffers) and rebuilds the rest."""
 
-        state = load(blob)
+    def vlmrl_begin_reload(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
         model = self.get_model()
         _quiet_derived_buffer_warnings(model)
-        self.reload_weights(weights_iterator=iter(state.items()))
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+
+    def vlmrl_load_bucket(self, blob: bytes) -> int:
+        from safetensors.torch import load
+        from vllm.config import set_current_vllm_config
+
+        state = load(blob)
+        with set_current_vllm_config(self.vllm_config):
+            self.get_model().load_weights(iter(state.items()))
+        return len(state)
+
+    def vlmrl_finish_reload(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        model = self.get_model()
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
         for head in _tied_heads(model):
             # A tied lm_head shares the embedding's weight, so the reload gives it nothing to load and skips its
             # post-load step; on CPU that step packs a private copy of the weight for the GEMM (`cpu_linear`), which
             # would keep computing logits with the old embedding. Rebuild it (on CUDA the step is a no-op).
             head.quant_method.process_weights_after_loading(head)
-        return len(state)
+        # what the worker's own reload_weights resets after a reload
+        self.model_runner.reset_lora_state()
+        self.model_runner.reset_encoder_cache()
+        self.model_runner.reset_mm_cache()
 
 
 def _tied_heads(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -297,27 +324,39 @@ class VLLMBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
+                       ) -> None:
         from safetensors.torch import save
 
-        state = self.sync_state(named_tensors)
-        missing, unknown = sorted(self._checkpoint_names - set(state)), sorted(set(state) - self._checkpoint_names)
+        sync = self.sync_plan(named_tensors, names)
+        missing, unknown = sorted(self._checkpoint_names - sync.names), sorted(sync.names - self._checkpoint_names)
         if missing or unknown:
             # vLLM's reload path re-processes whole layers: one given partly is left broken, and so is the model.
             raise ValueError(f"vllm: update_weights needs exactly the model's {len(self._checkpoint_names)} weights: "
                              f"{len(missing)} missing (e.g. {missing[:3]}), {len(unknown)} unknown "
                              f"(e.g. {unknown[:3]})")
-        blob = save(state)
+        timeout = self.options.timeout_s
+        self._runner.call("begin the weight update", lambda: self.llm.collective_rpc("vlmrl_begin_reload"), timeout)
+        count = 0
+        try:
+            for bucket in sync.buckets:
+                blob = save(bucket)  # safetensors bytes survive vLLM's IPC; tensors would arrive as lists
+                del bucket  # (and the blob below): host memory holds one bucket while the next is read
+                count += self._load_bucket(blob)
+                del blob
+        except BaseException as err:
+            # some layers already hold new weights and the others wait on the meta device: unusable
+            self._runner.broken = f"a weight update failed half-way ({type(err).__name__}: {err})"
+            raise
 
-        def run() -> int:
-            loaded = self.llm.collective_rpc("vlmrl_reload_weights", args=(blob,))
+        def finish() -> None:
+            self.llm.collective_rpc("vlmrl_finish_reload")
             # Images already seen would otherwise reuse vision embeddings (and prompts their KV) of the old weights.
             self.llm.llm_engine.reset_encoder_cache()
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("reset_prefix_cache() refused (requests still running?)")
-            return loaded[0]
 
-        count = self._runner.call("update weights", run, self.options.timeout_s)
+        self._runner.call("finish the weight update", finish, timeout)
         logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: DEBUG
 
     def serves_adapters(self) -> bool:
@@ -347,6 +386,11 @@ class VLLMBackend(RolloutBackend):
         self._lora_request = new
         logger.debug("vllm: serving LoRA adapter %s (id %d); encoder and prefix caches reset", folder,
                      new.lora_int_id)
+
+    def _load_bucket(self, blob: bytes) -> int:
+        return self._runner.call("load a weight bucket",
+                                 lambda: self.llm.collective_rpc("vlmrl_load_bucket", args=(blob,)),
+                                 self.options.timeout_s)[0]
 
     def sleep(self) -> None:
         if not self.options.enable_sleep_mode:

@@ -1,0 +1,182 @@
+"""One-call GPU check: 3 GRPO steps of a random-init Qwen2.5-VL-3B (its real config, built here: no hub) with vLLM
+colocated, then with SGLang where it is installed; prints tokens/s per GPU, peak GPU memory of training and of the
+rollout engine, and weight-sync time.
+
+Each backend runs the real trainer (`python -m vlmrl.train`) on the synthetic task with long random responses (a
+random model rarely stops), in a subprocess of its own so that each engine is gone before the next starts. While it
+runs, `nvidia-smi --query-compute-apps` is sampled every 0.5 s: the trainer's process is "train" (the actor: weights,
+gradients, AdamW, activations), every other process of the GPU that appears meanwhile is the engine ("rollout").
+Step figures come from the run's metrics.jsonl (timing/*, response and prompt lengths).
+
+    python benchmarks/gpu_check.py                    # on the GPU machine: ~10 GB of disk for the model
+    python benchmarks/gpu_check.py --tiny --backends vllm --steps 1   # CPU dry check of the script itself
+
+EasyR1 publishes ~1800 tokens/s per GPU for Qwen2.5-VL-3B GRPO on 8x H100 (prompt + response tokens over step time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+QWEN25_VL_3B = {  # Qwen/Qwen2.5-VL-3B-Instruct config.json (architecture fields)
+    "text": {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+             "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 128000,
+             "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                                        "mrope_section": [16, 24, 24]},
+             "use_sliding_window": False, "tie_word_embeddings": True},
+    "vision": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 2048,
+               "fullatt_block_indexes": [7, 15, 23, 31], "window_size": 112, "patch_size": 14,
+               "spatial_merge_size": 2, "temporal_patch_size": 2, "tokens_per_second": 2, "hidden_act": "silu"},
+}
+
+
+def build_model(target: Path, tiny: bool) -> Path:
+    """A random-init Qwen2.5-VL of the 3B config (or the tiny one) with the tiny model's tokenizer and processor
+    files (their special-token ids are written into the config; the larger embedding just has unused rows)."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from vlmrl.models import ensure_built
+
+    tiny_dir = Path(ensure_built("tiny"))
+    if tiny:
+        shutil.copytree(tiny_dir, target, dirs_exist_ok=True)
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    ids = json.loads((tiny_dir / "config.json").read_text())
+    tokens = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    config = Qwen2_5_VLConfig(text_config=QWEN25_VL_3B["text"], vision_config=QWEN25_VL_3B["vision"],
+                              tie_word_embeddings=True, **tokens)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
+    model.save_pretrained(target)
+    del model
+    for file in tiny_dir.iterdir():
+        if file.is_file() and not file.name.endswith(".safetensors") and file.name != "config.json":
+            shutil.copy2(file, target / file.name)
+    return target
+
+
+class GpuMemory:
+    """Peak used GPU memory per process (MiB), sampled with nvidia-smi every 0.5 s; empty without nvidia-smi."""
+
+    def __init__(self):
+        self.peaks: dict[int, int] = {}
+        self.available = shutil.which("nvidia-smi") is not None
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        if self.available:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,"
+                                      "nounits"], capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                out = ""
+            for line in out.strip().splitlines():
+                pid, used = (int(x) for x in line.split(","))
+                self.peaks[pid] = max(self.peaks.get(pid, 0), used)
+            time.sleep(0.5)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.available:
+            self._thread.join()
+
+
+def run_backend(name: str, model_dir: Path, out: Path, args) -> dict:
+    overrides = [
+        "config=examples/configs/tiny_synthetic.yaml", f"actor.model_path={model_dir}", f"rollout.name={name}",
+        f"trainer.total_steps={args.steps}", "trainer.format_warmup_steps=0", "trainer.val_before_train=false",
+        "trainer.test_freq=0", "trainer.save_freq=0", f"trainer.output_dir={out}", "trainer.torch_threads=0",
+        f"data.max_response_length={args.response}", f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}",
+        f"actor.ppo_mini_batch_size={args.prompts}", f"actor.micro_batch_tokens={args.micro_batch_tokens}",
+        f"actor.ppo_micro_batch_size_per_gpu={args.micro}", "rollout.dtype=auto", "actor.compute_dtype=auto",
+        f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}", "rollout.timeout_s=1800",
+        f"actor.gradient_checkpointing={str(not args.tiny).lower()}", f"actor.padding_free={str(args.padding_free).lower()}",
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    start = time.perf_counter()
+    with GpuMemory() as memory:
+        proc = subprocess.Popen([sys.executable, "-m", "vlmrl.train", *overrides], cwd=ROOT, env=env)
+        code = proc.wait()
+    wall = time.perf_counter() - start
+    if code != 0:
+        return {"backend": name, "error": f"exit code {code} (see {out})"}
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [m for m in lines if "timing/step" in m and "timing/update" in m]
+    last = steps[1:] or steps  # the first step pays compilation / CUDA-graph capture
+    rows = args.prompts * args.n
+    mean = lambda key: sum(m.get(key, 0.0) for m in last) / len(last)  # noqa: E731
+    tokens = rows * (mean("prompt_length/mean") + mean("response_length/mean"))
+    train_mib = memory.peaks.get(proc.pid, 0)
+    rollout_mib = sum(v for pid, v in memory.peaks.items() if pid != proc.pid)
+    return {"backend": name, "steps": len(steps), "step_s": mean("timing/step"), "rollout_s": mean("timing/rollout"),
+            "update_s": mean("timing/update"), "sync_s": mean("timing/weight_sync"),
+            "tokens_per_s_per_gpu": tokens / mean("timing/step"),
+            "response_tokens_per_s": mean("throughput/response_tokens_per_s"),
+            "train_peak_mib": train_mib, "rollout_peak_mib": rollout_mib, "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny model (a CPU dry check of this script)")
+    parser.add_argument("--backends", nargs="+", default=["vllm", "sglang"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--response", type=int, default=1024)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--padding-free", action="store_true")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="vlmrl-gpu-check-"))
+    start = time.perf_counter()
+    model_dir = build_model(out / "model", args.tiny)
+    print(f"model: {'tiny' if args.tiny else 'Qwen2.5-VL-3B config, random init'} at {model_dir} "
+          f"({time.perf_counter() - start:.0f} s)", flush=True)
+    results = []
+    for name in args.backends:
+        package = "sglang" if name.startswith("sglang") else name
+        if name != "hf" and importlib.util.find_spec(package) is None:
+            results.append({"backend": name, "error": f"{package} is not installed"})
+            continue
+        results.append(run_backend(name, model_dir, out / name, args))
+        print(json.dumps(results[-1]), flush=True)
+    print(f"\n{args.prompts} prompts x n={args.n}, responses up to {args.response} tokens, {args.steps} steps "
+          "(means over the steps after the first)")
+    print("| backend | tokens/s/GPU (prompt+response) | response tokens/s | step | rollout | update | weight sync | "
+          "train peak GPU | rollout peak GPU |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['backend']} | not run: {r['error']} | | | | | | | |")
+            continue
+        print(f"| {r['backend']} | {r['tokens_per_s_per_gpu']:.0f} | {r['response_tokens_per_s']:.0f} | "
+              f"{r['step_s']:.1f} s | {r['rollout_s']:.1f} s | {r['update_s']:.1f} s | {r['sync_s']:.2f} s | "
+              f"{r['train_peak_mib'] / 1024:.1f} GiB | {r['rollout_peak_mib'] / 1024:.1f} GiB |")
+
+
+if __name__ == "__main__":
+    main()

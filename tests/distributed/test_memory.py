@@ -1,0 +1,55 @@
+"""The memory options on two Ray workers (FSDP2, gloo, CPU) take the single-process actor's step: token-budget
+micro-batches with the packed forward (ranks given balanced rows, each rank splitting its packs to the count of the
+rank with the most), and parameter + optimizer offload (torch's CPUOffloadPolicy). float64 as in test_group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.batches import make_batch
+from tests.distributed.test_group import (
+    actor_config,
+    assert_same_metrics,
+    assert_same_weights,
+    perturbed,
+    single_process,
+    start_dp2,
+)
+from vlmrl.actor.config import OffloadConfig
+from vlmrl.algorithms.grpo import group_advantages
+from vlmrl.batch import upsample_to_multiple
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def batch(processor, synthetic_rows):
+    # 6 real rows (one text-only prompt, 'tool tokens' masked out of the loss in two rows) + 2 padding rows
+    real = make_batch(processor, synthetic_rows[4:7], n=2, text_only_rows=(1,), seed=1, response_length=8)
+    real.response_mask[0, 1:3] = 0
+    real.response_mask[3, 2:4] = 0
+    return upsample_to_multiple(real, 8, eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
+
+
+@pytest.mark.parametrize("dp2_options", [dict(micro_batch_tokens=120, padding_free=True),
+                                         dict(offload=OffloadConfig(params=True, optimizer=True, reference=True))],
+                         ids=["token-budget-packed", "offload"])
+def test_dp2_with_memory_options_matches_dp1_fixed_rows(ray_cluster, tiny_model_path, batch, dp2_options):
+    extra = dict(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
+    reference = single_process(actor_config(tiny_model_path, micro=3, **extra), mini_batch_samples=4)
+    start = {k: v.clone() for k, v in reference.named_tensors()}
+    with start_dp2(actor_config(tiny_model_path, micro=1, **extra, **dp2_options), mini_batch_samples=4) as dp2:
+        old, entropy = dp2.compute_logprobs(batch, with_entropy=True)
+        ref_lp, _ = dp2.compute_logprobs(batch, reference=True)
+        expected_old, expected_entropy = reference.compute_logprobs(batch, with_entropy=True)
+        assert torch.allclose(old, expected_old, atol=1e-6), "dp=2 logprobs differ from dp=1"
+        assert torch.allclose(entropy, expected_entropy, atol=1e-6)
+        old = perturbed(old, batch, seed=5)
+        advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
+        got = dp2.update(batch, old, advantages, ref_lp.double())
+        weights = dict(dp2.named_tensors())
+    expected = reference.update(batch, old, advantages, ref_lp.double())
+    assert expected["actor/kl_loss"] > 0
+    assert_same_metrics(expected, got)
+    assert_same_weights(dict(reference.named_tensors()), weights, start)
