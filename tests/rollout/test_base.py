@@ -197,7 +197,8 @@ def test_buckets_hold_at_most_the_bucket_size_but_for_a_larger_tensor_alone():
     from vlmrl.rollout.base import weight_sync
 
     named = _named([100, 100, 300, 50, 50, 50])  # float32: 400, 400, 1200, 200, 200, 200 bytes
-    sync = weight_sync(named, None, set(), torch.float32, bucket_bytes=800, backend="test")
+    sync = weight_sync(named, None, set(), torch.float32, bucket_bytes=800, backend="test",
+                       family=QWEN2_5_VL)
     buckets = list(sync.buckets)
     assert [len(b) for b in buckets] == [2, 1, 3]  # the 1200-byte tensor alone
     assert [k for b in buckets for k in b] == [f"model.layers.{i}.mlp.up_proj.weight" for i in range(6)]
@@ -215,7 +216,8 @@ def test_buckets_are_cast_to_the_engine_dtype_and_read_lazily():
             read.append(name)
             yield name, tensor
 
-    sync = weight_sync(stream(), [n for n, _ in named], set(), torch.bfloat16, bucket_bytes=20, backend="test")
+    sync = weight_sync(stream(), [n for n, _ in named], set(), torch.bfloat16, bucket_bytes=20, backend="test",
+                       family=QWEN2_5_VL)
     assert read == []  # names come first; nothing gathered yet
     first = next(sync.buckets)
     assert len(read) <= 2 and all(t.dtype == torch.bfloat16 for t in first.values())
@@ -225,7 +227,7 @@ def test_a_stream_that_differs_from_its_announced_names_is_refused():
     from vlmrl.rollout.base import weight_sync
 
     named = _named([4, 4])
-    sync = weight_sync(iter(named), [named[1][0], named[0][0]], set(), None, 0, "test")
+    sync = weight_sync(iter(named), [named[1][0], named[0][0]], set(), None, 0, "test", QWEN2_5_VL)
     with pytest.raises(ValueError, match="not the announced"):
         list(sync.buckets)
 
@@ -238,11 +240,12 @@ def test_an_untied_copy_is_refused_in_a_stream_even_buckets_apart():
     model_names = {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
                    "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(ValueError, match="ties lm_head.weight to model.embed_tokens.weight"):  # values at hand
-        weight_sync(named, None, model_names, None, 256, "test")
-    sync = weight_sync(iter(named), [n for n, _ in named], model_names, None, 256, "test")
+        weight_sync(named, None, model_names, None, 256, "test", QWEN2_5_VL)
+    sync = weight_sync(iter(named), [n for n, _ in named], model_names, None, 256, "test", QWEN2_5_VL)
     assert sync.names == model_names
     with pytest.raises(ValueError, match="ties lm_head.weight to model.embed_tokens.weight"):
         list(sync.buckets)
     tied = [*named[:-1], ("lm_head.weight", embed.clone())]
-    buckets = list(weight_sync(iter(tied), [n for n, _ in tied], model_names, None, 256, "test").buckets)
+    buckets = list(weight_sync(iter(tied), [n for n, _ in tied], model_names, None, 256, "test",
+                               QWEN2_5_VL).buckets)
     assert len(buckets) > 1 and "lm_head.weight" not in {k for b in buckets for k in b}

@@ -230,12 +230,13 @@ def test_two_device_run_goes_through_the_same_loop(tiny_model_path, tmp_path):
 def test_demo_config_learns_the_synthetic_task(tmp_path, model):
     """The no-argument demo's recipe, and the same on the embedded Qwen3-VL (`MODEL_PATH=tiny-qwen3-vl`): validation
     accuracy rises >= 0.3 above its step-0 value (after the format warm-up, which trains on random labels and leaves
-    accuracy at chance). Measured on the hf backend, tiny-qwen3-vl: 0.25 until step 100, 0.68 at 110, 0.73 at 120
-    (hf and vLLM agree on it exactly in fp32, so the vLLM run follows the same curve)."""
+    accuracy at chance). tiny-qwen3-vl learns later (all 150 demo steps): measured on vLLM 0.25 until step 80, 0.41
+    at 90, 0.51 at 120; on the hf backend 0.68 at 110."""
     backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
     out = tmp_path / "demo"
     fit(load_config(["config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic.yaml"), f"actor.model_path={model}",
-                     f"rollout.name={backend}", "trainer.total_steps=120", f"trainer.output_dir={out}"]))
+                     f"rollout.name={backend}", f"trainer.total_steps={120 if model == 'tiny' else 150}",
+                     f"trainer.output_dir={out}"]))
     curve = [(row["step"], row["val/accuracy"]) for row in read_metrics(out / "metrics.jsonl") if "val/accuracy" in row]
     start = curve[0][1]
     assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"
