@@ -14,7 +14,10 @@ def test_the_data_section_is_a_processor_config_with_the_same_keys():
     assert processor_keys <= {f.name for f in dataclasses.fields(DataConfig)}
     assert processor_keys == {"min_pixels", "max_pixels", "max_prompt_length", "filter_overlong_prompts",
                               "on_bad_image", "data_root", "allow_remote_images", "remote_timeout_s",
-                              "remote_max_bytes", "max_image_pixels"}
+                              "remote_max_bytes", "max_image_pixels",
+                              # frame sampling of videos (qwen-vl-utils' rules), done once by the processor
+                              "video_fps", "video_nframes", "video_min_frames", "video_max_frames",
+                              "video_min_pixels", "video_max_pixels", "video_total_pixels", "video_max_decoded_frames"}
 
 
 def test_inherited_keys_are_documented_by_their_owner():
