@@ -38,8 +38,8 @@
 #       LoRA adapters instead of full fine-tuning, on either run (actor.lora.rank / alpha / vision; README "LoRA"):
 #       only the adapters train, the KL reference is the base with adapters disabled, vLLM serves the adapter itself
 #       (SGLang gets merged weights). With the real recipe examples/configs/qwen2_5_vl_geo3k_lora.yaml comes after it
-#       (EasyR1's rank 64 / alpha 64 / lr 1e-5); on the CPU demo at the demo's lr (LoRA on the random-init tiny
-#       model has not been seen to learn the task within the demo's budget: README "LoRA"). LORA_ALPHA defaults to
+#       (EasyR1's rank 64 / alpha 64 / lr 1e-5); on the CPU demo examples/configs/tiny_synthetic_lora.yaml (the
+#       random-init tiny model needs an adapter on lm_head too, and lr 1e-3: README "LoRA"). LORA_ALPHA defaults to
 #       LORA_RANK.
 #
 # Any key=value argument overrides the config (docs/config.md lists every key), e.g. trainer.total_steps=50.
@@ -155,7 +155,8 @@ if [[ -n "${LORA_RANK:-}" && "$VAL_ONLY" != "1" ]]; then
     ARGS+=(config=examples/configs/qwen2_5_vl_geo3k_lora.yaml
            "trainer.output_dir=${OUTPUT_DIR:-outputs/qwen2_5_vl_geo3k_lora${RECIPE:+_$RECIPE}}")
   else
-    ARGS+=("trainer.output_dir=${OUTPUT_DIR:-outputs/demo_lora${RECIPE:+_$RECIPE}}")
+    ARGS+=(config=examples/configs/tiny_synthetic_lora.yaml  # lm_head adapted too, lr 1e-3: README "LoRA"
+           "trainer.output_dir=${OUTPUT_DIR:-outputs/demo_lora${RECIPE:+_$RECIPE}}")
   fi
   ARGS+=("actor.lora.rank=$LORA_RANK" "actor.lora.alpha=${LORA_ALPHA:-$LORA_RANK}"
          "actor.lora.vision=${LORA_VISION:-off}")

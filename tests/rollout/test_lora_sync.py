@@ -152,3 +152,25 @@ def test_sglang_takes_merged_adapted_layers_only_path_a(tiny_model_path, policy,
 
         adapted = sum(m.base_layer.weight.numel() * 4 for m in policy.model.modules() if isinstance(m, LoraLayer))
         assert policy.last_sync_bytes == adapted, "a partial update sends the adapted layers' weights only"
+
+
+@pytest.mark.vllm
+def test_an_adapter_on_the_output_head_goes_to_a_lora_serving_vllm_as_merged_weights(tiny_model_path, requests):
+    """The CPU demo's LoRA adapts lm_head (README "LoRA"); vLLM's LoRA serving refuses an adapter on it, so `auto`
+    on an engine started with enable_lora must sync merged weights (== HF merged), and `adapter` must say why."""
+    from vlmrl.rollout import get_backend
+
+    config = ActorConfig(model_path=tiny_model_path, device="cpu",
+                         lora=LoraConfig(rank=RANK, alpha=16, target_modules=["q_proj", "down_proj", "lm_head"]))
+    head = Actor(config, total_steps=1, mini_batch_samples=1)
+    set_adapters(head, language=0.5, vision=0.0, seed=2)
+    # a fresh transformers reference: the module's `merged_hf` holds the other policy's adapted layers, and a partial
+    # update sends only this policy's
+    with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as merged_hf, \
+            get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
+                        max_lora_rank=RANK) as engine:
+        assert engine.serves_adapters()
+        head.lora_sync.lora.sync = "adapter"
+        with pytest.raises(ValueError, match="lm_head"):
+            head.lora_sync.path(engine)
+        sync_and_check(head, engine, merged_hf, requests, sync="auto", path="merged")

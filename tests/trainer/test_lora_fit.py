@@ -1,16 +1,18 @@
 """LoRA runs of the fit loop on the tiny model: a checkpoint holds the PEFT adapter beside a merged HF folder that
 vLLM and SGLang load as it is (and vLLM serves the adapter on the base model to the same outputs); a run killed with
-SIGKILL after a checkpoint resumes bit-exactly (adapters and their optimizer state restored)."""
+SIGKILL after a checkpoint resumes bit-exactly (adapters and their optimizer state restored); the CPU demo's LoRA
+settings learn the synthetic task (slow)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 from safetensors import safe_open
 
 from tests.rollout.helpers import GREEDY, LOGPROB_TOL, build_batch, greedy_mismatch
-from tests.trainer.test_fit import _straight_and_killed_then_resumed, base_args
+from tests.trainer.test_fit import ROOT, _straight_and_killed_then_resumed, base_args
 from vlmrl.actor.lora import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS
 from vlmrl.config import load_config
 from vlmrl.trainer.fit import fit
@@ -82,3 +84,22 @@ def test_lora_run_killed_after_a_checkpoint_resumes_bit_exactly(tiny_model_path,
     assert all(r["actor/kl_loss"] > 0 for r in got[1:]), "the adapters never left the base: nothing was resumed"
     assert (tmp_path / "killed" / "checkpoints" / "global_step_4" / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()
 
+
+
+@pytest.mark.slow
+def test_the_demos_lora_settings_learn_the_synthetic_task(tmp_path):
+    """`LORA_RANK=64 examples/qwen2_5_vl_grpo.sh`: the demo's config with examples/configs/tiny_synthetic_lora.yaml
+    (adapters on the language model and lm_head, lr 1e-3): validation accuracy rises >= 0.3 above its step-0 value
+    (chance, after the random-label warm-up) within 100 steps. Measured on vLLM: 0.25 to step 30, 0.62 at 50, 0.66
+    at 80. Without the lm_head adapter it stayed at 0.25 for 100 steps (README "LoRA")."""
+    backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
+    out = tmp_path / "demo_lora"
+    fit(load_config([f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic.yaml'}",
+                     f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic_lora.yaml'}", f"rollout.name={backend}",
+                     "trainer.total_steps=100", "trainer.save_freq=100", f"trainer.output_dir={out}"]))
+    rows = read_metrics(out / "metrics.jsonl")
+    curve = [(row["step"], row["val/accuracy"]) for row in rows if "val/accuracy" in row]
+    start = curve[0][1]
+    assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"
+    assert max(acc for _, acc in curve) >= start + 0.3, f"LoRA: validation accuracy did not rise by 0.3: {curve}"
+    assert (out / "checkpoints" / "global_step_100" / "adapter").is_dir()  # it was a LoRA run

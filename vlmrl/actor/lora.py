@@ -253,16 +253,25 @@ class LoraSync:
         self.version = 0
         self._logged: set[str] = set()
 
+    def unservable(self) -> list[str]:
+        """Adapted layers no engine's LoRA serving takes: the output head (`lm_head`; vLLM 0.32 refuses an adapter
+        on it at load: "expected target modules in {...}")."""
+        return sorted(m for m in self.config.target_modules if m == "lm_head" or m.endswith(".lm_head"))
+
     def path(self, backend) -> str:
         """`adapter` or `merged` for this backend (see the class docstring)."""
         serves = backend.serves_adapters()
-        if self.lora.sync == "adapter" and not serves:
-            raise ValueError(f"actor.lora.sync=adapter but the {backend.name} backend does not serve LoRA adapters "
-                             "here: set actor.lora.sync=auto or merged")
+        head = self.unservable()
+        if self.lora.sync == "adapter" and (not serves or head):
+            why = f"an adapter on {head} cannot be served as a LoRA" if head else \
+                f"the {backend.name} backend does not serve LoRA adapters here"
+            raise ValueError(f"actor.lora.sync=adapter but {why}: set actor.lora.sync=auto or merged")
+        serves = serves and not head
         if self.lora.sync == "auto" and not serves and backend.name not in self._logged:
             self._logged.add(backend.name)
-            logger.warning("%s: LoRA adapters cannot be served by this backend here; syncing merged weights "
-                           "(base + scaled adapter deltas) instead", backend.name)
+            logger.warning("%s: LoRA adapters cannot be served by this backend here%s; syncing merged weights "
+                           "(base + scaled adapter deltas) instead", backend.name,
+                           f" (adapters on {head})" if head else "")
         return "adapter" if serves and self.lora.sync != "merged" else "merged"
 
     def push(self, backend, named: Iterable[tuple[str, torch.Tensor]]) -> int:
