@@ -126,8 +126,18 @@ def adapters_disabled(model: torch.nn.Module):
     peft_model = peft_model_of(model)
     if peft_model is None:
         raise ValueError("adapters_disabled needs a model with LoRA adapters (actor.lora.rank > 0)")
-    with peft_model.disable_adapter():
-        yield
+    # PEFT switches requires_grad off on the adapter parameters registered when the block starts and back on on
+    # those registered when it ends. With FSDP2 they are not the same objects: the root unit (the vision merger,
+    # lm_head) stays unsharded after a no-grad forward, so the block ends with its full-size parameters registered
+    # and the sharded ones (what the optimizer steps) would stay frozen for the rest of the run (measured: the
+    # merger's adapters never moved at dp=2 after the first reference pass). Restore the flags we found.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    try:
+        with peft_model.disable_adapter():
+            yield
+    finally:
+        for param in trainable:
+            param.requires_grad_(True)
 
 
 def lora_scaling(lora: LoraConfig) -> float:
