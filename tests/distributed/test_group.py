@@ -242,6 +242,38 @@ def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
         assert _max_gap(actor.compute_logprobs(batch)[0], batch) < 1e-4, "update_weights did not reach the engines"
 
 
+def test_dp2_lora_sync_streams_merged_weights_into_each_ranks_engine(ray_cluster, tiny_model_path, processor,
+                                                                      synthetic_rows):
+    """LoRA (language model + merger) at dp=2 with an engine on each rank: `sync_weights` gathers the shards, merges
+    each layer as its bucket fills and streams it in buckets of 0.25 MiB (rollout.sync_bucket_mb) into the rank's
+    engine; the engines then compute the trained policy's logprobs."""
+    from vlmrl.config import LoraConfig
+    from vlmrl.distributed.engines import ColocatedEngines
+    from vlmrl.distributed.worker import EngineSpec
+    from vlmrl.types import SamplingParams
+
+    rows = [dict(row, prompt=[{"role": "user", "content": "Say a colour."}], images=[]) if i % 2 else row
+            for i, row in enumerate(synthetic_rows[12:16])]
+    requests = [processor.build_request(row, i) for i, row in enumerate(rows)]
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3)
+    engine = EngineSpec("hf", tiny_model_path, {"dtype": "float32", "max_model_len": 128, "timeout_s": 120,
+                                                "sync_bucket_mb": 0.25})
+    config = actor_config(tiny_model_path, micro=4, optim=OptimConfig(lr=1e-2, weight_decay=0.0),
+                          lora=LoraConfig(rank=4, alpha=8, vision="merger"))
+    actor = DistributedActor(ClusterConfig(n_gpus_per_node=2, engine_placement="worker"),
+                             WorkerSpec(actor=config, engine=engine, torch_threads=1, timeout_s=120),
+                             mini_batch_samples=8, timeout_s=300)
+    with ColocatedEngines(actor) as engines:
+        batch = _batch_of(processor, requests, engines.generate(requests, sampling))
+        assert _max_gap(actor.compute_logprobs(batch)[0], batch) < 1e-4, "B = 0: the engines start at the policy"
+        actor.update(batch, None, torch.tensor([1.0, -1.0] * 4))
+        moved, _ = actor.compute_logprobs(batch)
+        assert _max_gap(moved, batch) > 1e-2, "the update should move the policy (else nothing is tested)"
+        assert actor.sync_weights(engines) > 0
+        batch = _batch_of(processor, requests, engines.generate(requests, sampling))
+        assert _max_gap(actor.compute_logprobs(batch)[0], batch) < 1e-4, "the engines did not get the merged weights"
+
+
 def _batch_of(processor, requests, results):
     from vlmrl.batch import pad_sample, stack_samples
 
