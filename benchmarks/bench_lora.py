@@ -5,7 +5,8 @@ and the trainer's peak memory for one update step, as ratios in the same run.
     .venv/bin/python benchmarks/bench_lora.py --rank 8 --backends vllm --syncs 5
 
 Sync rows (each one started engine, synced `--syncs` times after a step that moves every trainable weight, the
-median time and the most the process's RSS grew during a sync reported; `--bucket-mb` sets rollout.sync_bucket_mb):
+median time, the most the process's RSS grew during a sync and the most merged LoRA weights alive at once reported;
+`--bucket-mb` sets rollout.sync_bucket_mb):
 full fine-tuning into vLLM (every weight); LoRA merged into vLLM (every weight: vLLM reloads
 whole layers); LoRA adapter into vLLM (enable_lora: the adapter file only); LoRA merged into SGLang (the adapted
 layers only: a partial update). After each sync the engine's greedy output on 4 image requests is checked against
@@ -98,25 +99,57 @@ class PeakRss:
         self.grew_mib = (max(self.peak, self.process.memory_info().rss) - self.start) / 2**20
 
 
+class MergedAlive:
+    """The most bytes of merged LoRA weights (base + scaled B @ A, `vlmrl.actor.lora.merge_weight`'s results) alive at
+    once during the block: what a merged sync holds on the trainer's side, free of the allocator's noise in RSS. A
+    stream in buckets holds about one bucket; a materialised merged model holds every adapted layer."""
+
+    def __enter__(self) -> MergedAlive:
+        import weakref
+
+        import vlmrl.actor.lora as lora
+
+        self.module, self.merge = lora, lora.merge_weight
+        self.now = self.peak = 0
+
+        def tracked(*args):
+            merged = self.merge(*args)
+            size = merged.numel() * merged.element_size()
+            self.now += size
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(merged, self._freed, size)
+            return merged
+
+        lora.merge_weight = tracked
+        return self
+
+    def _freed(self, size: int) -> None:
+        self.now -= size
+
+    def __exit__(self, *exc) -> None:
+        self.module.merge_weight = self.merge
+
+
 def sync_row(name: str, policy: Actor, backend: str, model: str, syncs: int, reference, **options) -> dict:
     from vlmrl.rollout import get_backend
 
     batch = requests(model)
-    times, grew, sent, exact = [], [], 0, True
+    times, grew, alive, sent, exact = [], [], [], 0, True
     with get_backend(backend, model, dtype="float32", max_model_len=1024, timeout_s=900, **options) as engine:
         for k in range(syncs):
             perturb(policy, seed=k)
             start = time.perf_counter()
-            with PeakRss() as rss:
+            with PeakRss() as rss, MergedAlive() as merged:
                 policy.sync_weights(engine)
             times.append(time.perf_counter() - start)
             grew.append(rss.grew_mib)
+            alive.append(merged.peak / 2**20)
             sent = policy.last_sync_bytes
             reference.update_weights(list(policy.named_tensors()))
             exact &= ([r.response_ids for r in engine.generate(batch, GREEDY)]
                       == [r.response_ids for r in reference.generate(batch, GREEDY)])
     return {"row": name, "backend": backend, "sync_s": statistics.median(times), "bytes": sent,
-            "rss_growth_mib": max(grew), "bucket_mb": engine.options.sync_bucket_mb,
+            "rss_growth_mib": max(grew), "merged_alive_mib": max(alive), "bucket_mb": engine.options.sync_bucket_mb,
             "path": policy.lora_sync.path(engine) if policy.lora_sync else "full", "equal_to_hf": exact}
 
 
@@ -191,11 +224,12 @@ def main() -> None:
     full_sync = {r["backend"]: r for r in result["sync"] if r["row"] == "full fine-tuning"}
     print(f"{args.model}, LoRA rank {args.rank}")
     print(f"{'sync':28} {'backend':8} {'path':8} {'s/sync':>8} {'MB/sync':>9} {'vs full':>8} {'RSS+ MiB':>9} "
-          f"{'bucket MiB':>10}  equal to hf")
+          f"{'merged MiB':>10} {'bucket MiB':>10}  equal to hf")
     for r in result["sync"]:
         base = full_sync[r["backend"]]
         print(f"{r['row']:28} {r['backend']:8} {r['path']:8} {r['sync_s']:8.3f} {r['bytes'] / 1e6:9.2f} "
-              f"{r['bytes'] / base['bytes']:8.4f} {r['rss_growth_mib']:9.1f} {r['bucket_mb']:10g}  "
+              f"{r['bytes'] / base['bytes']:8.4f} {r['rss_growth_mib']:9.1f} {r['merged_alive_mib']:10.1f} "
+              f"{r['bucket_mb']:10g}  "
               f"{'yes' if r['equal_to_hf'] else 'MISMATCH'}")
     full_mem, lora_mem = result["memory"]
     for m in result["memory"]:
