@@ -2,8 +2,8 @@
 equals the transformers model with the adapters merged, on 8 requests with images; language-model and vision
 (tower + merger) adapters together.
 
-Paths (actor.lora.sync): (a) merged weights on every backend - vLLM takes the full state dict, SGLang and hf only
-the adapted layers (partial updates); (b) the adapter itself on vLLM (started with enable_lora and
+Paths (actor.lora.sync): (a) merged weights on every backend - vLLM takes the full state dict, SGLang (Engine and HTTP
+server) and hf only the adapted layers where they take partial updates; (b) the adapter itself on vLLM (started with enable_lora and
 enable_tower_connector_lora). SGLang cannot serve adapters on CPU (its LoRA memory pool needs pinned memory, i.e. an
 accelerator), so `auto` falls back to merged there and says so once. Merged syncs stream in small buckets
 (rollout.sync_bucket_mb) and must land exactly as HF's one-bucket load of the merged model. After a sync that changes only the vision
@@ -163,6 +163,19 @@ def test_sglang_takes_merged_adapted_layers_only_path_a(tiny_model_path, policy,
 
         adapted = sum(m.base_layer.weight.numel() * 4 for m in policy.model.modules() if isinstance(m, LoraLayer))
         assert policy.last_sync_bytes == adapted, "a partial update sends the adapted layers' weights only"
+
+
+@pytest.mark.sglang
+def test_sglang_server_takes_merged_weights_path_a(tiny_model_path, tmp_path, policy, base_greedy, merged_hf,
+                                                   requests):
+    """The HTTP server cannot serve adapters from vlmrl (no adapter upload on CPU), so `auto` merges; its multimodal
+    embedding cache stays ON, so the vision-only sync must still reach images the server has already encoded."""
+    from vlmrl.rollout import get_backend
+
+    with get_backend("sglang-server", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
+                     vlm_cache_size_mb=100, log_file=str(tmp_path / "server.log")) as engine:
+        assert not engine.serves_adapters()
+        check_engine(policy, engine, base_greedy, merged_hf, requests, sync="auto", path="merged")
 
 
 @pytest.mark.vllm
