@@ -184,6 +184,8 @@ class _SGLangCommon(RolloutBackend):
         mm = self.processor.multi_modal_inputs(request)
         ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw"), mm.get("video_grid_thw"))
         entry: dict[str, Any] = {"format": "processor_output", **mm}
+        if self.processor.family.sglang_video_per_step_grids:
+            entry.update(per_step_video_grids(self.processor, ids, mm))
         if len(request.videos) == 1 and not request.images:
             # SGLang keys its prefix cache on a hash of the pixel values alone, so the same frames at another fps
             # (other position ids) would reuse KV computed at the first one's (measured). The video's hash covers
@@ -280,6 +282,22 @@ class _SGLangCommon(RolloutBackend):
 
     def call_engine(self, method: str, body: dict) -> Any:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+def per_step_video_grids(processor: Any, ids: Sequence[int], mm: dict[str, Any]) -> dict[str, Any]:
+    """The `processor_output` keys that make sglang 0.5.23's Qwen2.5-VL tower attend within each temporal patch of
+    a video, as transformers does (`ModelFamily.sglang_video_per_step_grids`): `video_grid_thw` with one (1, h, w)
+    row per temporal patch (the patches are already in that order in `pixel_values_videos`), and the prompt's mrope
+    positions from vlmrl (`mrope_positions` (3, L), `mrope_position_delta`), since SGLang's own would read the rows
+    as t videos."""
+    grid = mm["video_grid_thw"]
+    split = torch.repeat_interleave(grid, grid[:, 0], dim=0)
+    split[:, 0] = 1
+    input_ids = torch.tensor([list(ids)], dtype=torch.long)
+    positions = processor.position_ids(input_ids, None, mm.get("image_grid_thw"), grid,
+                                       mm.get("second_per_grid_ts"))[:, 0]  # (3, L)
+    delta = torch.tensor([[int(positions.max()) + 1 - len(ids)]], dtype=torch.long)
+    return {"video_grid_thw": split, "mrope_positions": positions, "mrope_position_delta": delta}
 
 
 def _result(out: dict, request: RolloutRequest, sample_index: int, top_k: int) -> RolloutResult:
