@@ -63,7 +63,7 @@ def test_hf_vs_vllm_on_videos_is_aligned_and_exact(hf_vs_vllm):
     _, records = read_artifact(out / "val_b_vllm.jsonl")
     assert all(len(r.videos) == 1 and r.videos[0]["fps"] == 2.0 and r.videos[0]["num_frames"] == 4
                for r in records), "every row went as a video of 4 frames at the configured rate"
-    assert sum(len(r.images) for r in records) == 1
+    assert sum(len(r.image_hashes) for r in records) == 1, "and the mixed row its image"
 
 
 @pytest.mark.sglang

@@ -12,9 +12,21 @@ by vlmrl (`pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts` = 2 / sa
 expanded). Measured: its logprobs then equal transformers' at the video's own fps. SGLang keys its prefix cache on
 the pixel values' hash, so a one-video entry carries vlmrl's hash of the frames and their timing instead; an entry
 holding an image and a video cannot carry one (SGLang takes a hash for one-item entries only): the same pixels sent
-again at another fps would reuse the first one's prompt KV. Over HTTP those tensors do not
-travel and a video file needs a decoder in the server (decord / torchcodec: not in the CPU stack), so
-`sglang-server` refuses video requests.
+again at another fps would reuse the first one's prompt KV. For Qwen2.5-VL the entry also splits the video's grid
+into one row per temporal patch and carries vlmrl's mrope positions (`ModelFamily.sglang_video_per_step_grids`):
+SGLang's own tower attends across a video's temporal patches, transformers' and vLLM's within each.
+
+`sglang-server` refuses video requests: no request over HTTP reaches what transformers computes.
+- The /generate JSON takes a video only as a string (path, URL, base64 / data URL of a file) or a MediaRef (`url`
+  plus sampling hints: fps, num_frames, min/max_pixels...); a `processor_output` dict is rejected (HTTP 400 "unknown
+  field `format`", measured), and tensors have no JSON form there.
+- From a file, sglang 0.5.23's Qwen2.5-VL processor samples and resizes by the server-wide `mm_process_config`
+  only (the MediaRef hints are not read for this model; the default resize puts every frame at >= 128*28*28
+  pixels), and gives transformers' video processor no metadata, so second_per_grid_ts is 2/24 (24 fps) whatever the
+  file's rate.
+- Its tower's attention across temporal patches (above) can be corrected only through `processor_output`.
+So a lossless file at the sampling rate (which a decoder in the server, decord or torchcodec, would read back
+frame for frame) would still get other temporal positions and other video features for any video over 2 frames.
 
 Logprobs: the engine runs with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (before temperature; checked at start by a probe
 that compares a hot-temperature logprob with the greedy one). SGLang applies `logit_bias` BEFORE it computes
@@ -552,8 +564,10 @@ class SGLangServerBackend(_SGLangCommon):
 
     def video_entry(self, request: RolloutRequest) -> tuple[list[int], list[Any], list[Any]]:
         raise InvalidRequestError(f"{self.name}: request {request.uid} holds {len(request.videos)} video(s): over "
-                                  "HTTP the processor outputs do not travel and the server has no video decoder in "
-                                  "this stack (decord / torchcodec); use the sglang (Engine), vllm or hf backend")
+                                  "HTTP SGLang takes a video only as a file (no processor outputs), and from a file "
+                                  "its Qwen2.5-VL path reads every video as 24 fps, resizes by server-wide settings "
+                                  "and attends across temporal patches, unlike transformers (see vlmrl.rollout."
+                                  "sglang); use the sglang (Engine), vllm or hf backend")
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         self.check_requests(requests, sampling)
