@@ -23,6 +23,7 @@ _LAZY = {
     "MicroBatch": "core",
     "chunks": "core",
     "forward_response": "core",
+    "mean_metrics": "core",
     "micro_batch": "core",
     "needs_old_logprobs": "core",
     "Actor": "local",
