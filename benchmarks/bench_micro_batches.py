@@ -28,7 +28,6 @@ import time
 
 import numpy as np
 import torch
-
 from bench_postprocess import prepare_model_dir  # the tiny model with Qwen2.5-VL's default pixel bounds
 
 PROMPT_LENGTH, RESPONSE_LENGTH = 1100, 2048

@@ -30,6 +30,7 @@ _LAZY = {
     "LoraSync": "lora",
     "adapters_disabled": "lora",
     "apply_lora": "lora",
+    "merged_names": "lora",
     "merged_tensors": "lora",
     "write_adapter": "lora",
     "DTYPES": "policy",
