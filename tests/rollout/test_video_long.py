@@ -14,11 +14,6 @@ from vlmrl.processors import load_processor
 from vlmrl.processors.config import ProcessorConfig
 from vlmrl.types import RolloutRequest
 
-SGLANG_VIDEO_TOL = 5e-3
-"""SGLang against HF on these frames: measured up to 3.5e-3 (vLLM: 2e-6), as much on SHORT videos of these frames at
-24 fps (up to 4e-3, where both position rules agree) and with the pad-token ban off, so it comes from SGLang's video
-path, not the positions; the old (transformers 5.19) rule moves HF's logprobs here by 0.06-0.12, 12x this bound."""
-
 
 def _frames(count: int, seed: int) -> list[Image.Image]:
     """`count` 112x112 frames (4x4 merged patches): a bright square moving right over noise."""
@@ -133,7 +128,7 @@ def test_vllm_greedy_equals_hf_on_long_videos(vllm, requests, hf_greedy):
 
 @pytest.mark.sglang
 def test_sglang_greedy_equals_hf_on_long_videos(sglang, requests, hf_greedy):
-    _assert_greedy_equal(hf_greedy, sglang.generate(requests, GREEDY), "sglang", SGLANG_VIDEO_TOL)
+    _assert_greedy_equal(hf_greedy, sglang.generate(requests, GREEDY), "sglang", LOGPROB_TOL)
 
 
 @pytest.mark.vllm
