@@ -175,3 +175,25 @@ def test_a_backend_run_past_its_bound_is_stopped_and_exits_2(tmp_path, tiny_mode
                    f"data.val_files={_failing_val_data(tmp_path)}", "--out", str(tmp_path / "out")])
     assert status == 2
     assert "side A hf: the validation run did not finish within 0.5 s" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("dtype, exit_code", [("float32", 1), ("bfloat16", 0)])
+def test_a_small_uniform_logprob_drift_fails_only_between_float32_sides(tmp_path, dtype, exit_code):
+    """Same tokens everywhere, every logprob 5e-4 nats off on one side: rounding between bf16 engines, but a
+    computation that differs between fp32 ones, whose correct engines agree to ~1e-5 (SGLang's cross-patch video
+    attention looked like this: 1e-3..7e-3 per token, a mean the earlier fp32 limit of 1e-3 let through)."""
+    from tests.alignment.toy_artifacts import make_side
+    from vlmrl.alignment.artifact import write_artifact
+
+    paths = []
+    for name, backend, shift in (("a", "vllm", 0.0), ("b", "sglang", 5e-4)):
+        meta, records = make_side(backend=backend)
+        meta.config["rollout"]["dtype"] = dtype
+        for record in records:
+            record.response_logprobs = [value - shift for value in record.response_logprobs]
+        paths.append(write_artifact(tmp_path / f"{name}.jsonl", meta, records))
+    assert main([str(paths[0]), str(paths[1]), "--out", str(tmp_path / "out")]) == exit_code
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["summary"]["max_abs_logprob_delta"] == pytest.approx(5e-4, rel=1e-3)
+    failed = [check["name"] for check in report["checks"] if not check["ok"]]
+    assert failed == (["mean |logprob delta| (nats)"] if dtype == "float32" else [])
