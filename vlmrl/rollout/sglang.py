@@ -182,7 +182,8 @@ class _SGLangCommon(RolloutBackend):
         """(input_ids, image_data, video_data) of a request with videos: expanded ids and ONE `processor_output`
         entry holding the request's image and video inputs with their timing (see the module docstring)."""
         mm = self.processor.multi_modal_inputs(request)
-        ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw"), mm.get("video_grid_thw"))
+        ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw"), mm.get("video_grid_thw"),
+                                               request.videos)
         entry: dict[str, Any] = {"format": "processor_output", **mm}
         if len(request.videos) == 1 and not request.images:
             # SGLang keys its prefix cache on a hash of the pixel values alone, so the same frames at another fps
