@@ -12,7 +12,9 @@ padding code and every backend-side check ask it. Its output equals transformers
   tokens_per_second * second_per_grid_t (float32, as transformers multiplies), and the next token continues at
   `s + max(h, w)` as for an image (transformers 5.19; see `vlmrl.processors.video.VideoSupport._check_positions`);
 - a run of consecutive image (video) tokens is one image (video); images are taken from `image_grid_thw` and videos
-  from `video_grid_thw`, each in batch-row order.
+  from `video_grid_thw`, each in batch-row order;
+- Qwen3-VL (`video_per_frame`): each video's grid is first split into t grids of one temporal patch
+  (`split_video_frames`, as its get_rope_index does): its patches are separate runs between timestamp text.
 
 transformers loops over samples and over token groups in Python; here every step is one tensor op over (B, L).
 """

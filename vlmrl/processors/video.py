@@ -2,9 +2,14 @@
 resize them once, hash them.
 
 Every video reaches the engines and the trainer through here, once: the frames are sampled ONCE (fps or nframes,
-within [min_frames, max_frames], a multiple of the temporal patch size) and resized ONCE (sides multiples of 28, each
-frame within [video_min_pixels, video_max_pixels] and all frames together within video_total_pixels), so every backend
-gets the same uint8 frames and the same timing (`vlmrl.types.Video`), and no engine samples or resizes again.
+within [min_frames, max_frames], a multiple of the temporal patch size) and resized ONCE (sides multiples of the
+model's factor, 28 or 32, each frame within [video_min_pixels, video_max_pixels] and all frames together within
+video_total_pixels and, for Qwen3-VL, within its video processor's per-video bounds), so every backend gets the same
+uint8 frames and the same timing (`vlmrl.types.Video`), and no engine samples or resizes again.
+
+The timing reaches the model as its family carries it (`ModelFamily.video_timing`): Qwen2/2.5-VL through
+second_per_grid_ts in the position ids; Qwen3-VL as `<x.x seconds>` text before each temporal patch
+(`VideoSupport.expansion`), its grid split per temporal patch for the position ids.
 
 Decoding uses PyAV (`av`, already brought by qwen-vl-utils): torchvision's video reader is not in the CPU stack and
 decord is not installed. Paths follow the image rules: under data.data_root, remote URLs only with

@@ -9,7 +9,8 @@ video as 24 fps (second_per_grid_ts = 2/24), whatever the video's rate. So a req
 `processor_output` form instead: the model's own processor outputs for the request's frames and images, computed
 by vlmrl (`pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts` = 2 / sampled fps, and the images'
 `pixel_values`, `image_grid_thw`) in one `video_data` entry, with the EXPANDED prompt ids (that form takes them
-expanded). Measured: its logprobs then equal transformers' at the video's own fps. SGLang keys its prefix cache on
+expanded; for Qwen3-VL they carry the `<x.x seconds>` text of each temporal patch, and no second_per_grid_ts goes).
+Measured: its logprobs then equal transformers' at the video's own fps. SGLang keys its prefix cache on
 the pixel values' hash, so a one-video entry carries vlmrl's hash of the frames and their timing instead; an entry
 holding an image and a video cannot carry one (SGLang takes a hash for one-item entries only): the same pixels sent
 again at another fps would reuse the first one's prompt KV. Over HTTP those tensors do not
