@@ -5,7 +5,9 @@ and the trainer's peak memory for one update step, as ratios in the same run.
     .venv/bin/python benchmarks/bench_lora.py --rank 8 --backends vllm --syncs 5
 
 Sync rows (each one started engine, synced `--syncs` times after a step that moves every trainable weight, the
-median time reported): full fine-tuning into vLLM (every weight); LoRA merged into vLLM (every weight: vLLM reloads
+median time, the most the process's RSS grew during a sync and the most merged LoRA weights alive at once reported;
+`--bucket-mb` sets rollout.sync_bucket_mb):
+full fine-tuning into vLLM (every weight); LoRA merged into vLLM (every weight: vLLM reloads
 whole layers); LoRA adapter into vLLM (enable_lora: the adapter file only); LoRA merged into SGLang (the adapted
 layers only: a partial update). After each sync the engine's greedy output on 4 image requests is checked against
 transformers on the actor's (merged) weights: a row that differs says MISMATCH instead of a time.
@@ -74,22 +76,80 @@ def requests(model: str) -> list:
     return [processor.build_request(row, index=i) for i, row in enumerate(rows)]
 
 
+class PeakRss:
+    """The most this process's RSS grew over its value at the start of the block (sampled every 2 ms; ru_maxrss
+    cannot be reset)."""
+
+    def __enter__(self) -> PeakRss:
+        self.process = psutil.Process()
+        self.start = self.process.memory_info().rss
+        self.peak, self.done = self.start, threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+        self.grew_mib = (max(self.peak, self.process.memory_info().rss) - self.start) / 2**20
+
+
+class MergedAlive:
+    """The most bytes of merged LoRA weights (base + scaled B @ A, `vlmrl.actor.lora.merge_weight`'s results) alive at
+    once during the block: what a merged sync holds on the trainer's side, free of the allocator's noise in RSS. A
+    stream in buckets holds about one bucket; a materialised merged model holds every adapted layer."""
+
+    def __enter__(self) -> MergedAlive:
+        import weakref
+
+        import vlmrl.actor.lora as lora
+
+        self.module, self.merge = lora, lora.merge_weight
+        self.now = self.peak = 0
+
+        def tracked(*args):
+            merged = self.merge(*args)
+            size = merged.numel() * merged.element_size()
+            self.now += size
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(merged, self._freed, size)
+            return merged
+
+        lora.merge_weight = tracked
+        return self
+
+    def _freed(self, size: int) -> None:
+        self.now -= size
+
+    def __exit__(self, *exc) -> None:
+        self.module.merge_weight = self.merge
+
+
 def sync_row(name: str, policy: Actor, backend: str, model: str, syncs: int, reference, **options) -> dict:
     from vlmrl.rollout import get_backend
 
     batch = requests(model)
-    times, sent, exact = [], 0, True
+    times, grew, alive, sent, exact = [], [], [], 0, True
     with get_backend(backend, model, dtype="float32", max_model_len=1024, timeout_s=900, **options) as engine:
         for k in range(syncs):
             perturb(policy, seed=k)
             start = time.perf_counter()
-            policy.sync_weights(engine)
+            with PeakRss() as rss, MergedAlive() as merged:
+                policy.sync_weights(engine)
             times.append(time.perf_counter() - start)
+            grew.append(rss.grew_mib)
+            alive.append(merged.peak / 2**20)
             sent = policy.last_sync_bytes
             reference.update_weights(list(policy.named_tensors()))
             exact &= ([r.response_ids for r in engine.generate(batch, GREEDY)]
                       == [r.response_ids for r in reference.generate(batch, GREEDY)])
     return {"row": name, "backend": backend, "sync_s": statistics.median(times), "bytes": sent,
+            "rss_growth_mib": max(grew), "merged_alive_mib": max(alive), "bucket_mb": engine.options.sync_bucket_mb,
             "path": policy.lora_sync.path(engine) if policy.lora_sync else "full", "equal_to_hf": exact}
 
 
@@ -131,6 +191,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--backends", nargs="+", default=["vllm", "sglang"])
     parser.add_argument("--syncs", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="rollout.sync_bucket_mb for every engine (default: the option's default)")
     parser.add_argument("--out", default="")
     parser.add_argument("--memory-side", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -141,29 +203,34 @@ def main() -> None:
     from vlmrl.rollout import get_backend
 
     result: dict = {"model": args.model, "rank": args.rank, "sync": [], "memory": []}
+    bucket = {} if args.bucket_mb is None else {"sync_bucket_mb": args.bucket_mb}
     with get_backend("hf", model, dtype="float32", max_model_len=1024, timeout_s=900) as reference:
         full, lora = actor(model, 0), actor(model, args.rank)
         if "vllm" in args.backends:
-            result["sync"].append(sync_row("full fine-tuning", full, "vllm", model, args.syncs, reference))
+            result["sync"].append(sync_row("full fine-tuning", full, "vllm", model, args.syncs, reference, **bucket))
             lora.config.lora.sync = "merged"
-            result["sync"].append(sync_row("LoRA merged", lora, "vllm", model, args.syncs, reference))
+            result["sync"].append(sync_row("LoRA merged", lora, "vllm", model, args.syncs, reference, **bucket))
             lora.config.lora.sync = "auto"
             result["sync"].append(sync_row("LoRA adapter", lora, "vllm", model, args.syncs, reference,
                                            max_lora_rank=args.rank))
         if "sglang" in args.backends:
-            result["sync"].append(sync_row("full fine-tuning", full, "sglang", model, args.syncs, reference))
-            result["sync"].append(sync_row("LoRA merged (partial)", lora, "sglang", model, args.syncs, reference))
+            result["sync"].append(sync_row("full fine-tuning", full, "sglang", model, args.syncs, reference, **bucket))
+            result["sync"].append(sync_row("LoRA merged (partial)", lora, "sglang", model, args.syncs, reference,
+                                           **bucket))
     for rank in (0, args.rank):
         out = subprocess.run([sys.executable, __file__, "--model", args.model, "--memory-side", str(rank)],
                              capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
         result["memory"].append(json.loads(out.stdout.strip().splitlines()[-1]))
     full_sync = {r["backend"]: r for r in result["sync"] if r["row"] == "full fine-tuning"}
     print(f"{args.model}, LoRA rank {args.rank}")
-    print(f"{'sync':28} {'backend':8} {'path':8} {'s/sync':>8} {'MB/sync':>9} {'vs full':>8}  equal to hf")
+    print(f"{'sync':28} {'backend':8} {'path':8} {'s/sync':>8} {'MB/sync':>9} {'vs full':>8} {'RSS+ MiB':>9} "
+          f"{'merged MiB':>10} {'bucket MiB':>10}  equal to hf")
     for r in result["sync"]:
         base = full_sync[r["backend"]]
         print(f"{r['row']:28} {r['backend']:8} {r['path']:8} {r['sync_s']:8.3f} {r['bytes'] / 1e6:9.2f} "
-              f"{r['bytes'] / base['bytes']:8.4f}  {'yes' if r['equal_to_hf'] else 'MISMATCH'}")
+              f"{r['bytes'] / base['bytes']:8.4f} {r['rss_growth_mib']:9.1f} {r['merged_alive_mib']:10.1f} "
+              f"{r['bucket_mb']:10g}  "
+              f"{'yes' if r['equal_to_hf'] else 'MISMATCH'}")
     full_mem, lora_mem = result["memory"]
     for m in result["memory"]:
         print(f"memory rank {m['rank']:3}: peak RSS {m['peak_rss_mib']:8.1f} MiB, training state "

@@ -21,31 +21,16 @@ the shared 2-core machine).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from bench_postprocess import prepare_model_dir  # the tiny model with Qwen2.5-VL's default pixel bounds
 
 PROMPT_LENGTH, RESPONSE_LENGTH = 1100, 2048
-QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 3136, 12845056  # Qwen2.5-VL's preprocessor defaults
-
-
-def prepare_model_dir(target: str) -> str:
-    """The tiny model's files with Qwen2.5-VL's default pixel bounds (realistic image sizes stay unresized)."""
-    from vlmrl.models import ensure_built
-
-    shutil.copytree(ensure_built("tiny"), target, dirs_exist_ok=True)
-    config_path = Path(target) / "processor_config.json"
-    config = json.loads(config_path.read_text())
-    for section in ("image_processor", "video_processor"):
-        config[section]["size"] = {"shortest_edge": QWEN_MIN_PIXELS, "longest_edge": QWEN_MAX_PIXELS}
-    config_path.write_text(json.dumps(config, indent=2))
-    return target
 
 
 def workload(processor, prompts: int, n: int, seed: int):

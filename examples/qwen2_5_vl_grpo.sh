@@ -39,8 +39,8 @@
 #       only the adapters train, the KL reference is the base with adapters disabled, vLLM serves the adapter itself
 #       (SGLang gets merged weights). With the real recipe examples/configs/qwen2_5_vl_geo3k_lora.yaml comes after it
 #       (EasyR1's rank 64 / alpha 64 / lr 1e-5); on the CPU demo examples/configs/tiny_synthetic_lora.yaml (the
-#       random-init tiny model needs an adapter on lm_head too, and lr 1e-3: README "LoRA"). LORA_ALPHA defaults to
-#       LORA_RANK.
+#       random-init tiny model needs an adapter on lm_head too, and lr 1e-3; use LORA_RANK=16 there, rank 64
+#       collapsed on some seeds: README "LoRA"). LORA_ALPHA defaults to LORA_RANK.
 #
 # Any key=value argument overrides the config (docs/config.md lists every key), e.g. trainer.total_steps=50.
 # OUTPUT_DIR sets trainer.output_dir (defaults: outputs/demo, outputs/demo-<embedded name>, outputs/qwen2_5_vl_geo3k,

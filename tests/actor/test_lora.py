@@ -11,7 +11,14 @@ import torch
 
 from tests.batches import make_batch
 from vlmrl.actor import Actor
-from vlmrl.actor.lora import ADAPTER_DIR, adapter_tensors, load_adapter_weights, merged_tensors, target_modules
+from vlmrl.actor.lora import (
+    ADAPTER_DIR,
+    adapter_tensors,
+    load_adapter_weights,
+    merged_names,
+    merged_tensors,
+    target_modules,
+)
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.config import ActorConfig, LoraConfig, OptimConfig, load_config
 
@@ -134,6 +141,45 @@ def test_merged_weights_equal_peft_merge_and_unload(tiny_model_path, dtype):
     assert set(changed) == adapted
     base = _base_model(tiny_model_path).to(dtype).state_dict()
     assert all(not torch.equal(changed[k], base[k]) for k in changed)
+
+
+def test_merged_weights_stream_one_layer_at_a_time_under_the_names_announced(tiny_model_path):
+    """A bucketed sync (rollout.sync_bucket_mb) is told the names first and then reads the merged weights as a
+    stream: `merged_names` must be the stream's names in its order, and the stream must not read ahead of the layer
+    it is merging (else host memory holds the model, not a bucket)."""
+    from peft import get_peft_model
+
+    from vlmrl.actor.lora import peft_config
+
+    lora = LoraConfig(rank=4, alpha=8, vision="tower+merger", target_modules=["q_proj", "down_proj", "lm_head"])
+    model = get_peft_model(_base_model(tiny_model_path), peft_config(_base_model(tiny_model_path), lora))
+    state = model.state_dict()
+    position = {name.removeprefix("base_model.model."): i for i, name in enumerate(state)}
+
+    def last_part(name: str) -> int:
+        """Index of the last input the merged weight `name` needs (a LoRA layer's: its base, A or B)."""
+        module, leaf = name.rsplit(".", 1)
+        parts = [f"{module}.base_layer.weight", f"{module}.lora_A.default.weight", f"{module}.lora_B.default.weight"]
+        if leaf == "weight" and parts[1] in position:
+            return max(position[p] for p in parts)
+        return position.get(f"{module}.base_layer.bias" if leaf == "bias" else name, position.get(name))
+
+    for changed_only in (False, True):
+        read = 0
+
+        def counting():
+            nonlocal read
+            for item in state.items():
+                read += 1
+                yield item
+
+        seen = []
+        for name, _ in merged_tensors(counting(), 2.0, changed_only=changed_only):
+            seen.append(name)
+            assert read == last_part(name) + 1, f"{name}: the merge read {read - last_part(name) - 1} tensors ahead"
+        assert seen == merged_names(state, changed_only=changed_only)
+    assert len(merged_names(state, changed_only=True)) == len(peft_config(_base_model(tiny_model_path),
+                                                                          lora).target_modules)
 
 
 def test_adapter_folder_round_trips_and_loads_in_peft(tiny_model_path, batch, tmp_path):

@@ -188,3 +188,62 @@ def test_the_budget_bounds_every_forward(tiny_model_path, batch):
         assert mb.input_ids.numel() == cost([spans[i] for i in rows], packed=False) <= 150 or len(rows) == 1
         packed = micro_batch(batch, rows, actor.device, packed=True)
         assert packed.input_ids.numel() == cost([spans[i] for i in rows], packed=True)
+
+
+# ---- the packed forward on Qwen3-VL (interleaved mrope, deepstack) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_batches(tiny_qwen3_vl_path, synthetic_rows):
+    """Like `batch` and `padded_batch`, built with the embedded Qwen3-VL's processor (its own 32-px image grids)."""
+    from vlmrl.processors import ProcessorConfig, load_processor
+
+    processor = load_processor(tiny_qwen3_vl_path, ProcessorConfig(max_prompt_length=64))
+    plain = make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,), response_length=8)
+    padded = upsample_to_multiple(plain, 12, eos_token_id=processor.eos_token_ids[0],
+                                  pad_token_id=processor.pad_token_id)
+    return {"plain": plain, "padding-rows": padded}
+
+
+@pytest.mark.parametrize("kind", ["plain", "padding-rows"])
+def test_qwen3_vl_packed_logprobs_equal_the_padded_pass(tiny_qwen3_vl_path, qwen3_batches, kind):
+    """transformers' Qwen3-VL text model takes the same (4, 1, T) ids as Qwen2.5-VL's (row 0: text positions, from
+    which it builds the packed mask); the deepstack features land on the packed sequence's image tokens. Packs mix
+    rows with images and text-only rows; without the text row the rows would attend across each other."""
+    data = qwen3_batches[kind]
+    actor = Actor(actor_config(tiny_qwen3_vl_path, ppo_micro_batch_size_per_gpu=3), total_steps=1,
+                  mini_batch_samples=8)
+    expected, expected_entropy = actor.compute_logprobs(data, with_entropy=True)
+    actor.config.padding_free = True
+    got, entropy = actor.compute_logprobs(data, with_entropy=True)
+    assert (expected[data.response_mask > 0] != 0).all()
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    assert torch.allclose(entropy, expected_entropy, atol=1e-5), (entropy - expected_entropy).abs().max()
+
+    from vlmrl.actor.core import forward_response
+
+    rows = [0, 4, 6]  # an image row, a text-only row, an image row
+    mb = micro_batch(data, rows, actor.device, packed=True)
+    mb.position_ids = mb.position_ids[1:]  # mrope ids only: one causal mask over the whole pack
+    with torch.no_grad():
+        leaky, _ = forward_response(actor.model.eval(), mb, 1.0, False)
+    mask = data.response_mask[rows, :mb.response_width]
+    assert not torch.allclose(leaky[1:] * mask[1:], expected[rows[1:], :mb.response_width], atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["plain", "padding-rows"])
+@pytest.mark.parametrize("overrides", [dict(padding_free=True), dict(micro_batch_tokens=150, padding_free=True)],
+                         ids=["packed", "budget-packed"])
+def test_qwen3_vl_packed_update_equals_the_padded_update(tiny_qwen3_vl_path, qwen3_batches, kind, overrides):
+    data = qwen3_batches[kind]
+    base, base_metrics, base_grads = _update(tiny_qwen3_vl_path, data, ppo_micro_batch_size_per_gpu=2)
+    new, metrics, grads = _update(tiny_qwen3_vl_path, data, ppo_micro_batch_size_per_gpu=2, **overrides)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl"):
+        assert metrics[key] == pytest.approx(base_metrics[key], rel=1e-7, abs=1e-10), key
+    assert base_metrics["actor/grad_norm"] > 0
+    assert grads.keys() == base_grads.keys()
+    assert any("deepstack" in name for name in grads)  # the deepstack mergers are trained through the pack too
+    for name, grad in base_grads.items():
+        assert torch.allclose(grads[name], grad, rtol=1e-6, atol=1e-10), name
+    for (name, p), (_, q) in zip(base.model.named_parameters(), new.model.named_parameters()):
+        assert torch.allclose(p, q, rtol=1e-7, atol=1e-10), name

@@ -211,6 +211,11 @@ def assert_same_groups(restored, original) -> None:
             value = getattr(want.request, field.name)
             if field.name == "images":
                 assert [pixels(im) for im in got.request.images] == [pixels(im) for im in value], uid
+            elif field.name == "videos":
+                assert [(v.frames.tobytes(), v.frames.shape, v.fps, v.frame_indices, v.total_frames, v.hash)
+                        for v in got.request.videos] == \
+                       [(v.frames.tobytes(), v.frames.shape, v.fps, v.frame_indices, v.total_frames, v.hash)
+                        for v in value], f"group {uid}: request.videos"
             else:
                 assert getattr(got.request, field.name) == value, f"group {uid}: request.{field.name}"
         assert got.resumed and len(got.trajectories) == len(want.trajectories)

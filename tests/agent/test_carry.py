@@ -79,6 +79,57 @@ def test_restored_groups_are_equal_and_the_next_step_matches_the_uninterrupted_l
         assert fresh_log.events[key].count("release") == 1
 
 
+def test_a_carried_group_with_a_video_resumes_identically(scripted_backend, processor, tiny_model_path, tmp_path):
+    """A prompt holding an image and a video (sampled at 1 fps: other timing than the default, which the position
+    ids depend on), parked mid-conversation: restored into a fresh loop it has the same frames and timing, and the
+    next step gives the uninterrupted loop's samples (video inputs and position ids included)."""
+    from vlmrl.data.synthetic import generate_rows
+    from vlmrl.processors import load_processor
+    from vlmrl.processors.config import ProcessorConfig
+
+    video_processor = load_processor(tiny_model_path, ProcessorConfig(video_fps=1.0))
+    frames = generate_rows("motion", 1, 0, "val")[0]["videos"][0]
+
+    def video_requests(*questions: str) -> list[RolloutRequest]:
+        return [video_processor.build_request(dict(scripted.row(q), videos=[frames], prompt=[
+            {"role": "user", "content": "<image><video>" + q}])) for q in questions]
+
+    with make_loop(scripted_backend, processor, Lifecycle()) as original:
+        original.step(video_requests(scripted.LONG_QUESTION, scripted.LONG_QUESTION, scripted.SHORT_QUESTION,
+                                     scripted.SHORT_QUESTION), GREEDY, batch_size=1, policy_version=0)
+        carried = original.carried
+        assert carried and all(g.request.videos and g.request.videos[0].sample_fps == 1.0 for g in carried)
+        assert any(not t.done for g in carried for t in g.trajectories)
+        assert original.save_carried(tmp_path) == len(carried)
+
+        with make_loop(scripted_backend, processor, Lifecycle()) as resumed:
+            assert resumed.restore_carried(tmp_path) == len(carried)
+            assert_same_groups(resumed.carried, carried)
+            new = video_requests(scripted.SHORT_QUESTION)
+            expected = original.step(new, GREEDY, batch_size=2, policy_version=1)
+            got = resumed.step(new, GREEDY, batch_size=2, policy_version=1)
+            assert len(got.samples) == len(expected.samples) == 4
+            assert all("pixel_values_videos" in s.sample.multi_modal_inputs for s in got.samples)
+            for i, (a, b) in enumerate(zip(got.samples, expected.samples)):
+                assert_same_sample(a, b, f"step 2 sample {i}")
+
+
+def test_a_damaged_video_is_refused_naming_the_checkpoint(processor, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from vlmrl.data.synthetic import generate_rows
+
+    row = generate_rows("motion", 1, 0, "val")[0]
+    request = processor.build_request(row)
+    write_carried(tmp_path, [(request, [])], {})
+    tensors = load_file(tmp_path / CARRIED_TENSORS)
+    tensors["g0/request/video0"][0, 0, 0, 0] ^= 1
+    save_file(tensors, tmp_path / CARRIED_TENSORS)
+    with pytest.raises(ValueError, match=r"agent_carried.json: video 'g0/request/video0' does not match its saved "
+                                         r"hash \(a damaged checkpoint\)"):
+        read_carried(tmp_path)
+
+
 def test_a_folder_without_carried_groups_loads_with_a_log_line(scripted_backend, processor, tmp_path, caplog):
     backend = scripted_backend
     with make_loop(backend, processor, Lifecycle()) as loop, caplog.at_level(logging.WARNING, "vlmrl.agent.loop"):

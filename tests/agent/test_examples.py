@@ -55,3 +55,35 @@ def test_add_tools_prompt(tmp_path, tiny_model_path):
     request = load_processor(tiny_model_path).build_request(converted[0], index=0)
     text = load_processor(tiny_model_path).tokenizer.decode(request.prompt_ids)
     assert '"name": "check_answer"' in text and text.count("<|im_start|>system") == 1
+
+
+# the released models' image processor bounds (preprocessor_config.json min_pixels / max_pixels)
+RELEASED_PIXEL_BOUNDS = {"tiny": (3136, 12845056), "tiny-qwen3-vl": (65536, 16777216)}
+
+
+@pytest.mark.parametrize("config_file", CONFIGS, ids=[c.name for c in CONFIGS])
+@pytest.mark.parametrize("model", sorted(RELEASED_PIXEL_BOUNDS))
+def test_example_pixel_bounds_suit_both_families(config_file, model, tmp_path):
+    """An agent example's data section loads a processor for Qwen2.5-VL and for Qwen3-VL (each embedded model given
+    its released model's pixel bounds): min_pixels is the model's own, max_pixels the example's. A Qwen2.5-VL
+    min_pixels of 3136 is below Qwen3-VL's 65536 and is refused."""
+    import json
+    import shutil
+
+    from vlmrl.config import load_config
+    from vlmrl.models import ensure_built
+    from vlmrl.processors import load_processor
+
+    folder = tmp_path / model
+    shutil.copytree(ensure_built(model), folder)
+    low, high = RELEASED_PIXEL_BOUNDS[model]
+    processor_config = json.loads((folder / "processor_config.json").read_text())
+    processor_config["image_processor"]["size"] = {"shortest_edge": low, "longest_edge": high}
+    (folder / "processor_config.json").write_text(json.dumps(processor_config))
+    data = load_config([f"config={config_file}"], check_model=False).data
+    processor = load_processor(str(folder), data)
+    assert (processor.min_pixels, processor.max_pixels) == (low, data.max_pixels)
+    if low > 3136:
+        data.min_pixels = 3136
+        with pytest.raises(ValueError, match="must lie within the model's image processor bounds"):
+            load_processor(str(folder), data)

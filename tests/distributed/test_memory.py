@@ -1,6 +1,7 @@
 """The memory options on two Ray workers (FSDP2, gloo, CPU) take the single-process actor's step: token-budget
-micro-batches with the packed forward (ranks given balanced rows, each rank splitting its packs to the count of the
-rank with the most), and parameter + optimizer offload (torch's CPUOffloadPolicy). float64 as in test_group."""
+micro-batches, padded or with the packed forward (ranks given balanced rows, each rank splitting its packs to the
+count of the rank with the most), the packed forward on fixed rows, and parameter + optimizer offload (torch's
+CPUOffloadPolicy). float64 as in test_group."""
 
 from __future__ import annotations
 
@@ -32,14 +33,17 @@ def batch(processor, synthetic_rows):
     return upsample_to_multiple(real, 8, eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
 
 
-@pytest.mark.parametrize("dp2_options", [dict(micro_batch_tokens=120, padding_free=True),
-                                         dict(offload=OffloadConfig(params=True, optimizer=True, reference=True))],
-                         ids=["token-budget-packed", "offload"])
+@pytest.mark.parametrize("dp2_options", [
+    dict(micro_batch_tokens=120, padding_free=True),
+    dict(micro_batch_tokens=120),  # budget only: padded packs
+    dict(micro=2, padding_free=True),  # fixed rows, each micro-batch 2 rows packed
+    dict(offload=OffloadConfig(params=True, optimizer=True, reference=True)),
+], ids=["token-budget-packed", "token-budget", "packed", "offload"])
 def test_dp2_with_memory_options_matches_dp1_fixed_rows(ray_cluster, tiny_model_path, batch, dp2_options):
     extra = dict(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
     reference = single_process(actor_config(tiny_model_path, micro=3, **extra), mini_batch_samples=4)
     start = {k: v.clone() for k, v in reference.named_tensors()}
-    with start_dp2(actor_config(tiny_model_path, micro=1, **extra, **dp2_options), mini_batch_samples=4) as dp2:
+    with start_dp2(actor_config(tiny_model_path, **extra, **{"micro": 1, **dp2_options}), mini_batch_samples=4) as dp2:
         old, entropy = dp2.compute_logprobs(batch, with_entropy=True)
         ref_lp, _ = dp2.compute_logprobs(batch, reference=True)
         expected_old, expected_entropy = reference.compute_logprobs(batch, with_entropy=True)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tests.batches import make_batch
+from vlmrl.actor.core import mean_metrics
 from vlmrl.batch import required_batch_multiple, upsample_to_multiple
 from vlmrl.distributed.sharding import (
     engine_hosts,
     even_row_blocks,
-    mean_metrics,
     select_rows,
     update_row_blocks,
     update_shards,
@@ -87,6 +87,7 @@ def test_select_rows_takes_every_per_row_field(processor, synthetic_rows):
 
 def test_metric_parts_average_over_ranks():
     assert mean_metrics([{"a": 1.0, "g": 2.0}, {"a": 3.0, "g": 2.0}]) == {"a": 2.0, "g": 2.0}
+    assert mean_metrics([{"a": 1.0, "b": 4.0}, {"a": 3.0}]) == {"a": 2.0, "b": 2.0}  # a rank without b: 0
     # ratio extremes are extremes over ranks (a rank without tokens reports the identities +-inf)
     ranks = [{"actor/ratio_min": 0.9, "actor/ratio_max": 1.2}, {"actor/ratio_min": float("inf"),
                                                                  "actor/ratio_max": float("-inf")}]

@@ -18,7 +18,7 @@ from tests.rollout.helpers import GREEDY, noise_image
 from vlmrl.models import families
 from vlmrl.models.families import QWEN2_5_VL, QWEN3_VL
 from vlmrl.rollout import EngineDeadError, EngineTimeoutError, InvalidRequestError, RolloutError, base, get_backend
-from vlmrl.rollout.base import DeadlineRunner, checkpoint_state, finish_at_stop, top_allowed
+from vlmrl.rollout.base import DeadlineRunner, finish_at_stop, top_allowed, weight_sync
 from vlmrl.types import RolloutRequest, SamplingParams
 
 # ---------------------------------------------------------------------------------------------- request checks
@@ -119,11 +119,16 @@ def test_checkpoint_names_follow_the_family():
     for name in ("model.language_model.layers.1.mlp.up_proj.bias", "model.visual.deepstack_merger_list.0.norm.weight",
                  "model.visual.merger.linear_fc1.weight", "lm_head.weight"):
         assert QWEN3_VL.checkpoint_name(name) == name
-    state = checkpoint_state([("model.visual.merger.linear_fc1.weight", torch.ones(1))], QWEN3_VL)
-    assert list(state) == ["model.visual.merger.linear_fc1.weight"]
-    with pytest.raises(ValueError, match="given twice"):
-        checkpoint_state([("model.language_model.norm.weight", torch.ones(1)), ("model.norm.weight", torch.ones(1))],
-                         QWEN2_5_VL)
+    merger = "model.visual.merger.linear_fc1.weight"
+    for family, name, key in ((QWEN3_VL, merger, merger),
+                              (QWEN2_5_VL, "model.visual.merger.mlp.0.weight", "visual.merger.mlp.0.weight")):
+        sync = weight_sync([(name, torch.ones(1))], None, set(), None, 0, "test", family)
+        assert sync.names == {key} and [list(b) for b in sync.buckets] == [[key]]
+    with pytest.raises(ValueError, match="given twice"):  # two in-memory names, one checkpoint name
+        weight_sync([("model.language_model.norm.weight", torch.ones(1)), ("model.norm.weight", torch.ones(1))],
+                    None, set(), None, 0, "test", QWEN2_5_VL)
+    with pytest.raises(ValueError, match="got no tensors"):
+        weight_sync([], None, set(), None, 0, "test", QWEN2_5_VL)
 
 
 @pytest.mark.parametrize("module", [families, base])
@@ -194,8 +199,6 @@ def _named(sizes: list[int], dtype=torch.float32) -> list[tuple[str, torch.Tenso
 
 
 def test_buckets_hold_at_most_the_bucket_size_but_for_a_larger_tensor_alone():
-    from vlmrl.rollout.base import weight_sync
-
     named = _named([100, 100, 300, 50, 50, 50])  # float32: 400, 400, 1200, 200, 200, 200 bytes
     sync = weight_sync(named, None, set(), torch.float32, bucket_bytes=800, backend="test",
                        family=QWEN2_5_VL)
@@ -206,8 +209,6 @@ def test_buckets_hold_at_most_the_bucket_size_but_for_a_larger_tensor_alone():
 
 
 def test_buckets_are_cast_to_the_engine_dtype_and_read_lazily():
-    from vlmrl.rollout.base import weight_sync
-
     named = _named([10, 10, 10])
     read: list[str] = []
 
@@ -224,8 +225,6 @@ def test_buckets_are_cast_to_the_engine_dtype_and_read_lazily():
 
 
 def test_a_stream_that_differs_from_its_announced_names_is_refused():
-    from vlmrl.rollout.base import weight_sync
-
     named = _named([4, 4])
     sync = weight_sync(iter(named), [named[1][0], named[0][0]], set(), None, 0, "test", QWEN2_5_VL)
     with pytest.raises(ValueError, match="not the announced"):
@@ -233,8 +232,6 @@ def test_a_stream_that_differs_from_its_announced_names_is_refused():
 
 
 def test_an_untied_copy_is_refused_in_a_stream_even_buckets_apart():
-    from vlmrl.rollout.base import weight_sync
-
     embed = torch.randn(8, 4)
     named = [("model.language_model.embed_tokens.weight", embed), *_named([64, 64]), ("lm_head.weight", embed + 1)]
     model_names = {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
@@ -249,3 +246,45 @@ def test_an_untied_copy_is_refused_in_a_stream_even_buckets_apart():
     buckets = list(weight_sync(iter(tied), [n for n, _ in tied], model_names, None, 256, "test",
                                QWEN2_5_VL).buckets)
     assert len(buckets) > 1 and "lm_head.weight" not in {k for b in buckets for k in b}
+
+
+def test_synced_tensors_are_detached_contiguous_cpu_copies_of_what_was_given():
+    weight = torch.arange(12.0).reshape(3, 4).t().requires_grad_()  # a transposed view: not contiguous
+    (bucket,) = weight_sync([("model.norm.weight", weight)], None, set(), None, 0, "test", QWEN2_5_VL).buckets
+    sent = bucket["model.norm.weight"]
+    assert sent.is_contiguous() and not sent.requires_grad and sent.device.type == "cpu"
+    assert torch.equal(sent, weight.detach())
+
+
+EMBED_KEY = "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("model_names, shift, sent", [
+    ({EMBED_KEY}, 0.0, {EMBED_KEY}),  # tied checkpoint: the equal copy is left out
+    ({EMBED_KEY, "lm_head.weight"}, 0.0, {EMBED_KEY, "lm_head.weight"}),  # untied checkpoint: both go
+    ({EMBED_KEY, "lm_head.weight"}, 1.0, {EMBED_KEY, "lm_head.weight"}),  # ... and may differ
+    (set(), 1.0, {EMBED_KEY, "lm_head.weight"}),  # the model's names unknown: everything goes, unchecked
+], ids=["tied", "untied-checkpoint-equal", "untied-checkpoint-different", "unknown-names"])
+def test_a_tied_copy_is_left_out_only_where_the_checkpoint_lacks_it(model_names, shift, sent):
+    """The cases of the checkpoint_state + drop_tied_copies pair that weight_sync replaced, with the values at hand
+    and as a stream (a differing copy of a tied checkpoint: test_an_untied_copy_is_refused_...)."""
+    embed = torch.randn(8, 4)
+    named = [("model.language_model.embed_tokens.weight", embed), ("lm_head.weight", embed + shift)]
+    for names in (None, [n for n, _ in named]):
+        sync = weight_sync(named if names is None else iter(named), names, model_names, None, 0, "test", QWEN2_5_VL)
+        (bucket,) = sync.buckets
+        assert sync.names == set(bucket) == sent
+        assert torch.equal(bucket[EMBED_KEY], embed)
+        if "lm_head.weight" in sent:
+            assert torch.equal(bucket["lm_head.weight"], embed + shift)
+
+
+def test_qwen3_vl_ties_in_its_own_checkpoint_names():
+    """Qwen3-VL's checkpoints keep the nesting: its tied copy is dropped, and an untied one refused, under
+    model.language_model.embed_tokens.weight."""
+    embed = torch.randn(8, 4)
+    model_names = {"model.language_model.embed_tokens.weight"}
+    named = [("model.language_model.embed_tokens.weight", embed), ("lm_head.weight", embed.clone())]
+    assert weight_sync(named, None, model_names, None, 0, "test", QWEN3_VL).names == model_names
+    with pytest.raises(ValueError, match="ties lm_head.weight to model.language_model.embed_tokens.weight"):
+        weight_sync([named[0], ("lm_head.weight", embed + 1)], None, model_names, None, 0, "test", QWEN3_VL)

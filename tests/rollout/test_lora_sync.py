@@ -2,10 +2,11 @@
 equals the transformers model with the adapters merged, on 8 requests with images; language-model and vision
 (tower + merger) adapters together.
 
-Paths (actor.lora.sync): (a) merged weights on every backend - vLLM takes the full state dict, SGLang and hf only
-the adapted layers (partial updates); (b) the adapter itself on vLLM (started with enable_lora and
+Paths (actor.lora.sync): (a) merged weights on every backend - vLLM takes the full state dict, SGLang (Engine and HTTP
+server) and hf only the adapted layers where they take partial updates; (b) the adapter itself on vLLM (started with enable_lora and
 enable_tower_connector_lora). SGLang cannot serve adapters on CPU (its LoRA memory pool needs pinned memory, i.e. an
-accelerator), so `auto` falls back to merged there and says so once. After a sync that changes only the vision
+accelerator), so `auto` falls back to merged there and says so once. Merged syncs stream in small buckets
+(rollout.sync_bucket_mb) and must land exactly as HF's one-bucket load of the merged model. After a sync that changes only the vision
 adapters, a request whose image the engine has already encoded must come out as the new weights compute it (the
 engines' encoder caches are reset or keyed by weight version)."""
 
@@ -21,6 +22,9 @@ from vlmrl.actor import Actor
 from vlmrl.config import ActorConfig, LoraConfig
 
 RANK = 8
+BUCKET_MB = 0.25
+"""Merged syncs in buckets of 0.25 MiB (rollout.sync_bucket_mb; the tiny model is 3.4 MB): a dozen buckets, layers
+split across them; the HF reference loads the merged model in one."""
 
 
 def image_requests(processor) -> list:
@@ -93,6 +97,13 @@ def check_engine(policy: Actor, engine, base_greedy, merged_hf, requests, sync: 
     """Both adapters on: == HF merged and != the base model; then only the vision adapters change, and the same
     requests (images already encoded by the engine) follow."""
     set_adapters(policy, language=0.5, vision=0.0, seed=1)
+    if path == "merged":  # streamed in buckets (HF's reference takes one): layers merged as their bucket fills
+        from vlmrl.actor.lora import merged_tensors
+
+        engine.options.sync_bucket_mb = BUCKET_MB
+        sent = merged_tensors(policy.model.state_dict().items(), policy.lora_sync.scaling,
+                              changed_only=engine.accepts_partial_weights)
+        assert len(list(engine.sync_plan(sent).buckets)) >= 4, "too few buckets: nothing bucketed was tested"
     first = sync_and_check(policy, engine, merged_hf, requests, sync, path)
     assert any(a.response_ids != b.response_ids for a, b in zip(first, base_greedy)), \
         "the adapters did not change any output: nothing was compared"
@@ -152,6 +163,19 @@ def test_sglang_takes_merged_adapted_layers_only_path_a(tiny_model_path, policy,
 
         adapted = sum(m.base_layer.weight.numel() * 4 for m in policy.model.modules() if isinstance(m, LoraLayer))
         assert policy.last_sync_bytes == adapted, "a partial update sends the adapted layers' weights only"
+
+
+@pytest.mark.sglang
+def test_sglang_server_takes_merged_weights_path_a(tiny_model_path, tmp_path, policy, base_greedy, merged_hf,
+                                                   requests):
+    """The HTTP server cannot serve adapters from vlmrl (no adapter upload on CPU), so `auto` merges; its multimodal
+    embedding cache stays ON, so the vision-only sync must still reach images the server has already encoded."""
+    from vlmrl.rollout import get_backend
+
+    with get_backend("sglang-server", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
+                     vlm_cache_size_mb=100, log_file=str(tmp_path / "server.log")) as engine:
+        assert not engine.serves_adapters()
+        check_engine(policy, engine, base_greedy, merged_hf, requests, sync="auto", path="merged")
 
 
 @pytest.mark.vllm

@@ -87,19 +87,23 @@ def test_lora_run_killed_after_a_checkpoint_resumes_bit_exactly(tiny_model_path,
 
 
 @pytest.mark.slow
-def test_the_demos_lora_settings_learn_the_synthetic_task(tmp_path):
-    """`LORA_RANK=64 examples/qwen2_5_vl_grpo.sh`: the demo's config with examples/configs/tiny_synthetic_lora.yaml
-    (adapters on the language model and lm_head, lr 1e-3): validation accuracy rises >= 0.3 above its step-0 value
-    (chance, after the random-label warm-up) within 100 steps. Measured on vLLM: 0.25 to step 30, 0.62 at 50, 0.66
-    at 80. Without the lm_head adapter it stayed at 0.25 for 100 steps (README "LoRA")."""
+@pytest.mark.parametrize(("seed", "steps"), [(1, 100), (2, 150)])
+def test_the_demos_lora_settings_learn_the_synthetic_task(tmp_path, seed, steps):
+    """`LORA_RANK=16 examples/qwen2_5_vl_grpo.sh`: the demo's config with examples/configs/tiny_synthetic_lora.yaml
+    (rank 16 adapters on the language model and lm_head, lr 1e-3): validation accuracy rises >= 0.3 above its step-0
+    value (chance, after the random-label warm-up) within the demo's budget. Two seeds: seed 2 is the one on which
+    rank 64 collapsed onto one colour and never learned (README "LoRA"). Measured on vLLM: seed 1 0.25 -> 0.71 at 80,
+    0.73 at 100; seed 2 0.27 -> 0.48 at 100, 0.60 at 110, 0.69 at 140 (seed 3, not run here for time: 0.27 -> 0.58 at
+    100). Each seed is a full demo run (~2-3 min on 2 cores)."""
     backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
     out = tmp_path / "demo_lora"
     fit(load_config([f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic.yaml'}",
                      f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic_lora.yaml'}", f"rollout.name={backend}",
-                     "trainer.total_steps=100", "trainer.save_freq=100", f"trainer.output_dir={out}"]))
+                     f"trainer.seed={seed}", f"trainer.total_steps={steps}", f"trainer.save_freq={steps}",
+                     f"trainer.output_dir={out}"]))
     rows = read_metrics(out / "metrics.jsonl")
     curve = [(row["step"], row["val/accuracy"]) for row in rows if "val/accuracy" in row]
     start = curve[0][1]
     assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"
-    assert max(acc for _, acc in curve) >= start + 0.3, f"LoRA: validation accuracy did not rise by 0.3: {curve}"
-    assert (out / "checkpoints" / "global_step_100" / "adapter").is_dir()  # it was a LoRA run
+    assert max(acc for _, acc in curve) >= start + 0.3, f"LoRA seed {seed}: accuracy did not rise by 0.3: {curve}"
+    assert (out / "checkpoints" / f"global_step_{steps}" / "adapter").is_dir()  # it was a LoRA run

@@ -218,10 +218,10 @@ def needs_old_logprobs(config: ActorConfig, batch_rows: int, mini_batch_rows: in
     return not (config.ppo_epochs == 1 and batch_rows == mini_batch_rows)
 
 
-def mini_batch_scales(response_mask: torch.Tensor, mini_batch_rows: int, mode: str, world_size: int = 1
+def mini_batch_scales(response_mask: torch.Tensor, mini_batch_rows: int, mode: str
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per mini-batch (row blocks of `mini_batch_rows`): the loss normaliser of `mode` and the token count, each of
-    the WHOLE mini-batch divided by `world_size` (a sharded rank's share: the ranks' averaged gradient is then the
+    """Per mini-batch (row blocks of `mini_batch_rows`): the loss normaliser of `mode` and the token count of the
+    WHOLE mini-batch (a sharded rank divides both by the world size: the ranks' averaged gradient is then the
     single-process one). The token counts weigh the token-mean metrics (clip fractions, ratios, KL).
 
     The response width R is data.max_response_length (every batch is padded to it), seq-mean-token-sum-norm's
@@ -229,8 +229,8 @@ def mini_batch_scales(response_mask: torch.Tensor, mini_batch_rows: int, mode: s
     normalisers, tokens = [], []
     for rows in chunks(range(response_mask.shape[0]), mini_batch_rows):
         mask = response_mask[rows]
-        normalisers.append(loss_normaliser(mask, mode) / world_size)
-        tokens.append((mask != 0).sum().to(torch.float64) / world_size)
+        normalisers.append(loss_normaliser(mask, mode))
+        tokens.append((mask != 0).sum().to(torch.float64))
     return normalisers, tokens
 
 
@@ -248,6 +248,16 @@ def combine_metric(key: str, total: float | None, value: float) -> float:
 def is_extreme(key: str) -> bool:
     """A metric combined by min / max, not averaged."""
     return key.endswith(("_min", "_max"))
+
+
+def mean_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Average each metric over `parts` (optimizer steps, or dp ranks), a part without the key counting as 0;
+    *_min / *_max take the extreme (`combine_metric`)."""
+    totals: dict[str, float] = {}
+    for metrics in parts:
+        for key, value in metrics.items():
+            totals[key] = combine_metric(key, totals.get(key), value)
+    return {key: value if is_extreme(key) else value / len(parts) for key, value in totals.items()}
 
 
 class ActorCore:
@@ -393,8 +403,8 @@ class ActorCore:
             raise ValueError("actor.use_kl_loss is on but no reference logprobs were given")
         token_adv = broadcast_to_tokens(advantages.float(), batch.response_mask)
         self.model.train()
-        totals: dict[str, float] = {}
-        steps = skipped = 0
+        steps: list[dict[str, float]] = []
+        skipped = 0
         for _ in range(cfg.ppo_epochs):
             for normaliser, num_tokens, mini_rows in zip(normalisers, token_counts,
                                                          chunks(range(len(batch)), mini_batch_rows), strict=True):
@@ -410,10 +420,8 @@ class ActorCore:
                     logger.warning("non-finite gradient norm; optimizer step skipped")
                     skipped += 1
                 parts["actor/grad_norm"] = grad_norm
-                for key, value in parts.items():
-                    totals[key] = combine_metric(key, totals.get(key), value)
-                steps += 1
-        metrics = {key: value if is_extreme(key) else value / steps for key, value in totals.items()} if steps else {}
+                steps.append(parts)
+        metrics = mean_metrics(steps) if steps else {}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/skipped_steps"] = float(skipped)
         self.scheduler.step()
@@ -424,7 +432,8 @@ class ActorCore:
                     loss_weights: torch.Tensor | None, keep_empty_micro_batches: bool) -> dict[str, float]:
         """Forward/backward every micro-batch of one mini-batch; returns the mini-batch's loss parts (losses divided
         by `normaliser`, token-mean metrics weighted by the micro-batch's share of `num_tokens`: on FSDP ranks the
-        average over ranks is then the global mini-batch value; ratio_min / _max are extremes)."""
+        average over ranks is then the global mini-batch value; ratio_min / _max are extremes). The parts are summed
+        as float64 tensors on the device and read once at the end: no host sync between micro-batches."""
         cfg = self.config
         mode = cfg.loss_agg_mode
         loss_fn = POLICY_LOSS_FNS[cfg.policy_loss]
@@ -434,20 +443,26 @@ class ActorCore:
         self.optimizer.zero_grad(set_to_none=True)
         token_means = ("pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "dual_clip_fraction", "ratio_mean",
                        "ppo_kl")
-        parts = dict.fromkeys(("actor/pg_loss", "actor/entropy", *(f"actor/{k}" for k in token_means)), 0.0)
-        parts.update({"actor/ratio_min": math.inf, "actor/ratio_max": -math.inf})
+        start = dict.fromkeys(("actor/pg_loss", "actor/entropy", *(f"actor/{k}" for k in token_means)), 0.0)
+        start.update({"actor/ratio_min": math.inf, "actor/ratio_max": -math.inf})
         if cfg.entropy_coeff:
-            parts["actor/entropy_loss"] = 0.0
+            start["actor/entropy_loss"] = 0.0
         if cfg.use_kl_loss:
-            parts["actor/kl_loss"] = 0.0
+            start["actor/kl_loss"] = 0.0
         compare_rollout = batch.rollout_logprobs is not None and self.temperature == 1.0
         if compare_rollout:
-            parts["rollout/logprob_abs_diff"] = 0.0
+            start["rollout/logprob_abs_diff"] = 0.0
+        parts = {key: torch.full((), value, dtype=torch.float64, device=self.device) for key, value in start.items()}
+
+        def scalar(value: torch.Tensor | float) -> torch.Tensor:
+            return torch.as_tensor(value, device=self.device).detach().to(torch.float64)
+
         for rows in self.micro_batches(batch, mini_rows):
             mb = micro_batch(batch, rows, self.device, cfg.padding_free)
             width = mb.response_width
-            mask = batch.response_mask[rows, :width].to(self.device)
-            share = float(mask.sum() / num_tokens)  # this micro-batch's weight in the mini-batch token mean
+            host_mask = batch.response_mask[rows, :width]
+            share = float(host_mask.sum() / num_tokens)  # this micro-batch's weight in the mini-batch token mean
+            mask = host_mask.to(self.device)
             if share == 0 and not keep_empty_micro_batches:
                 continue
             with self.autocast():
@@ -465,28 +480,28 @@ class ActorCore:
             # summed in the weights' precision (at least float32; entropy comes in float32): a float64 model then
             # splits exactly over micro-batches, a float32 one is unchanged
             entropy_term = agg_loss(entropy.to(precision), mask, mode, normaliser)
-            parts["actor/entropy"] += float(entropy_term.detach())
+            parts["actor/entropy"] += scalar(entropy_term)
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * entropy_term
-                parts["actor/entropy_loss"] += float(entropy_term.detach())
+                parts["actor/entropy_loss"] += scalar(entropy_term)
             if cfg.use_kl_loss:
                 ref = ref_logprobs[rows, :width].to(self.device)
                 kl_loss = agg_loss(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, mode, normaliser)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                parts["actor/kl_loss"] += float(kl_loss.detach())
+                parts["actor/kl_loss"] += scalar(kl_loss)
             loss.backward()
-            parts["actor/pg_loss"] += float(pg_loss.detach())
+            parts["actor/pg_loss"] += scalar(pg_loss)
             m = out.metrics
             weighted = {"pg_clipfrac": m["clipfrac_low"] + m["clipfrac_high"],  # disjoint: A < 0 vs A > 0
                         "pg_clipfrac_low": m["clipfrac_low"], "pg_clipfrac_high": m["clipfrac_high"],
                         "dual_clip_fraction": m["dual_clip_fraction"], "ratio_mean": m["ratio_mean"],
                         "ppo_kl": m["approx_kl"]}
             for key, value in weighted.items():
-                parts[f"actor/{key}"] += float(value) * share
+                parts[f"actor/{key}"] += scalar(value) * share
             if share:  # a micro-batch without tokens has no ratio (its min/max are the identities +-inf)
-                parts["actor/ratio_min"] = min(parts["actor/ratio_min"], float(m["ratio_min"]))
-                parts["actor/ratio_max"] = max(parts["actor/ratio_max"], float(m["ratio_max"]))
+                parts["actor/ratio_min"] = torch.minimum(parts["actor/ratio_min"], scalar(m["ratio_min"]))
+                parts["actor/ratio_max"] = torch.maximum(parts["actor/ratio_max"], scalar(m["ratio_max"]))
             if compare_rollout:  # engine vs trainer: how off-policy the samples really are
                 gap = (old - batch.rollout_logprobs[rows, :width].to(self.device)).abs()
-                parts["rollout/logprob_abs_diff"] += float(token_mean(gap, mask, num_tokens))
-        return parts
+                parts["rollout/logprob_abs_diff"] += scalar(token_mean(gap, mask, num_tokens))
+        return dict(zip(parts, torch.stack(list(parts.values())).tolist()))  # the one host sync

@@ -3,7 +3,8 @@ weights for the engines, and the adapter files vLLM serves and checkpoints keep.
 
     model = apply_lora(model, config.lora)                   # PeftModel; only lora_A / lora_B require grad
     with adapters_disabled(model): ...                        # the base model: the KL reference, exactly
-    merged_tensors(model.state_dict().items(), scaling)       # (HF name, base + scaling * B @ A) for every weight
+    merged_tensors(model.state_dict().items(), scaling)       # (HF name, base + scaling * B @ A), streamed
+    merged_names(model.state_dict())                          # the same names, in the same order, without tensors
     write_adapter(folder, model.state_dict().items(), peft_config)   # adapter_model.safetensors + adapter_config.json
 
 Names. Inside a PeftModel every weight is `base_model.model.<HF name>`; an adapted Linear's own weight becomes
@@ -126,8 +127,18 @@ def adapters_disabled(model: torch.nn.Module):
     peft_model = peft_model_of(model)
     if peft_model is None:
         raise ValueError("adapters_disabled needs a model with LoRA adapters (actor.lora.rank > 0)")
-    with peft_model.disable_adapter():
-        yield
+    # PEFT switches requires_grad off on the adapter parameters registered when the block starts and back on on
+    # those registered when it ends. With FSDP2 they are not the same objects: the root unit (the vision merger,
+    # lm_head) stays unsharded after a no-grad forward, so the block ends with its full-size parameters registered
+    # and the sharded ones (what the optimizer steps) would stay frozen for the rest of the run (measured: the
+    # merger's adapters never moved at dp=2 after the first reference pass). Restore the flags we found.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    try:
+        with peft_model.disable_adapter():
+            yield
+    finally:
+        for param in trainable:
+            param.requires_grad_(True)
 
 
 def lora_scaling(lora: LoraConfig) -> float:
@@ -150,23 +161,36 @@ def merged_tensors(named: Iterable[tuple[str, torch.Tensor]], scaling: float, ch
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of the merged model from a PeftModel's (name, tensor) pairs: every adapted layer's weight
     is base + scaling * B @ A (PEFT's merge), every other weight as it is (left out with `changed_only`: the base
-    never changes, so an engine that takes a partial update needs only the adapted layers)."""
-    pending: dict[str, dict[str, torch.Tensor]] = {}
+    never changes, so an engine that takes a partial update needs only the adapted layers).
+
+    A stream in, a stream out: a layer's merged weight is made when its last part (base, A, B) is read and yielded
+    at once, so with a state dict's order (a layer's parts next to each other) one layer's parts are held at a time
+    and a bucketed sync holds about one bucket, not the model. `merged_names` gives the names in the same order."""
+    for name, parts in _merge_events(named, changed_only):
+        yield name, (parts if isinstance(parts, torch.Tensor) else
+                     merge_weight(parts["base_layer.weight"], parts["lora_A"], parts["lora_B"], scaling))
+
+
+def merged_names(names: Iterable[str], changed_only: bool = False) -> list[str]:
+    """The names `merged_tensors` yields, in its order, for PeftModel tensors with these names: what a backend's
+    `update_weights(stream, names=...)` is told before the stream is read (nothing is read or merged here)."""
+    return [name for name, _ in _merge_events(((n, None) for n in names), changed_only)]
+
+
+def _merge_events(named: Iterable[tuple[str, object]], changed_only: bool) -> Iterator[tuple[str, object]]:
+    """(HF name, tensor) for a weight that passes as it is, (HF name, {part: tensor}) when a LoRA layer's three
+    parts are all read; the order of the merged stream (`merged_tensors`, `merged_names`)."""
+    pending: dict[str, dict[str, object]] = {}
     for module, part, tensor in _parts(named):
-        if part is None:
+        if part is None or part == "base_layer.bias":
             if not changed_only:
-                yield module, tensor
-            continue
-        if part == "base_layer.bias":
-            if not changed_only:
-                yield f"{module}.bias", tensor
+                yield (module if part is None else f"{module}.bias"), tensor
             continue
         parts = pending.setdefault(module, {})
         parts[part] = tensor
         if len(parts) == 3:
             del pending[module]
-            yield f"{module}.weight", merge_weight(parts["base_layer.weight"], parts["lora_A"], parts["lora_B"],
-                                                   scaling)
+            yield f"{module}.weight", parts
     if pending:
         raise ValueError(f"LoRA layers with missing parts: {sorted(pending)[:3]} (each needs base_layer.weight, "
                          "lora_A and lora_B)")
@@ -274,9 +298,14 @@ class LoraSync:
                            f" (adapters on {head})" if head else "")
         return "adapter" if serves and self.lora.sync != "merged" else "merged"
 
-    def push(self, backend, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def push(self, backend, named: Iterable[tuple[str, torch.Tensor]], names: list[str] | None = None) -> int:
         """The policy's current weights (its PeftModel (name, tensor) pairs) into the backend; returns the bytes
-        sent (adapter file, or merged tensors)."""
+        sent (adapter file, or merged tensors).
+
+        Merged, the weights stream into `backend.update_weights` bucket by bucket (rollout.sync_bucket_mb) like a
+        full fine-tuning sync: each layer is merged as its bucket fills, so host memory holds about one bucket.
+        `names`: the names `named` will give, in order, when it is a stream to be read once (a sharded actor's
+        gather); None = `named` is read into a list of references first."""
         if self.path(backend) == "adapter":
             self.version += 1
             folder = self.folder / f"v{self.version}"
@@ -288,9 +317,20 @@ class LoraSync:
 
                 shutil.rmtree(previous, ignore_errors=True)
             return sent
-        state = list(merged_tensors(named, self.scaling, changed_only=backend.accepts_partial_weights))
-        backend.update_weights(state)
-        return sum(t.numel() * t.element_size() for _, t in state)
+        if names is None:
+            named = list(named)  # references to the model's tensors: no copy
+            names = [name for name, _ in named]
+        partial = backend.accepts_partial_weights
+        sent = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal sent
+            for name, tensor in merged_tensors(named, self.scaling, changed_only=partial):
+                sent += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        backend.update_weights(counted(), names=merged_names(names, changed_only=partial))
+        return sent
 
     def close(self) -> None:
         import shutil

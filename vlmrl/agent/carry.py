@@ -1,15 +1,19 @@
 """The groups partial rollout carries into the next step, written to and read from a folder (a checkpoint).
 
-    agent_carried.json           {"format": 2, "groups": [...]}: each group's request and trajectories (token ids,
-                                 logprobs, version tags, per-turn state, counters, tool-state entries)
+    agent_carried.json           {"format": 3, "groups": [...]}: each group's request (with its videos' timing) and
+                                 trajectories (token ids, logprobs, version tags, per-turn state, counters,
+                                 tool-state entries)
     agent_carried.safetensors    every image as bytes (uint8): the request's images once per group, then each
                                  trajectory's tool images; PNG for the modes PNG holds exactly (RGB, RGBA, L, LA, 1),
-                                 raw pixel bytes for any other mode
+                                 raw pixel bytes for any other mode; and each request video's sampled frames as one
+                                 (T, H, W, 3) uint8 tensor (raw: they are already the sampled, resized frames)
 
 No pickle. An image is stored with its mode and size and rebuilt byte for byte (its sha256 is checked against the
-saved hash), so a resumed run gives the engines and the processor exactly the same pixels. PNG is lossless; it is
-written at compression level 1 (a checkpoint waits for it: ~75 ms per 1024x1024 photo) and still stores a photo in
-about half its raw size, a flat synthetic image in under one percent. A finished trajectory is stored as its
+saved hash), so a resumed run gives the engines and the processor exactly the same pixels; a video likewise, with
+its timing (source fps, sampled frame indices, total frames: the position ids depend on them), checked against its
+saved hash of frames and timing. PNG is lossless; it is written at compression level 1 (a checkpoint waits for it:
+~75 ms per 1024x1024 photo) and still stores a photo in about half its raw size, a flat synthetic image in under one
+percent. A finished trajectory is stored as its
 trajectory; the agent loop pads it again on load (padding is a pure function of it and the processor).
 Tool states are entries the loop makes with `Tool.save_state` (see `vlmrl.agent.loop.AgentLoop.save_carried`).
 """
@@ -30,13 +34,15 @@ from PIL import Image
 from vlmrl.agent.trajectory import Trajectory
 from vlmrl.atomic import replace_atomically, write_text_atomically
 from vlmrl.processors.images import image_hash
-from vlmrl.types import RolloutRequest
+from vlmrl.processors.video import video_hash
+from vlmrl.types import RolloutRequest, Video
 
 CARRIED_JSON = "agent_carried.json"
 CARRIED_TENSORS = "agent_carried.safetensors"
-FORMAT = 2
+FORMAT = 3
 """Version of the files above; a reader refuses a newer one rather than guessing. 1: raw image bytes only
-(read as such); 2: each image names its encoding (png or raw)."""
+(read as such); 2: each image names its encoding (png or raw); 3: requests carry their videos (a format-2 reader
+would drop them silently, so it must refuse)."""
 
 PNG_MODES = frozenset({"1", "L", "LA", "RGB", "RGBA"})
 """Image modes a PNG file stores and Pillow reads back byte for byte."""
@@ -79,7 +85,9 @@ def _request_record(request: RolloutRequest, prefix: str, tensors: dict[str, tor
     where = f"request {request.uid}"
     return {"uid": request.uid, "prompt_ids": list(request.prompt_ids),
             "images": [_put_image(tensors, f"{prefix}/{k}", im) for k, im in enumerate(request.images)],
-            "image_hashes": list(request.image_hashes), "banned_token_ids": list(request.banned_token_ids),
+            "image_hashes": list(request.image_hashes),
+            "videos": [_put_video(tensors, f"{prefix}/video{k}", v) for k, v in enumerate(request.videos)],
+            "banned_token_ids": list(request.banned_token_ids),
             "data_source": request.data_source, "ground_truth": to_json(request.ground_truth, f"{where} ground_truth"),
             "extra_info": to_json(request.extra_info, f"{where} extra_info"), "index": request.index}
 
@@ -104,6 +112,12 @@ def _put_image(tensors: dict[str, torch.Tensor], key: str, image: Image.Image) -
         data, encoding = image.tobytes(), "raw"
     tensors[key] = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
     return {"tensor": key, "encoding": encoding, "mode": image.mode, "size": list(image.size)}
+
+
+def _put_video(tensors: dict[str, torch.Tensor], key: str, video: Video) -> dict[str, Any]:
+    tensors[key] = torch.from_numpy(np.ascontiguousarray(video.frames, dtype=np.uint8))
+    return {"tensor": key, "fps": video.fps, "frame_indices": [int(i) for i in video.frame_indices],
+            "total_frames": int(video.total_frames), "hash": video.hash}
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -140,8 +154,10 @@ def read_carried(directory: Path) -> tuple[list[tuple[RolloutRequest, list[Traje
 def _request_from(record: dict[str, Any], tensors: dict[str, torch.Tensor], source: Path) -> RolloutRequest:
     images = [_get_image(tensors, item, source) for item in record["images"]]
     _check_hashes(images, record["image_hashes"], f"request {record['uid']}", source)
+    videos = [_get_video(tensors, item, source) for item in record.get("videos", [])]  # format < 3: none
     return RolloutRequest(uid=record["uid"], prompt_ids=list(record["prompt_ids"]), images=images,
                           image_hashes=list(record["image_hashes"]), banned_token_ids=list(record["banned_token_ids"]),
+                          videos=videos,
                           data_source=record["data_source"], ground_truth=from_json(record["ground_truth"]),
                           extra_info=from_json(record["extra_info"]), index=int(record["index"]))
 
@@ -175,6 +191,17 @@ def _get_image(tensors: dict[str, torch.Tensor], item: dict[str, Any], source: P
         raise ValueError(f"{source}: image {item['tensor']!r} decodes to {image.mode} {image.size}, saved as "
                          f"{mode} {size} (a damaged checkpoint)")
     return image
+
+
+def _get_video(tensors: dict[str, torch.Tensor], item: dict[str, Any], source: Path) -> Video:
+    frames = tensors.get(item["tensor"])
+    if frames is None:
+        raise ValueError(f"{source}: video {item['tensor']!r} is missing from {CARRIED_TENSORS}")
+    video = Video(frames=frames.numpy(), fps=float(item["fps"]), frame_indices=list(item["frame_indices"]),
+                  total_frames=int(item["total_frames"]), hash=item["hash"])
+    if item["hash"] and video_hash(video) != item["hash"]:
+        raise ValueError(f"{source}: video {item['tensor']!r} does not match its saved hash (a damaged checkpoint)")
+    return video
 
 
 def _check_hashes(images: list[Image.Image], hashes: list[str], owner: str, source: Path) -> None:

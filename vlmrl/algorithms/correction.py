@@ -29,8 +29,7 @@ import torch
 
 from vlmrl.algorithms.aggregation import masked_row_sum, token_mean
 from vlmrl.algorithms.config import ROLLOUT_CORRECTIONS, SEQ_RATIOS
-
-_LOG_RATIO_BOUND = 20.0
+from vlmrl.algorithms.policy_loss import LOG_RATIO_BOUND
 
 
 @dataclass
@@ -90,7 +89,7 @@ def rollout_correction(
     real_rows = keep.any(dim=-1)
     dropped = torch.zeros_like(real_rows)
     if mode == "token_tis":
-        ratio = torch.exp(torch.clamp(log_ratio, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+        ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         truncated = keep & (ratio > token_cap)
         weights = torch.where(keep, torch.clamp(ratio, max=token_cap), zero)
     elif mode == "seq_mis":

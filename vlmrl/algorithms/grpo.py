@@ -18,7 +18,7 @@ import torch
 from vlmrl.algorithms.advantages import group_advantages
 from vlmrl.algorithms.aggregation import masked_sum, token_mean
 from vlmrl.algorithms.config import KL_TYPES
-from vlmrl.algorithms.policy_loss import ppo_clip_token_loss
+from vlmrl.algorithms.policy_loss import LOG_RATIO_BOUND, ppo_clip_token_loss
 
 __all__ = [
     "KL_TYPES", "PolicyLoss", "broadcast_to_tokens", "entropy_from_logits", "group_advantages", "kl_penalty",
@@ -105,7 +105,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
     if kind in ("k2", "mse"):
         return 0.5 * diff.square()
     if kind == "low_var_kl":
-        log_ratio = torch.clamp(-diff, -20.0, 20.0)
+        log_ratio = torch.clamp(-diff, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
     raise ValueError(f"unknown KL type {kind!r}; choose one of {KL_TYPES}")
 

@@ -25,7 +25,9 @@ import torch
 from vlmrl.algorithms.aggregation import masked_row_sum, token_mean, zero_outside
 from vlmrl.algorithms.config import POLICY_LOSSES  # noqa: F401 - re-exported beside the losses it names
 
-_LOG_RATIO_BOUND = 20.0
+LOG_RATIO_BOUND = 20.0
+"""|log ratio| is clamped to this before exp() wherever a ratio of probabilities is formed (policy losses, rollout
+correction, the low_var_kl penalty): exp(20) ~ 5e8 keeps the ratio finite in float32 (verl clamps at 20 too)."""
 
 
 @dataclass
@@ -101,7 +103,7 @@ def ppo_clip_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     """
     _check_dual_clip(clip_ratio_c)
     logprobs, old_logprobs, advantages = (zero_outside(x, response_mask) for x in (logprobs, old_logprobs, advantages))
-    log_ratio = torch.clamp(logprobs - old_logprobs.detach(), -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    log_ratio = torch.clamp(logprobs - old_logprobs.detach(), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return _clipped_objective(torch.exp(log_ratio), log_ratio, advantages, response_mask, clip_ratio_low,
                               clip_ratio_high, clip_ratio_c)
 
@@ -126,10 +128,10 @@ def gspo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     diff = logprobs.detach() - old_logprobs.detach()
     tokens = keep.sum(dim=-1, keepdim=True)
     seq_log_ratio = masked_row_sum(diff, keep) / tokens.clamp(min=1).to(diff.dtype)  # (B, 1)
-    seq_log_ratio = torch.clamp(seq_log_ratio, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    seq_log_ratio = torch.clamp(seq_log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     log_ratio = seq_log_ratio + logprobs - logprobs.detach()
     ratio = torch.exp(log_ratio)
-    token_log_ratio = torch.clamp(diff, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    token_log_ratio = torch.clamp(diff, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     out = _clipped_objective(ratio, log_ratio, advantages, response_mask, clip_ratio_low, clip_ratio_high,
                              clip_ratio_c)
     out.metrics["approx_kl"] = token_mean(-token_log_ratio, response_mask)  # the token-level drift, as for PPO
@@ -150,7 +152,7 @@ def cispo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
     (the weight is already capped at 1 + high); it is accepted so every loss takes the same call.
     """
     logprobs, old_logprobs, advantages = (zero_outside(x, response_mask) for x in (logprobs, old_logprobs, advantages))
-    log_ratio = torch.clamp(logprobs.detach() - old_logprobs.detach(), -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    log_ratio = torch.clamp(logprobs.detach() - old_logprobs.detach(), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss = -weight * advantages * logprobs

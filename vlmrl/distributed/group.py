@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 
-from vlmrl.actor import needs_old_logprobs
+from vlmrl.actor import mean_metrics, needs_old_logprobs
 from vlmrl.distributed.config import ClusterConfig
 from vlmrl.distributed.sharding import (
     engine_hosts,
     logprob_row_blocks,
-    mean_metrics,
     select_rows,
     update_shards,
 )

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vlmrl.actor.core import is_extreme, mini_batch_scales
+from vlmrl.actor.core import mini_batch_scales
 from vlmrl.actor.micro_batches import balanced_row_blocks, row_lengths
 from vlmrl.distributed.actor import UpdateShard
 from vlmrl.types import TrainBatch
@@ -139,18 +139,3 @@ def engine_hosts(nodes: Sequence[str], placement: str) -> list[int]:
     if placement == "node":
         return [rank for rank, node in enumerate(nodes) if node not in nodes[:rank]]
     raise ValueError(f"engine placement {placement!r}: choose worker or node")
-
-
-def mean_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Average each metric over ranks. The update's parts are pre-scaled so that this average is the global
-    mini-batch value; values that are the same on every rank (grad norm, lr) stay as they are; *_min / *_max
-    (ratio extremes) take the extreme over ranks."""
-    keys = {key for metrics in per_rank for key in metrics}
-    out = {}
-    for key in sorted(keys):
-        values = [m[key] for m in per_rank if key in m]
-        if is_extreme(key):
-            out[key] = min(values) if key.endswith("_min") else max(values)
-        else:
-            out[key] = sum(m.get(key, 0.0) for m in per_rank) / len(per_rank)
-    return out

@@ -161,12 +161,11 @@ class TrainWorker:
                 pass
             return 0
         self._wake_engine()
-        if self.lora_sync is not None:  # merged weights or the adapter, as for the single-process actor (unbucketed:
-            named = [(name, tensor.to("cpu")) for name, tensor in stream]  # the merge needs each layer's A and B)
-            self.lora_sync.push(self.engine, named)
-            return len(named)
         try:
-            self.engine.update_weights(stream, names=names)
+            if self.lora_sync is not None:  # merged (streamed, layer by layer) or the adapter, as for one process
+                self.lora_sync.push(self.engine, stream, names=names)
+            else:
+                self.engine.update_weights(stream, names=names)
         finally:
             for _ in stream:  # an engine that failed half-way: the other ranks still gather every tensor
                 pass

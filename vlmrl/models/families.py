@@ -51,6 +51,14 @@ class ModelFamily:
     video_bounds_per_video: bool = False
     """The video processor's size bounds (`shortest_edge` / `longest_edge` pixels) hold for all frames of a video
     together (Qwen3-VL's processor: t x h x w), not for each frame (Qwen2/2.5-VL's)."""
+    sglang_video_per_step_grids: bool = False
+    """SGLang must get a video's grid split into one (1, h, w) row per temporal patch, with vlmrl's position ids.
+    sglang 0.5.23's Qwen2.5-VL vision tower gives its full-attention blocks one sequence per VIDEO (cu_seqlens from
+    t*h*w) where transformers, vLLM and the released model attend within each temporal patch (h*w tokens): on any
+    video of more than one temporal patch (over 2 frames) its video features differ (measured on the tiny model in
+    fp32: 1e-3 to 7e-3 nats per token against HF; HF with SGLang's attention span matches SGLang to 2e-6). With
+    split grids its tower attends per temporal patch; its own position ids would then read t separate videos, so
+    vlmrl sends the prompt's mrope positions (the trainer's) with them."""
 
     def checkpoint_name(self, name: str) -> str:
         """A transformers-5 in-memory parameter name -> the name in this family's checkpoints (what engines load).
@@ -124,6 +132,7 @@ QWEN2_5_VL = ModelFamily(
     vision_mergers=("merger",),
     interleaved_mrope=False,
     video_timing="second_per_grid_ts",
+    sglang_video_per_step_grids=True,  # harmless for qwen2_vl, whose SGLang tower already attends per step
 )
 
 QWEN3_VL = ModelFamily(

@@ -233,6 +233,26 @@ def _seeded_init(model: torch.nn.Module) -> None:
     model.eval()
 
 
+def _text_token_ids(ids: dict[str, int]) -> dict[str, int]:
+    """The text config's special tokens (both families use the one embedded tokenizer)."""
+    return dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+
+
+def _vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
+    """The model config's image / video placeholder and delimiter tokens."""
+    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+
+
+def _save_seeded(model_class, config, out: Path) -> None:
+    """The model built from `config` with `_seeded_init`'s weights, saved (float32 safetensors) into `out`."""
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(SEED)
+    model = model_class(config).to(torch.float32)
+    _seeded_init(model)
+    model.save_pretrained(out, safe_serialization=True)
+
+
 def _build_qwen2_5_vl(out: Path, spec: TinySpec, tok, ids: dict[str, int]) -> None:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -246,7 +266,7 @@ def _build_qwen2_5_vl(out: Path, spec: TinySpec, tok, ids: dict[str, int]) -> No
             num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
             num_key_value_heads=spec.text_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "mrope_section": list(spec.mrope_section), "rope_theta": 1e6},
-            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+            **_text_token_ids(ids),
             use_sliding_window=False, max_window_layers=spec.text_layers,
         ),
         vision_config=dict(
@@ -255,15 +275,10 @@ def _build_qwen2_5_vl(out: Path, spec: TinySpec, tok, ids: dict[str, int]) -> No
             window_size=112, out_hidden_size=spec.text_hidden, fullatt_block_indexes=[spec.vision_depth - 1],
             tokens_per_second=2,
         ),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        **_vision_token_ids(ids),
         tie_word_embeddings=False,
     )
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    torch.manual_seed(SEED)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-    _seeded_init(model)
-    model.save_pretrained(out, safe_serialization=True)
+    _save_seeded(Qwen2_5_VLForConditionalGeneration, config, out)
 
     image_processor = Qwen2VLImageProcessorPil(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
                                                patch_size=14, temporal_patch_size=2, merge_size=2)
@@ -289,7 +304,7 @@ def _build_qwen3_vl(out: Path, spec: TinyQwen3Spec, tok, ids: dict[str, int]) ->
             # the released checkpoints carry mrope_interleaved: the engines interleave only with it (HF always does)
             rope_parameters={"rope_type": "default", "mrope_section": list(spec.mrope_section),
                              "mrope_interleaved": True, "rope_theta": 5e6},
-            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+            **_text_token_ids(ids),
         ),
         vision_config=dict(
             depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=spec.vision_intermediate,
@@ -297,15 +312,10 @@ def _build_qwen3_vl(out: Path, spec: TinyQwen3Spec, tok, ids: dict[str, int]) ->
             out_hidden_size=spec.text_hidden, num_position_embeddings=spec.num_position_embeddings,
             deepstack_visual_indexes=list(spec.deepstack_layers),
         ),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        **_vision_token_ids(ids),
         tie_word_embeddings=False,
     )
-    config.architectures = ["Qwen3VLForConditionalGeneration"]
-    torch.manual_seed(SEED)
-    model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
-    _seeded_init(model)
-    model.save_pretrained(out, safe_serialization=True)
+    _save_seeded(Qwen3VLForConditionalGeneration, config, out)
     # the released Qwen3-VL processors normalise with mean = std = 0.5
     image_processor = Qwen2VLImageProcessorPil(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
                                                patch_size=16, temporal_patch_size=2, merge_size=2,

@@ -1,20 +1,30 @@
 """Qwen2-VL / Qwen2.5-VL 3D (mrope) position ids, vectorised over the whole batch.
 
 The one function that owns position ids, so that no two places disagree on their shape or layout: the trainer, the
-padding code and every backend-side check ask it. Its output equals transformers' `Qwen2_5_VLModel.get_rope_index`
-(5.19) for image and video inputs, token for token:
+padding code, the hf backend and every backend-side check ask it. It computes Qwen's original `get_rope_index` (what
+the model was trained with), which vLLM 0.32 (`get_mrope_input_positions`) and SGLang 0.5.23 (`get_rope_index`) also
+compute; for images and for short videos that is transformers 5.19's `Qwen2_5_VLModel.get_rope_index` too, token for
+token:
 
 - padding (attention_mask 0) gets position 0 on all three rows, attended tokens are laid out as if packed together;
 - a text token takes `current + 1` on all three rows;
 - an image of merged grid (t, h, w) starting at `s` takes (s + t_i, s + h_i, s + w_i) for its t*h*w tokens in
-  (t, h, w) row-major order, and the next token continues at `s + max(h, w)`;
-- a video of merged grid (t, h, w) starting at `s` takes (s + floor(t_i * interval), s + h_i, s + w_i), interval =
-  tokens_per_second * second_per_grid_t (float32, as transformers multiplies), and the next token continues at
-  `s + max(h, w)` as for an image (transformers 5.19; see `vlmrl.processors.video.VideoSupport._check_positions`);
+  (t, h, w) row-major order;
+- a video of merged grid (t, h, w) starting at `s` takes (s + floor(t_i * second_per_grid_t * tokens_per_second),
+  s + h_i, s + w_i), multiplied in that order in float32 as Qwen's original code and SGLang do;
+- the next token after an image or a video continues at the item's largest position + 1. For an image that is
+  `s + max(h, w)`; for a video it is `s + max(h, w, last temporal position + 1)`. transformers 5.19 continues at
+  `s + max(h, w)` after a video too, so it places the text after a long video (last temporal position >= max(h, w))
+  elsewhere than the model was trained with and than both rollout engines do; vlmrl follows the model and the engines
+  (the hf backend is given these ids, `vlmrl.rollout.hf`);
 - a run of consecutive image (video) tokens is one image (video); images are taken from `image_grid_thw` and videos
   from `video_grid_thw`, each in batch-row order;
 - Qwen3-VL (`video_per_frame`): each video's grid is first split into t grids of one temporal patch
   (`split_video_frames`, as its get_rope_index does): its patches are separate runs between timestamp text.
+
+vLLM multiplies a video's temporal index in float64 (its `t_factor`), so where t_i x second_per_grid_t x
+tokens_per_second is an integer in exact arithmetic that float32 rounds up to (float64 keeps it just below), vLLM's
+temporal position is one lower than this one, SGLang's and transformers' (README "Videos").
 
 transformers loops over samples and over token groups in Python; here every step is one tensor op over (B, L).
 """
@@ -94,15 +104,20 @@ def mrope_position_ids(
     grid = torch.zeros(num_images, 3, dtype=torch.long, device=device)
     grid[~video_item] = image_grid
     grid[video_item] = video_grid
-    interval = torch.ones(num_images, dtype=torch.float32, device=device)
+    # temporal position of index t_i: floor((t_i * seconds) * rate), float32; images keep t_i (seconds = rate = 1)
+    seconds = torch.ones(num_images, dtype=torch.float32, device=device)
+    rate = torch.ones(num_images, dtype=torch.float32, device=device)
     if int(video_item.sum()):
-        seconds = (torch.ones(video_grid.shape[0], dtype=torch.float32, device=device) if second_per_grid_ts is None
-                   else torch.as_tensor(second_per_grid_ts, dtype=torch.float32, device=device).reshape(-1))
-        if seconds.numel() != video_grid.shape[0]:
-            raise ValueError(f"second_per_grid_ts has {seconds.numel()} values for {video_grid.shape[0]} videos")
-        interval[video_item] = torch.tensor(tokens_per_second, dtype=torch.float32) * seconds
+        given = (torch.ones(video_grid.shape[0], dtype=torch.float32, device=device) if second_per_grid_ts is None
+                 else torch.as_tensor(second_per_grid_ts, dtype=torch.float32, device=device).reshape(-1))
+        if given.numel() != video_grid.shape[0]:
+            raise ValueError(f"second_per_grid_ts has {given.numel()} values for {video_grid.shape[0]} videos")
+        seconds[video_item] = given
+        rate[video_item] = float(tokens_per_second)
     tokens_per_image = grid.prod(dim=1)  # (N,)
-    span = torch.maximum(grid[:, 1], grid[:, 2])  # how far positions jump past an image's start
+    # how far positions jump past an item's start: its largest position + 1 (t, h or w)
+    last_t = _temporal((grid[:, 0] - 1).clamp_(min=0), seconds, rate)
+    span = torch.maximum(torch.maximum(grid[:, 1], grid[:, 2]), last_t + 1)
     _check_image_lengths(is_image, run_start, tokens_per_image)
 
     # Each image occupies `tokens` columns but advances later positions by `span`: accumulate the difference.
@@ -121,8 +136,7 @@ def mrope_position_ids(
         # an image starts where a text token there would sit
         start = text_pos.flatten()[starts][image] - (span - tokens_per_image)[image]
         h, w = grid[image, 1], grid[image, 2]
-        t_index = (offset // (h * w)).to(torch.float32) * interval[image]  # float32, floored as transformers does
-        flat[0, tokens] = start + t_index.long()
+        flat[0, tokens] = start + _temporal(offset // (h * w), seconds[image], rate[image])
         flat[1, tokens] = start + (offset // w) % h
         flat[2, tokens] = start + offset % w
     return positions.to(input_ids.dtype)
@@ -141,6 +155,12 @@ def split_video_frames(video_grid_thw: torch.Tensor) -> torch.Tensor:
     split = torch.repeat_interleave(grid, grid[:, 0], dim=0)
     split[:, 0] = 1
     return split
+
+
+def _temporal(t_index: torch.Tensor, seconds: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+    """floor((t_index * seconds) * rate) in float32, in the order Qwen's original get_rope_index and SGLang multiply
+    (transformers 5.19 multiplies seconds * rate first: the same for rate 2, every released Qwen2.5-VL's)."""
+    return (t_index.to(torch.float32) * seconds * rate).long()
 
 
 def _merged_grid(

@@ -314,16 +314,13 @@ class VideoSupport:
         return low, high
 
     def load(self, source: Any) -> Video:
-        """A dataset video -> a sampled, resized `Video`, checked to be one every backend reads alike."""
+        """A dataset video -> a sampled, resized `Video`. Any length: the position ids after a long video follow the
+        engines' rule (`vlmrl.processors.rope`), which the hf backend and the trainer use too."""
         if self.video_processor is None:
             raise VideoInputError("the model's processor has no video processor: it takes no video")
         if self.family.video_timing is None:
             raise VideoInputError(f"vlmrl takes no video for {self.family.name}")
-        video = load_video(source, self.config, self.frame_bounds if self.video_bounds else self.bounds,
-                           self.factor)
-        if self.family.video_timing == "second_per_grid_ts":
-            self._check_positions(video)
-        return video
+        return load_video(source, self.config, self.frame_bounds if self.video_bounds else self.bounds, self.factor)
 
     def frame_bounds(self, num_frames: int) -> tuple[int, int]:
         """Per-frame (min, max) pixels for `num_frames` frames where the model bounds a video's pixels summed over
@@ -386,22 +383,6 @@ class VideoSupport:
         """Seconds one temporal patch spans: temporal patch size / sample fps (transformers' second_per_grid_ts)."""
         return self.temporal_patch_size / video.sample_fps
 
-    def _check_positions(self, video: Video) -> None:
-        """transformers 5.19's get_rope_index continues the text after a video at start + max(h, w) (merged), while
-        vLLM 0.32 and SGLang 0.5.23 continue it at the video's largest position + 1. They agree while the video's
-        last temporal position stays below max(h, w); past it the trainer (and the hf backend) would place the rest
-        of the prompt elsewhere than the engines. Refuse such a video by name instead of training on a mismatch."""
-        t, h, w = self.grid(video)
-        interval = torch_interval(self.tokens_per_second, self.second_per_grid(video))
-        last = int((t - 1) * interval)
-        span = max(h, w) // self.merge
-        if last >= span:
-            raise VideoInputError(
-                f"{video.num_frames} frames at {video.sample_fps:.3g} fps reach temporal position {last} >= the "
-                f"frame's {span} merged patches per side: transformers and the engines would then disagree on the "
-                "position ids after the video; sample fewer frames (data.video_fps, video_nframes, video_max_frames) "
-                "or use larger frames (data.video_min_pixels)")
-
     def inputs(self, videos: Sequence[Video], uid: str) -> dict[str, Any]:
         """{"pixel_values_videos", "video_grid_thw" (V, 3), "second_per_grid_ts" (V,)} through the model's own video
         processor, told not to sample (the frames are the sampled ones) and given each video's timing. Qwen3-VL: no
@@ -421,8 +402,3 @@ class VideoSupport:
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid,
                 "second_per_grid_ts": seconds}
 
-
-def torch_interval(tokens_per_second: float, second_per_grid: float) -> float:
-    """tokens_per_second x second_per_grid_t in float32, as transformers multiplies them (a float32 tensor), so a
-    temporal position floors exactly as there."""
-    return float(np.float32(tokens_per_second) * np.float32(second_per_grid))

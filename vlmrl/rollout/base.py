@@ -298,21 +298,6 @@ def assert_nothing_banned(results: Sequence[RolloutResult], requests: Sequence[R
 # ---------------------------------------------------------------------------------------------------- weights
 
 
-def checkpoint_state(named_tensors: Iterable[tuple[str, torch.Tensor]], family: ModelFamily
-                     ) -> dict[str, torch.Tensor]:
-    """{checkpoint name in the family's layout (what its engines load): contiguous CPU tensor}, detached; rejects a
-    name given twice. Names already in checkpoint form pass through unchanged."""
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in named_tensors:
-        key = family.checkpoint_name(name)
-        if key in state:
-            raise ValueError(f"weight {key!r} given twice (as {name!r})")
-        state[key] = tensor.detach().to("cpu").contiguous()
-    if not state:
-        raise ValueError("update_weights got no tensors")
-    return state
-
-
 TIED_COPIES = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
 """Transformers-5 name of a tensor that tied-embedding models (Qwen2.5-VL-3B, Qwen3-VL-2B/4B) share with another ->
 that other one. Their checkpoints hold only the latter (save_pretrained drops the copy), while transformers'
@@ -327,28 +312,6 @@ def tied_copies(family: ModelFamily) -> dict[str, str]:
     ({'lm_head.weight': 'model.embed_tokens.weight'}, {'lm_head.weight': 'model.language_model.embed_tokens.weight'})
     """
     return {family.checkpoint_name(copy): family.checkpoint_name(source) for copy, source in TIED_COPIES.items()}
-
-
-def drop_tied_copies(state: dict[str, torch.Tensor], model_names: set[str], backend: str,
-                     copies: dict[str, str]) -> dict[str, torch.Tensor]:
-    """`state` without the tied copies (`copies`: copy -> source, checkpoint names) the model's checkpoint
-    (`model_names`) does not hold, so a tied model's sync sends what its engine loads. A copy that differs from the
-    tensor it should be tied to is refused: the engine has one tensor for both, and serving either would differ from
-    the trainer. Unknown names (empty set): unchanged.
-
-    >>> e = torch.ones(2, 2)
-    >>> sorted(drop_tied_copies({"model.embed_tokens.weight": e, "lm_head.weight": e.clone()},
-    ...                         {"model.embed_tokens.weight"}, "doc", {"lm_head.weight": "model.embed_tokens.weight"}))
-    ['model.embed_tokens.weight']
-    """
-    for copy, source in copies.items():
-        if not model_names or copy in model_names or copy not in state or source not in state:
-            continue
-        if not torch.equal(state[copy], state[source]):
-            raise ValueError(f"{backend}: the model ties {copy} to {source} (its checkpoint holds only the latter), "
-                             "but the weights sent differ: the trainer untied them, which the engine cannot follow")
-        state = {k: v for k, v in state.items() if k != copy}
-    return state
 
 
 @dataclass

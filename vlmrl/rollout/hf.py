@@ -3,7 +3,9 @@
 It is the yardstick the engines are compared against (greedy outputs, logprobs) and the fallback where no engine
 is installed; it is not fast. Images are the request's already-resized images, turned into pixel values by the
 model's own image processor (through `vlmrl.processors`); the prompt is expanded to one `<|image_pad|>` per merged
-patch, and transformers computes its own mrope positions from `mm_token_type_ids` (independent of vlmrl's rope code).
+patch, and transformers computes its own mrope positions from `mm_token_type_ids` (independent of vlmrl's rope code),
+except with a video on Qwen2.5-VL: there transformers 5.19 places the text after a long video elsewhere than the model
+was trained with and than both engines do, so this model instance computes vlmrl's (`_engine_rule_rope_index`).
 
 Logprobs: log_softmax of the raw logits (`output_logits`, before temperature, top-p/top-k and the pad-token ban).
 Banned tokens: `suppress_tokens` (-inf before sampling). Seeds: a request's samples come from torch's generator
@@ -63,6 +65,8 @@ class HFBackend(RolloutBackend):
         # generation_config.json (Qwen2.5-Instruct ships repetition_penalty 1.05, top_k, top_p...). The engines take
         # the sampling settings vlmrl passes and nothing else, so the reference must not inherit those either.
         model.generation_config = GenerationConfig()
+        if self.processor.family.video_timing == "second_per_grid_ts":  # one grid per video: t can pass max(h, w)
+            _engine_rule_rope_index(model.model, self.processor)
         return model.to(self.device).eval()
 
     # ------------------------------------------------------------------------------------------------ generate
@@ -189,3 +193,31 @@ class HFBackend(RolloutBackend):
         self._runner.stop()
         self.model = None
         self._params = {}
+
+
+def _engine_rule_rope_index(base_model: torch.nn.Module, processor) -> None:
+    """Make this Qwen2.5-VL instance place video positions by vlmrl's rule (the model's and the engines',
+    `vlmrl.processors.rope`), not transformers 5.19's (which continues the text after a long video too early).
+
+    transformers computes mrope positions in `Qwen2_5_VLModel.get_rope_index` only: generate's prefill calls it
+    (`_prepare_position_ids_for_generation`) and keeps the rope deltas it returns for the decode steps, and a plain
+    forward given `mm_token_type_ids` calls it too (`compute_3d_position_ids`). Replacing it on the instance covers
+    both. Inputs without a video go to transformers' own code, where both rules agree.
+    """
+    original = base_model.get_rope_index
+
+    def get_rope_index(input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor | None = None,
+                       image_grid_thw: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+                       second_per_grid_ts: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                       **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if video_grid_thw is None:
+            return original(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw,
+                            second_per_grid_ts=second_per_grid_ts, attention_mask=attention_mask, **kwargs)
+        positions = processor.position_ids(input_ids, attention_mask, image_grid_thw, video_grid_thw,
+                                           second_per_grid_ts)  # (3, B, L)
+        attended = input_ids.shape[1] if attention_mask is None else attention_mask.sum(dim=1)
+        # transformers' rope deltas: the position after the last one, minus the attended length, per row (B, 1)
+        deltas = positions.amax(dim=(0, 2)) + 1 - attended
+        return positions, deltas.reshape(-1, 1)
+
+    base_model.get_rope_index = get_rope_index

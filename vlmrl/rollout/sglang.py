@@ -13,9 +13,21 @@ expanded; for Qwen3-VL they carry the `<x.x seconds>` text of each temporal patc
 Measured: its logprobs then equal transformers' at the video's own fps. SGLang keys its prefix cache on
 the pixel values' hash, so a one-video entry carries vlmrl's hash of the frames and their timing instead; an entry
 holding an image and a video cannot carry one (SGLang takes a hash for one-item entries only): the same pixels sent
-again at another fps would reuse the first one's prompt KV. Over HTTP those tensors do not
-travel and a video file needs a decoder in the server (decord / torchcodec: not in the CPU stack), so
-`sglang-server` refuses video requests.
+again at another fps would reuse the first one's prompt KV. For Qwen2.5-VL the entry also splits the video's grid
+into one row per temporal patch and carries vlmrl's mrope positions (`ModelFamily.sglang_video_per_step_grids`):
+SGLang's own tower attends across a video's temporal patches, transformers' and vLLM's within each.
+
+`sglang-server` refuses video requests: no request over HTTP reaches what transformers computes.
+- The /generate JSON takes a video only as a string (path, URL, base64 / data URL of a file) or a MediaRef (`url`
+  plus sampling hints: fps, num_frames, min/max_pixels...); a `processor_output` dict is rejected (HTTP 400 "unknown
+  field `format`", measured), and tensors have no JSON form there.
+- From a file, sglang 0.5.23's Qwen2.5-VL processor samples and resizes by the server-wide `mm_process_config`
+  only (the MediaRef hints are not read for this model; the default resize puts every frame at >= 128*28*28
+  pixels), and gives transformers' video processor no metadata, so second_per_grid_ts is 2/24 (24 fps) whatever the
+  file's rate.
+- Its tower's attention across temporal patches (above) can be corrected only through `processor_output`.
+So a lossless file at the sampling rate (which a decoder in the server, decord or torchcodec, would read back
+frame for frame) would still get other temporal positions and other video features for any video over 2 frames.
 
 Logprobs: the engine runs with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (before temperature; checked at start by a probe
 that compares a hot-temperature logprob with the greedy one). SGLang applies `logit_bias` BEFORE it computes
@@ -186,6 +198,8 @@ class _SGLangCommon(RolloutBackend):
         ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw"), mm.get("video_grid_thw"),
                                                request.videos)
         entry: dict[str, Any] = {"format": "processor_output", **mm}
+        if self.processor.family.sglang_video_per_step_grids:
+            entry.update(per_step_video_grids(self.processor, ids, mm))
         if len(request.videos) == 1 and not request.images:
             # SGLang keys its prefix cache on a hash of the pixel values alone, so the same frames at another fps
             # (other position ids) would reuse KV computed at the first one's (measured). The video's hash covers
@@ -282,6 +296,22 @@ class _SGLangCommon(RolloutBackend):
 
     def call_engine(self, method: str, body: dict) -> Any:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+def per_step_video_grids(processor: Any, ids: Sequence[int], mm: dict[str, Any]) -> dict[str, Any]:
+    """The `processor_output` keys that make sglang 0.5.23's Qwen2.5-VL tower attend within each temporal patch of
+    a video, as transformers does (`ModelFamily.sglang_video_per_step_grids`): `video_grid_thw` with one (1, h, w)
+    row per temporal patch (the patches are already in that order in `pixel_values_videos`), and the prompt's mrope
+    positions from vlmrl (`mrope_positions` (3, L), `mrope_position_delta`), since SGLang's own would read the rows
+    as t videos."""
+    grid = mm["video_grid_thw"]
+    split = torch.repeat_interleave(grid, grid[:, 0], dim=0)
+    split[:, 0] = 1
+    input_ids = torch.tensor([list(ids)], dtype=torch.long)
+    positions = processor.position_ids(input_ids, None, mm.get("image_grid_thw"), grid,
+                                       mm.get("second_per_grid_ts"))[:, 0]  # (3, L)
+    delta = torch.tensor([[int(positions.max()) + 1 - len(ids)]], dtype=torch.long)
+    return {"video_grid_thw": split, "mrope_positions": positions, "mrope_position_delta": delta}
 
 
 def _result(out: dict, request: RolloutRequest, sample_index: int, top_k: int) -> RolloutResult:
@@ -536,8 +566,10 @@ class SGLangServerBackend(_SGLangCommon):
 
     def video_entry(self, request: RolloutRequest) -> tuple[list[int], list[Any], list[Any]]:
         raise InvalidRequestError(f"{self.name}: request {request.uid} holds {len(request.videos)} video(s): over "
-                                  "HTTP the processor outputs do not travel and the server has no video decoder in "
-                                  "this stack (decord / torchcodec); use the sglang (Engine), vllm or hf backend")
+                                  "HTTP SGLang takes a video only as a file (no processor outputs), and from a file "
+                                  "its Qwen2.5-VL path reads every video as 24 fps, resizes by server-wide settings "
+                                  "and attends across temporal patches, unlike transformers (see vlmrl.rollout."
+                                  "sglang); use the sglang (Engine), vllm or hf backend")
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         self.check_requests(requests, sampling)
