@@ -22,8 +22,8 @@ class Video:
     timing the model's position ids need. Every backend gets exactly these frames and this timing."""
 
     frames: np.ndarray
-    """(T, H, W, 3) uint8 RGB: the sampled frames, resized (sides multiples of 28), T a multiple of the temporal patch
-    size (2)."""
+    """(T, H, W, 3) uint8 RGB: the sampled frames, resized (sides multiples of the model's factor, 28 or 32), T a
+    multiple of the temporal patch size (2)."""
     fps: float
     """Frame rate of the SOURCE video (for a list of frame images: the rate they were taken at, data.video_fps)."""
     frame_indices: list[int]

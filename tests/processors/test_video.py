@@ -98,11 +98,3 @@ def test_trainer_inputs_of_a_video_request(tiny_model_path):
     assert mm["pixel_values_videos"].shape == (2 * 8 * 8, 3 * 2 * 14 * 14)
     assert int((inputs.input_ids == processor.video_token_id).sum()) == 32
     assert processor.video_token_id in request.banned_token_ids
-
-
-def test_a_family_without_video_support_refuses_video_by_row():
-    """Qwen3-VL carries a video's timing differently (timestamps in the text, per-frame grids): until vlmrl builds
-    that, its rows with video are refused by name instead of being sent with Qwen2.5-VL's timing."""
-    processor = load_processor("tiny-qwen3-vl", ProcessorConfig(max_prompt_length=2048))
-    with pytest.raises(BadRowError, match="row 2: video 0: vlmrl takes no video for Qwen3-VL yet"):
-        processor.build_request(generate_rows("motion", 1, 0, "val")[0], 2)

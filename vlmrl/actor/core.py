@@ -68,8 +68,9 @@ def _vision_inputs(batch: TrainBatch, rows: Sequence[int], device: torch.device
     pixel_values = torch.cat([m["pixel_values"] for m in with_images]).to(device) if with_images else None
     grid = torch.cat([m["image_grid_thw"] for m in with_images]).to(device) if with_images else None
     with_videos = [m for m in mm if "pixel_values_videos" in m]
-    video_inputs = {key: torch.cat([m[key] for m in with_videos]).to(device)
-                    for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")} if with_videos else {}
+    video_inputs = {key: torch.cat([m[key] for m in with_videos]).to(device)  # Qwen3-VL: no second_per_grid_ts
+                    for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+                    if with_videos and key in with_videos[0]}
     return pixel_values, grid, video_inputs
 
 

@@ -310,7 +310,7 @@ def _request_facts(request: RolloutRequest, processor: Processor, thumbnails: bo
     grid = processor.image_grid_thw(request.images)  # (N, 3), from the resized sizes (no pixel work)
     video_grids = [list(processor.video.grid(v)) for v in request.videos]
     expanded_length = len(processor.expand_prompt_ids(
-        request.prompt_ids, grid, torch.tensor(video_grids, dtype=torch.long).reshape(-1, 3)))
+        request.prompt_ids, grid, torch.tensor(video_grids, dtype=torch.long).reshape(-1, 3), request.videos))
     thumbs = [thumbnail_png_base64(image) for image in request.images] if thumbnails and request.images else None
     videos = [{"hash": v.hash, "frame_hashes": frame_hashes(v), "num_frames": v.num_frames, "fps": float(v.fps),
                "sample_fps": float(v.sample_fps), "frame_indices": [int(i) for i in v.frame_indices],

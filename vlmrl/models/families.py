@@ -45,8 +45,12 @@ class ModelFamily:
     (`index_copy_(): index N is out of bounds`); the engine must then run without a multimodal embedding cache."""
     video_timing: str | None = None
     """How the model's inputs carry a video's timing: "second_per_grid_ts" (Qwen2/2.5-VL: one grid per video,
-    temporal position ids spaced by tokens_per_second x seconds per temporal patch); None = vlmrl takes no video for
-    this family yet (Qwen3-VL puts per-frame timestamps in the text and splits the grid per frame)."""
+    temporal position ids spaced by tokens_per_second x seconds per temporal patch); "timestamps" (Qwen3-VL: each
+    temporal patch of 2 frames is its own `<x.x seconds><|vision_start|>...<|vision_end|>` group in the TEXT, the
+    grid is split per temporal patch for position ids, t = 1 each); None = vlmrl takes no video for this family."""
+    video_bounds_per_video: bool = False
+    """The video processor's size bounds (`shortest_edge` / `longest_edge` pixels) hold for all frames of a video
+    together (Qwen3-VL's processor: t x h x w), not for each frame (Qwen2/2.5-VL's)."""
     sglang_video_per_step_grids: bool = False
     """SGLang must get a video's grid split into one (1, h, w) row per temporal patch, with vlmrl's position ids.
     sglang 0.5.23's Qwen2.5-VL vision tower gives its full-attention blocks one sequence per VIDEO (cu_seqlens from
@@ -139,6 +143,8 @@ QWEN3_VL = ModelFamily(
     vision_mergers=("merger", "deepstack_merger_list"),
     interleaved_mrope=True,
     sglang_caller_mm_hashes=False,
+    video_timing="timestamps",
+    video_bounds_per_video=True,
 )
 
 FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL)

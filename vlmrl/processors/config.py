@@ -57,9 +57,11 @@ class ProcessorConfig:
     video_max_frames: int = 768
     """Most frames sampled from a video (the frame budget; qwen-vl-utils' FPS_MAX_FRAMES)."""
     video_min_pixels: int | None = None
-    """Each frame is resized to at least this many pixels; null = the model's video processor's bound."""
+    """Each frame is resized to at least this many pixels; null = the model's video processor's bound (Qwen3-VL's
+    bounds all frames together: null = a frame's share of it)."""
     video_max_pixels: int | None = None
-    """Each frame is resized to at most this many pixels; null = the model's video processor's bound."""
+    """Each frame is resized to at most this many pixels; null = the model's video processor's bound (Qwen3-VL's
+    bounds all frames together: null = a frame's share of it)."""
     video_total_pixels: int = int(128000 * 28 * 28 * 0.9)
     """All of a video's frames together stay within this many pixels (per temporal patch of 2 frames: a frame gets
     at most video_total_pixels / frames * 2); qwen-vl-utils' default. A video that cannot fit at video_min_pixels

@@ -24,7 +24,7 @@ from vlmrl.processors.errors import BadRowError, FilteredRow
 from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
 from vlmrl.processors.rope import mrope_position_ids
 from vlmrl.processors.video import VideoInputError, VideoSupport
-from vlmrl.types import PromptInputs, RolloutRequest
+from vlmrl.types import PromptInputs, RolloutRequest, Video
 
 logger = logging.getLogger(__name__)
 
@@ -196,10 +196,16 @@ class Processor:
         return (image.height // self.patch_size) * (image.width // self.patch_size) // self.spatial_merge_size**2
 
     def expand_prompt_ids(self, prompt_ids: Sequence[int], image_grid_thw: torch.Tensor | None,
-                          video_grid_thw: torch.Tensor | None = None) -> list[int]:
+                          video_grid_thw: torch.Tensor | None = None, videos: Sequence[Video] = ()) -> list[int]:
         """Unexpanded ids (one `<|image_pad|>` per image, one `<|video_pad|>` per video) -> expanded ids (one per
         merged patch), as the trainer's forward needs. image_grid_thw / video_grid_thw: (N, 3) for the N images /
-        videos of these ids, in order."""
+        videos of these ids, in order; `videos`: those videos, needed where the family puts each video's
+        timestamps in the text (Qwen3-VL: `VideoSupport.expansion`)."""
+        timed = self.family.video_timing == "timestamps"
+        if timed and video_grid_thw is not None and len(videos) != len(video_grid_thw):
+            raise ValueError(f"{self.family.name} videos expand with their timestamps: pass the {len(video_grid_thw)} "
+                             f"videos of these ids (got {len(videos)})")
+        videos = iter(videos)
         grids = {}
         for token, name, grid in ((self.image_token_id, "image", image_grid_thw),
                                   (self.video_token_id, "video", video_grid_thw)):
@@ -211,7 +217,9 @@ class Processor:
         merge = self.spatial_merge_size**2
         expanded: list[int] = []
         for token in prompt_ids:
-            if token in grids:
+            if token == self.video_token_id and timed:
+                expanded.extend(self.video.expansion(next(videos), next(grids[token])))
+            elif token in grids:
                 t, h, w = next(grids[token])
                 expanded.extend([token] * (t * h * w // merge))
             else:
@@ -222,14 +230,16 @@ class Processor:
         """Expand a request's prompt and compute its image inputs and position ids, once for all its samples."""
         mm_inputs = self.multi_modal_inputs(request)
         grid, video_grid = mm_inputs.get("image_grid_thw"), mm_inputs.get("video_grid_thw")
-        ids = torch.tensor(self.expand_prompt_ids(request.prompt_ids, grid, video_grid), dtype=torch.long)
+        ids = torch.tensor(self.expand_prompt_ids(request.prompt_ids, grid, video_grid, request.videos),
+                           dtype=torch.long)
         positions = self.position_ids(ids.unsqueeze(0), None, grid, video_grid,
                                       mm_inputs.get("second_per_grid_ts"))[:, 0]
         return PromptInputs(request.uid, ids, positions, mm_inputs, request.data_source, request.ground_truth)
 
     def multi_modal_inputs(self, request: RolloutRequest) -> dict[str, torch.Tensor]:
         """{"pixel_values": (patches, C*T*p*p), "image_grid_thw": (N, 3)} for the trainer (and with videos
-        "pixel_values_videos", "video_grid_thw" (V, 3), "second_per_grid_ts" (V,)); {} without images or videos."""
+        "pixel_values_videos", "video_grid_thw" (V, 3), and for Qwen2/2.5-VL "second_per_grid_ts" (V,)); {} without
+        images or videos."""
         video_inputs = self.video.inputs(request.videos, request.uid) if request.videos else {}
         if not request.images:
             return video_inputs
@@ -247,11 +257,12 @@ class Processor:
     ) -> torch.Tensor:
         """(3, B, L) mrope ids of (B, L) EXPANDED ids; equal to transformers' `get_rope_index` (0 on padding).
         image_grid_thw / video_grid_thw (+ second_per_grid_ts): every image / video of the batch, in row then prompt
-        order."""
+        order (a video's grid whole: Qwen3-VL's are split per temporal patch here, as its get_rope_index does)."""
         return mrope_position_ids(input_ids, attention_mask, image_grid_thw, image_token_id=self.image_token_id,
                                   spatial_merge_size=self.spatial_merge_size, video_token_id=self.video_token_id,
                                   video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts,
-                                  tokens_per_second=self.video.tokens_per_second)
+                                  tokens_per_second=self.video.tokens_per_second,
+                                  video_per_frame=self.family.video_timing == "timestamps")
 
 
 def _normalise_messages(prompt: Any, index: int) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:

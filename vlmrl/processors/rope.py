@@ -18,7 +18,9 @@ token:
   elsewhere than the model was trained with and than both rollout engines do; vlmrl follows the model and the engines
   (the hf backend is given these ids, `vlmrl.rollout.hf`);
 - a run of consecutive image (video) tokens is one image (video); images are taken from `image_grid_thw` and videos
-  from `video_grid_thw`, each in batch-row order.
+  from `video_grid_thw`, each in batch-row order;
+- Qwen3-VL (`video_per_frame`): each video's grid is first split into t grids of one temporal patch
+  (`split_video_frames`, as its get_rope_index does): its patches are separate runs between timestamp text.
 
 vLLM multiplies a video's temporal index in float64 (its `t_factor`), so where t_i x second_per_grid_t x
 tokens_per_second is an integer in exact arithmetic that float32 rounds up to (float64 keeps it just below), vLLM's
@@ -43,6 +45,7 @@ def mrope_position_ids(
     video_grid_thw: torch.Tensor | None = None,
     second_per_grid_ts: torch.Tensor | None = None,
     tokens_per_second: float = 1.0,
+    video_per_frame: bool = False,
 ) -> torch.Tensor:
     """3D rope position ids for a batch of EXPANDED ids.
 
@@ -58,6 +61,8 @@ def mrope_position_ids(
         video_grid_thw: (V, 3) long, the patch grid of every video of the batch, in row then prompt order.
         second_per_grid_ts: (V,) seconds per temporal patch of each video (None: 1.0 each, transformers' default).
         tokens_per_second: the model's vision_config.tokens_per_second (Qwen2.5-VL; 1.0 leaves t_i as it is).
+        video_per_frame: Qwen3-VL: each video is t one-frame items (`split_video_frames`), each its own run of
+            video tokens between its timestamp text; second_per_grid_ts and tokens_per_second are then unused.
 
     Returns:
         (3, B, L) long: temporal, height, width positions; 0 on padding.
@@ -68,6 +73,8 @@ def mrope_position_ids(
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, L), got shape {tuple(input_ids.shape)}")
+    if video_per_frame and video_grid_thw is not None:
+        video_grid_thw, second_per_grid_ts = split_video_frames(video_grid_thw), None
     batch, length = input_ids.shape
     device = input_ids.device
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -133,6 +140,21 @@ def mrope_position_ids(
         flat[1, tokens] = start + (offset // w) % h
         flat[2, tokens] = start + offset % w
     return positions.to(input_ids.dtype)
+
+
+def split_video_frames(video_grid_thw: torch.Tensor) -> torch.Tensor:
+    """(V, 3) video grids -> (sum of t, 3): each video as t grids of one temporal patch (t = 1), as Qwen3-VL's
+    get_rope_index splits them (transformers 5.19; vLLM and SGLang alike): its temporal patches are separated by
+    their `<x.x seconds>` text, so each is laid out like an image, and with t = 1 the engines' rule for the text
+    after it (largest position + 1) and transformers' (start + max(h, w)) agree.
+
+    >>> split_video_frames(torch.tensor([[2, 4, 6], [1, 2, 2]])).tolist()
+    [[1, 4, 6], [1, 4, 6], [1, 2, 2]]
+    """
+    grid = torch.as_tensor(video_grid_thw, dtype=torch.long).reshape(-1, 3)
+    split = torch.repeat_interleave(grid, grid[:, 0], dim=0)
+    split[:, 0] = 1
+    return split
 
 
 def _temporal(t_index: torch.Tensor, seconds: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,14 @@
 resize them once, hash them.
 
 Every video reaches the engines and the trainer through here, once: the frames are sampled ONCE (fps or nframes,
-within [min_frames, max_frames], a multiple of the temporal patch size) and resized ONCE (sides multiples of 28, each
-frame within [video_min_pixels, video_max_pixels] and all frames together within video_total_pixels), so every backend
-gets the same uint8 frames and the same timing (`vlmrl.types.Video`), and no engine samples or resizes again.
+within [min_frames, max_frames], a multiple of the temporal patch size) and resized ONCE (sides multiples of the
+model's factor, 28 or 32, each frame within [video_min_pixels, video_max_pixels] and all frames together within
+video_total_pixels and, for Qwen3-VL, within its video processor's per-video bounds), so every backend gets the same
+uint8 frames and the same timing (`vlmrl.types.Video`), and no engine samples or resizes again.
+
+The timing reaches the model as its family carries it (`ModelFamily.video_timing`): Qwen2/2.5-VL through
+second_per_grid_ts in the position ids; Qwen3-VL as `<x.x seconds>` text before each temporal patch
+(`VideoSupport.expansion`), its grid split per temporal patch for the position ids.
 
 Decoding uses PyAV (`av`, already brought by qwen-vl-utils): torchvision's video reader is not in the CPU stack and
 decord is not installed. Paths follow the image rules: under data.data_root, remote URLs only with
@@ -16,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +116,12 @@ def _floor_to(n: float, f: int) -> int:
 # ---------------------------------------------------------------------------------------------------- loading
 
 
-def load_video(source: Any, config: ProcessorConfig, bounds: tuple[int, int], factor: int) -> Video:
+Bounds = tuple[int, int] | Callable[[int], tuple[int, int]]
+"""Per-frame (min, max) pixels, or a function of the sampled frame count giving them (a model whose video processor
+bounds the pixels of all frames together)."""
+
+
+def load_video(source: Any, config: ProcessorConfig, bounds: Bounds, factor: int) -> Video:
     """One dataset video -> a sampled, resized `Video`.
 
     Accepts a path (`file://` allowed; under data.data_root), raw bytes, {"bytes"/"path"}, an http(s) URL when
@@ -130,7 +140,7 @@ def load_video(source: Any, config: ProcessorConfig, bounds: tuple[int, int], fa
     return _finish(picked, fps, indices, total, config, bounds, factor)
 
 
-def _from_frames(sources: list[Any], config: ProcessorConfig, bounds: tuple[int, int], factor: int) -> Video:
+def _from_frames(sources: list[Any], config: ProcessorConfig, bounds: Bounds, factor: int) -> Video:
     if not sources:
         raise VideoInputError("the video is an empty list of frames")
     frames = []
@@ -154,9 +164,10 @@ def _from_frames(sources: list[Any], config: ProcessorConfig, bounds: tuple[int,
 
 
 def _finish(frames: Sequence[Image.Image], fps: float, indices: list[int], total: int, config: ProcessorConfig,
-            bounds: tuple[int, int], factor: int) -> Video:
+            bounds: Bounds, factor: int) -> Video:
     width, height = frames[0].size
-    new_h, new_w = frame_size(height, width, len(frames), config, bounds, factor)
+    per_frame = bounds(len(frames)) if callable(bounds) else bounds
+    new_h, new_w = frame_size(height, width, len(frames), config, per_frame, factor)
     resized = np.stack([np.asarray(f.resize((new_w, new_h), Image.Resampling.BICUBIC)
                                    if f.size != (new_w, new_h) else f) for f in frames])
     video = Video(frames=resized, fps=float(fps), frame_indices=indices, total_frames=int(total))
@@ -275,6 +286,14 @@ class VideoSupport:
         self.temporal_patch_size = int(vision.get("temporal_patch_size", FRAME_FACTOR))
         self.patch_size = int(vision.get("patch_size", 14))
         self.merge = int(vision.get("spatial_merge_size", 2))
+        self.tokenizer = hf_processor.tokenizer
+        vocab = self.tokenizer.convert_tokens_to_ids
+        self.video_token_id = int(model_config.get("video_token_id", vocab("<|video_pad|>")))
+        self.vision_start_id = int(model_config.get("vision_start_token_id", vocab("<|vision_start|>")))
+        self.vision_end_id = int(model_config.get("vision_end_token_id", vocab("<|vision_end|>")))
+        self.video_bounds: tuple[int, int] | None = None
+        """Pixels of all frames of a video together, (min, max): the model's video processor's, where its bounds
+        are per video (`ModelFamily.video_bounds_per_video`); None where they are per frame (`bounds`)."""
         self.bounds = self._bounds()
 
     def _bounds(self) -> tuple[int, int]:
@@ -284,6 +303,9 @@ class VideoSupport:
             return (self.config.video_min_pixels or 0, self.config.video_max_pixels or 0)
         size = self.video_processor.size
         model_min, model_max = int(size["shortest_edge"]), int(size["longest_edge"])
+        if self.family.video_bounds_per_video:  # checked per video, once its frame count is known
+            self.video_bounds = (model_min, model_max)
+            return (self.config.video_min_pixels or 0, self.config.video_max_pixels or model_max)
         low = self.config.video_min_pixels if self.config.video_min_pixels is not None else model_min
         high = self.config.video_max_pixels if self.config.video_max_pixels is not None else model_max
         if not model_min <= low <= high <= model_max:
@@ -296,10 +318,24 @@ class VideoSupport:
         engines' rule (`vlmrl.processors.rope`), which the hf backend and the trainer use too."""
         if self.video_processor is None:
             raise VideoInputError("the model's processor has no video processor: it takes no video")
-        if self.family.video_timing != "second_per_grid_ts":
-            raise VideoInputError(f"vlmrl takes no video for {self.family.name} yet (per-frame timestamps in the "
-                                  "text, per-frame grids); Qwen2-VL and Qwen2.5-VL take video")
-        return load_video(source, self.config, self.bounds, self.factor)
+        if self.family.video_timing is None:
+            raise VideoInputError(f"vlmrl takes no video for {self.family.name}")
+        return load_video(source, self.config, self.frame_bounds if self.video_bounds else self.bounds, self.factor)
+
+    def frame_bounds(self, num_frames: int) -> tuple[int, int]:
+        """Per-frame (min, max) pixels for `num_frames` frames where the model bounds a video's pixels summed over
+        its frames (Qwen3-VL): its processor resizes every frame again unless frames x pixels lies within its
+        bounds, so each frame gets that share of them, within data.video_min_pixels / video_max_pixels."""
+        model_min, model_max = self.video_bounds
+        frames = _ceil_to(num_frames, self.temporal_patch_size)
+        low, high = max(self.bounds[0], math.ceil(model_min / frames)), min(self.bounds[1], model_max // frames)
+        if low > high:
+            raise VideoInputError(
+                f"{num_frames} frames cannot fit the model's video processor bounds [{model_min}, {model_max}] "
+                f"pixels per video with data.video_min_pixels={self.config.video_min_pixels}, "
+                f"video_max_pixels={self.config.video_max_pixels} per frame (over the pixel budget): sample fewer "
+                "frames (data.video_fps / video_nframes / video_max_frames) or change those bounds")
+        return low, high
 
     def grid(self, video: Video) -> tuple[int, int, int]:
         """(t, h, w) patch grid of one sampled video (before merging)."""
@@ -307,9 +343,41 @@ class VideoSupport:
         return (t // self.temporal_patch_size, height // self.patch_size, width // self.patch_size)
 
     def token_count(self, video: Video) -> int:
-        """How many `<|video_pad|>` tokens one video expands to."""
+        """How many tokens one video's `<|video_pad|>` expands to (Qwen3-VL: with its timestamps and per-frame
+        vision start/end tokens)."""
+        if self.family.video_timing == "timestamps":
+            return len(self.expansion(video))
         t, h, w = self.grid(video)
         return t * h * w // self.merge**2
+
+    def timestamps(self, video: Video) -> list[float]:
+        """Seconds of each temporal patch (Qwen3-VL): the mean time of its first and last frame, the frame count
+        padded to the temporal patch size with the last frame (transformers' `Qwen3VLProcessor._calculate_timestamps`,
+        vLLM's alike)."""
+        size = self.temporal_patch_size
+        indices = list(video.frame_indices)
+        indices += [indices[-1]] * (-len(indices) % size)
+        seconds = [i / video.fps for i in indices]
+        return [(seconds[i] + seconds[i + size - 1]) / 2 for i in range(0, len(seconds), size)]
+
+    def expansion(self, video: Video, grid: Sequence[int] | None = None) -> list[int]:
+        """The ids that replace one video's `<|video_pad|>` for the trainer's forward (its `grid` (t, h, w), default
+        the frames' own): one `<|video_pad|>` per merged patch; Qwen3-VL: per temporal patch
+        `<x.x seconds><|vision_start|>` + its pads + `<|vision_end|>` (the chat template's own start/end tokens
+        stay around the whole video: transformers 5.19's Qwen3VLProcessor, vLLM and SGLang expand alike). Each
+        timestamp is tokenized alone, as vLLM and SGLang do (special tokens split the text the same way in HF's)."""
+        t, h, w = grid if grid is not None else self.grid(video)
+        per_frame = h * w // self.merge**2
+        if self.family.video_timing != "timestamps":
+            return [self.video_token_id] * (t * per_frame)
+        stamps = self.timestamps(video)
+        if len(stamps) != t:
+            raise ValueError(f"video of {video.num_frames} frames has {len(stamps)} temporal patches but grid t={t}")
+        ids: list[int] = []
+        for seconds in stamps:
+            ids += self.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False)
+            ids += [self.vision_start_id] + [self.video_token_id] * per_frame + [self.vision_end_id]
+        return ids
 
     def second_per_grid(self, video: Video) -> float:
         """Seconds one temporal patch spans: temporal patch size / sample fps (transformers' second_per_grid_ts)."""
@@ -317,7 +385,8 @@ class VideoSupport:
 
     def inputs(self, videos: Sequence[Video], uid: str) -> dict[str, Any]:
         """{"pixel_values_videos", "video_grid_thw" (V, 3), "second_per_grid_ts" (V,)} through the model's own video
-        processor, told not to sample (the frames are the sampled ones) and given each video's timing."""
+        processor, told not to sample (the frames are the sampled ones) and given each video's timing. Qwen3-VL: no
+        second_per_grid_ts (its timing is in the text; its forward takes none)."""
         import torch
 
         out = self.video_processor(videos=[v.frames for v in videos], return_tensors="pt", do_sample_frames=False,
@@ -327,6 +396,8 @@ class VideoSupport:
         if not torch.equal(grid, expected):
             raise RuntimeError(f"request {uid}: video processor grid {grid.tolist()} != the sampled frames' "
                                f"{expected.tolist()}; check video_min_pixels/video_max_pixels against the model's")
+        if self.family.video_timing == "timestamps":
+            return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid}
         seconds = torch.tensor([self.second_per_grid(v) for v in videos], dtype=torch.float32)
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid,
                 "second_per_grid_ts": seconds}

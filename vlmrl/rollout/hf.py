@@ -90,7 +90,7 @@ class HFBackend(RolloutBackend):
         (the request's frames through the model's video processor, with their timing: second_per_grid_ts)."""
         mm = self.processor.multi_modal_inputs(request)
         ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw"),
-                                               mm.get("video_grid_thw")) + list(response_ids)
+                                               mm.get("video_grid_thw"), request.videos) + list(response_ids)
         input_ids = torch.tensor([ids], dtype=torch.long)
         types = ((input_ids == self.processor.image_token_id).to(torch.int32)
                  + 2 * (input_ids == self.processor.video_token_id).to(torch.int32))

@@ -9,7 +9,8 @@ video as 24 fps (second_per_grid_ts = 2/24), whatever the video's rate. So a req
 `processor_output` form instead: the model's own processor outputs for the request's frames and images, computed
 by vlmrl (`pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts` = 2 / sampled fps, and the images'
 `pixel_values`, `image_grid_thw`) in one `video_data` entry, with the EXPANDED prompt ids (that form takes them
-expanded). Measured: its logprobs then equal transformers' at the video's own fps. SGLang keys its prefix cache on
+expanded; for Qwen3-VL they carry the `<x.x seconds>` text of each temporal patch, and no second_per_grid_ts goes).
+Measured: its logprobs then equal transformers' at the video's own fps. SGLang keys its prefix cache on
 the pixel values' hash, so a one-video entry carries vlmrl's hash of the frames and their timing instead; an entry
 holding an image and a video cannot carry one (SGLang takes a hash for one-item entries only): the same pixels sent
 again at another fps would reuse the first one's prompt KV. For Qwen2.5-VL the entry also splits the video's grid
@@ -194,7 +195,8 @@ class _SGLangCommon(RolloutBackend):
         """(input_ids, image_data, video_data) of a request with videos: expanded ids and ONE `processor_output`
         entry holding the request's image and video inputs with their timing (see the module docstring)."""
         mm = self.processor.multi_modal_inputs(request)
-        ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw"), mm.get("video_grid_thw"))
+        ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw"), mm.get("video_grid_thw"),
+                                               request.videos)
         entry: dict[str, Any] = {"format": "processor_output", **mm}
         if self.processor.family.sglang_video_per_step_grids:
             entry.update(per_step_video_grids(self.processor, ids, mm))

@@ -4,7 +4,8 @@ Inputs: `TokensPrompt(prompt_token_ids=<unexpanded ids>, multi_modal_data={"imag
 "video": [(frames, metadata)]})`; vLLM expands each `<|image_pad|>` / `<|video_pad|>` itself. A video is the request's
 sampled frames (T, H, W, 3) uint8 with their metadata (source fps, total frames, sampled indices, duration: vLLM
 refuses a bare array), and the engine runs with `mm_processor_kwargs={"do_sample_frames": False}`, so it samples
-nothing and its processor derives second_per_grid_ts from the same sampled fps as the trainer.
+nothing and its processor derives second_per_grid_ts (Qwen2/2.5-VL) or the `<x.x seconds>` timestamps it expands
+each video into (Qwen3-VL) from the same metadata as the trainer.
 Logprobs: the engine runs with `logprobs_mode="raw_logprobs"`: log_softmax of the logits before any processing
 (temperature, top-p/top-k, bad words), i.e. the raw model distribution of the vlmrl contract.
 Banned tokens: `bad_words` holding each banned token's text; it is checked at start that each text tokenizes back

@@ -1,6 +1,7 @@
 """The rollout tests of the embedded Qwen3-VL (`tiny-qwen3-vl`, fp32): in this folder `tiny_model_path` is that model,
-and `hf`, `batch`, `hf_greedy` are its HF reference, the same nine requests and HF's greedy results (one of each
-per session, apart from the Qwen2.5-VL ones of tests/rollout/conftest.py)."""
+and `hf`, `batch`, `hf_greedy` are tests/rollout/conftest.py's fixtures registered again here, so that they are this
+folder's own (one of each per session, on this model, apart from the Qwen2.5-VL ones): its HF reference, the same
+nine requests and HF's greedy results."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, build_batch
+from tests.rollout.conftest import batch, hf, hf_greedy  # noqa: F401 - registered again: this folder's own copies
 
 
 @pytest.fixture(scope="session")
@@ -18,26 +19,6 @@ def tiny_model_path() -> str:
     from vlmrl.models import ensure_built
 
     return str(ensure_built("tiny-qwen3-vl"))
-
-
-@pytest.fixture(scope="session")
-def hf(tiny_model_path):
-    """transformers' Qwen3-VL (fp32): the reference. Tests that edit its weights restore them."""
-    from vlmrl.rollout import get_backend
-
-    with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as backend:
-        yield backend
-
-
-@pytest.fixture(scope="session")
-def batch(hf):
-    """Nine requests (0, 1 and 2 images of different sizes) built by the Qwen3-VL processor (multiples of 32)."""
-    return build_batch(hf.processor)
-
-
-@pytest.fixture(scope="session")
-def hf_greedy(hf, batch):
-    return hf.generate(batch, GREEDY)
 
 
 @pytest.fixture(scope="session")
