@@ -98,3 +98,23 @@ def test_trainer_inputs_of_a_video_request(tiny_model_path):
     assert mm["pixel_values_videos"].shape == (2 * 8 * 8, 3 * 2 * 14 * 14)
     assert int((inputs.input_ids == processor.video_token_id).sum()) == 32
     assert processor.video_token_id in request.banned_token_ids
+
+
+def test_a_qwen2_vl_checkpoint_refuses_video_by_row(tiny_model_path, tmp_path):
+    """Qwen2-VL (model_type qwen2_vl) numbers a video's temporal positions one per temporal patch, not by
+    tokens_per_second x seconds as Qwen2.5-VL does; vlmrl computes the latter, so such a row is refused, not
+    trained on wrong position ids. Images still work."""
+    import json
+    import shutil
+
+    folder = tmp_path / "qwen2-vl"
+    shutil.copytree(tiny_model_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "qwen2_vl"
+    (folder / "config.json").write_text(json.dumps(config))
+    processor = _processor(str(folder))
+    with pytest.raises(BadRowError, match="row 3: video 0: .*model_type 'qwen2_vl'"):
+        processor.build_request(_row({"bytes": _mp4(20)}), 3)
+    assert _processor(tiny_model_path).build_request(_row({"bytes": _mp4(20)}), 3).videos
+    image_row = generate_rows("colour", 1, 0, "val")[0]
+    assert processor.build_request(image_row, 0).images

@@ -48,6 +48,11 @@ class ModelFamily:
     temporal position ids spaced by tokens_per_second x seconds per temporal patch); "timestamps" (Qwen3-VL: each
     temporal patch of 2 frames is its own `<x.x seconds><|vision_start|>...<|vision_end|>` group in the TEXT, the
     grid is split per temporal patch for position ids, t = 1 each); None = vlmrl takes no video for this family."""
+    video_model_types: tuple[str, ...] | None = None
+    """The model types of this family whose video vlmrl takes (None: all with a `video_timing`). Qwen2.5-VL only,
+    not Qwen2-VL: Qwen2-VL gives a video one temporal position id per temporal patch (no tokens_per_second, no
+    second_per_grid_ts in its forward), a rule vlmrl's trainer inputs and position ids do not follow yet, and no
+    embedded Qwen2-VL model exists to test the engines against it."""
     video_bounds_per_video: bool = False
     """The video processor's size bounds (`shortest_edge` / `longest_edge` pixels) hold for all frames of a video
     together (Qwen3-VL's processor: t x h x w), not for each frame (Qwen2/2.5-VL's)."""
@@ -132,6 +137,7 @@ QWEN2_5_VL = ModelFamily(
     vision_mergers=("merger",),
     interleaved_mrope=False,
     video_timing="second_per_grid_ts",
+    video_model_types=("qwen2_5_vl",),
     sglang_video_per_step_grids=True,  # harmless for qwen2_vl, whose SGLang tower already attends per step
 )
 

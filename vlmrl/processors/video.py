@@ -286,6 +286,7 @@ class VideoSupport:
         self.temporal_patch_size = int(vision.get("temporal_patch_size", FRAME_FACTOR))
         self.patch_size = int(vision.get("patch_size", 14))
         self.merge = int(vision.get("spatial_merge_size", 2))
+        self.model_type = str(model_config.get("model_type", ""))
         self.tokenizer = hf_processor.tokenizer
         vocab = self.tokenizer.convert_tokens_to_ids
         self.video_token_id = int(model_config.get("video_token_id", vocab("<|video_pad|>")))
@@ -320,6 +321,11 @@ class VideoSupport:
             raise VideoInputError("the model's processor has no video processor: it takes no video")
         if self.family.video_timing is None:
             raise VideoInputError(f"vlmrl takes no video for {self.family.name}")
+        if self.family.video_model_types is not None and self.model_type not in self.family.video_model_types:
+            raise VideoInputError(
+                f"vlmrl takes no video for model_type {self.model_type!r} (video: "
+                f"{', '.join(self.family.video_model_types)}); Qwen2-VL spaces a video's temporal position ids "
+                "one per temporal patch, which vlmrl does not compute yet")
         return load_video(source, self.config, self.frame_bounds if self.video_bounds else self.bounds, self.factor)
 
     def frame_bounds(self, num_frames: int) -> tuple[int, int]:
