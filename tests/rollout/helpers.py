@@ -22,6 +22,17 @@ FAVOURED_LOGPROB_TOL = 2e-3
 -1e4 offset, where float32 resolves ~1e-3 (see vlmrl.rollout.sglang)."""
 
 
+def sglang_server(model_path: str, tmp_path_factory, label: str, **options):
+    """A module fixture's body: an fp32 `sglang-server` launched on the model, its log in a fresh temporary folder
+    named `label` (read by the tests that check what the server said); yields the started backend, stops it after."""
+    from vlmrl.rollout import get_backend
+
+    log = tmp_path_factory.mktemp(label) / "server.log"
+    with get_backend("sglang-server", model_path, dtype="float32", max_model_len=1024, timeout_s=300,
+                     log_file=str(log), **options) as started:
+        yield started
+
+
 def noise_image(width: int, height: int, seed: int) -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels, mode="RGB")

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, EngineContract, greedy_mismatch
+from tests.rollout.helpers import GREEDY, EngineContract, greedy_mismatch, sglang_server
 from vlmrl.rollout import EngineDeadError, RolloutError, get_backend
 
 pytestmark = pytest.mark.sglang
@@ -17,9 +17,7 @@ pytestmark = pytest.mark.sglang
 
 @pytest.fixture(scope="module")
 def backend(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("sglang-server") / "server.log"
-    with get_backend("sglang-server", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
-                     vlm_cache_size_mb=100, log_file=str(log)) as started:
+    for started in sglang_server(tiny_model_path, tmp_path_factory, "sglang-server", vlm_cache_size_mb=100):
         assert started.url.startswith("http://127.0.0.1:")
         yield started
 

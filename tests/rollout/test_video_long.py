@@ -44,13 +44,17 @@ def long_requests(model_path: str) -> list[RolloutRequest]:
     ]
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model_path):
-    """The HF reference taking two videos a request (the shared one takes one)."""
+def _two_video_backend(name: str, model_path: str):
+    """`name` started in fp32, taking two videos a request (the shared fixtures take one)."""
     from vlmrl.rollout import get_backend
 
-    with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024, limit_videos=2,
-                     timeout_s=300) as backend:
+    return get_backend(name, model_path, dtype="float32", max_model_len=1024, limit_videos=2, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_path):
+    """The HF reference taking two videos a request."""
+    with _two_video_backend("hf", tiny_model_path) as backend:
         yield backend
 
 
@@ -97,19 +101,13 @@ def test_hf_uses_vlmrls_positions_and_its_decode_steps_continue_them(hf, request
 
 @pytest.fixture(scope="module")
 def vllm(tiny_model_path):
-    from vlmrl.rollout import get_backend
-
-    with get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, limit_videos=2,
-                     timeout_s=300) as started:
+    with _two_video_backend("vllm", tiny_model_path) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
 def sglang(tiny_model_path):
-    from vlmrl.rollout import get_backend
-
-    with get_backend("sglang", tiny_model_path, dtype="float32", max_model_len=1024, limit_videos=2,
-                     timeout_s=300) as started:
+    with _two_video_backend("sglang", tiny_model_path) as started:
         yield started
 
 

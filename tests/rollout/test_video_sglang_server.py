@@ -10,9 +10,9 @@ import re
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, greedy_mismatch
+from tests.rollout.helpers import GREEDY, greedy_mismatch, sglang_server
 from tests.rollout.video_helpers import video_batch
-from vlmrl.rollout import RolloutError, get_backend
+from vlmrl.rollout import RolloutError
 from vlmrl.rollout.base import InvalidRequestError
 
 pytestmark = pytest.mark.sglang
@@ -20,10 +20,7 @@ pytestmark = pytest.mark.sglang
 
 @pytest.fixture(scope="module")
 def backend(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("sglang-server-video") / "server.log"
-    with get_backend("sglang-server", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
-                     log_file=str(log)) as started:
-        yield started
+    yield from sglang_server(tiny_model_path, tmp_path_factory, "sglang-server-video")
 
 
 def test_video_requests_are_refused_and_the_server_keeps_serving(backend, tiny_model_path, batch, hf_greedy):

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, LOGPROB_TOL, Qwen3VLContract, greedy_mismatch, max_drift_from_hf
+from tests.rollout.helpers import (
+    GREEDY,
+    LOGPROB_TOL,
+    Qwen3VLContract,
+    greedy_mismatch,
+    max_drift_from_hf,
+    sglang_server,
+)
 from vlmrl.rollout import RolloutError, get_backend
 
 pytestmark = pytest.mark.sglang
@@ -15,10 +22,7 @@ pytestmark = pytest.mark.sglang
 
 @pytest.fixture(scope="module")
 def backend(tiny_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("sglang-server-qwen3-vl") / "server.log"
-    with get_backend("sglang-server", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
-                     log_file=str(log)) as started:
-        yield started
+    yield from sglang_server(tiny_model_path, tmp_path_factory, "sglang-server-qwen3-vl")
 
 
 def test_multimodal_cache_is_refused_before_any_server_starts(tiny_model_path):
