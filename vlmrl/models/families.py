@@ -65,6 +65,12 @@ class ModelFamily:
     split grids its tower attends per temporal patch; its own position ids would then read t separate videos, so
     vlmrl sends the prompt's mrope positions (the trainer's) with them."""
 
+    @property
+    def timestamps_in_text(self) -> bool:
+        """A video's timing is `<x.x seconds>` text per temporal patch, its grid split per temporal patch
+        (`video_timing == "timestamps"`, Qwen3-VL)."""
+        return self.video_timing == "timestamps"
+
     def checkpoint_name(self, name: str) -> str:
         """A transformers-5 in-memory parameter name -> the name in this family's checkpoints (what engines load).
 

@@ -201,7 +201,7 @@ class Processor:
         merged patch), as the trainer's forward needs. image_grid_thw / video_grid_thw: (N, 3) for the N images /
         videos of these ids, in order; `videos`: those videos, needed where the family puts each video's
         timestamps in the text (Qwen3-VL: `VideoSupport.expansion`)."""
-        timed = self.family.video_timing == "timestamps"
+        timed = self.family.timestamps_in_text
         if timed and video_grid_thw is not None and len(videos) != len(video_grid_thw):
             raise ValueError(f"{self.family.name} videos expand with their timestamps: pass the {len(video_grid_thw)} "
                              f"videos of these ids (got {len(videos)})")
@@ -262,7 +262,7 @@ class Processor:
                                   spatial_merge_size=self.spatial_merge_size, video_token_id=self.video_token_id,
                                   video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts,
                                   tokens_per_second=self.video.tokens_per_second,
-                                  video_per_frame=self.family.video_timing == "timestamps")
+                                  video_per_frame=self.family.timestamps_in_text)
 
 
 def _normalise_messages(prompt: Any, index: int) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:

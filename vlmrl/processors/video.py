@@ -351,7 +351,7 @@ class VideoSupport:
     def token_count(self, video: Video) -> int:
         """How many tokens one video's `<|video_pad|>` expands to (Qwen3-VL: with its timestamps and per-frame
         vision start/end tokens)."""
-        if self.family.video_timing == "timestamps":
+        if self.family.timestamps_in_text:
             return len(self.expansion(video))
         t, h, w = self.grid(video)
         return t * h * w // self.merge**2
@@ -374,7 +374,7 @@ class VideoSupport:
         timestamp is tokenized alone, as vLLM and SGLang do (special tokens split the text the same way in HF's)."""
         t, h, w = grid if grid is not None else self.grid(video)
         per_frame = h * w // self.merge**2
-        if self.family.video_timing != "timestamps":
+        if not self.family.timestamps_in_text:
             return [self.video_token_id] * (t * per_frame)
         stamps = self.timestamps(video)
         if len(stamps) != t:
@@ -402,7 +402,7 @@ class VideoSupport:
         if not torch.equal(grid, expected):
             raise RuntimeError(f"request {uid}: video processor grid {grid.tolist()} != the sampled frames' "
                                f"{expected.tolist()}; check video_min_pixels/video_max_pixels against the model's")
-        if self.family.video_timing == "timestamps":
+        if self.family.timestamps_in_text:
             return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid}
         seconds = torch.tensor([self.second_per_grid(v) for v in videos], dtype=torch.float32)
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid,

@@ -304,9 +304,10 @@ def per_step_video_grids(processor: Any, ids: Sequence[int], mm: dict[str, Any])
     row per temporal patch (the patches are already in that order in `pixel_values_videos`), and the prompt's mrope
     positions from vlmrl (`mrope_positions` (3, L), `mrope_position_delta`), since SGLang's own would read the rows
     as t videos."""
+    from vlmrl.processors.rope import split_video_frames
+
     grid = mm["video_grid_thw"]
-    split = torch.repeat_interleave(grid, grid[:, 0], dim=0)
-    split[:, 0] = 1
+    split = split_video_frames(grid)
     input_ids = torch.tensor([list(ids)], dtype=torch.long)
     positions = processor.position_ids(input_ids, None, mm.get("image_grid_thw"), grid,
                                        mm.get("second_per_grid_ts"))[:, 0]  # (3, L)
