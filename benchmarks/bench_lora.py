@@ -149,7 +149,7 @@ def sync_row(name: str, policy: Actor, backend: str, model: str, syncs: int, ref
             exact &= ([r.response_ids for r in engine.generate(batch, GREEDY)]
                       == [r.response_ids for r in reference.generate(batch, GREEDY)])
     return {"row": name, "backend": backend, "sync_s": statistics.median(times), "bytes": sent,
-            "rss_growth_mib": max(grew), "merged_alive_mib": max(alive), "bucket_mb": engine.options.sync_bucket_mb,
+            "rss_growth_mib": max(grew), "merged_alive_mib": max(alive), "bucket_mb": engine.rollout.sync_bucket_mb,
             "path": policy.lora_sync.path(engine) if policy.lora_sync else "full", "equal_to_hf": exact}
 
 
@@ -159,10 +159,11 @@ def memory_side(model: str, rank: int) -> dict:
 
     from tests.batches import make_batch, synthetic_rows
     from vlmrl.algorithms.grpo import group_advantages
-    from vlmrl.processors import ProcessorConfig, load_processor
+    from vlmrl.data.config import DataConfig
+    from vlmrl.processors import load_processor
 
     rows = synthetic_rows(tempfile.mkdtemp(), train_size=8, val_size=2)
-    processor = load_processor(model, ProcessorConfig(max_prompt_length=64))
+    processor = load_processor(model, DataConfig(max_prompt_length=64))
     batch = make_batch(processor, rows[:8], n=2, response_length=32)
     policy = actor(model, rank)
     advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding)

@@ -63,9 +63,9 @@ def build_requests(model_path: str, count: int, workload: str = "images") -> lis
     (workload "video") one video each."""
     if workload == "video":
         from vlmrl.data.synthetic import generate_rows
-        from vlmrl.processors.config import ProcessorConfig
+        from vlmrl.data.config import DataConfig
 
-        processor = load_processor(model_path, ProcessorConfig(video_fps=24.0, max_prompt_length=2048))
+        processor = load_processor(model_path, DataConfig(video_fps=24.0, max_prompt_length=2048))
         return [processor.build_request(row, index=i) for i, row in enumerate(generate_rows("motion", count, 0, "val"))]
     processor = load_processor(model_path)
     rng = np.random.default_rng(0)

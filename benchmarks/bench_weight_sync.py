@@ -69,13 +69,14 @@ def run_side(model_path: str, bucket_mb: float, dtype: str) -> dict:
     import ray
 
     from vlmrl.actor.config import ActorConfig
-    from vlmrl.distributed import ClusterConfig, DistributedActor, WorkerSpec
+    from vlmrl.config import TrainerConfig
+from vlmrl.distributed import DistributedActor, WorkerSpec
     from vlmrl.distributed.worker import EngineSpec
 
     engine = EngineSpec("vllm", model_path, {"dtype": dtype, "max_model_len": 256, "timeout_s": 600,
                                              "sync_bucket_mb": bucket_mb})
     config = ActorConfig(model_path=model_path, device="cpu", dtype="float32", ppo_micro_batch_size_per_gpu=1)
-    actor = DistributedActor(ClusterConfig(n_gpus_per_node=2, engine_placement="worker"),
+    actor = DistributedActor(TrainerConfig(n_gpus_per_node=2, engine_placement="worker"),
                              WorkerSpec(actor=config, engine=engine, torch_threads=1, timeout_s=600),
                              mini_batch_samples=2, timeout_s=900)
     try:

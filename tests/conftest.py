@@ -58,18 +58,20 @@ TINY_FAMILIES = ("tiny", "tiny-qwen3-vl")
 def tiny_family(request):
     """(model folder, its processor with prompts up to 64 tokens) for each embedded family in turn."""
     from vlmrl.models import ensure_built
-    from vlmrl.processors import ProcessorConfig, load_processor
+    from vlmrl.data.config import DataConfig
+    from vlmrl.processors import load_processor
 
     path = str(ensure_built(request.param))
-    return path, load_processor(path, ProcessorConfig(max_prompt_length=64))
+    return path, load_processor(path, DataConfig(max_prompt_length=64))
 
 
 @pytest.fixture(scope="session")
 def processor(tiny_model_path):
     """The tiny model's processor (prompts up to 64 tokens), shared by the actor, trainer and distributed tests."""
-    from vlmrl.processors import ProcessorConfig, load_processor
+    from vlmrl.data.config import DataConfig
+    from vlmrl.processors import load_processor
 
-    return load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=64))
+    return load_processor(tiny_model_path, DataConfig(max_prompt_length=64))
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from vlmrl.rollout import RolloutBackend, RolloutOptions
-from vlmrl.rollout.base import assert_nothing_banned, finish_at_stop
+from vlmrl.rollout import BackendOptions, RolloutBackend
+from vlmrl.rollout.requests import finish_at_stop
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 
 Respond = Callable[[RolloutRequest, int], Sequence[int]]
@@ -27,7 +27,8 @@ class ScriptedBackend(RolloutBackend):
     """Writes what `respond` says, cut like every engine cuts: right after the first stop token (the model's EOS ids
     and `sampling.stop_token_ids`, kept) or at `max_new_tokens`. Each token's logprob is `logprob`; top-k lists hold
     just the written token. Requests are checked as by every backend (`check_requests`: placeholders, image limits,
-    lengths) and a banned token in a response fails the call, so a script cannot produce what no engine may.
+    lengths) and its results as every backend's (`check_results`: a banned token in a response fails the call), so a
+    script cannot produce what no engine may.
 
     Calls run one at a time, each taking `latency_s` (as an engine's forward takes time): a caller that batches
     whatever is ready (the agent loop's turn batcher) then batches alike in every run, since everything ready at
@@ -38,14 +39,13 @@ class ScriptedBackend(RolloutBackend):
 
     def __init__(self, model_path: str, respond: Respond, *, logprob: float = -0.5, latency_s: float = 0.0,
                  **options: Any):
-        super().__init__(model_path, RolloutOptions.from_kwargs(self.name, options))
+        super().__init__(model_path, BackendOptions.from_kwargs(self.name, options))
         self.respond, self.logprob, self.latency_s = respond, logprob, latency_s
         self._one_at_a_time = threading.Lock()
         self.calls: list[tuple[list[RolloutRequest], SamplingParams]] = []
         self.weight_syncs = 0
 
-    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
-        self.check_requests(requests, sampling)
+    def _generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         with self._one_at_a_time:
             time.sleep(self.latency_s)
             return self._write(requests, sampling)
@@ -61,11 +61,10 @@ class ScriptedBackend(RolloutBackend):
                 results.append(RolloutResult(uid=request.uid, sample_index=i, response_ids=ids,
                                              response_logprobs=[self.logprob] * len(ids), finish_reason=reason,
                                              top_logprobs=tops))
-        assert_nothing_banned(results, requests, sampling.n, self.name)
         return results
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
-                       ) -> None:
+    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None
+                        ) -> None:
         self.sync_state(named_tensors)  # the same name checks as a real sync
         self.weight_syncs += 1
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.config import Config, ConfigError, describe, load_config, sections, to_yaml, validate
+from vlmrl.config import Config, ConfigError, RolloutConfig, describe, load_config, sections, to_yaml, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic",
@@ -187,12 +187,13 @@ def test_a_tool_image_at_the_models_max_pixels_is_checked_when_data_max_pixels_i
 
 def test_image_safety_keys_are_the_processors(tmp_path, tiny_model_path):
     """The data section IS the processor's config: nothing is copied between them."""
-    from vlmrl.processors import ProcessorConfig, load_processor
+    from vlmrl.data.config import DataConfig
+    from vlmrl.processors import load_processor
 
     config = load("data.on_bad_image=filter", f"data.data_root={tmp_path}", "data.allow_remote_images=true",
                   "data.remote_timeout_s=2.5", "data.remote_max_bytes=1024", "data.max_image_pixels=2000000",
                   "data.filter_overlong_prompts=false")
-    assert isinstance(config.data, ProcessorConfig)
+    assert isinstance(config.data, DataConfig)
     processor = load_processor(tiny_model_path, config.data)
     assert processor.config is config.data and not processor.config.filter_overlong_prompts
     limits = processor.config
@@ -204,26 +205,19 @@ def test_image_safety_keys_are_the_processors(tmp_path, tiny_model_path):
     assert "raise data.max_image_pixels" in problems_of("data.max_pixels=12544", "data.max_image_pixels=1000")
 
 
-def test_readme_lists_every_key():
-    readme = (ROOT / "README.md").read_text()
-    assert _docs_generator().readme_reference() in readme, \
-        "README's configuration reference is stale: run scripts/gen_config_docs.py"
-    missing = [key for key, _, _ in describe(Config) if f"`{key}`" not in readme]
-    assert not missing, f"keys missing from the README: {missing}"
-
-
-def test_engine_options_reach_every_backend_and_deadlines_must_be_positive():
-    from vlmrl.rollout import backend_class, backend_options
+def test_engine_neutral_options_reach_every_backend_and_deadlines_must_be_positive():
+    from vlmrl.rollout import backend_options
 
     base = ["actor.model_path=org/m", "data.train_files=synthetic", "data.val_files=synthetic"]
     config = load_config([*base, "rollout.start_timeout_s=1800", "rollout.timeout_s=900",
                           "rollout.gpu_memory_utilization=0.4", "data.max_prompt_length=100",
                           "data.max_response_length=28", "trainer.seed=7"])
+    assert config.derived.max_model_len == 128
     for name in ("hf", "vllm", "sglang", "sglang-server"):
-        taken = backend_options(config.rollout, name, max_model_len=128, seed=7)
-        options = backend_class(name).options_class.from_kwargs(name, taken)
-        assert (options.start_timeout_s, options.timeout_s, options.max_model_len, options.seed) == (1800, 900, 128, 7)
-        assert getattr(options, "gpu_memory_utilization", None) == (None if name == "hf" else 0.4), name
+        options = backend_options(config.rollout, name, max_model_len=config.derived.max_model_len, seed=7)
+        r = options.rollout
+        assert (r.start_timeout_s, r.timeout_s, options.max_model_len, options.seed) == (1800, 900, 128, 7)
+        assert r.gpu_memory_utilization == 0.4
     with pytest.raises(ConfigError, match=r"rollout.start_timeout_s=0.0 must be > 0"):
         load_config([*base, "rollout.start_timeout_s=0"])
 
@@ -242,7 +236,7 @@ def test_an_engine_that_is_not_installed_is_named_at_config_load(monkeypatch):
     base = ["actor.model_path=org/m", "data.train_files=synthetic", "data.val_files=synthetic"]
     with pytest.raises(ConfigError, match=r"rollout.name=sglang needs sglang, which is not installed.*\.\[sglang\]"):
         load_config([*base, "rollout.name=sglang"])
-    load_config([*base, "rollout.name=sglang-server", "rollout.server_url=http://127.0.0.1:30000"])  # a client only
+    load_config([*base, "rollout.name=sglang-server", "rollout.server.url=http://127.0.0.1:30000"])  # a client only
 
 
 def test_tensor_parallel_engines_are_refused_when_colocated_on_several_devices():
@@ -263,41 +257,103 @@ def test_a_renamed_key_names_its_new_name(tmp_path):
         load_config([f"config={yaml}"], check_model=False)
 
 
+def test_keys_of_the_last_release_still_work_with_a_warning(tmp_path):
+    """rollout.server_url and the one rollout.engine_kwargs moved into the per-engine sections; a config written for
+    the last release runs unchanged for one more, and says what to rename."""
+    with pytest.warns(FutureWarning, match=r"'rollout.server_url' \(in rollout.server_url=http://h:1\) is now "
+                                           r"'rollout.server.url'"):
+        config = load("rollout.name=sglang-server", "rollout.server_url=http://h:1")
+    assert config.rollout.server.url == "http://h:1"
+    yaml = tmp_path / "old.yaml"
+    yaml.write_text("rollout:\n  name: sglang\n  engine_kwargs:\n    chunked_prefill_size: 512\n")
+    with pytest.warns(FutureWarning, match=r"rollout.sglang.engine_kwargs \(for rollout.name=sglang\)"):
+        config = load(f"config={yaml}")
+    assert config.rollout.sglang.engine_kwargs == {"chunked_prefill_size": 512}
+    assert config.rollout.vllm.engine_kwargs == {}, "only the engine the run uses gets them"
+    with pytest.warns(FutureWarning, match=r"rollout.vllm.engine_kwargs \(for rollout.name=vllm\)"):
+        config = load("rollout.engine_kwargs={max_num_seqs: 4}", "rollout.vllm.engine_kwargs={max_num_seqs: 8}")
+    assert config.rollout.vllm.engine_kwargs == {"max_num_seqs": 8}, "the new key wins where both are set"
+    with pytest.warns(FutureWarning, match=r"rollout.sglang.engine_kwargs \(for rollout.name=sglang-server\)"):
+        assert load("rollout.engine_kwargs={x: 1}", "rollout.name=sglang-server").rollout.sglang.engine_kwargs == {"x": 1}
+
+
+def test_every_engine_option_is_a_run_config_key():
+    """Each option a backend takes (the LoRA-derived ones and what the run derives excepted) is set from the run
+    config, and the backend starts from that value."""
+    from vlmrl.rollout import backend_options
+    from vlmrl.rollout.config import BACKEND_SECTIONS, ENGINE_OPTIONS, SERVING_OPTIONS
+
+    sample = {bool: lambda v: not v if v is not None else True, int: lambda v: (v or 0) + 3,
+              float: lambda v: (v or 0.0) + 0.25, str: lambda v: "x" + (v or ""), dict: lambda v: {"k": 1}}
+    for name, sections_ in BACKEND_SECTIONS.items():
+        keys = [k for k in ENGINE_OPTIONS if name != "hf" or k not in SERVING_OPTIONS]
+        keys += [f"{section}.{f.name}" for section in sections_
+                 for f in dataclasses.fields(type(getattr(RolloutConfig(), section)))]
+        for key in keys:
+            default = OmegaConf_select(RolloutConfig(), key)
+            kind = next(t for t in (bool, int, float, str, dict) if isinstance(default, t) or (
+                default is None and t in _annotation_types(key)))
+            value = sample[kind](default)
+            config = Config(rollout=RolloutConfig(name=name))
+            _set(config.rollout, key, value)
+            options = backend_options(config.rollout, name, max_model_len=64, seed=1)
+            assert OmegaConf_select(options.rollout, key) == value, f"{name}: rollout.{key}"
+
+
+def OmegaConf_select(obj, dotted: str):  # noqa: N802 - reads like the library call it stands for
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(obj, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, leaf, value)
+
+
+def _annotation_types(dotted: str) -> tuple[type, ...]:
+    """The types a field of RolloutConfig (or a sub-section) admits, from its annotation text."""
+    import typing
+
+    *parents, leaf = dotted.split(".")
+    cls = RolloutConfig
+    for part in parents:
+        cls = type(getattr(cls(), part))
+    hint = typing.get_type_hints(cls)[leaf]
+    return tuple(a for a in typing.get_args(hint) if a is not type(None)) or (hint,)
+
+
 def _dataclasses_under(cls: type) -> list[type]:
-    """The section dataclasses composed under cls (nested sections included) with every dataclass they inherit."""
+    """The section dataclasses composed under cls, nested sub-sections included."""
     found = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
-            found += [k for k in type(default).__mro__ if dataclasses.is_dataclass(k)]
-            found += _dataclasses_under(type(default))
+            found += [type(default), *_dataclasses_under(type(default))]
     return list(dict.fromkeys(found))
 
 
-def _declarers(cls: type, name: str) -> list[type]:
-    return [k for k in cls.__mro__ if name in k.__dict__.get("__annotations__", {})]
-
-
-def test_no_field_is_declared_twice():
-    """A key is declared in one class: a section that reuses another component's keys inherits them (data.* from the
-    processor, trainer.n_gpus_per_node from the cluster), and no backend re-declares a rollout.* engine option."""
-    from vlmrl.config import ProcessorConfig, RolloutConfig
-    from vlmrl.rollout import BACKENDS, backend_class
-
-    classes = _dataclasses_under(Config)
+def test_sections_are_composed_not_inherited():
+    """Every key is declared in the one section that holds it: no section inherits another's fields (a knob that
+    only an inherited options class had could not be set from a run)."""
+    classes = [Config, *_dataclasses_under(Config)]
     for klass in classes:
-        for f in dataclasses.fields(klass):
-            declared = _declarers(klass, f.name)
-            assert len(declared) == 1, f"{klass.__name__}.{f.name}: declared by {declared}"
-    assert ProcessorConfig in classes
-    rollout_keys = {f.name for f in dataclasses.fields(RolloutConfig)}
-    for name in BACKENDS:
-        options = backend_class(name).options_class
-        for f in dataclasses.fields(options):
-            declared = _declarers(options, f.name)
-            assert len(declared) == 1, f"{options.__name__}.{f.name}: declared by {declared}"
-            if f.name in rollout_keys:
-                assert declared == _declarers(RolloutConfig, f.name), f"{options.__name__}.{f.name} vs rollout.*"
+        bases = [k.__name__ for k in klass.__mro__[1:] if dataclasses.is_dataclass(k)]
+        assert not bases, f"{klass.__name__} inherits config fields from {bases}"
+    names = {k.__name__ for k in classes}
+    assert {"VLLMConfig", "SGLangConfig", "ServerConfig", "HFConfig", "LoraConfig", "DataConfig"} <= names
+
+
+def test_derived_values_are_computed_in_one_place():
+    config = load("data.max_prompt_length=300", "data.max_response_length=40", "data.train_batch_size=8",
+                  "actor.ppo_mini_batch_size=4", "rollout.n=3")
+    d = config.derived
+    assert (d.max_model_len, d.mini_batch_samples, d.train_batch_samples, d.world_size) == (340, 12, 24, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.max_model_len = 1  # derived, never set
+    assert "derived" not in to_yaml(config), "derived values are not config keys"
 
 
 def test_kl_types_and_policies_are_defined_once():

@@ -2,10 +2,11 @@
 
 Keys follow verl/EasyR1 where users already know them (`data.train_batch_size`, `rollout.n`, `actor.kl_loss_coef`,
 `trainer.val_only`...). Each component owns its section in its own package (`vlmrl/<package>/config.py`: a dataclass
-whose fields have a default and a docstring under them, and a `problems()` check of its own); this module composes
-them into `Config` and checks only the rules that span sections. `docs/config.md` and the README's reference are
-generated from the field docstrings (`python scripts/gen_config_docs.py`), so the documentation cannot drift from
-the code.
+whose fields have a default and a docstring under them, and a `problems()` check of its own), composed, never
+inherited: a section holds its sub-sections as fields (`rollout.vllm`, `actor.lora`...). This module composes the
+sections into `Config`, checks the rules that span sections, and computes what the run derives from them, once
+(`Config.derived`). `docs/config.md` is generated from the field docstrings (`python scripts/gen_config_docs.py`), so
+the documentation cannot drift from the code.
 
     config = load_config(["config=examples/configs/tiny_synthetic.yaml", "actor.optim.lr=1e-4"])
 
@@ -21,6 +22,7 @@ import inspect
 import json
 import logging
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,32 +33,52 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from vlmrl.actor.config import ActorConfig, LoraConfig, OptimConfig
 from vlmrl.agent.config import AgentConfig
 from vlmrl.algorithms.config import AlgorithmConfig
-from vlmrl.data.config import DataConfig
-from vlmrl.distributed.config import ClusterConfig
-from vlmrl.processors.config import IMAGE_PATCH_PIXELS, ProcessorConfig
+from vlmrl.data.config import IMAGE_PATCH_PIXELS, DataConfig
 from vlmrl.rewards.config import RewardConfig
-from vlmrl.rollout.config import ADAPTER_BACKENDS, BACKENDS, RolloutConfig
+from vlmrl.rollout.config import ADAPTER_BACKENDS, BACKEND_SECTIONS, BACKENDS, RolloutConfig
 from vlmrl.trainer.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
 ROLLOUT_BACKENDS = tuple(BACKENDS)
 
-RENAMED_KEYS = {
+REMOVED_KEYS = {
     "data.on_overlong": "data.filter_overlong_prompts (true = filter, false = error)",
 }
-"""Keys that moved: setting the old name fails with a message naming the new one."""
+"""Keys that are gone: setting the old name fails with a message naming what replaced it."""
+RENAMED_KEYS = {
+    "rollout.server_url": "rollout.server.url",
+}
+"""Keys that moved and still work for one release, with a warning naming the new key (old -> new)."""
+ENGINE_KWARGS_KEY = "rollout.engine_kwargs"
+"""The one engine_kwargs of earlier releases: it now moves to the section of rollout.name's engine
+(rollout.<vllm|sglang|hf>.engine_kwargs), with a warning, for one release."""
 
 
 __all__ = [
-    "ROLLOUT_BACKENDS", "ActorConfig", "AgentConfig", "AlgorithmConfig", "ClusterConfig", "Config", "ConfigError",
-    "DataConfig", "LoraConfig", "OptimConfig", "ProcessorConfig", "RewardConfig", "RolloutConfig", "TrainerConfig",
-    "check_model_context", "describe", "field_docs", "load_config", "to_dict", "to_yaml", "validate",
+    "ROLLOUT_BACKENDS", "ActorConfig", "AgentConfig", "AlgorithmConfig", "Config", "ConfigError", "DataConfig",
+    "Derived", "LoraConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "TrainerConfig", "check_model_context",
+    "describe", "field_docs", "load_config", "to_dict", "to_yaml", "validate",
 ]
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message lists each problem and what to change."""
+
+
+@dataclass(frozen=True)
+class Derived:
+    """What a run computes from its sections: defined here once and read everywhere, never set by a user."""
+
+    max_model_len: int
+    """data.max_prompt_length + data.max_response_length: the longest request (expanded prompt + response) an engine
+    must hold, and the trainer's longest row."""
+    mini_batch_samples: int
+    """actor.ppo_mini_batch_size * rollout.n: the samples of one optimizer step."""
+    train_batch_samples: int
+    """data.train_batch_size * rollout.n: the samples of one training step."""
+    world_size: int
+    """trainer.n_gpus_per_node * trainer.nnodes: the data-parallel ranks (one process per device)."""
 
 
 @dataclass
@@ -66,7 +88,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     """The policy being trained and its update."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Generation backend and sampling."""
+    """Generation backend, sampling, and each engine's own options."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimation, rollout correction and DAPO's data-side options."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -76,6 +98,14 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn rollout with tools and partial rollout (vlmrl.agent; docs/agent.md)."""
 
+    @property
+    def derived(self) -> Derived:
+        """The values the run derives from its sections (`Derived`)."""
+        d, r = self.data, self.rollout
+        return Derived(max_model_len=d.max_prompt_length + d.max_response_length,
+                       mini_batch_samples=self.actor.ppo_mini_batch_size * r.n,
+                       train_batch_samples=d.train_batch_size * r.n, world_size=self.trainer.world_size)
+
 
 def load_config(args: list[str] | None = None, check_model: bool = True) -> Config:
     """Build a Config from `config=FILE.yaml` (optional, repeatable) and dotted `key=value` overrides, in order.
@@ -84,6 +114,7 @@ def load_config(args: list[str] | None = None, check_model: bool = True) -> Conf
     `check_model` also reads the model's config.json (local folders and embedded names) to check lengths fit.
     """
     merged = OmegaConf.structured(Config)
+    legacy_engine_kwargs: dict[str, Any] = {}
     for arg in args or []:
         if "=" not in arg:
             raise ConfigError(f"argument {arg!r} is not key=value (use config=FILE.yaml or e.g. rollout.n=8)")
@@ -93,6 +124,7 @@ def load_config(args: list[str] | None = None, check_model: bool = True) -> Conf
                 overlay = OmegaConf.load(value)
             else:  # `key=` means the empty string (OmegaConf would read it as null)
                 overlay = OmegaConf.from_dotlist([arg if value else f"{key}=''"])
+            legacy_engine_kwargs.update(_move_renamed_keys(overlay, arg))
             merged = OmegaConf.merge(merged, overlay)
         except FileNotFoundError:
             raise ConfigError(f"config file {value!r} does not exist") from None
@@ -101,6 +133,8 @@ def load_config(args: list[str] | None = None, check_model: bool = True) -> Conf
         except OmegaConfBaseException as err:
             raise ConfigError(f"bad value in {arg!r}: {str(err).splitlines()[0]}") from None
     config: Config = OmegaConf.to_object(merged)
+    if legacy_engine_kwargs:
+        _place_engine_kwargs(config, legacy_engine_kwargs)
     problems = validate(config)
     if check_model and not problems:
         problems = check_model_context(config)
@@ -109,10 +143,46 @@ def load_config(args: list[str] | None = None, check_model: bool = True) -> Conf
     return config
 
 
+def _move_renamed_keys(overlay: Any, source: str) -> dict[str, Any]:
+    """Move the renamed keys of one overlay (a yaml file or a dotted override) to their new names, warning once for
+    each; returns the old rollout.engine_kwargs, placed once the run's engine is known (`_place_engine_kwargs`)."""
+    missing = object()
+    for old, new in RENAMED_KEYS.items():
+        value = OmegaConf.select(overlay, old, default=missing)
+        if value is not missing:
+            _delete(overlay, old)
+            OmegaConf.update(overlay, new, value, force_add=True)
+            warnings.warn(f"config key {old!r} (in {source}) is now {new!r}; the old name stops working in the next "
+                          "release", FutureWarning, stacklevel=3)
+    value = OmegaConf.select(overlay, ENGINE_KWARGS_KEY, default=missing)
+    if value is missing:
+        return {}
+    _delete(overlay, ENGINE_KWARGS_KEY)
+    return dict(OmegaConf.to_container(value)) if value is not None else {}
+
+
+def _delete(overlay: Any, dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    node = overlay
+    for part in parents:
+        node = node[part]
+    del node[leaf]
+
+
+def _place_engine_kwargs(config: Config, kwargs: dict[str, Any]) -> None:
+    """The old rollout.engine_kwargs go to the engine of rollout.name (engine_kwargs are per engine now)."""
+    section = BACKEND_SECTIONS.get(config.rollout.name, ("vllm",))[0]
+    target = getattr(config.rollout, section).engine_kwargs
+    target.update({k: v for k, v in kwargs.items() if k not in target})  # the new key wins where both are set
+    warnings.warn(f"config key {ENGINE_KWARGS_KEY!r} is now per engine: rollout.{section}.engine_kwargs (for "
+                  f"rollout.name={config.rollout.name}), where these were applied; the old name stops working in "
+                  "the next release", FutureWarning, stacklevel=3)
+
+
 def _unknown_key_message(err: ConfigKeyError) -> str:
     full_key = str(getattr(err, "full_key", None) or err)
-    if full_key in RENAMED_KEYS:
-        return f"config key {full_key!r} is now {RENAMED_KEYS[full_key]}"
+    if full_key in REMOVED_KEYS:
+        return f"config key {full_key!r} is now {REMOVED_KEYS[full_key]}"
     known = [key for key, _, _ in describe(Config)]
     close = difflib.get_close_matches(full_key, known, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else "; see docs/config.md for every key"
@@ -138,6 +208,7 @@ def validate(config: Config) -> list[str]:
 def cross_section_problems(config: Config) -> list[str]:
     """The rules that tie one section to another."""
     d, a, r, t = config.data, config.actor, config.rollout, config.trainer
+    derived = config.derived
     problems: list[str] = []
 
     def need(ok: bool, message: str) -> None:
@@ -156,18 +227,18 @@ def cross_section_problems(config: Config) -> list[str]:
         need(r.n >= 2, f"rollout.n={r.n}: GRPO compares samples within a group, so it needs rollout.n >= 2")
     if min(d.train_batch_size, a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, r.n) >= 1:
         need(d.train_batch_size % a.ppo_mini_batch_size == 0,
-             f"data.train_batch_size * rollout.n = {d.train_batch_size * r.n} samples do not split into "
-             f"mini-batches of actor.ppo_mini_batch_size * rollout.n = {a.ppo_mini_batch_size * r.n}: make "
+             f"data.train_batch_size * rollout.n = {derived.train_batch_samples} samples do not split into "
+             f"mini-batches of actor.ppo_mini_batch_size * rollout.n = {derived.mini_batch_samples}: make "
              "data.train_batch_size a multiple of actor.ppo_mini_batch_size (e.g. ppo_mini_batch_size="
              f"{_largest_divisor(d.train_batch_size, a.ppo_mini_batch_size)})")
-        need(a.micro_batch_tokens > 0 or (a.ppo_mini_batch_size * r.n) % a.ppo_micro_batch_size_per_gpu == 0,
-             f"a mini-batch of {a.ppo_mini_batch_size * r.n} samples (ppo_mini_batch_size * rollout.n) does not "
+        need(a.micro_batch_tokens > 0 or derived.mini_batch_samples % a.ppo_micro_batch_size_per_gpu == 0,
+             f"a mini-batch of {derived.mini_batch_samples} samples (ppo_mini_batch_size * rollout.n) does not "
              f"split into micro-batches of actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}: "
-             f"pick a divisor of {a.ppo_mini_batch_size * r.n}")
-    world = t.world_size
+             f"pick a divisor of {derived.mini_batch_samples}")
+    world = derived.world_size
     if world > 1:
-        need((a.ppo_mini_batch_size * r.n) % world == 0,
-             f"a mini-batch of {a.ppo_mini_batch_size * r.n} samples (ppo_mini_batch_size * rollout.n) does not split "
+        need(derived.mini_batch_samples % world == 0,
+             f"a mini-batch of {derived.mini_batch_samples} samples (ppo_mini_batch_size * rollout.n) does not split "
              f"over {world} devices (n_gpus_per_node * nnodes): make it a multiple of {world}")
         need(t.format_warmup_steps == 0, "trainer.format_warmup_steps is single-device only (it is for the embedded "
              "tiny model): set it to 0 or run on one device")
@@ -179,6 +250,9 @@ def cross_section_problems(config: Config) -> list[str]:
         need(a.lora.sync != "adapter" or r.name in ADAPTER_BACKENDS,
              f"actor.lora.sync=adapter needs a backend that serves LoRA adapters ({list(ADAPTER_BACKENDS)}); "
              f"rollout.name={r.name} gets merged weights: set actor.lora.sync=auto or merged")
+        need(r.name != "vllm" or a.lora.sync == "merged" or r.vllm.sleep_level == 1,
+             "rollout.vllm.sleep_level=2 drops the base weights, which an adapter sync (actor.lora.sync="
+             f"{a.lora.sync}) never sends again: set rollout.vllm.sleep_level=1 or actor.lora.sync=merged")
     # ---- algorithm: how rollout correction and DAPO fit the rollout, data and agent sections
     al = config.algorithm
     need(al.rollout_correction == "off" or r.temperature == 1.0,
@@ -250,7 +324,7 @@ def check_model_context(config: Config) -> list[str]:
     model_config = json.loads(config_file.read_text())
     context = model_config.get("text_config", {}).get("max_position_embeddings") or model_config.get(
         "max_position_embeddings")
-    total = config.data.max_prompt_length + config.data.max_response_length
+    total = config.derived.max_model_len
     if context and total > context:
         return [f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's context of {context} "
                 f"tokens ({path}): lower one of them"]
@@ -285,48 +359,34 @@ def to_yaml(config: Config) -> str:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written under each field of a dataclass, inherited fields included (each read from the source of
-    the class that declares it)."""
+    """Docstrings written under each field of a dataclass (read from its source)."""
     docs: dict[str, str] = {}
-    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
-        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, following in zip(body, body[1:] + [None]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                if isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant):
-                    docs[node.target.id] = " ".join(str(following.value.value).split())
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    for node, following in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant):
+                docs[node.target.id] = " ".join(str(following.value.value).split())
     return docs
 
 
-def declared_fields(cls: type) -> list[dataclasses.Field]:
-    """A dataclass's fields, its own first and then those it inherits (nearest base first): a section reads from
-    its own keys down to the ones a lower component owns (data.train_files before data.min_pixels)."""
-    mro = [klass for klass in cls.__mro__ if dataclasses.is_dataclass(klass)]
-
-    def declared_by(f: dataclasses.Field) -> int:
-        return next(i for i, klass in enumerate(mro) if f.name in klass.__dict__.get("__annotations__", {}))
-
-    return sorted(dataclasses.fields(cls), key=declared_by)
-
-
 def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default as yaml text, docstring) for every leaf field, in reading order (`declared_fields`)."""
-    rows = []
+    """(dotted key, default as yaml text, docstring) for every leaf field, in declaration order, sub-sections
+    after their section's own keys."""
+    rows, nested = [], []
     docs = field_docs(cls)
     instance = cls()
-    for f in declared_fields(cls):
-        key = f"{prefix}{f.name}"
+    for f in dataclasses.fields(cls):
         value = getattr(instance, f.name)
         if dataclasses.is_dataclass(value):
-            rows.extend(describe(type(value), prefix=f"{key}."))
+            nested += describe(type(value), prefix=f"{prefix}{f.name}.")
         else:
-            rows.append((key, json.dumps(value), docs.get(f.name, "")))
-    return rows
+            rows.append((f"{prefix}{f.name}", json.dumps(value), docs.get(f.name, "")))
+    return rows + nested
 
 
 USAGE = """\
 python -m vlmrl.config [config=FILE.yaml] [key=value ...]   print the resolved config as YAML (exit 2 if invalid)
-python scripts/gen_config_docs.py                        rewrite the reference of every key (docs/config.md, README)"""
+python scripts/gen_config_docs.py                        rewrite the reference of every key (docs/config.md)"""
 
 
 if __name__ == "__main__":

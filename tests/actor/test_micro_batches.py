@@ -196,9 +196,10 @@ def test_the_budget_bounds_every_forward(tiny_model_path, batch):
 @pytest.fixture(scope="module")
 def qwen3_batches(tiny_qwen3_vl_path, synthetic_rows):
     """Like `batch` and `padded_batch`, built with the embedded Qwen3-VL's processor (its own 32-px image grids)."""
-    from vlmrl.processors import ProcessorConfig, load_processor
+    from vlmrl.data.config import DataConfig
+    from vlmrl.processors import load_processor
 
-    processor = load_processor(tiny_qwen3_vl_path, ProcessorConfig(max_prompt_length=64))
+    processor = load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=64))
     plain = make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,), response_length=8)
     padded = upsample_to_multiple(plain, 12, eos_token_id=processor.eos_token_ids[0],
                                   pad_token_id=processor.pad_token_id)

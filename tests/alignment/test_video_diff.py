@@ -10,12 +10,12 @@ from vlmrl.alignment.artifact import records_from_rollout
 from vlmrl.alignment.diff import Cause, compare_artifacts
 from vlmrl.data.synthetic import generate_rows
 from vlmrl.processors import load_processor
-from vlmrl.processors.config import ProcessorConfig
+from vlmrl.data.config import DataConfig
 from vlmrl.types import RolloutResult
 
 
 def _records(tiny_model_path, fps: float):
-    processor = load_processor(tiny_model_path, ProcessorConfig(video_fps=fps))
+    processor = load_processor(tiny_model_path, DataConfig(video_fps=fps))
     requests = [processor.build_request(row, i) for i, row in enumerate(generate_rows("motion", 2, 0, "val"))]
     results = [RolloutResult(r.uid, 0, [1, 2], [-0.5, -0.25], "length") for r in requests]
     return records_from_rollout(requests, results, [0.0] * len(requests), processor, thumbnails=False)

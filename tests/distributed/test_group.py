@@ -15,7 +15,8 @@ from vlmrl.actor import Actor
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch import required_batch_multiple, upsample_to_multiple
 from vlmrl.config import ActorConfig, OptimConfig
-from vlmrl.distributed import ClusterConfig, DistributedActor, WorkerSpec
+from vlmrl.config import TrainerConfig
+from vlmrl.distributed import DistributedActor, WorkerSpec
 
 pytestmark = pytest.mark.ray
 WEIGHT_ATOL = 1e-9
@@ -31,7 +32,7 @@ def actor_config(model_path: str, micro: int, **overrides) -> ActorConfig:
 
 def start_dp2(config: ActorConfig, mini_batch_samples: int, **spec) -> DistributedActor:
     config.dtype = "float64"
-    return DistributedActor(ClusterConfig(n_gpus_per_node=2),
+    return DistributedActor(TrainerConfig(n_gpus_per_node=2),
                             WorkerSpec(actor=config, torch_threads=1, timeout_s=120, **spec), mini_batch_samples,
                             timeout_s=300)
 
@@ -208,7 +209,7 @@ def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3)
     engine = EngineSpec("hf", tiny_model_path, {"dtype": "float32", "max_model_len": 128, "timeout_s": 120})
     config = actor_config(tiny_model_path, micro=4, optim=OptimConfig(lr=1e-2, weight_decay=0.0))
-    actor = DistributedActor(ClusterConfig(n_gpus_per_node=2, engine_placement="worker"),
+    actor = DistributedActor(TrainerConfig(n_gpus_per_node=2, engine_placement="worker"),
                              WorkerSpec(actor=config, engine=engine, torch_threads=1, timeout_s=120),
                              mini_batch_samples=8, timeout_s=300)
     with ColocatedEngines(actor) as engines:
@@ -260,7 +261,7 @@ def test_dp2_lora_sync_streams_merged_weights_into_each_ranks_engine(ray_cluster
                                                 "sync_bucket_mb": 0.25})
     config = actor_config(tiny_model_path, micro=4, optim=OptimConfig(lr=1e-2, weight_decay=0.0),
                           lora=LoraConfig(rank=4, alpha=8, vision="merger"))
-    actor = DistributedActor(ClusterConfig(n_gpus_per_node=2, engine_placement="worker"),
+    actor = DistributedActor(TrainerConfig(n_gpus_per_node=2, engine_placement="worker"),
                              WorkerSpec(actor=config, engine=engine, torch_threads=1, timeout_s=120),
                              mini_batch_samples=8, timeout_s=300)
     with ColocatedEngines(actor) as engines:

@@ -15,7 +15,8 @@ import zlib
 import pytest
 
 from tests.processors.helpers import image_row, noise_image, png_bytes
-from vlmrl.processors import BadRowError, FilteredRow, ProcessorConfig, load_processor
+from vlmrl.data.config import DataConfig
+from vlmrl.processors import BadRowError, FilteredRow, load_processor
 
 ROW = 42
 
@@ -27,7 +28,7 @@ def processor(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def filtering(tiny_model_path):
-    return load_processor(tiny_model_path, ProcessorConfig(on_bad_image="filter"))
+    return load_processor(tiny_model_path, DataConfig(on_bad_image="filter"))
 
 
 def _png_header_only(width: int, height: int) -> bytes:
@@ -93,7 +94,7 @@ def test_paths_may_not_leave_the_data_root(tiny_model_path, tmp_path):
     (root / "in.png").write_bytes(data)
     (outside / "secret.png").write_bytes(data)
     os.symlink(outside / "secret.png", root / "link.png")
-    processor = load_processor(tiny_model_path, ProcessorConfig(data_root=str(root)))
+    processor = load_processor(tiny_model_path, DataConfig(data_root=str(root)))
     assert processor.build_request(image_row("<image>?", ["in.png"]), ROW).images  # relative, inside: fine
     for escaping in ["../outside/secret.png", str(outside / "secret.png"), "link.png",
                      {"path": "../outside/secret.png"}]:
@@ -154,7 +155,7 @@ def test_remote_images_when_allowed_have_a_timeout_and_a_size_limit(tiny_model_p
     image = noise_image(90, 60, seed=9)
     server = _Server(png_bytes(image))
     try:
-        processor = load_processor(tiny_model_path, ProcessorConfig(
+        processor = load_processor(tiny_model_path, DataConfig(
             allow_remote_images=True, remote_timeout_s=0.5, remote_max_bytes=1024 * 1024))
         fetched = processor.build_request(image_row("<image>?", [f"{server.url}/ok"]), ROW)
         local = processor.build_request(image_row("<image>?", [image]), ROW)
@@ -170,7 +171,7 @@ def test_remote_images_when_allowed_have_a_timeout_and_a_size_limit(tiny_model_p
 def test_remote_timeout_bounds_the_whole_download_not_each_read(tiny_model_path):
     server = _Server(png_bytes(noise_image(90, 60, seed=9)))
     try:
-        processor = load_processor(tiny_model_path, ProcessorConfig(allow_remote_images=True, remote_timeout_s=1.0))
+        processor = load_processor(tiny_model_path, DataConfig(allow_remote_images=True, remote_timeout_s=1.0))
         start = time.monotonic()
         # every read gets a byte within 0.5 s (under the timeout): only a deadline for the whole body ends it
         _bad(processor, [f"{server.url}/trickle"], "remote_timeout_s=1.0")
@@ -188,7 +189,7 @@ def test_decompression_bomb_rejected_before_decoding(processor):
 
 def test_pixel_limit_is_configurable(tiny_model_path):
     # resized to at most 84 x 84 = 7056 pixels: a guard below the resize bound would be refused (see test_processor)
-    processor = load_processor(tiny_model_path, ProcessorConfig(max_pixels=84 * 84, max_image_pixels=100 * 100))
+    processor = load_processor(tiny_model_path, DataConfig(max_pixels=84 * 84, max_image_pixels=100 * 100))
     assert processor.build_request(image_row("<image>?", [noise_image(100, 100)]), ROW).images
     _bad(processor, [noise_image(101, 100)], "max_image_pixels=10000")
 
@@ -207,19 +208,19 @@ def test_bad_images_are_counted_skips_when_filtering(filtering):
 def test_overlong_prompt_filtered_or_rejected_counting_image_tokens(tiny_model_path):
     image = noise_image(112, 112)  # 16 image tokens once expanded
     row = image_row("<image>How many?", [image])
-    probe = load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=4096)).build_request(row)
+    probe = load_processor(tiny_model_path, DataConfig(max_prompt_length=4096)).build_request(row)
     unexpanded = len(probe.prompt_ids)
     expanded = unexpanded - 1 + 16
     # the limit counts EXPANDED tokens: a prompt whose text fits but whose image does not is over the limit
     for filtered, error in ((True, FilteredRow), (False, BadRowError)):
-        processor = load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=expanded - 1,
+        processor = load_processor(tiny_model_path, DataConfig(max_prompt_length=expanded - 1,
                                                                     filter_overlong_prompts=filtered))
         with pytest.raises(error, match=f"prompt is {expanded} tokens .* > max_prompt_length={expanded - 1}") as info:
             processor.build_request(row, index=ROW)
         assert info.value.row_index == ROW
         assert isinstance(info.value, FilteredRow) == filtered
     # at exactly the limit it passes, whole: every image placeholder kept
-    fits = load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=expanded)).build_request(row)
+    fits = load_processor(tiny_model_path, DataConfig(max_prompt_length=expanded)).build_request(row)
     assert fits.prompt_ids == probe.prompt_ids and len(fits.images) == 1
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlmrl.processors.config import ProcessorConfig
+from vlmrl.data.config import DataConfig
 from vlmrl.processors.images import load_image, resize_image
 
 
@@ -32,7 +32,7 @@ def test_a_16_bit_image_is_scaled_by_its_range_not_clipped_to_white():
 def test_a_16_bit_png_from_bytes_keeps_its_gradient():
     buffer = io.BytesIO()
     Image.fromarray(_gradient(0, 65535, np.uint16)).save(buffer, format="PNG")
-    pixels = _resized(load_image({"bytes": buffer.getvalue()}, ProcessorConfig()))
+    pixels = _resized(load_image({"bytes": buffer.getvalue()}, DataConfig()))
     assert pixels.min() < 5 and pixels.max() > 250 and 120 < pixels.mean() < 135
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.processors.helpers import image_row, noise_image, png_bytes
-from vlmrl.processors import ProcessorConfig, load_processor
+from vlmrl.data.config import DataConfig
+from vlmrl.processors import load_processor
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,7 @@ def test_expanded_ids_run_through_the_model(processor, tiny_model_path):
 def test_pixel_bounds_come_from_the_model_or_the_config(tiny_model_path):
     default = load_processor(tiny_model_path)
     assert (default.min_pixels, default.max_pixels) == (3136, 12544)  # the tiny model's image processor
-    small = load_processor(tiny_model_path, ProcessorConfig(max_pixels=28 * 28 * 4))
+    small = load_processor(tiny_model_path, DataConfig(max_pixels=28 * 28 * 4))
     request = small.build_request(image_row("<image>?", [noise_image(500, 500)]))
     assert request.images[0].size == (56, 56)
 
@@ -153,7 +154,7 @@ def test_pixel_bounds_come_from_the_model_or_the_config(tiny_model_path):
 @pytest.mark.parametrize("bounds", [dict(max_pixels=28 * 28 * 64), dict(min_pixels=28 * 28)])
 def test_pixel_bounds_outside_the_models_are_refused(tiny_model_path, bounds):
     with pytest.raises(ValueError, match="within the model's image processor bounds"):
-        load_processor(tiny_model_path, ProcessorConfig(**bounds))
+        load_processor(tiny_model_path, DataConfig(**bounds))
 
 
 def test_image_factor_is_the_models(tiny_model_path):
@@ -166,13 +167,13 @@ def test_image_factor_is_the_models(tiny_model_path):
 @pytest.mark.parametrize("field,value", [("on_bad_image", "ignore"), ("max_prompt_length", 0),
                                          ("remote_max_bytes", 0)])
 def test_invalid_config_values_say_what_to_use(tiny_model_path, field, value):
-    assert any(field in problem for problem in ProcessorConfig(**{field: value}).problems())
+    assert any(field in problem for problem in DataConfig(**{field: value}).problems())
     with pytest.raises(ValueError, match=field):
-        load_processor(tiny_model_path, ProcessorConfig(**{field: value}))
+        load_processor(tiny_model_path, DataConfig(**{field: value}))
 
 
 def test_the_bomb_guard_must_admit_the_models_largest_image(tiny_model_path):
     """With max_pixels null the bound is the model's (12544 for the tiny model), known only at load."""
-    assert ProcessorConfig(max_image_pixels=10000).problems() == []
+    assert DataConfig(max_image_pixels=10000).problems() == []
     with pytest.raises(ValueError, match="data.max_image_pixels=10000 rejects images data.max_pixels=12544"):
-        load_processor(tiny_model_path, ProcessorConfig(max_image_pixels=10000))
+        load_processor(tiny_model_path, DataConfig(max_image_pixels=10000))

@@ -12,7 +12,8 @@ import torch
 
 from tests.processors.helpers import first_difference, noise_image
 from vlmrl.data.synthetic import generate_rows
-from vlmrl.processors import BadRowError, ProcessorConfig, load_processor
+from vlmrl.data.config import DataConfig
+from vlmrl.processors import BadRowError, load_processor
 from vlmrl.processors.video import encode_mp4
 
 NUM_GENERATED_CASES = 36
@@ -21,7 +22,7 @@ PADDINGS = ("left", "none", "right", "left")
 
 @pytest.fixture(scope="module")
 def processor(tiny_qwen3_vl_path):
-    return load_processor(tiny_qwen3_vl_path, ProcessorConfig(max_prompt_length=2048))
+    return load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=2048))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def _hf_inputs(hf_processor, processor, request):
 ])
 def test_expanded_ids_pixels_and_positions_equal_transformers(processor, hf_processor, hf_model, tiny_qwen3_vl_path,
                                                               row, fps):
-    processor = load_processor(tiny_qwen3_vl_path, ProcessorConfig(max_prompt_length=2048, video_fps=fps))
+    processor = load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=2048, video_fps=fps))
     request = processor.build_request(row(), 0)
     inputs = processor.prompt_inputs(request)
     expected = _hf_inputs(hf_processor, processor, request)
@@ -101,7 +102,7 @@ def test_frames_fit_the_models_per_video_bounds(processor):
 
 
 def test_too_many_frames_for_the_bounds_name_the_row(tiny_qwen3_vl_path):
-    config = ProcessorConfig(max_prompt_length=4096, video_min_pixels=32 * 32 * 160)  # x 6 frames > 786432
+    config = DataConfig(max_prompt_length=4096, video_min_pixels=32 * 32 * 160)  # x 6 frames > 786432
     processor = load_processor(tiny_qwen3_vl_path, config)
     with pytest.raises(BadRowError, match=r"row 4: video 0: 6 frames cannot fit the model's video processor bounds"):
         processor.build_request(_mp4_row(30, 10.0), 4)

@@ -9,7 +9,8 @@ import torch
 from PIL import Image
 
 from tests.processors.helpers import image_row, noise_image
-from vlmrl.processors import ProcessorConfig, load_processor
+from vlmrl.data.config import DataConfig
+from vlmrl.processors import load_processor
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def test_the_family_factor_and_bounds_are_the_models(processor):
 def test_bounds_outside_the_models_are_refused(tiny_qwen3_vl_path, bounds):
     """Qwen2.5-VL's demo bounds (3136) are below this model's minimum: the engines would resize again."""
     with pytest.raises(ValueError, match=r"within the model's image processor bounds \[4096, 16384\]"):
-        load_processor(tiny_qwen3_vl_path, ProcessorConfig(**bounds))
+        load_processor(tiny_qwen3_vl_path, DataConfig(**bounds))
 
 
 def test_requests_give_the_ids_and_pixels_transformers_processor_gives(processor, tiny_qwen3_vl_path):

@@ -8,12 +8,12 @@ import pytest
 
 from vlmrl.data.synthetic import generate_rows
 from vlmrl.processors import BadRowError, FilteredRow, load_processor
-from vlmrl.processors.config import ProcessorConfig
+from vlmrl.data.config import DataConfig
 from vlmrl.processors.video import encode_mp4
 
 
 def _processor(tiny_model_path, **kwargs):
-    return load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=2048, **kwargs))
+    return load_processor(tiny_model_path, DataConfig(max_prompt_length=2048, **kwargs))
 
 
 def _mp4(frames: int, fps: float = 10.0, size: int = 224) -> bytes:

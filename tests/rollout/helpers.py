@@ -222,8 +222,8 @@ class EngineContract:
         original = clone_state(hf.model)
         gen = torch.Generator().manual_seed(11)
         shifted = {name: t + 0.02 * t.std() * torch.randn(t.shape, generator=gen) for name, t in original.items()}
-        sizes = (backend.options.sync_bucket_mb, hf.options.sync_bucket_mb)
-        backend.options.sync_bucket_mb = hf.options.sync_bucket_mb = 0.25
+        sizes = (backend.rollout.sync_bucket_mb, hf.rollout.sync_bucket_mb)
+        backend.rollout.sync_bucket_mb = hf.rollout.sync_bucket_mb = 0.25
         try:
             assert len(list(backend.sync_plan(shifted.items()).buckets)) >= 10
             backend.update_weights(shifted.items())
@@ -238,7 +238,7 @@ class EngineContract:
             assert sum(a.response_ids != b.response_ids for a, b in zip(first, after)) >= len(batch) // 2
             backend.update_weights(original.items())
         finally:
-            backend.options.sync_bucket_mb, hf.options.sync_bucket_mb = sizes
+            backend.rollout.sync_bucket_mb, hf.rollout.sync_bucket_mb = sizes
         restored = backend.generate(batch, GREEDY)
         assert [r.response_ids for r in restored] == [r.response_ids for r in first]
 

@@ -4,6 +4,7 @@ arithmetic that undoes SGLang's renormalisation over non-banned tokens."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 import doctest
 import json
 import math
@@ -18,8 +19,11 @@ from tests.rollout.helpers import GREEDY, noise_image
 from vlmrl.models import families
 from vlmrl.models.families import QWEN2_5_VL, QWEN3_VL
 from vlmrl.rollout import EngineDeadError, EngineTimeoutError, InvalidRequestError, RolloutError, base, get_backend
-from vlmrl.rollout.base import DeadlineRunner, finish_at_stop, top_allowed, weight_sync
-from vlmrl.types import RolloutRequest, SamplingParams
+from vlmrl.rollout import weights
+from vlmrl.rollout.base import BackendOptions, DeadlineRunner, RolloutBackend
+from vlmrl.rollout.requests import finish_at_stop, top_allowed
+from vlmrl.rollout.weights import weight_sync
+from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 
 # ---------------------------------------------------------------------------------------------- request checks
 
@@ -97,6 +101,50 @@ def test_unknown_backend_and_unknown_option_say_what_exists(tiny_model_path):
         get_backend("vllm", tiny_model_path, gpu_mem=0.5)
 
 
+class _Broken(RolloutBackend):
+    """A backend whose engine call returns what `broken` makes of correct results: a broken engine (or a new
+    backend's bug) that no real engine here can be made to produce on demand."""
+
+    name = "broken"
+
+    def __init__(self, model_path, broken):
+        super().__init__(model_path, BackendOptions(max_model_len=1024))
+        self.broken, self.calls = broken, 0
+
+    def _generate(self, requests, sampling):
+        self.calls += 1
+        results = [RolloutResult(uid=r.uid, sample_index=i, response_ids=[5, 6], response_logprobs=[-1.0, -2.0],
+                                 finish_reason="length", top_logprobs=[{5: -1.0}, {6: -2.0}])
+                   for r in requests for i in range(sampling.n)]
+        return self.broken(results, requests)
+
+    def _update_weights(self, named_tensors, names):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("broken, message", [
+    (lambda results, requests: results[:-1], r"3 results for 2 requests x n=2"),
+    (lambda results, requests: results[1:] + results[:1], r"request 0 .* sample 0: result is uid .* sample 1"),
+    (lambda results, requests: [replace(results[0], response_logprobs=[-1.0])] + results[1:], r"1 logprobs for 2"),
+    (lambda results, requests: [replace(results[0], finish_reason="eos")] + results[1:], r"finish_reason 'eos'"),
+    (lambda results, requests: [replace(results[0], response_ids=[requests[0].banned_token_ids[0], 6])] + results[1:],
+     r"contains banned token"),
+])
+def test_every_backend_gets_the_result_checks(tiny_model_path, batch, broken, message):
+    """generate() is the base class's: whatever a backend's own _generate returns is checked before a caller sees
+    it, so a new backend cannot skip a check."""
+    backend = _Broken(tiny_model_path, broken)
+    with pytest.raises(RolloutError, match=message):
+        backend.generate(batch[:2], SamplingParams(n=2, max_new_tokens=4, top_logprobs=1))
+    assert backend.calls == 1
+    with pytest.raises(InvalidRequestError):  # and the request checks before it: the engine is not called
+        backend.generate([replace(batch[0], prompt_ids=[])], SamplingParams(max_new_tokens=4))
+    assert backend.calls == 1
+
+
 def test_importing_the_package_and_backend_modules_imports_no_engine():
     code = ("import sys, vlmrl.rollout as r\n"
             "for name in r.BACKENDS: r.backend_class(name)\n"
@@ -131,7 +179,7 @@ def test_checkpoint_names_follow_the_family():
         weight_sync([], None, set(), None, 0, "test", QWEN2_5_VL)
 
 
-@pytest.mark.parametrize("module", [families, base])
+@pytest.mark.parametrize("module", [families, base, weights])
 def test_doctests(module):
     failures, tried = doctest.testmod(module)
     assert tried and not failures

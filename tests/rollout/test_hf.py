@@ -78,12 +78,14 @@ def test_sampling_settings_of_the_model_folder_are_not_inherited(tiny_model_path
 def test_a_run_backend_starts_from_its_rollout_section(tiny_model_path):
     from vlmrl.config import RolloutConfig
     from vlmrl.rollout import start_backend
+    from vlmrl.rollout.config import HFConfig
 
     section = RolloutConfig(name="vllm", dtype="float32", timeout_s=90.0, start_timeout_s=120.0, limit_images=3,
-                            gpu_memory_utilization=0.3)
+                            hf=HFConfig(device="cpu", engine_kwargs={"attn_implementation": "eager"}))
     with start_backend(section, tiny_model_path, max_model_len=512, seed=7, name="hf") as started:
-        options = started.options
+        options, r = started.options, started.rollout
         assert started.name == "hf", "`name` picks the backend over rollout.name"
-        assert (options.dtype, options.max_model_len, options.seed, options.limit_images) == ("float32", 512, 7, 3)
-        assert (options.timeout_s, options.start_timeout_s) == (90.0, 120.0)
-        assert not hasattr(options, "gpu_memory_utilization"), "engine-only options go only to the engines"
+        assert (options.resolved_dtype(), options.max_model_len, options.seed, r.limit_images) == ("float32", 512, 7, 3)
+        assert (r.timeout_s, r.start_timeout_s) == (90.0, 120.0)
+        assert started.device.type == "cpu" and started.model.dtype == torch.float32
+        assert started.model.config._attn_implementation == "eager", "rollout.hf.engine_kwargs reach from_pretrained"

@@ -100,7 +100,7 @@ def check_engine(policy: Actor, engine, base_greedy, merged_hf, requests, sync: 
     if path == "merged":  # streamed in buckets (HF's reference takes one): layers merged as their bucket fills
         from vlmrl.actor.lora import merged_tensors
 
-        engine.options.sync_bucket_mb = BUCKET_MB
+        engine.rollout.sync_bucket_mb = BUCKET_MB
         sent = merged_tensors(policy.model.state_dict().items(), policy.lora_sync.scaling,
                               changed_only=engine.accepts_partial_weights)
         assert len(list(engine.sync_plan(sent).buckets)) >= 4, "too few buckets: nothing bucketed was tested"

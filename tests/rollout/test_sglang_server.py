@@ -27,8 +27,8 @@ class TestSGLangServerBackend(EngineContract):
 
 
 def test_client_of_a_server_given_by_url(backend, tiny_model_path, batch, hf_greedy):
-    """server_url connects to a running server (checking its logprob mode); closing the client leaves it running."""
-    with get_backend("sglang-server", tiny_model_path, server_url=backend.url, max_model_len=1024) as client:
+    """rollout.server.url connects to a running server (checking its logprob mode); closing the client leaves it running."""
+    with get_backend("sglang-server", tiny_model_path, url=backend.url, max_model_len=1024) as client:
         assert client.engine_pids == []
         results = client.generate(batch, GREEDY)
     problems = [m for ref, got in zip(hf_greedy, results) if (m := greedy_mismatch(ref, got, "sglang-server"))]
@@ -39,7 +39,7 @@ def test_client_of_a_server_given_by_url(backend, tiny_model_path, batch, hf_gre
 def test_killed_server_fails_next_call_fast_with_clear_error(backend, tiny_model_path, batch):
     """Killing the server process: the launching backend names the dead process and its log; a client connected
     by URL reports that the server does not answer."""
-    client = get_backend("sglang-server", tiny_model_path, server_url=backend.url, max_model_len=1024)
+    client = get_backend("sglang-server", tiny_model_path, url=backend.url, max_model_len=1024)
     pid = backend.engine_pids[0]
     os.kill(pid, signal.SIGKILL)
     backend.process.wait(timeout=30)

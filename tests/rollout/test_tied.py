@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.rollout.helpers import GREEDY, greedy_mismatch
-from vlmrl.rollout.base import checkpoint_names
+from vlmrl.rollout.weights import checkpoint_names
 
 EMBED, LM_HEAD = "model.language_model.embed_tokens.weight", "lm_head.weight"
 

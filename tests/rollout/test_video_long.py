@@ -11,7 +11,7 @@ from PIL import Image
 
 from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_mismatch, noise_image
 from vlmrl.processors import load_processor
-from vlmrl.processors.config import ProcessorConfig
+from vlmrl.data.config import DataConfig
 from vlmrl.types import RolloutRequest
 
 
@@ -30,7 +30,7 @@ def long_requests(model_path: str) -> list[RolloutRequest]:
     """Five requests whose videos reach past max(h, w) = 4: 16 frames at 2 fps (last temporal position 14), 12 at
     1 fps (20), one after an image, one next to a short video, one followed by more text."""
     def build(fps: float, content: str, videos: list, images: list, index: int) -> RolloutRequest:
-        processor = load_processor(model_path, ProcessorConfig(video_fps=fps, max_prompt_length=1024))
+        processor = load_processor(model_path, DataConfig(video_fps=fps, max_prompt_length=1024))
         row = {"prompt": [{"role": "user", "content": content}], "videos": videos, "images": images}
         return processor.build_request(row, index)
 
@@ -138,7 +138,7 @@ def test_trainer_logprobs_equal_vllms_on_long_videos(vllm, requests, tiny_model_
     from vlmrl.config import ActorConfig, OptimConfig
     from vlmrl.types import SamplingParams
 
-    processor = load_processor(tiny_model_path, ProcessorConfig(max_prompt_length=1024))
+    processor = load_processor(tiny_model_path, DataConfig(max_prompt_length=1024))
     results = vllm.generate(requests, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3))
     prompts = [processor.prompt_inputs(r) for r in requests]
     samples = pad_results(prompts, results, prompt_length=max(len(p.input_ids) for p in prompts), response_length=8,

@@ -31,7 +31,7 @@ def test_the_server_refuses_video_before_any_http_call(tiny_model_path):
     naming the way out, not a server-side crash."""
     from types import SimpleNamespace
 
-    from vlmrl.rollout.base import InvalidRequestError
+    from vlmrl.rollout.errors import InvalidRequestError
     from vlmrl.rollout.sglang import SGLangServerBackend
 
     request = video_batch(tiny_model_path, 2.0)[0]

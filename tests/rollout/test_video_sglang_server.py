@@ -13,7 +13,7 @@ import pytest
 from tests.rollout.helpers import GREEDY, greedy_mismatch, sglang_server
 from tests.rollout.video_helpers import video_batch
 from vlmrl.rollout import RolloutError
-from vlmrl.rollout.base import InvalidRequestError
+from vlmrl.rollout.errors import InvalidRequestError
 
 pytestmark = pytest.mark.sglang
 

@@ -9,13 +9,13 @@ import pytest
 from tests.rollout.helpers import GREEDY, assert_logprobs_match_hf, greedy_mismatch, noise_image
 from vlmrl.data.synthetic import generate_rows
 from vlmrl.processors import load_processor
-from vlmrl.processors.config import ProcessorConfig
+from vlmrl.data.config import DataConfig
 from vlmrl.types import RolloutRequest, SamplingParams
 
 
 def video_batch(model_path: str, fps: float) -> list[RolloutRequest]:
     """Six one-video requests and one with an image and a video; frames taken at `fps`."""
-    processor = load_processor(model_path, ProcessorConfig(video_fps=fps, max_prompt_length=1024))
+    processor = load_processor(model_path, DataConfig(video_fps=fps, max_prompt_length=1024))
     rows = generate_rows("motion", 6, seed=3, split="val")
     mixed = dict(rows[0], prompt=[{"role": "user", "content": "<image>Look, then <video>: which way?"}],
                  # another image per fps: SGLang keys its prefix cache of a request holding an image and a video on

@@ -77,9 +77,10 @@ def test_actor_on_a_video_batch_matches_transformers_and_learns(tiny_qwen3_vl_pa
     from vlmrl.algorithms.grpo import group_advantages
     from vlmrl.config import OptimConfig
     from vlmrl.data.synthetic import generate_rows
-    from vlmrl.processors import ProcessorConfig, load_processor
+    from vlmrl.data.config import DataConfig
+    from vlmrl.processors import load_processor
 
-    processor = load_processor(tiny_qwen3_vl_path, ProcessorConfig(max_prompt_length=256))
+    processor = load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=256))
     rows = generate_rows("last_colour", 3, seed=5, split="train")
     rows[1] = dict(rows[1], prompt=[{"role": "user", "content": "<image>then <video>: the colour at the end?"}],
                    images=[noise_image(64, 96, 2)])

@@ -262,7 +262,7 @@ class LoraSync:
     """Pushes a LoRA policy into rollout engines, by the path actor.lora.sync picks for each backend:
 
     - merged: base + scaling * B @ A as full weights (`backend.update_weights`); only the adapted layers' weights
-      where the backend takes a partial update (`accepts_partial_weights`), since no other weight ever changes;
+      where the backend takes a partial update (`takes_partial_weights`), since no other weight ever changes;
     - adapter: the adapter itself, written as a PEFT folder and served as a LoRA (`backend.update_adapter`; vLLM
       started with enable_lora). `auto` takes it where the backend serves adapters, else merged (logged once).
     """
@@ -320,7 +320,7 @@ class LoraSync:
         if names is None:
             named = list(named)  # references to the model's tensors: no copy
             names = [name for name, _ in named]
-        partial = backend.accepts_partial_weights
+        partial = backend.takes_partial_weights()  # not after a sleep that dropped the weights
         sent = 0
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,11 +5,10 @@ Ray is imported only when a `DistributedActor` is built; the single-process trai
 
 from vlmrl.utils.lazy import lazy_exports
 
-# Imported on first use: the run config reads this package's config module and must not import torch.
+# Imported on first use: importing the package loads neither torch nor Ray.
 _LAZY = {
     "ShardedActor": "actor",
     "UpdateShard": "actor",
-    "ClusterConfig": "config",
     "DistributedActor": "group",
     "VisionAlwaysOn": "vision",
     "EngineSpec": "worker",

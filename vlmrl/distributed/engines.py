@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from vlmrl.distributed.group import DistributedActor
-from vlmrl.rollout import RolloutBackend, backend_class
+from vlmrl.rollout import RolloutBackend
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 
 
@@ -16,7 +16,8 @@ class ColocatedEngines(RolloutBackend):
     `update_weights` loads the given weights into every engine. Closing it closes the whole `DistributedActor`
     (the engines live in its workers).
 
-    `update_weights(actor.named_tensors())` works, but gathers the weights to the driver and sends them back; the
+    The workers' engines free their memory while their actor trains (`TrainWorker`), so this backend itself never
+    sleeps. `update_weights(actor.named_tensors())` works, but gathers the weights to the driver and sends them back; the
     fit loop's `actor.sync_weights(backend)` does the same without the weights leaving the workers.
     """
 
@@ -24,17 +25,15 @@ class ColocatedEngines(RolloutBackend):
         engine = actor.spec.engine
         if engine is None:
             raise ValueError("the DistributedActor was built without a rollout engine (WorkerSpec.engine)")
-        options = backend_class(engine.name).options_class.from_kwargs(engine.name, dict(engine.options))
-        super().__init__(engine.model_path, options)
+        super().__init__(engine.model_path, engine.options)
         self.name = engine.name  # artifacts and logs name the real engine
         self.actor = actor
 
-    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
-        self.check_requests(requests, sampling)  # a bad request fails here, naming it, before any worker sees it
-        return self.actor.generate(list(requests), sampling)
+    def _generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        return self.actor.generate(list(requests), sampling)  # requests checked here, before any worker sees them
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
-                       ) -> None:
+    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None
+                        ) -> None:
         self.actor.load_engine_weights(list(named_tensors))
 
     def close(self) -> None:

@@ -4,7 +4,7 @@
 (compute_logprobs, update, sync_weights, full_model...), plus the colocated engines' generate, so the fit loop runs
 unchanged on one device or many:
 
-    actor = DistributedActor(config.trainer, WorkerSpec(actor=config.actor, ...),  # a ClusterConfig: 8 x 2 devices
+    actor = DistributedActor(config.trainer, WorkerSpec(actor=config.actor, ...),  # trainer.n_gpus_per_node=8, nnodes=2
                              mini_batch_samples=ppo_mini_batch_size * n)
     results = actor.generate(requests, sampling)        # data-parallel over the engines, request-major
     batch = upsample_to_multiple(batch, required_batch_multiple(actor.dp_size, ...), ...)
@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from vlmrl.actor import mean_metrics, needs_old_logprobs
-from vlmrl.distributed.config import ClusterConfig
 from vlmrl.distributed.sharding import (
     engine_hosts,
     logprob_row_blocks,
@@ -37,7 +36,8 @@ from vlmrl.distributed.sharding import (
 )
 from vlmrl.distributed.worker import TrainWorker, WorkerSpec
 from vlmrl.rollout import RolloutBackend
-from vlmrl.rollout.base import sample_seed
+from vlmrl.trainer.config import TrainerConfig
+from vlmrl.rollout.requests import sample_seed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 from vlmrl.utils.sequences import split_evenly
 
@@ -49,7 +49,7 @@ _FORWARDED_ENV = ("VLLM_", "SGLANG_", "VLMRL_", "TOKENIZERS_", "OMP_", "HF_", "T
 CPUS_PER_WORKER = 1  # the CPUs each worker's bundle reserves
 
 
-def ensure_ray(cluster: ClusterConfig) -> None:
+def ensure_ray(cluster: TrainerConfig) -> None:
     """Connect to (or start) Ray once per process: the cluster at $RAY_ADDRESS (`auto` = the one started on this
     node with `ray start`), else a local one with a CPU per worker."""
     import ray
@@ -68,7 +68,7 @@ def ensure_ray(cluster: ClusterConfig) -> None:
 class DistributedActor:
     """The actor sharded over `cluster.world_size` Ray workers, with their colocated rollout engines."""
 
-    def __init__(self, cluster: ClusterConfig, spec: WorkerSpec, mini_batch_samples: int, timeout_s: float = 600.0,
+    def __init__(self, cluster: TrainerConfig, spec: WorkerSpec, mini_batch_samples: int, timeout_s: float = 600.0,
                  startup_timeout_s: float = 300.0):
         """
         Args:

@@ -7,8 +7,7 @@
 
 from __future__ import annotations
 
-from vlmrl.config import Config
-from vlmrl.distributed.config import ClusterConfig
+from vlmrl.config import Config, TrainerConfig
 from vlmrl.distributed.engines import ColocatedEngines
 from vlmrl.distributed.group import DistributedActor
 from vlmrl.distributed.worker import EngineSpec, WorkerSpec
@@ -22,9 +21,8 @@ def worker_spec(config: Config, total_steps: int, init_path: str | None = None) 
     if name == "sglang-server":
         raise ValueError("rollout.name=sglang-server runs outside the workers; colocated engines are hf, vllm or "
                          "sglang")
-    d = config.data
-    options = backend_options(config.rollout, name, max_model_len=d.max_prompt_length + d.max_response_length,
-                              seed=config.trainer.seed, lora=config.actor.lora)
+    options = backend_options(config.rollout, name, max_model_len=config.derived.max_model_len,
+                              seed=config.trainer.seed, lora=config.actor.lora, colocated=True)
     # with LoRA the engines start on the base (an adapter applies to it); a resumed run syncs the policy after start
     start = config.actor.model_path if config.actor.lora.enabled else init_path or config.actor.model_path
     engine = EngineSpec(name=name, model_path=start, options=options)
@@ -34,11 +32,11 @@ def worker_spec(config: Config, total_steps: int, init_path: str | None = None) 
 
 
 def start_distributed(config: Config, total_steps: int, init_path: str | None = None,
-                      cluster: ClusterConfig | None = None) -> tuple[DistributedActor, ColocatedEngines]:
+                      cluster: TrainerConfig | None = None) -> tuple[DistributedActor, ColocatedEngines]:
     """Start trainer.n_gpus_per_node x trainer.nnodes workers (joining the Ray cluster at $RAY_ADDRESS when set)
     and return the actor and its engines as a rollout backend. Close the backend to stop everything."""
     actor = DistributedActor(cluster or config.trainer, worker_spec(config, total_steps, init_path),
-                             mini_batch_samples=config.actor.ppo_mini_batch_size * config.rollout.n,
+                             mini_batch_samples=config.derived.mini_batch_samples,
                              timeout_s=config.rollout.timeout_s,
                              # worker setup starts the engine too: its deadline plus the actor's loading
                              startup_timeout_s=config.rollout.start_timeout_s + 300.0)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vlmrl.actor.config import ActorConfig
+from vlmrl.rollout.base import BackendOptions
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -25,17 +26,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineSpec:
-    """How a worker builds its colocated rollout engine (`vlmrl.rollout.get_backend(name, model_path, **options)`)."""
+    """How a worker builds its colocated rollout engine (`vlmrl.rollout.get_backend(name, model_path, options)`)."""
 
     name: str
     """Backend: hf, vllm, sglang."""
     model_path: str
     """Weights the engine starts from (then synced from the actor)."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Keyword options of the backend (dtype, timeout_s, engine kwargs...)."""
-    sleep_between_steps: bool | None = None
-    """Release the engine's memory (weights, KV cache) while the actor trains, and take it back before generating
-    or loading weights: for GPUs shared by the engine and FSDP. None = only on CUDA devices (no gain on CPU)."""
+    options: BackendOptions
+    """What the backend starts from (the run's rollout section and what the run derives: `backend_options`). An
+    engine started to release its memory (rollout.vllm.enable_sleep_mode, rollout.sglang.enable_memory_saver: on by
+    default on a GPU) sleeps while the actor trains and wakes for the weight sync and the next generate."""
 
 
 @dataclass
@@ -68,8 +68,6 @@ class TrainWorker:
         self.rank, self.world_size = -1, 0
         self.actor = None
         self.engine = None
-        self.engine_sleeps = False
-        self.engine_asleep = False
         self.lora_sync = None  # with actor.lora: how this rank's engine gets the policy (merged or the adapter)
 
     # ---- setup ------------------------------------------------------------------------------------------------------
@@ -111,9 +109,7 @@ class TrainWorker:
             from vlmrl.rollout import get_backend
 
             engine = self.spec.engine
-            self.engine = get_backend(engine.name, engine.model_path, **engine.options)
-            sleeps = engine.sleep_between_steps
-            self.engine_sleeps = device.type == "cuda" if sleeps is None else sleeps
+            self.engine = get_backend(engine.name, engine.model_path, engine.options)
         logger.info("rank %d/%d ready (pid %d, engine: %s)", rank, world_size, os.getpid(),
                     self.spec.engine.name if self.engine else "none")
         return {"rank": rank, "pid": os.getpid(), "engine": self.engine is not None}
@@ -160,7 +156,6 @@ class TrainWorker:
             for _ in stream:
                 pass
             return 0
-        self._wake_engine()
         try:
             if self.lora_sync is not None:  # merged (streamed, layer by layer) or the adapter, as for one process
                 self.lora_sync.push(self.engine, stream, names=names)
@@ -175,7 +170,6 @@ class TrainWorker:
         """Load weights given by the driver into this rank's engine (the generic `update_weights` path)."""
         if self.engine is None:
             return 0
-        self._wake_engine()
         self.engine.update_weights(named)
         return len(named)
 
@@ -194,20 +188,13 @@ class TrainWorker:
             raise RuntimeError(f"rank {self.rank} hosts no rollout engine")
         if not requests:
             return []
-        self._wake_engine()
         return self.engine.generate(requests, sampling)  # awake until training starts: an agent step calls once a turn
 
     def _rest_engine(self) -> None:
         """Training is next: the engine gives its memory back to the actor until the next weight sync or generation
-        (once per step, not after every generate call)."""
-        if self.engine is not None and self.engine_sleeps and not self.engine_asleep:
+        (which wake it); a no-op for an engine that keeps its memory, and once per step."""
+        if self.engine is not None:
             self.engine.sleep()
-            self.engine_asleep = True
-
-    def _wake_engine(self) -> None:
-        if self.engine_asleep:
-            self.engine.wake_up()
-            self.engine_asleep = False
 
     def close(self) -> None:
         if self.engine is not None:

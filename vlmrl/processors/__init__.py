@@ -3,9 +3,8 @@ ids."""
 
 from vlmrl.utils.lazy import lazy_exports
 
-# Imported on first use: the run config reads this package's config module and must not import torch.
+# Imported on first use (torch and transformers load with the processor).
 _LAZY = {
-    "ProcessorConfig": "config",
     "BadRowError": "errors",
     "FilteredRow": "errors",
     "ImageInputError": "images",

@@ -17,14 +17,14 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from vlmrl.processors.config import ProcessorConfig
+from vlmrl.data.config import DataConfig
 
 
 class ImageInputError(ValueError):
     """An image that cannot be used; `vlmrl.processors.Processor.build_request` turns it into a row error or skip."""
 
 
-def load_image(source: Any, limits: ProcessorConfig) -> Image.Image:
+def load_image(source: Any, limits: DataConfig) -> Image.Image:
     """Decode and verify one dataset image (any mode, not resized: `resize_image` converts to RGB).
 
     Accepts a PIL image; raw bytes; a dict {"bytes": ..., "path": ...} (the HF datasets / verl form: bytes win when
@@ -123,7 +123,7 @@ def image_hash(image: Image.Image) -> str:
     return digest.hexdigest()
 
 
-def _load_str(value: str, limits: ProcessorConfig) -> Image.Image:
+def _load_str(value: str, limits: DataConfig) -> Image.Image:
     if value.startswith(("http://", "https://")):
         if not limits.allow_remote_images:
             raise ImageInputError(
@@ -160,7 +160,7 @@ def _resolve_path(value: str, data_root: str | None) -> Path:
     return full
 
 
-def _fetch(url: str, limits: ProcessorConfig) -> bytes:
+def _fetch(url: str, limits: DataConfig) -> bytes:
     """GET with a size cap and a deadline for the whole body (qwen-vl-utils would wait forever and read anything;
     requests' own timeout bounds each read, so a server sending a byte at a time could keep one fetch going for ever).
     The connection and the headers are bounded per read by remote_timeout_s."""
@@ -198,7 +198,7 @@ DECODED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
 """Image formats read from dataset bytes and files (JPEG includes the MPO variant phone cameras write)."""
 
 
-def _decode(data: bytes, limits: ProcessorConfig, what: str) -> Image.Image:
+def _decode(data: bytes, limits: DataConfig, what: str) -> Image.Image:
     if not data:
         raise ImageInputError(f"{what} is empty (0 bytes)")
     with warnings.catch_warnings():
@@ -220,7 +220,7 @@ def _decode(data: bytes, limits: ProcessorConfig, what: str) -> Image.Image:
     return image
 
 
-def _checked(image: Image.Image, limits: ProcessorConfig, what: str) -> Image.Image:
+def _checked(image: Image.Image, limits: DataConfig, what: str) -> Image.Image:
     width, height = image.size
     if width <= 0 or height <= 0:
         raise ImageInputError(f"{what} has zero size ({width}x{height})")

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from vlmrl.data.config import DataConfig, max_image_pixels_problem
 from vlmrl.models.families import ModelFamily, family_for_path, read_model_config
-from vlmrl.processors.config import ProcessorConfig, max_image_pixels_problem
 from vlmrl.processors.errors import BadRowError, FilteredRow
 from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
 from vlmrl.processors.rope import mrope_position_ids
@@ -32,10 +32,10 @@ IMAGE_MARKER = "<image>"  # verl/EasyR1 rows mark image positions in the prompt 
 VIDEO_MARKER = "<video>"  # ... and video positions with this
 
 
-def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Processor:
+def load_processor(model_path: str, config: DataConfig | None = None) -> Processor:
     """The processor of a Qwen-VL checkpoint folder (or an embedded name: `tiny`, `tiny-large`, `tiny-qwen3-vl`).
 
-    `config` is a ProcessorConfig or the run's data section (a DataConfig is one). Raises ValueError naming the
+    `config` is the run's data section (its image, video and prompt-length keys). Raises ValueError naming the
     architecture for any other model (vlmrl.models.families lists the supported ones), or listing what is wrong
     with the config. Loads no remote code.
     """
@@ -43,7 +43,7 @@ def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Pr
 
     from vlmrl.models import resolve_model_path
 
-    config = config or ProcessorConfig()
+    config = config or DataConfig()
     problems = config.problems()
     if problems:
         raise ValueError("invalid processor configuration:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -62,7 +62,7 @@ def load_processor(model_path: str, config: ProcessorConfig | None = None) -> Pr
 class Processor:
     """Turns dataset rows into `RolloutRequest`s and requests into the trainer's inputs. Build with `load_processor`."""
 
-    def __init__(self, hf_processor: Any, model_config: dict, generation_config: dict, config: ProcessorConfig,
+    def __init__(self, hf_processor: Any, model_config: dict, generation_config: dict, config: DataConfig,
                  family: ModelFamily):
         self.config = config
         self.family = family

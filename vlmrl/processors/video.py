@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmrl.processors.config import ProcessorConfig
+from vlmrl.data.config import DataConfig
 from vlmrl.processors.images import ImageInputError, _fetch, _resolve_path, load_image, to_8bit
 from vlmrl.types import Video
 
@@ -43,13 +43,13 @@ class VideoInputError(ImageInputError):
 # ---------------------------------------------------------------------------------------------------- sampling
 
 
-def sample_count(total_frames: int, video_fps: float, config: ProcessorConfig) -> int:
+def sample_count(total_frames: int, video_fps: float, config: DataConfig) -> int:
     """How many frames to sample from a video of `total_frames` at `video_fps` (qwen-vl-utils' `smart_nframes`):
     `video_nframes` when set, else duration x `video_fps` clamped to [video_min_frames, video_max_frames], rounded
     down to a multiple of 2. Raises VideoInputError when the video holds fewer frames than that minimum, or when
     `video_nframes` asks for more than video_max_frames.
 
-    >>> cfg = ProcessorConfig()
+    >>> cfg = DataConfig()
     >>> sample_count(300, 30.0, cfg)  # 10 s at 2 fps
     20
     >>> sample_count(12, 24.0, cfg)  # half a second: the 4-frame minimum
@@ -82,7 +82,7 @@ def sample_indices(total_frames: int, count: int) -> list[int]:
     return [int(i) for i in np.round(np.linspace(0, total_frames - 1, count))]
 
 
-def frame_size(height: int, width: int, num_frames: int, config: ProcessorConfig, bounds: tuple[int, int],
+def frame_size(height: int, width: int, num_frames: int, config: DataConfig, bounds: tuple[int, int],
                factor: int) -> tuple[int, int]:
     """(height, width) every frame is resized to (qwen-vl-utils' rule): each frame within [min, max] pixels, where max
     shrinks so that all frames together stay within video_total_pixels (counted per temporal patch of 2 frames).
@@ -121,7 +121,7 @@ Bounds = tuple[int, int] | Callable[[int], tuple[int, int]]
 bounds the pixels of all frames together)."""
 
 
-def load_video(source: Any, config: ProcessorConfig, bounds: Bounds, factor: int) -> Video:
+def load_video(source: Any, config: DataConfig, bounds: Bounds, factor: int) -> Video:
     """One dataset video -> a sampled, resized `Video`.
 
     Accepts a path (`file://` allowed; under data.data_root), raw bytes, {"bytes"/"path"}, an http(s) URL when
@@ -140,7 +140,7 @@ def load_video(source: Any, config: ProcessorConfig, bounds: Bounds, factor: int
     return _finish(picked, fps, indices, total, config, bounds, factor)
 
 
-def _from_frames(sources: list[Any], config: ProcessorConfig, bounds: Bounds, factor: int) -> Video:
+def _from_frames(sources: list[Any], config: DataConfig, bounds: Bounds, factor: int) -> Video:
     if not sources:
         raise VideoInputError("the video is an empty list of frames")
     frames = []
@@ -163,7 +163,7 @@ def _from_frames(sources: list[Any], config: ProcessorConfig, bounds: Bounds, fa
     return _finish(frames, config.video_fps, list(range(count)), count, config, bounds, factor)
 
 
-def _finish(frames: Sequence[Image.Image], fps: float, indices: list[int], total: int, config: ProcessorConfig,
+def _finish(frames: Sequence[Image.Image], fps: float, indices: list[int], total: int, config: DataConfig,
             bounds: Bounds, factor: int) -> Video:
     width, height = frames[0].size
     per_frame = bounds(len(frames)) if callable(bounds) else bounds
@@ -175,7 +175,7 @@ def _finish(frames: Sequence[Image.Image], fps: float, indices: list[int], total
     return video
 
 
-def _read_bytes(source: Any, config: ProcessorConfig) -> tuple[bytes, str]:
+def _read_bytes(source: Any, config: DataConfig) -> tuple[bytes, str]:
     if isinstance(source, dict):
         if source.get("bytes") is not None:
             return bytes(source["bytes"]), "video bytes"
@@ -208,7 +208,7 @@ def _read_bytes(source: Any, config: ProcessorConfig) -> tuple[bytes, str]:
         raise VideoInputError(f"cannot read video file {path}: {err}") from err
 
 
-def decode(data: bytes, what: str, config: ProcessorConfig) -> tuple[list[Image.Image], float]:
+def decode(data: bytes, what: str, config: DataConfig) -> tuple[list[Image.Image], float]:
     """All frames of the first video stream as RGB images, and the stream's frame rate. Stops with an error past
     video_max_decoded_frames (a long video must not fill memory before sampling)."""
     import av
@@ -274,7 +274,7 @@ def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
 class VideoSupport:
     """The model-specific video facts a `Processor` asks: frame bounds, grids, token counts, the trainer's inputs."""
 
-    def __init__(self, hf_processor: Any, model_config: dict, config: ProcessorConfig, factor: int, family: Any):
+    def __init__(self, hf_processor: Any, model_config: dict, config: DataConfig, factor: int, family: Any):
         self.config = config
         self.family = family
         self.video_processor = getattr(hf_processor, "video_processor", None)

@@ -1,12 +1,13 @@
-"""Rollout configuration: the backend, its sampling, and the engine options every backend takes (the run config's
-`rollout` section).
+"""Rollout configuration (the run config's `rollout` section): the backend, its sampling, the engine-neutral engine
+knobs, and one sub-section per engine holding every option only that engine takes.
 
-Each engine option is declared once, in the class of the backends that take it: `EngineOptions` (every backend),
-`ServingEngineOptions` (vllm and sglang) and `ServerOptions` (sglang-server). `RolloutConfig` (the `rollout.*` keys)
-inherits all three; each backend's options class inherits those it takes (`vlmrl.rollout.base.RolloutOptions`, the
-base of them all, adds what the run derives: max_model_len from the data lengths and seed from trainer.seed). Knobs
-only one engine has stay in that backend's options class (`VLLMOptions.enforce_eager`,
-`SGLangOptions.attention_backend`...), set through `get_backend(name, path, **options)`.
+    rollout.name=vllm rollout.n=8 rollout.dtype=bfloat16          # engine-neutral
+    rollout.vllm.enforce_eager=true rollout.sglang.attention_backend=fa3 rollout.server.url=http://10.0.0.5:30000
+
+Each option is declared once, in the section of the engine that reads it; a backend reads the neutral knobs and its
+own sub-section(s) (`BACKEND_SECTIONS`) and nothing else, so every option a backend takes can be set from a run.
+What the run derives (the longest request, the seed, what a LoRA policy's sync needs) is added when the backend
+starts (`vlmrl.rollout.base.BackendOptions`).
 """
 
 from __future__ import annotations
@@ -15,85 +16,110 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmrl.actor.config import PRECISIONS, LoraConfig
+from vlmrl.actor.config import PRECISIONS
 
 BACKENDS: dict[str, tuple[str, str]] = {
     "hf": ("vlmrl.rollout.hf", "HFBackend"),
     "vllm": ("vlmrl.rollout.vllm", "VLLMBackend"),
     "sglang": ("vlmrl.rollout.sglang", "SGLangBackend"),
-    "sglang-server": ("vlmrl.rollout.sglang", "SGLangServerBackend"),
+    "sglang-server": ("vlmrl.rollout.sglang_server", "SGLangServerBackend"),
 }
 """Backend name -> (module, class); modules import their engine only inside the backend's methods."""
 ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "sglang-server": "sglang"}
 """The package each engine backend needs installed (hf needs only transformers)."""
+BACKEND_SECTIONS: dict[str, tuple[str, ...]] = {
+    "hf": ("hf",), "vllm": ("vllm",), "sglang": ("sglang",), "sglang-server": ("sglang", "server")}
+"""The rollout sub-sections each backend reads (sglang-server runs SGLang, so it takes the sglang options too)."""
+SERVING_OPTIONS = ("gpu_memory_utilization", "tensor_parallel_size", "family_engine_settings")
+"""Engine-neutral knobs of the serving engines only (not of the hf reference)."""
+ENGINE_OPTIONS = ("dtype", "timeout_s", "start_timeout_s", "sync_bucket_mb", "limit_images", "limit_videos",
+                  *SERVING_OPTIONS)
+"""The engine-neutral knobs of the rollout section (the rest of its top-level keys are sampling)."""
 ADAPTER_BACKENDS = ("vllm",)
 """Backends that serve a LoRA policy's adapter itself (actor.lora.sync adapter / auto). SGLang's LoRA loading
-allocates pinned memory, which needs an accelerator (measured with SGLang 0.5.23 on CPU: it fails at start), so the
-sglang backends get merged weights."""
-
-
-def lora_engine_options(lora: LoraConfig, backend: str) -> dict[str, Any]:
-    """Engine options a LoRA policy's sync path needs: vLLM started to serve adapters when actor.lora syncs them
-    (sync adapter, or auto), with tower/connector LoRA for lora.vision; nothing otherwise."""
-    if not lora.enabled or lora.sync == "merged" or backend not in ADAPTER_BACKENDS:
-        return {}
-    return {"max_lora_rank": lora.rank, "tower_connector_lora": lora.vision != "off"}
+allocates pinned memory, which needs an accelerator, so the sglang backends get merged weights."""
+SGLANG_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass
-class EngineOptions:
-    """Engine options of the run's rollout section that every backend takes."""
+class HFConfig:
+    """The `hf` reference backend (transformers `generate`)."""
 
-    dtype: str = "auto"
-    """Engine dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
-    timeout_s: float = 600.0
-    """Every engine call must finish within this, else the run stops with an error naming the backend. One call
-    generates the whole step's batch: raise it for large batches x n on one engine."""
-    start_timeout_s: float = 600.0
-    """The engine's start-up (loading, compiling, CUDA graphs) must finish within this; raise it for large models."""
-    sync_bucket_mb: float = 512.0
-    """Weight sync moves the weights this many MiB at a time (verl's update_weights_bucket_megabytes): each bucket is
-    gathered, cast to the engine's dtype and loaded before the next is read, so a rank's host memory holds about one
-    bucket instead of the model (several copies of it before). 0 = the whole model in one bucket."""
-    limit_images: int = 8
-    """Most images one engine request may carry (vLLM limit_mm_per_prompt): prompt images plus, with agent.enable,
-    the images tools add to the conversation."""
-    limit_videos: int = 1
-    """Most videos one engine request may carry (vLLM limit_mm_per_prompt; vLLM profiles memory for this many videos
-    of the largest size at start-up, so keep it at what the data holds)."""
+    device: str = "auto"
+    """Torch device of the reference model: auto (cuda when available, else cpu), or a device string."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments given to the engine as they are (vLLM `LLM(...)`, SGLang `Engine(...)` or server
-    flags, transformers `from_pretrained(...)` for hf)."""
+    """Extra keyword arguments of transformers' `from_pretrained(...)`, given as they are."""
 
 
 @dataclass
-class ServingEngineOptions:
-    """Engine options only the serving engines take (vllm, sglang, sglang-server; not the hf reference)."""
+class VLLMConfig:
+    """The `vllm` backend (vLLM's offline `LLM`); names as vLLM's own arguments."""
 
-    gpu_memory_utilization: float = 0.6
-    """Fraction of GPU memory the engine may take, weights + KV cache (vllm; sglang's mem_fraction_static). Not used
-    on CPU."""
-    tensor_parallel_size: int = 1
-    """Tensor parallel degree of the engine (vllm; sglang's tp_size)."""
-    family_engine_settings: bool = True
-    """Start the engine with the model family's settings that make it compute what transformers computes, where the
-    model's config.json lacks them (README "Supported models": Qwen3-VL's mrope_interleaved), and refuse an
-    sglang-server given by URL that runs without them. false: the engine reads config.json as it is (a warning names
-    what will then differ): only to reproduce a misconfigured deployment with the alignment tool."""
+    enforce_eager: bool | None = None
+    """Disable CUDA graphs; null = true on CPU, false on CUDA."""
+    max_num_batched_tokens: int = 16384
+    """Tokens per engine step (raised to the longest request when smaller). Large on purpose: vLLM-CPU raises 'CPU
+    Generator does not use offset' when a seeded request's prefill is split across steps."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of shared prompt prefixes (the n samples of a prompt); reset after every weight update."""
+    enable_sleep_mode: bool | None = None
+    """Start vLLM with sleep mode, so the engine frees its GPU memory (weights, KV cache) while the actor trains and
+    takes it back for the weight sync and the next rollout. null = on when the engine shares a GPU with training
+    (colocated), off on CPU (vLLM refuses it there) and for validate-only or compare runs."""
+    sleep_level: int = 1
+    """What sleep frees: 1 = KV cache dropped and weights offloaded to host memory (verl's default); 2 = weights
+    dropped too (less host memory; the next weight sync must bring every weight before generating)."""
+    cpu_kv_cache_gb: float = 1.0
+    """CPU only: the KV cache in GiB (sets VLLM_CPU_KVCACHE_SPACE unless it is already set)."""
+    multiprocess: bool | None = None
+    """Run the engine core in its own process; null = vLLM's default (VLLM_ENABLE_V1_MULTIPROCESSING)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of `vllm.LLM(...)`, given as they are (an `hf_overrides` dict merges over the model
+    family's settings)."""
 
 
 @dataclass
-class ServerOptions:
-    """What only the sglang-server backend takes."""
+class SGLangConfig:
+    """The SGLang engine, for both `sglang` (in-process Engine) and `sglang-server` (HTTP)."""
 
-    server_url: str = ""
-    """sglang-server only: URL of a running server (e.g. http://10.0.0.5:30000); empty = vlmrl launches one on
-    127.0.0.1. A server given by URL must run with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (checked at connect) and see this
-    machine's temp folder for weight updates (update_weights_from_disk)."""
+    max_total_tokens: int | None = None
+    """KV cache size in tokens; null = SGLang's choice on GPU, 8192 on CPU (else it allocates ~6 GB)."""
+    attention_backend: str | None = None
+    """SGLang's attention backend; null = torch_native on CPU (the one that runs there), SGLang's default on GPU."""
+    vlm_cache_size_mb: int = 0
+    """SGLang's multimodal embedding cache (SGLANG_VLM_CACHE_SIZE_MB). 0 = off: nothing computed with old vision
+    weights can be served. Salted mm_hashes make a non-zero cache safe too; it saves re-encoding repeated images.
+    Refused on Qwen3-VL, where SGLang cannot take salted mm_hashes."""
+    enable_memory_saver: bool | None = None
+    """Start SGLang with its memory saver, so the engine releases its GPU memory (weights, KV cache) while the
+    actor trains and resumes it for the weight sync and the next rollout (needs the torch-memory-saver package).
+    null = on when the engine shares a GPU with training (colocated), off on CPU and for validate-only or compare
+    runs."""
+    log_level: str = "error"
+    """SGLang's own log level: debug, info, warning, error or critical."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra SGLang server arguments, given as they are (`sglang.Engine(...)` keywords; `--flag value` for the
+    server). A `json_model_override_args` merges over the model family's settings."""
 
 
 @dataclass
-class RolloutConfig(EngineOptions, ServingEngineOptions, ServerOptions):
+class ServerConfig:
+    """The `sglang-server` backend's HTTP side (it also reads rollout.sglang)."""
+
+    url: str = ""
+    """URL of a running server (e.g. http://10.0.0.5:30000); empty = vlmrl launches one. A server given by URL must
+    run with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (checked at connect) and see this machine's temp folder for weight
+    updates (update_weights_from_disk)."""
+    host: str = "127.0.0.1"
+    """Address the server vlmrl launches binds to; set 0.0.0.0 only to serve other machines on purpose."""
+    port: int = 0
+    """Port of the launched server; 0 = a free one."""
+    log_file: str = ""
+    """Where the launched server's output goes; empty = a file in the temp folder (named in errors)."""
+
+
+@dataclass
+class RolloutConfig:
     name: str = "vllm"
     """Rollout backend: vllm, sglang, sglang-server or hf (the reference, slowest)."""
     n: int = 5
@@ -115,6 +141,41 @@ class RolloutConfig(EngineOptions, ServingEngineOptions, ServerOptions):
     val_top_logprobs: int = 5
     """Top-k logprobs per position stored in validation artifacts (validate-only mode), so the compare tool can tell
     near-ties from real divergences; 0 = none."""
+    dtype: str = "auto"
+    """Engine dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
+    timeout_s: float = 600.0
+    """Every engine call must finish within this, else the run stops with an error naming the backend. One call
+    generates the whole step's batch: raise it for large batches x n on one engine."""
+    start_timeout_s: float = 600.0
+    """The engine's start-up (loading, compiling, CUDA graphs) must finish within this; raise it for large models."""
+    sync_bucket_mb: float = 512.0
+    """Weight sync moves the weights this many MiB at a time (verl's update_weights_bucket_megabytes): each bucket is
+    gathered, cast to the engine's dtype and loaded before the next is read, so a rank's host memory holds about one
+    bucket instead of the model. 0 = the whole model in one bucket."""
+    limit_images: int = 8
+    """Most images one engine request may carry (vLLM limit_mm_per_prompt): prompt images plus, with agent.enable,
+    the images tools add to the conversation."""
+    limit_videos: int = 1
+    """Most videos one engine request may carry (vLLM limit_mm_per_prompt; vLLM profiles memory for this many videos
+    of the largest size at start-up, so keep it at what the data holds)."""
+    gpu_memory_utilization: float = 0.6
+    """Fraction of GPU memory the engine may take, weights + KV cache (vllm; sglang's mem_fraction_static). Not used
+    on CPU and not by hf."""
+    tensor_parallel_size: int = 1
+    """Tensor parallel degree of the engine (vllm; sglang's tp_size). Not used by hf."""
+    family_engine_settings: bool = True
+    """Start the engine with the model family's settings that make it compute what transformers computes, where the
+    model's config.json lacks them (docs/alignment.md: Qwen3-VL's mrope_interleaved), and refuse an sglang-server
+    given by URL that runs without them. false: the engine reads config.json as it is (a warning names what will
+    then differ): only to reproduce a misconfigured deployment with the alignment tool. Not used by hf."""
+    hf: HFConfig = field(default_factory=HFConfig)
+    """Options of the hf reference backend."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """Options of the vllm backend."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """Options of the SGLang engine (sglang and sglang-server)."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """Options of the sglang-server backend's HTTP side."""
 
     def problems(self) -> list[str]:
         """What is wrong, each with what to change; empty when valid."""
@@ -122,7 +183,7 @@ class RolloutConfig(EngineOptions, ServingEngineOptions, ServerOptions):
         if self.name not in BACKENDS:
             out.append(f"rollout.name={self.name!r} is not one of {list(BACKENDS)}")
         engine = ENGINE_PACKAGES.get(self.name)
-        client_only = self.name == "sglang-server" and bool(self.server_url)  # a server given by URL
+        client_only = self.name == "sglang-server" and bool(self.server.url)  # a server given by URL
         if engine and not client_only and importlib.util.find_spec(engine) is None:  # now, not after the model loads
             out.append(f"rollout.name={self.name} needs {engine}, which is not installed in this environment: "
                        f"`make setup` (CPU) or `pip install -e '.[{engine}]'` (GPU), or pick another rollout.name")
@@ -144,4 +205,29 @@ class RolloutConfig(EngineOptions, ServingEngineOptions, ServerOptions):
             if getattr(self, name) <= 0:
                 out.append(f"rollout.{name}={getattr(self, name)} must be > 0 (seconds): every engine call has a "
                            "deadline")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            out.append(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        for name in ("tensor_parallel_size", "limit_images"):
+            if getattr(self, name) < 1:
+                out.append(f"rollout.{name}={getattr(self, name)} must be >= 1")
+        if self.limit_videos < 0:
+            out.append(f"rollout.limit_videos={self.limit_videos} must be >= 0")
+        v, s, srv = self.vllm, self.sglang, self.server
+        if v.sleep_level not in (1, 2):
+            out.append(f"rollout.vllm.sleep_level={v.sleep_level} must be 1 (offload weights, drop the KV cache) or 2 "
+                       "(drop both)")
+        if v.max_num_batched_tokens < 1:
+            out.append(f"rollout.vllm.max_num_batched_tokens={v.max_num_batched_tokens} must be >= 1")
+        if not v.cpu_kv_cache_gb > 0:
+            out.append(f"rollout.vllm.cpu_kv_cache_gb={v.cpu_kv_cache_gb} must be > 0")
+        if s.max_total_tokens is not None and s.max_total_tokens < 1:
+            out.append(f"rollout.sglang.max_total_tokens={s.max_total_tokens} must be >= 1 (or null)")
+        if s.vlm_cache_size_mb < 0:
+            out.append(f"rollout.sglang.vlm_cache_size_mb={s.vlm_cache_size_mb} must be >= 0 (0 = off)")
+        if s.log_level not in SGLANG_LOG_LEVELS:
+            out.append(f"rollout.sglang.log_level={s.log_level!r} is not one of {list(SGLANG_LOG_LEVELS)}")
+        if srv.url and not srv.url.startswith(("http://", "https://")):
+            out.append(f"rollout.server.url={srv.url!r} must start with http:// or https://")
+        if not 0 <= srv.port < 65536:
+            out.append(f"rollout.server.port={srv.port} must be in [0, 65535] (0 = a free one)")
         return out

@@ -15,52 +15,34 @@ seeded with `seed + position * n` inside `fork_rng`, so the caller's global RNG 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from vlmrl.rollout.base import (
-    DeadlineRunner,
-    RolloutBackend,
-    RolloutOptions,
-    assert_nothing_banned,
-    finish_at_stop,
-    sample_seed,
-    top_allowed,
-)
+from vlmrl.rollout.base import BackendOptions, DeadlineRunner, RolloutBackend
+from vlmrl.rollout.requests import finish_at_stop, sample_seed, top_allowed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
-
-
-@dataclass
-class HFOptions(RolloutOptions):
-    """Options of the `hf` backend."""
-
-    device: str = "auto"
-    """auto (cuda when available, else cpu), or a torch device string."""
 
 
 class HFBackend(RolloutBackend):
     """transformers `generate`, one request at a time; weights updated in place."""
 
     name = "hf"
-    options_class = HFOptions
     accepts_partial_weights = True  # parameters are copied in place, by name
 
-    def __init__(self, model_path: str, options: HFOptions):
+    def __init__(self, model_path: str, options: BackendOptions):
         super().__init__(model_path, options)
-        self.device = torch.device(options.device if options.device != "auto"
-                                   else ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = self.rollout.hf.device
+        self.device = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         self._runner = DeadlineRunner(self.name)
-        self.model = self._runner.call("load the model", self._load, options.start_timeout_s)
+        self.model = self._runner.call("load the model", self._load, self.rollout.start_timeout_s)
         self._params = {self.processor.family.checkpoint_name(n): p for n, p in self.model.named_parameters()}
-        self._on_cpu_for_sleep = False
 
     def _load(self):
         from transformers import AutoModelForImageTextToText, GenerationConfig
 
         dtype = getattr(torch, self.options.resolved_dtype())
         model = AutoModelForImageTextToText.from_pretrained(self.model_path, dtype=dtype,
-                                                            **self.options.engine_kwargs)
+                                                            **self.rollout.hf.engine_kwargs)
         # generate() fills every field a GenerationConfig leaves at its default from the model's
         # generation_config.json (Qwen2.5-Instruct ships repetition_penalty 1.05, top_k, top_p...). The engines take
         # the sampling settings vlmrl passes and nothing else, so the reference must not inherit those either.
@@ -71,18 +53,14 @@ class HFBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------------ generate
 
-    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
-        self.check_requests(requests, sampling)
-
+    def _generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         def run() -> list[RolloutResult]:
             results: list[RolloutResult] = []
             for position, request in enumerate(requests):
                 results.extend(self._generate_one(request, position, sampling))
             return results
 
-        results = self._runner.call(f"generate {len(requests)} requests", run, self.options.timeout_s)
-        assert_nothing_banned(results, requests, sampling.n, self.name)
-        return results
+        return self._runner.call(f"generate {len(requests)} requests", run, self.rollout.timeout_s)
 
     def _model_inputs(self, request: RolloutRequest, response_ids: Sequence[int] = ()) -> dict[str, torch.Tensor]:
         """input_ids (1, L) expanded prompt (+ response), attention_mask, mm_token_type_ids (1 on image tokens, 2 on
@@ -143,6 +121,7 @@ class HFBackend(RolloutBackend):
         """Teacher-forced raw logprobs of `response_ids` after the request's prompt (one forward pass): the
         reference the engines' sampled logprobs are compared with."""
         self.check_requests([request], SamplingParams(max_new_tokens=max(1, len(response_ids))))
+        self.wake_up()
 
         @torch.no_grad()
         def run() -> list[float]:
@@ -152,12 +131,12 @@ class HFBackend(RolloutBackend):
             targets = torch.tensor(list(response_ids), dtype=torch.long, device=logits.device)
             return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
 
-        return self._runner.call("score a response", run, self.options.timeout_s)
+        return self._runner.call("score a response", run, self.rollout.timeout_s)
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
-                       ) -> None:
+    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None
+                        ) -> None:
         sync = self.sync_plan(named_tensors, names)
         unknown = sorted(sync.names - set(self._params))
         if unknown:
@@ -165,7 +144,7 @@ class HFBackend(RolloutBackend):
                              f"e.g. {unknown[:3]}")
         for bucket in sync.buckets:
             self._runner.call(f"load {len(bucket)} tensors", lambda bucket=bucket: self._load_bucket(bucket),
-                              self.options.timeout_s)
+                              self.rollout.timeout_s)
             del bucket  # host memory holds one bucket while the next is read
 
     @torch.no_grad()
@@ -176,18 +155,20 @@ class HFBackend(RolloutBackend):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != the model's {tuple(param.shape)}")
             param.copy_(tensor.to(dtype=param.dtype))
 
-    def sleep(self) -> None:
-        if self.device.type != "cuda":
-            return super().sleep()
-        self._runner.call("offload to CPU", lambda: self.model.to("cpu"), self.options.timeout_s)
-        torch.cuda.empty_cache()
-        self._on_cpu_for_sleep = True
+    def releases_memory(self) -> bool:
+        return self.device.type == "cuda"  # the model moves to host memory and back
 
-    def wake_up(self) -> None:
-        if not self._on_cpu_for_sleep:
-            return super().wake_up()
-        self._runner.call("reload to the GPU", lambda: self.model.to(self.device), self.options.timeout_s)
-        self._on_cpu_for_sleep = False
+    def why_no_release(self) -> str:
+        return f"the reference model runs on {self.device}"
+
+    def _sleep(self) -> bool:
+        self._runner.call("offload to CPU", lambda: self.model.to("cpu"), self.rollout.timeout_s)
+        torch.cuda.empty_cache()
+        return False  # the weights are kept, in host memory
+
+    def _wake_up(self, tags: list[str]) -> None:
+        if "weights" in tags:  # the model has no KV cache between calls
+            self._runner.call("reload to the GPU", lambda: self.model.to(self.device), self.rollout.timeout_s)
 
     def close(self) -> None:
         self._runner.stop()

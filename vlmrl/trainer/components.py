@@ -14,12 +14,13 @@ def load_run_processor(config: Config) -> Processor:
     return load_processor(config.actor.model_path, config.data)
 
 
-def start_run_backend(config: Config, name: str | None = None, model_path: str | None = None) -> RolloutBackend:
+def start_run_backend(config: Config, name: str | None = None, model_path: str | None = None,
+                      colocated: bool = False) -> RolloutBackend:
     """The run's rollout backend (rollout.name, or `name`) on the actor's model (or `model_path`, e.g. a checkpoint
-    folder), sized for the longest request: data.max_prompt_length + data.max_response_length."""
+    folder), sized for the longest request (`config.derived.max_model_len`); `colocated`: a training actor shares
+    its device (the engine then frees its memory while the actor trains, on a GPU, by default)."""
     return start_backend(config.rollout, model_path or config.actor.model_path, name=name, seed=config.trainer.seed,
-                         max_model_len=config.data.max_prompt_length + config.data.max_response_length,
-                         lora=config.actor.lora)
+                         max_model_len=config.derived.max_model_len, lora=config.actor.lora, colocated=colocated)
 
 
 def start_agent(config: Config, backend: RolloutBackend, processor: Processor) -> AgentLoop:

@@ -1,18 +1,17 @@
-"""Trainer configuration: the loop, validation, checkpoints, logging and the cluster (the run config's `trainer`
-section). The cluster keys (trainer.n_gpus_per_node, trainer.nnodes, trainer.engine_placement) are declared by
-`vlmrl.distributed.config.ClusterConfig`, which this section inherits."""
+"""Trainer configuration (the run config's `trainer` section): the loop, validation, checkpoints, logging, and the
+devices it runs on (trainer.n_gpus_per_node x trainer.nnodes, as in verl; more than one runs Ray workers with FSDP2,
+`vlmrl.distributed`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vlmrl.distributed.config import ClusterConfig
-
 LOGGERS = ("console", "tensorboard", "wandb")
+ENGINE_PLACEMENTS = ("worker", "node")
 
 
 @dataclass
-class TrainerConfig(ClusterConfig):
+class TrainerConfig:
     total_epochs: int = 1
     """Passes over the training data (ignored when total_steps is set)."""
     total_steps: int | None = None
@@ -48,6 +47,17 @@ class TrainerConfig(ClusterConfig):
     """Prompts per format warm-up step."""
     torch_threads: int = 0
     """torch.set_num_threads; 0 leaves torch's default (1 is often fastest on small CPUs)."""
+    n_gpus_per_node: int = 1
+    """Training devices per node; more than one device in all runs Ray workers with FSDP2 (vlmrl.distributed)."""
+    nnodes: int = 1
+    """Nodes in the Ray cluster."""
+    engine_placement: str = "worker"
+    """With several devices, where the colocated rollout engines run: `worker` = one per training worker, `node` =
+    one per node (on its first worker; the node's requests go to it)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.n_gpus_per_node * self.nnodes
 
     def problems(self) -> list[str]:
         """What is wrong, each with what to change; empty when valid."""
@@ -63,4 +73,8 @@ class TrainerConfig(ClusterConfig):
             out.append(f"trainer.logger has unknown sink(s) {unknown_loggers}; choose from {list(LOGGERS)}")
         if self.format_warmup_steps < 0:
             out.append(f"trainer.format_warmup_steps={self.format_warmup_steps} must be >= 0")
-        return out + super().problems()
+        if self.n_gpus_per_node < 1 or self.nnodes < 1:
+            out.append("trainer.n_gpus_per_node and trainer.nnodes must be >= 1")
+        if self.engine_placement not in ENGINE_PLACEMENTS:
+            out.append(f"trainer.engine_placement={self.engine_placement!r} is not one of {list(ENGINE_PLACEMENTS)}")
+        return out

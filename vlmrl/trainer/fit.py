@@ -192,6 +192,9 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     cfg, step = run.config, run.step + 1
     collected = collect_step(run, step, timer)
     batch = collected.batch
+    if run.backend.releases_memory():  # the engine frees its memory while the actor trains; the sync takes it back
+        with timer("engine_sleep"):
+            run.backend.sleep()
     old_logprobs = None  # one optimizer step on fresh samples: the update's own forward gives them (ratio 1)
     # Carried partial-rollout tokens came from older policies: the current weights are not the ones that sampled them,
     # so the trainer recomputes old logprobs with the weights about to be updated (verl's recompute).
@@ -418,7 +421,7 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     total_steps = t.total_steps or t.total_epochs * sampler.batches_per_epoch
     checkpoint = latest_checkpoint(output_dir) if t.resume else None
     init_path = str(checkpoint) if checkpoint else None
-    dp_size = t.n_gpus_per_node * t.nnodes
+    dp_size = config.derived.world_size
     actor: PolicyActor
     if dp_size > 1:  # Ray workers with FSDP2-sharded actors and colocated engines; the loop stays the same
         from vlmrl.distributed.launch import start_distributed
@@ -426,11 +429,12 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         actor, backend = start_distributed(config, total_steps, init_path)
         opened.append(backend.close)  # stops the workers too
     else:
-        actor = Actor(config.actor, total_steps, config.actor.ppo_mini_batch_size * config.rollout.n,
+        actor = Actor(config.actor, total_steps, config.derived.mini_batch_samples,
                       temperature=config.rollout.temperature, init_path=init_path)
         # A resumed backend starts from the checkpoint folder (HF format): weights already in sync. With LoRA it
         # starts on the base model (an adapter applies to the base) and gets the policy's weights below.
-        backend = start_run_backend(config, model_path=None if config.actor.lora.enabled else init_path)
+        backend = start_run_backend(config, model_path=None if config.actor.lora.enabled else init_path,
+                                    colocated=True)
         opened.append(backend.close)
     if checkpoint is not None and config.actor.lora.enabled:
         actor.sync_weights(backend)

@@ -42,7 +42,7 @@ def test_server_flag_for_a_config_without_interleaving(backend, flagless_model_p
     with get_backend("sglang-server", flagless_model_path, dtype="float32", max_model_len=1024,
                      timeout_s=300) as fixed:
         results = fixed.generate(batch, GREEDY)
-        with get_backend("sglang-server", flagless_model_path, server_url=fixed.url, max_model_len=1024) as client:
+        with get_backend("sglang-server", flagless_model_path, url=fixed.url, max_model_len=1024) as client:
             assert client.generate(batch[3:4], GREEDY)[0].response_ids == hf_greedy[3].response_ids
     problems = [m for ref, got in zip(hf_greedy, results) if (m := greedy_mismatch(ref, got, "sglang-server"))]
     assert not problems, "\n".join(problems)
@@ -51,8 +51,8 @@ def test_server_flag_for_a_config_without_interleaving(backend, flagless_model_p
                      family_engine_settings=False) as raw:
         with pytest.raises(RolloutError, match="sglang-server: the server at .*mrope_interleaved.*"
                                                "--json-model-override-args"):
-            get_backend("sglang-server", flagless_model_path, server_url=raw.url, max_model_len=1024)
-        with get_backend("sglang-server", flagless_model_path, server_url=raw.url, max_model_len=1024,
+            get_backend("sglang-server", flagless_model_path, url=raw.url, max_model_len=1024)
+        with get_backend("sglang-server", flagless_model_path, url=raw.url, max_model_len=1024,
                          family_engine_settings=False) as accepted:
             drifted = accepted.generate(batch[3:], GREEDY)
     assert max_drift_from_hf(hf, batch[3:], drifted) > 100 * LOGPROB_TOL
