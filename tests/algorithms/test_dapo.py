@@ -71,3 +71,17 @@ def test_mask_truncated_zeroes_rows_cut_by_length():
     assert torch.equal(got, torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0]]))
     with pytest.raises(ValueError, match="finish reasons"):
         mask_truncated(mask, ["stop"])
+
+
+def test_select_groups_takes_the_first_groups_with_signal_up_to_the_room():
+    """verl's DAPO filter keeps the groups with a non-zero reward std, in draw order, and trims the batch to the
+    groups it needs; groups need not be adjacent in the draw."""
+    from vlmrl.algorithms.dapo import select_groups
+
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.0, 0.0, 1.0, 0.5])
+    uids = ["a", "b", "a", "c", "b", "c", "d", "d", "e"]  # a: no signal, e: one sample
+    pick = select_groups(rewards, uids, room=2)
+    assert (pick.rows, pick.taken, pick.dropped, pick.surplus) == ([1, 3, 4, 5], 2, 2, 1)
+    assert select_groups(rewards, uids, room=0).rows == []
+    everything = select_groups(rewards, uids, room=10)
+    assert everything.taken == 3 and sorted({uids[i] for i in everything.rows}) == ["b", "c", "d"]

@@ -4,6 +4,7 @@ sampling, and taking truncated responses out of the loss. Pure functions; the lo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +50,41 @@ def groups_with_signal(rewards: torch.Tensor, uids: Sequence[str], is_padding: t
     """
     scores, _, groups = real_groups(rewards, uids, is_padding)
     return {uid for uid, index in groups.items() if has_signal(scores[index])}
+
+
+@dataclass(frozen=True)
+class GroupSelection:
+    """What dynamic sampling keeps of one draw (`select_groups`)."""
+
+    rows: list[int]
+    """Positions of the kept rows, in order (every sample of each kept group)."""
+    taken: int
+    """Groups kept: those with signal, first come, up to the room left in the batch."""
+    dropped: int
+    """Groups without signal (all rewards equal, or a single sample)."""
+    surplus: int
+    """Groups with signal beyond the room (drawn, not trained on)."""
+
+
+def select_groups(rewards: torch.Tensor, uids: Sequence[str], room: int) -> GroupSelection:
+    """Dynamic sampling's pick from one draw of rollouts: the first `room` groups (in draw order) whose rewards
+    differ (`groups_with_signal`), every sample of each. verl's DAPO trainer does the same: it keeps the groups
+    with a non-zero reward std and trims the accumulated batch to train_batch_size groups, in order.
+
+    Args:
+        rewards: (B,) the draw's rewards (shaping included).
+        uids: (B,) group ids; a group's samples need not be adjacent.
+        room: groups the batch still needs.
+
+    >>> select_groups(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]), list("aabbccdd"), room=2)
+    GroupSelection(rows=[0, 1, 4, 5], taken=2, dropped=1, surplus=1)
+    """
+    signal = groups_with_signal(rewards, uids)
+    ordered = list(dict.fromkeys(uids))
+    taken = [uid for uid in ordered if uid in signal][: max(room, 0)]
+    chosen = set(taken)
+    return GroupSelection(rows=[i for i, uid in enumerate(uids) if uid in chosen], taken=len(taken),
+                          dropped=len(ordered) - len(signal), surplus=len(signal) - len(taken))
 
 
 def mask_truncated(response_mask: torch.Tensor, finish_reasons: Sequence[str]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from vlmrl.actor import Actor, PolicyActor
 from vlmrl.agent.loop import AgentLoop
 from vlmrl.algorithms.advantages import compute_advantages
 from vlmrl.algorithms.correction import rollout_correction
-from vlmrl.algorithms.dapo import groups_with_signal, mask_truncated, overlong_penalty
+from vlmrl.algorithms.dapo import groups_with_signal, mask_truncated, overlong_penalty, select_groups
 from vlmrl.atomic import write_text_atomically
 from vlmrl.batch import batch_metrics, pad_results, required_batch_multiple, scored_batch
 from vlmrl.config import Config, to_dict, to_yaml
@@ -246,48 +246,35 @@ def loss_inputs(config: Config, batch: TrainBatch, old_logprobs: torch.Tensor | 
 
 def collect_step(run: Run, step: int, timer: PhaseTimer) -> StepBatch:
     """Step `step`'s batch: roll out its prompts (plain or multi-turn, timing/rollout), score every sample
-    (timing/reward; DAPO's overlong shaping added to the rewards) and stack them. With algorithm.dynamic_sampling,
-    groups whose rewards are all equal are dropped and more prompts are drawn, from the same (checkpointed) sampler
-    with a seed that depends only on (trainer.seed, step, draw), until data.train_batch_size groups have signal or
-    algorithm.dynamic_sampling_max_extra_draws extra draws are spent; then the step trains on what it has."""
+    (timing/reward; DAPO's overlong shaping added to the rewards), keep the groups the batch takes, and stack them.
+    With algorithm.dynamic_sampling only groups with reward signal are kept (`select_groups`) and more prompts are
+    drawn, from the same (checkpointed) sampler with a seed that depends only on (trainer.seed, step, draw), until
+    data.train_batch_size groups have signal or algorithm.dynamic_sampling_max_extra_draws extra draws are spent;
+    then the step trains on what it has."""
     cfg, al = run.config, run.config.algorithm
     wanted = cfg.data.train_batch_size
-    samples, rewards, parts, penalties = [], [], [], []
+    kept = Scored([], [], [], [])
     failures = filtered = groups = dropped = surplus = draw = 0
     while True:
         sampling = training_sampling(cfg, step, draw)
         with timer("rollout"):
             rollout = plain_rollout(run, step, sampling) if run.agent is None else agent_rollout(run, step, sampling)
         with timer("reward"):
-            scores = score_texts(run.reward_fn, rollout.requests, rollout.answers, sampling.n, cfg.reward)
-            values = torch.tensor(scores.values, dtype=torch.float64)
-            if al.overlong_buffer_len > 0:
-                lengths = torch.tensor([int(s.attention_mask[len(s.prompt_ids):].sum()) for s in rollout.samples])
-                penalty = overlong_penalty(lengths, cfg.data.max_response_length, al.overlong_buffer_len,
-                                           al.overlong_penalty_factor)
-                values = values + penalty
-            else:
-                penalty = torch.zeros_like(values)
-        failures, filtered = failures + scores.failures, filtered + rollout.filtered
-        keep = range(len(rollout.samples))
+            scored, draw_failures = score_rollout(run, rollout, sampling)
+        failures, filtered = failures + draw_failures, filtered + rollout.filtered
         if al.dynamic_sampling:
-            uids = [s.uid for s in rollout.samples]
-            signal = groups_with_signal(values, uids)
-            ordered = list(dict.fromkeys(uids))  # the draw's groups in order
-            taken = [uid for uid in ordered if uid in signal][: wanted - groups]
-            dropped += len(ordered) - len(signal)
-            surplus += len(signal) - len(taken)
-            groups += len(taken)
-            taken_set = set(taken)
-            keep = [i for i, uid in enumerate(uids) if uid in taken_set]
-            if not samples and not keep and (groups >= wanted or draw >= al.dynamic_sampling_max_extra_draws):
+            pick = select_groups(torch.tensor(scored.rewards, dtype=torch.float64),
+                                 [s.uid for s in scored.samples], room=wanted - groups)
+            groups, dropped, surplus = groups + pick.taken, dropped + pick.dropped, surplus + pick.surplus
+            rows = pick.rows
+            last_chance = groups >= wanted or draw >= al.dynamic_sampling_max_extra_draws
+            if not kept.samples and not rows and last_chance:
                 logger.warning("step %d: no group with reward signal in %d draws: training on the last draw's groups "
                                "(their advantages are 0)", step, draw + 1)
-                keep = range(len(rollout.samples))
-        samples += [rollout.samples[i] for i in keep]
-        rewards += [float(values[i]) for i in keep]
-        parts += [scores.parts[i] for i in keep]
-        penalties += [float(penalty[i]) for i in keep]
+                rows = list(range(len(scored.samples)))
+            kept = kept + scored.select(rows)
+        else:
+            kept = scored
         if not al.dynamic_sampling or groups >= wanted or draw >= al.dynamic_sampling_max_extra_draws:
             break
         draw += 1
@@ -299,12 +286,45 @@ def collect_step(run: Run, step: int, timer: PhaseTimer) -> StepBatch:
         metrics.update({"batch/dynamic_sampling_draws": float(draw), "batch/groups_dropped": float(dropped),
                         "batch/groups_surplus": float(surplus)})
     if al.overlong_buffer_len > 0:
-        metrics["reward/overlong_penalty"] = sum(penalties) / max(len(penalties), 1)
+        metrics["reward/overlong_penalty"] = sum(kept.penalties) / max(len(kept.penalties), 1)
     with timer("reward"):
-        batch = scored_batch(samples, rewards, parts,
+        batch = scored_batch(kept.samples, kept.rewards, kept.parts,
                              multiple=required_batch_multiple(run.dp_size, cfg.actor.ppo_mini_batch_size, cfg.rollout.n),
                              eos_token_id=run.processor.eos_token_ids[0], pad_token_id=run.processor.pad_token_id)
     return StepBatch(batch, metrics, failures, filtered)
+
+
+@dataclass
+class Scored:
+    """Samples with their rewards (shaping included), reward parts and overlong penalties, row for row."""
+
+    samples: list[Sample]
+    rewards: list[float]
+    parts: list[dict[str, float]]
+    penalties: list[float]
+
+    def select(self, rows: list[int]) -> Scored:
+        return Scored(*([column[i] for i in rows] for column in (self.samples, self.rewards, self.parts,
+                                                                  self.penalties)))
+
+    def __add__(self, other: Scored) -> Scored:
+        return Scored(self.samples + other.samples, self.rewards + other.rewards, self.parts + other.parts,
+                      self.penalties + other.penalties)
+
+
+def score_rollout(run: Run, rollout: Rollout, sampling: SamplingParams) -> tuple[Scored, int]:
+    """The reward of every sample of a rollout, with DAPO's overlong shaping added (algorithm.overlong_buffer_len);
+    returns them and the number of samples whose reward function failed."""
+    cfg, al = run.config, run.config.algorithm
+    scores = score_texts(run.reward_fn, rollout.requests, rollout.answers, sampling.n, cfg.reward)
+    values = torch.tensor(scores.values, dtype=torch.float64)
+    penalty = torch.zeros_like(values)
+    if al.overlong_buffer_len > 0:
+        lengths = torch.tensor([int(s.attention_mask[len(s.prompt_ids):].sum()) for s in rollout.samples])
+        penalty = overlong_penalty(lengths, cfg.data.max_response_length, al.overlong_buffer_len,
+                                   al.overlong_penalty_factor).to(torch.float64)
+        values = values + penalty
+    return Scored(list(rollout.samples), values.tolist(), list(scores.parts), penalty.tolist()), scores.failures
 
 
 def plain_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
