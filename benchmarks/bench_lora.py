@@ -213,7 +213,7 @@ def main() -> None:
             result["sync"].append(sync_row("LoRA merged", lora, "vllm", model, args.syncs, reference, **bucket))
             lora.config.lora.sync = "auto"
             result["sync"].append(sync_row("LoRA adapter", lora, "vllm", model, args.syncs, reference,
-                                           max_lora_rank=args.rank))
+                                           lora_rank=args.rank))
         if "sglang" in args.backends:
             result["sync"].append(sync_row("full fine-tuning", full, "sglang", model, args.syncs, reference, **bucket))
             result["sync"].append(sync_row("LoRA merged (partial)", lora, "sglang", model, args.syncs, reference,

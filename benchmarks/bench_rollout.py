@@ -62,8 +62,8 @@ def build_requests(model_path: str, count: int, workload: str = "images") -> lis
     """`count` requests from verl-style rows: 1/4 text-only, 1/2 one image, 1/4 two images, varied sizes; or
     (workload "video") one video each."""
     if workload == "video":
-        from vlmrl.data.synthetic import generate_rows
         from vlmrl.data.config import DataConfig
+        from vlmrl.data.synthetic import generate_rows
 
         processor = load_processor(model_path, DataConfig(video_fps=24.0, max_prompt_length=2048))
         return [processor.build_request(row, index=i) for i, row in enumerate(generate_rows("motion", count, 0, "val"))]

@@ -70,11 +70,12 @@ def run_side(model_path: str, bucket_mb: float, dtype: str) -> dict:
 
     from vlmrl.actor.config import ActorConfig
     from vlmrl.config import TrainerConfig
-from vlmrl.distributed import DistributedActor, WorkerSpec
+    from vlmrl.distributed import DistributedActor, WorkerSpec
     from vlmrl.distributed.worker import EngineSpec
+    from vlmrl.rollout import BackendOptions
 
-    engine = EngineSpec("vllm", model_path, {"dtype": dtype, "max_model_len": 256, "timeout_s": 600,
-                                             "sync_bucket_mb": bucket_mb})
+    engine = EngineSpec("vllm", model_path, BackendOptions.from_kwargs("vllm", {
+        "dtype": dtype, "max_model_len": 256, "timeout_s": 600, "sync_bucket_mb": bucket_mb}))
     config = ActorConfig(model_path=model_path, device="cpu", dtype="float32", ppo_micro_batch_size_per_gpu=1)
     actor = DistributedActor(TrainerConfig(n_gpus_per_node=2, engine_placement="worker"),
                              WorkerSpec(actor=config, engine=engine, torch_threads=1, timeout_s=600),

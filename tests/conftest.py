@@ -57,8 +57,8 @@ TINY_FAMILIES = ("tiny", "tiny-qwen3-vl")
 @pytest.fixture(scope="session", params=TINY_FAMILIES)
 def tiny_family(request):
     """(model folder, its processor with prompts up to 64 tokens) for each embedded family in turn."""
-    from vlmrl.models import ensure_built
     from vlmrl.data.config import DataConfig
+    from vlmrl.models import ensure_built
     from vlmrl.processors import load_processor
 
     path = str(ensure_built(request.param))

@@ -83,9 +83,9 @@ def test_a_carried_group_with_a_video_resumes_identically(scripted_backend, proc
     """A prompt holding an image and a video (sampled at 1 fps: other timing than the default, which the position
     ids depend on), parked mid-conversation: restored into a fresh loop it has the same frames and timing, and the
     next step gives the uninterrupted loop's samples (video inputs and position ids included)."""
+    from vlmrl.data.config import DataConfig
     from vlmrl.data.synthetic import generate_rows
     from vlmrl.processors import load_processor
-    from vlmrl.data.config import DataConfig
 
     video_processor = load_processor(tiny_model_path, DataConfig(video_fps=1.0))
     frames = generate_rows("motion", 1, 0, "val")[0]["videos"][0]

@@ -8,9 +8,9 @@ import dataclasses
 from tests.alignment.toy_artifacts import make_side
 from vlmrl.alignment.artifact import records_from_rollout
 from vlmrl.alignment.diff import Cause, compare_artifacts
+from vlmrl.data.config import DataConfig
 from vlmrl.data.synthetic import generate_rows
 from vlmrl.processors import load_processor
-from vlmrl.data.config import DataConfig
 from vlmrl.types import RolloutResult
 
 

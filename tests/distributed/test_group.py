@@ -14,9 +14,9 @@ from tests.batches import make_batch
 from vlmrl.actor import Actor
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch import required_batch_multiple, upsample_to_multiple
-from vlmrl.config import ActorConfig, OptimConfig
-from vlmrl.config import TrainerConfig
+from vlmrl.config import ActorConfig, OptimConfig, TrainerConfig
 from vlmrl.distributed import DistributedActor, WorkerSpec
+from vlmrl.rollout import BackendOptions
 
 pytestmark = pytest.mark.ray
 WEIGHT_ATOL = 1e-9
@@ -207,7 +207,8 @@ def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
             for i, row in enumerate(synthetic_rows[12:16])]
     requests = [processor.build_request(row, i) for i, row in enumerate(rows)]
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3)
-    engine = EngineSpec("hf", tiny_model_path, {"dtype": "float32", "max_model_len": 128, "timeout_s": 120})
+    engine = EngineSpec("hf", tiny_model_path, BackendOptions.from_kwargs(
+        "hf", {"dtype": "float32", "max_model_len": 128, "timeout_s": 120}))
     config = actor_config(tiny_model_path, micro=4, optim=OptimConfig(lr=1e-2, weight_decay=0.0))
     actor = DistributedActor(TrainerConfig(n_gpus_per_node=2, engine_placement="worker"),
                              WorkerSpec(actor=config, engine=engine, torch_threads=1, timeout_s=120),
@@ -257,8 +258,8 @@ def test_dp2_lora_sync_streams_merged_weights_into_each_ranks_engine(ray_cluster
             for i, row in enumerate(synthetic_rows[12:16])]
     requests = [processor.build_request(row, i) for i, row in enumerate(rows)]
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3)
-    engine = EngineSpec("hf", tiny_model_path, {"dtype": "float32", "max_model_len": 128, "timeout_s": 120,
-                                                "sync_bucket_mb": 0.25})
+    engine = EngineSpec("hf", tiny_model_path, BackendOptions.from_kwargs(
+        "hf", {"dtype": "float32", "max_model_len": 128, "timeout_s": 120, "sync_bucket_mb": 0.25}))
     config = actor_config(tiny_model_path, micro=4, optim=OptimConfig(lr=1e-2, weight_decay=0.0),
                           lora=LoraConfig(rank=4, alpha=8, vision="merger"))
     actor = DistributedActor(TrainerConfig(n_gpus_per_node=2, engine_placement="worker"),

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.processors.helpers import first_difference, noise_image
-from vlmrl.data.synthetic import generate_rows
 from vlmrl.data.config import DataConfig
+from vlmrl.data.synthetic import generate_rows
 from vlmrl.processors import BadRowError, load_processor
 from vlmrl.processors.video import encode_mp4
 

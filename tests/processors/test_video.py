@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from vlmrl.data.config import DataConfig
 from vlmrl.data.synthetic import generate_rows
 from vlmrl.processors import BadRowError, FilteredRow, load_processor
-from vlmrl.data.config import DataConfig
 from vlmrl.processors.video import encode_mp4
 
 

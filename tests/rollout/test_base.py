@@ -4,13 +4,13 @@ arithmetic that undoes SGLang's renormalisation over non-banned tokens."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import replace
 import doctest
 import json
 import math
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,8 +18,15 @@ import torch
 from tests.rollout.helpers import GREEDY, noise_image
 from vlmrl.models import families
 from vlmrl.models.families import QWEN2_5_VL, QWEN3_VL
-from vlmrl.rollout import EngineDeadError, EngineTimeoutError, InvalidRequestError, RolloutError, base, get_backend
-from vlmrl.rollout import weights
+from vlmrl.rollout import (
+    EngineDeadError,
+    EngineTimeoutError,
+    InvalidRequestError,
+    RolloutError,
+    base,
+    get_backend,
+    weights,
+)
 from vlmrl.rollout.base import BackendOptions, DeadlineRunner, RolloutBackend
 from vlmrl.rollout.requests import finish_at_stop, top_allowed
 from vlmrl.rollout.weights import weight_sync

@@ -123,7 +123,7 @@ def test_vllm_serves_the_adapter_itself_path_b(tiny_model_path, policy, base_gre
     from vlmrl.rollout import get_backend
 
     with get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
-                     max_lora_rank=RANK, tower_connector_lora=True) as engine:
+                     lora_rank=RANK, lora_vision=True) as engine:
         assert engine.serves_adapters()
         check_engine(policy, engine, base_greedy, merged_hf, requests, sync="auto", path="adapter")
         assert policy.last_sync_bytes == sum(p.numel() * 4 for p in policy.trainable), "adapter file = adapters"
@@ -192,7 +192,7 @@ def test_an_adapter_on_the_output_head_goes_to_a_lora_serving_vllm_as_merged_wei
     # update sends only this policy's
     with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as merged_hf, \
             get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
-                        max_lora_rank=RANK) as engine:
+                        lora_rank=RANK) as engine:
         assert engine.serves_adapters()
         head.lora_sync.lora.sync = "adapter"
         with pytest.raises(ValueError, match="lm_head"):

@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_mismatch, noise_image
-from vlmrl.processors import load_processor
 from vlmrl.data.config import DataConfig
+from vlmrl.processors import load_processor
 from vlmrl.types import RolloutRequest
 
 

@@ -32,7 +32,7 @@ def test_the_server_refuses_video_before_any_http_call(tiny_model_path):
     from types import SimpleNamespace
 
     from vlmrl.rollout.errors import InvalidRequestError
-    from vlmrl.rollout.sglang import SGLangServerBackend
+    from vlmrl.rollout.sglang_server import SGLangServerBackend
 
     request = video_batch(tiny_model_path, 2.0)[0]
     with pytest.raises(InvalidRequestError, match="sglang-server: .* holds 1 video.*use the sglang \\(Engine\\)"):

@@ -35,10 +35,10 @@ def test_video_requests_are_refused_and_the_server_keeps_serving(backend, tiny_m
 
 def test_the_server_rejects_processor_outputs_over_http(backend, tiny_model_path, batch, hf_greedy):
     """The Engine's video request (vlmrl's processor outputs, tensors as JSON lists) posted to /generate as is."""
-    from vlmrl.rollout.sglang import _SGLangCommon
+    from vlmrl.rollout.sglang import SGLangCommon
 
     request = video_batch(tiny_model_path, 2.0)[0]
-    ids, _, entries = _SGLangCommon.video_entry(backend, request)
+    ids, _, entries = SGLangCommon.video_entry(backend, request)
     entry = {key: value.tolist() if hasattr(value, "tolist") else value for key, value in entries[0].items()}
     body = {"input_ids": [ids], "video_data": [[entry]], "return_logprob": True,
             "sampling_params": [{"temperature": 0.0, "max_new_tokens": 1}]}

@@ -28,7 +28,7 @@ def _greedy(name: str, model_path: str, requests, adapter=None) -> list:
     """Greedy outputs of backend `name` on `model_path`; `adapter`: vLLM serving that adapter folder on it."""
     from vlmrl.rollout import get_backend
 
-    options = {"max_lora_rank": 8, "tower_connector_lora": True} if adapter else {}
+    options = {"lora_rank": 8, "lora_vision": True} if adapter else {}
     with get_backend(name, model_path, dtype="float32", max_model_len=1024, timeout_s=300, **options) as backend:
         if adapter:
             backend.update_adapter(str(adapter))

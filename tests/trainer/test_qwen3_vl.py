@@ -76,8 +76,8 @@ def test_actor_on_a_video_batch_matches_transformers_and_learns(tiny_qwen3_vl_pa
     from vlmrl.actor import Actor
     from vlmrl.algorithms.grpo import group_advantages
     from vlmrl.config import OptimConfig
-    from vlmrl.data.synthetic import generate_rows
     from vlmrl.data.config import DataConfig
+    from vlmrl.data.synthetic import generate_rows
     from vlmrl.processors import load_processor
 
     processor = load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=256))

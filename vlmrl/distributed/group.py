@@ -36,8 +36,8 @@ from vlmrl.distributed.sharding import (
 )
 from vlmrl.distributed.worker import TrainWorker, WorkerSpec
 from vlmrl.rollout import RolloutBackend
-from vlmrl.trainer.config import TrainerConfig
 from vlmrl.rollout.requests import sample_seed
+from vlmrl.trainer.config import TrainerConfig
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 from vlmrl.utils.sequences import split_evenly
 
