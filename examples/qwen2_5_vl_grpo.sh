@@ -22,7 +22,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
+fi
 for gone in DATA DATA_DIR LORA_RANK LORA_ALPHA LORA_VISION; do  # earlier versions' switches, keys now
   [[ -z "${!gone:-}" ]] || { echo "$gone is no longer read: MODEL_PATH or N_GPUS picks the geo3k recipe," \
     "data.train_files=DIR/train.parquet data.val_files=DIR/test.parquet place its data, RECIPE=lora with" \
@@ -44,18 +46,22 @@ LORA=""; [[ "$RECIPE" == *lora && -z "$VAL_ONLY" ]] && LORA=_lora
 read -r BASE ENGINE DIR <<<"$("$PYTHON" examples/recipe.py pick "${MODEL_PATH:-}" "${N_GPUS:-}${N_NODES:-}")"
 OVERLAYS=(${ALGO:+config=examples/configs/qwen2_5_vl_geo3k_$ALGO.yaml})
 if [[ "$BASE" == demo ]]; then
-  [[ -z "${ROLLOUT:-}" && "$ENGINE" == hf ]] && echo "vLLM is not installed: using the hf (transformers) rollout backend" >&2
+  [[ -n "${ROLLOUT:-}" || "$ENGINE" == vllm ]] \
+    || echo "vLLM is not installed: using the hf (transformers) rollout backend" >&2
   # In-process vLLM and SGLang's CPU code paths (the geo3k recipe's GPU runs keep the engines' defaults).
-  export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-  export SGLANG_USE_CPU_ENGINE=${SGLANG_USE_CPU_ENGINE:-1} TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
+  export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
+  export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} SGLANG_USE_CPU_ENGINE=${SGLANG_USE_CPU_ENGINE:-1}
+  export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
   # the algorithm's overlay FIRST: the demo's own settings (batch, lengths, lr) then win, its losses stay
-  ARGS=("${OVERLAYS[@]}" config=examples/configs/tiny_synthetic.yaml ${LORA:+config=examples/configs/tiny_synthetic_lora.yaml}
+  ARGS=("${OVERLAYS[@]}" config=examples/configs/tiny_synthetic.yaml
+        ${LORA:+config=examples/configs/tiny_synthetic_lora.yaml}
         "rollout.name=${ROLLOUT:-$ENGINE}" ${MODEL_PATH:+"actor.model_path=$MODEL_PATH"})
   [[ "$ALGO" == dapo ]] && ARGS+=(algorithm.overlong_buffer_len=1)  # DAPO's last fifth of the budget: 1 of 6 tokens
 else
   MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-VL-7B-Instruct}
   echo "recipe: examples/configs/$BASE.yaml for $MODEL_PATH" >&2
-  ARGS=("config=examples/configs/$BASE.yaml" "${OVERLAYS[@]}" ${LORA:+config=examples/configs/qwen2_5_vl_geo3k_lora.yaml}
+  ARGS=("config=examples/configs/$BASE.yaml" "${OVERLAYS[@]}"
+        ${LORA:+config=examples/configs/qwen2_5_vl_geo3k_lora.yaml}
         "actor.model_path=$MODEL_PATH" "rollout.name=${ROLLOUT:-vllm}"
         "trainer.n_gpus_per_node=${N_GPUS:-1}" "trainer.nnodes=${N_NODES:-1}")
 fi
