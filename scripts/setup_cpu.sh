@@ -7,7 +7,7 @@
 #
 #   VENV=.venv PY=python3.11 bash scripts/setup_cpu.sh
 #
-# GPU users do NOT run this: see README "GPU installation".
+# GPU users do NOT run this: see docs/install.md, "On GPUs".
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-# Engines on CPU (see README "CPU setup"): in-process vLLM, SGLang's CPU code paths; set before any engine import.
+# Engines on CPU (docs/engines.md): in-process vLLM, SGLang's CPU code paths; set before any engine import.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")

@@ -1,9 +1,11 @@
 """examples/qwen2_5_vl_grpo.sh picks the run from MODEL_PATH: an embedded name runs the demo on that model, a Qwen3-VL
-model (by its config.json, or by a hub id's name) takes the Qwen3-VL geo3k recipe. DRY_RUN=1 prints the command; the
-printed arguments must load as a config (and, for the demo, build the processor the run would build)."""
+model (by its config.json, or by a hub id's name) takes the Qwen3-VL geo3k recipe; RECIPE adds the algorithm and LoRA
+overlays, and every key=value argument goes through. DRY_RUN=1 prints the command; the printed arguments must load as
+a config (and, for the demo, build the processor the run would build)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -17,10 +19,14 @@ from vlmrl.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def dry_run(**env: str) -> list[str]:
-    """The `python -m vlmrl.train` arguments the script would run with."""
-    done = subprocess.run(["bash", "examples/qwen2_5_vl_grpo.sh"], cwd=ROOT, capture_output=True, text=True,
+def launch(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "examples/qwen2_5_vl_grpo.sh", *args], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "DRY_RUN": "1", **env})
+
+
+def dry_run(*args: str, **env: str) -> list[str]:
+    """The `python -m vlmrl.train` arguments the script would run with."""
+    done = launch(*args, **env)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[:3] == [sys.executable, "-m", "vlmrl.train"], lines
@@ -49,11 +55,14 @@ def test_an_embedded_name_runs_the_demo_on_that_model(model, output):
 @pytest.mark.parametrize("model, recipe", [("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl_geo3k"),
                                            ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl_geo3k")])
 def test_a_hub_id_picks_its_familys_recipe_by_name(model, recipe):
-    args = dry_run(MODEL_PATH=model, DATA_DIR="/data/geo3k")
+    args = dry_run(MODEL_PATH=model)
     assert value(args, "config") == f"examples/configs/{recipe}.yaml"
     assert value(args, "trainer.output_dir") == f"outputs/{recipe}"
     config = load_config(args, check_model=False)
-    assert config.actor.model_path == model and config.data.train_files == "/data/geo3k/train.parquet"
+    assert config.actor.model_path == model and config.data.train_files == "~/data/geo3k/train.parquet"
+    # the data's place is a key like any other, passed through after the recipe
+    moved = load_config(dry_run("data.train_files=/data/geo3k/train.parquet", MODEL_PATH=model), check_model=False)
+    assert moved.data.train_files == "/data/geo3k/train.parquet"
 
 
 def test_a_local_folder_picks_the_recipe_of_its_config(tiny_model_path, tiny_qwen3_vl_path, tmp_path):
@@ -61,7 +70,7 @@ def test_a_local_folder_picks_the_recipe_of_its_config(tiny_model_path, tiny_qwe
     for source, recipe in [(tiny_qwen3_vl_path, "qwen3_vl_geo3k"), (tiny_model_path, "qwen2_5_vl_geo3k")]:
         folder = tmp_path / recipe / "policy"
         shutil.copytree(source, folder)
-        args = dry_run(MODEL_PATH=str(folder), DATA="geo3k")
+        args = dry_run(MODEL_PATH=str(folder))
         assert value(args, "config") == f"examples/configs/{recipe}.yaml"
         assert value(args, "actor.model_path") == str(folder)
 
@@ -72,3 +81,51 @@ def test_the_qwen3_vl_recipe_loads_and_fits_the_models_image_bounds():
     assert config.data.min_pixels is None and 65536 <= config.data.max_pixels <= 16777216
     assert config.data.max_pixels % (32 * 32) == 0
     assert (config.actor.optim.lr, config.rollout.n, config.actor.kl_loss_coef) == (1e-6, 5, 0.01)
+
+
+def test_recipe_overlays_stack_on_the_demo_and_on_the_geo3k_recipe():
+    """RECIPE=dapo+lora: the algorithm's overlay, then LoRA's; on the demo the demo's own settings win over the
+    overlay's (its batch, lengths, lr) and LoRA there adapts lm_head too (the random-init model needs it)."""
+    demo = load_config(dry_run(RECIPE="dapo+lora", ROLLOUT="hf"))
+    assert demo.trainer.output_dir == "outputs/demo_lora_dapo"
+    assert (demo.data.train_batch_size, demo.actor.clip_ratio_high, demo.algorithm.overlong_buffer_len) == (16, 0.28, 1)
+    assert (demo.actor.lora.rank, demo.actor.lora.alpha, demo.actor.lora.vision) == (16, 16, "off")
+    assert "lm_head" in demo.actor.lora.target_modules and demo.actor.optim.lr == 1e-3
+    real = load_config(dry_run(RECIPE="dapo+lora", MODEL_PATH="Qwen/Qwen2.5-VL-7B-Instruct", N_GPUS="8"),
+                       check_model=False)
+    assert real.trainer.output_dir == "outputs/qwen2_5_vl_geo3k_lora_dapo" and real.trainer.n_gpus_per_node == 8
+    assert (real.actor.lora.rank, real.actor.optim.lr, real.actor.clip_ratio_high) == (64, 1e-5, 0.28)
+    assert "lm_head" not in real.actor.lora.target_modules and real.data.max_response_length == 2048
+    # what the LoRA switches of earlier versions set is plain keys now, after the recipe
+    tuned = load_config(dry_run("actor.lora.rank=8", "actor.lora.vision=tower+merger", RECIPE="lora", ROLLOUT="hf"))
+    assert (tuned.actor.lora.rank, tuned.actor.lora.vision, tuned.trainer.output_dir) == (8, "tower+merger",
+                                                                                          "outputs/demo_lora")
+
+
+def test_validate_only_writes_beside_the_run_and_keeps_a_demo_checkpoints_recipe(tmp_path):
+    """A checkpoint the demo wrote is validated on the demo's config (tour step 2), into outputs/demo-val; a LoRA
+    recipe is ignored there (the weights are validated as they are)."""
+    checkpoint = tmp_path / "checkpoints" / "global_step_150"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text('{"config": {"data": {"train_files": "synthetic"}}}')
+    args = dry_run(VAL_ONLY="1", RECIPE="lora", MODEL_PATH=str(checkpoint))
+    config = load_config(args, check_model=False)
+    assert value(args, "config") == "examples/configs/tiny_synthetic.yaml"
+    assert config.trainer.val_only and config.trainer.output_dir == "outputs/demo-val"
+    assert config.actor.model_path == str(checkpoint) and config.actor.lora.rank == 0
+
+
+def test_the_demo_falls_back_to_hf_without_vllm(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")  # vllm not importable
+    done = launch(PYTHONPATH=f"{tmp_path}:{ROOT}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rollout.name=hf" in done.stdout.splitlines() and "vLLM is not installed" in done.stderr
+    if importlib.util.find_spec("vllm"):  # where it is installed, the demo's engine
+        assert "rollout.name=vllm" in dry_run()
+
+
+@pytest.mark.parametrize("switch, setting", [("LORA_RANK", "16"), ("DATA", "geo3k"), ("DATA_DIR", "/data/geo3k")])
+def test_an_earlier_versions_switch_is_refused_naming_the_key_that_replaced_it(switch, setting):
+    done = launch(**{switch: setting})
+    assert done.returncode == 2 and f"{switch} is no longer read" in done.stderr
+    assert "RECIPE=lora" in done.stderr and "data.train_files=" in done.stderr

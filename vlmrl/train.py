@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlmrl.rollout.logs import log_engines_into
     from vlmrl.trainer.fit import fit  # torch, transformers and the engines load only for a valid config
 
-    log_engines_into(config.trainer.output_dir)  # the engines' INFO chatter: OUTPUT_DIR/engine.log (README, "Logs")
+    log_engines_into(config.trainer.output_dir)  # the engines' INFO chatter: OUTPUT_DIR/engine.log (docs/training.md)
     fit(config)
     return 0
 

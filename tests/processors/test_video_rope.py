@@ -248,10 +248,10 @@ def test_temporal_positions_follow_the_sampled_fps():
 
 @pytest.mark.vllm
 def test_vllm_floors_one_lower_where_float32_rounds_up(processor, hf_config):
-    """A known engine difference (README "Videos"): 12 frames sampled from 25 at 1 fps are 0.48 fps, 4.1666665 s
-    per temporal patch in float32 (just below 25/6). Temporal index 3 x 2 tokens per second is 24.999999 in exact
-    arithmetic: float32 rounds it to 25 (vlmrl, SGLang, transformers: Qwen's original code), vLLM's float64 keeps
-    it below and floors to 24. vlmrl keeps the model's rule; vLLM differs on that one temporal patch."""
+    """A known engine difference (docs/engines.md, "Position ids"): 12 frames sampled from 25 at 1 fps are 0.48 fps,
+    4.1666665 s per temporal patch in float32 (just below 25/6). Temporal index 3 x 2 tokens per second is 24.999999
+    in exact arithmetic: float32 rounds it to 25 (vlmrl, SGLang, transformers: Qwen's original code), vLLM's float64
+    keeps it below and floors to 24. vlmrl keeps the model's rule; vLLM differs on that one temporal patch."""
     seconds = float(np.float32(2 / (12 / 25 * 1.0)))
     ids = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>"] + ["<|video_pad|>"] * 24 + ["<|vision_end|>"])
     row = ([], [[6, 4, 4]], [seconds])

@@ -124,7 +124,7 @@ def assert_logprobs_match_hf(hf, requests, results, n: int, tol: float, backend:
 
 
 class EngineContract:
-    """The behaviour every engine backend must show (issue 4). Subclass in a test module that provides the
+    """The behaviour every engine backend must show (the rollout contract). Subclass in a test module that provides the
     fixtures `backend` (module-scoped, started once) and uses the shared `hf`, `batch` and `hf_greedy`."""
 
     def test_greedy_equals_hf_fp32(self, backend: RolloutBackend, batch, hf_greedy):

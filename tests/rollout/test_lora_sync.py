@@ -180,7 +180,7 @@ def test_sglang_server_takes_merged_weights_path_a(tiny_model_path, tmp_path, po
 
 @pytest.mark.vllm
 def test_an_adapter_on_the_output_head_goes_to_a_lora_serving_vllm_as_merged_weights(tiny_model_path, requests):
-    """The CPU demo's LoRA adapts lm_head (README "LoRA"); vLLM's LoRA serving refuses an adapter on it, so `auto`
+    """The CPU demo's LoRA adapts lm_head (docs/lora.md); vLLM's LoRA serving refuses an adapter on it, so `auto`
     on an engine started with enable_lora must sync merged weights (== HF merged), and `adapter` must say why."""
     from vlmrl.rollout import get_backend
 

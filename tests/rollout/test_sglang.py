@@ -1,5 +1,5 @@
-"""SGLang Engine backend (fp32, CPU) against the HF reference: the shared engine contract, issue 2's engine check,
-and a killed scheduler (last: it ends this module's engine)."""
+"""SGLang Engine backend (fp32, CPU) against the HF reference: the shared engine contract, greedy
+agreement with HF on an image prompt, and a killed scheduler (last: it ends this module's engine)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ class TestSGLangBackend(EngineContract):
     pass
 
 
-def test_issue2_sglang_greedy_equals_hf_or_near_tie_fp32(backend, hf, batch):
-    """Issue 2: the SGLang Engine's greedy output for a prompt with an image equals HF's in fp32, or its first
+def test_sglang_greedy_on_an_image_prompt_equals_hf_or_near_tie_fp32(backend, hf, batch):
+    """The SGLang Engine's greedy output for a prompt with an image equals HF's in fp32, or its first
     divergence is a near-tie (both tokens within the other's top-5). Measured: equal."""
     sampling = SamplingParams(temperature=0.0, max_new_tokens=16, top_logprobs=5)
     (ref,), (got,) = hf.generate([batch[4]], sampling), backend.generate([batch[4]], sampling)

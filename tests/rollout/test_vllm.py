@@ -1,5 +1,5 @@
-"""vLLM backend (in-process, fp32) against the HF reference: the shared engine contract, issue 2's engine check,
-seeds, and the full-state-dict rule of vLLM's weight reload."""
+"""vLLM backend (in-process, fp32) against the HF reference: the shared engine contract, greedy
+agreement with HF on an image prompt, seeds, and the full-state-dict rule of vLLM's weight reload."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ class TestVLLMBackend(EngineContract):
     pass
 
 
-def test_issue2_vllm_greedy_equals_hf_token_for_token_fp32(backend, hf, batch):
-    """Issue 2: in-process vLLM's greedy output for a prompt with an image equals HF's token for token (fp32)."""
+def test_vllm_greedy_on_an_image_prompt_equals_hf_token_for_token_fp32(backend, hf, batch):
+    """In-process vLLM's greedy output for a prompt with an image equals HF's token for token (fp32)."""
     sampling = SamplingParams(temperature=0.0, max_new_tokens=16, top_logprobs=5)
     (ref,), (got,) = hf.generate([batch[4]], sampling), backend.generate([batch[4]], sampling)
     assert got.response_ids == ref.response_ids, greedy_mismatch(ref, got, "vllm")

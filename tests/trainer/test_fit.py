@@ -24,7 +24,7 @@ from vlmrl.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Keys every training step's metrics.jsonl line carries (documented in the README's metrics section).
+# Keys every training step's metrics.jsonl line carries (documented in docs/training.md, "Metrics per step").
 TRAIN_KEYS = ("step", "reward/mean", "reward/failures", "actor/pg_loss", "actor/pg_clipfrac", "actor/entropy",
               "actor/grad_norm", "actor/lr", "response_length/mean", "response_length/clip_ratio", "batch/padding_rows",
               "timing/rollout", "timing/reward", "timing/old_logprobs", "timing/advantages", "timing/update",

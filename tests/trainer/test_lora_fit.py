@@ -89,10 +89,10 @@ def test_lora_run_killed_after_a_checkpoint_resumes_bit_exactly(tiny_model_path,
 @pytest.mark.slow
 @pytest.mark.parametrize(("seed", "steps"), [(1, 100), (2, 150)])
 def test_the_demos_lora_settings_learn_the_synthetic_task(tmp_path, seed, steps):
-    """`LORA_RANK=16 examples/qwen2_5_vl_grpo.sh`: the demo's config with examples/configs/tiny_synthetic_lora.yaml
+    """`RECIPE=lora examples/qwen2_5_vl_grpo.sh`: the demo's config with examples/configs/tiny_synthetic_lora.yaml
     (rank 16 adapters on the language model and lm_head, lr 1e-3): validation accuracy rises >= 0.3 above its step-0
     value (chance, after the random-label warm-up) within the demo's budget. Two seeds: seed 2 is the one on which
-    rank 64 collapsed onto one colour and never learned (README "LoRA"). Measured on vLLM: seed 1 0.25 -> 0.71 at 80,
+    rank 64 collapsed onto one colour and never learned (docs/lora.md). Measured on vLLM: seed 1 0.25 -> 0.71 at 80,
     0.73 at 100; seed 2 0.27 -> 0.48 at 100, 0.60 at 110, 0.69 at 140 (seed 3, not run here for time: 0.27 -> 0.58 at
     100). Each seed is a full demo run (~2-3 min on 2 cores)."""
     backend = "vllm" if importlib.util.find_spec("vllm") else "hf"

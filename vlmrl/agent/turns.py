@@ -1,25 +1,11 @@
 """Tool turns as tokens: what the model sees between two of its own turns.
 
-Two formats (`agent.tool_turn_format`):
-
-- "qwen2.5": Qwen2.5's tool format, whatever the checkpoint's template says. All replies of one assistant turn share
-  one user turn::
-
-      <|im_start|>user
-      <tool_response>
-      <|vision_start|><|image_pad|><|vision_end|>text of reply 1
-      </tool_response>
-      <tool_response>
-      text of reply 2
-      </tool_response><|im_end|>
-      <|im_start|>assistant
-
-- "template": one `tool` message per reply, rendered by the checkpoint's own chat template.
-
-Either way the turn starts with what the template puts after an assistant message's content (`<|im_end|>\\n` for
-Qwen; the generated stop token is not repeated) and ends with the template's generation prompt, so the whole
-conversation reads exactly as the chat template would render it. Every token of a tool turn gets response_mask 0.
-"""
+Two formats (`agent.tool_turn_format`): "qwen2.5", Qwen2.5's tool format whatever the checkpoint's template says (all
+replies of one assistant turn share one user turn of `<tool_response>...</tool_response>` blocks, images inside), and
+"template", one `tool` message per reply rendered by the checkpoint's own chat template. Either way the turn starts
+with what the template puts after an assistant message's content (`<|im_end|>\n` for Qwen; the generated stop token
+is not repeated) and ends with the template's generation prompt, so the whole conversation reads exactly as the chat
+template would render it. Every token of a tool turn gets response_mask 0. The rendered turn: docs/agent.md."""
 
 from __future__ import annotations
 

@@ -2,23 +2,12 @@
 assign exactly the trainer's logprobs, so the "on-policy" data is slightly off-policy. These corrections reweight or
 drop tokens by the trainer/engine ratio exp(old_logprobs - rollout_logprobs).
 
-Shapes: B = rows, R = padded response length. Modes (ROLLOUT_CORRECTIONS):
-    off        weights 1, mask unchanged.
-    token_tis  truncated importance sampling per token: weight = min(exp(old - rollout), token_cap), detached, as
-               verl's rollout_is="token" (cap 2.0 there and here). Keeps every token; bounds each one's weight.
-    seq_mis    masked importance sampling per sequence: a sequence whose ratio leaves [seq_low, seq_high] is taken out
-               of the loss (its mask row becomes 0); the rest keep weight 1. The ratio is the PRODUCT of the token
-               ratios (verl's seq_sum_k1 with band 0.5_2.0, the Seq-MIS preset) or, with seq_ratio="geometric",
-               their geometric mean (verl's seq_mean_k1, Geo-RS: length-normalised, band ~[0.999, 1.001]).
-               Compared in log space, so no exp() overflows on a long sequence.
-
-When to turn it on: when `rollout/logprob_abs_diff` (logged every step) is not small, e.g. a bf16 engine, a
-quantised engine, or a long response where small per-token gaps multiply; token_tis first, seq_mis when a few samples
-with a large gap (garbage decoding) destabilise training.
-
-Apply: multiply the policy loss matrix by `weights` and aggregate it with `mask` (and the normaliser computed from
-the corrected mask of the whole mini-batch), so a masked sequence drops out of every mode's counts.
-"""
+Shapes: B = rows, R = padded response length. Modes (ROLLOUT_CORRECTIONS): off; token_tis (per-token weight
+min(ratio, token_cap), detached: verl's rollout_is="token"); seq_mis (a sequence whose ratio, the product of its token
+ratios or their geometric mean, leaves [seq_low, seq_high] is masked out: verl's Seq-MIS / Geo-RS), compared in log
+space so no exp() overflows on a long sequence. Apply: multiply the policy loss matrix by `weights` and aggregate with
+`mask` (normaliser from the corrected mask), so a masked sequence drops out of every mode's counts. When to turn it
+on, and each mode in full: docs/algorithms.md, "Rollout correction"."""
 
 from __future__ import annotations
 

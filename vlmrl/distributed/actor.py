@@ -1,20 +1,13 @@
 """One rank's share of the actor: the policy (and frozen reference) sharded with FSDP2, logprobs and the GRPO update.
 
-Runs inside a training worker (`vlmrl.distributed.worker`); with world_size 1 nothing is sharded and it is a plain
-single-device actor. Construction (`vlmrl.actor.policy.build_policy`: load, freeze, dtypes, reference, optimizer,
-lr schedule), the logprob pass and the update loop (`vlmrl.actor.core.ActorCore`) are the single-process actor's;
-what differs with several ranks is the FSDP2 wrapping and what this class feeds the loop:
-
-- LOSS NORMALISATION. A mini-batch's loss is aggregated over the whole GLOBAL mini-batch (actor.loss_agg_mode:
-  tokens, or sequences for the seq-mean-* modes). FSDP averages the ranks' gradients, so each rank divides its
-  summed loss by (the global mini-batch's normaliser / world_size): the average of the ranks' gradients is then
-  exactly the single-process gradient, whatever the counts per rank. (Averaging each rank's own token mean instead
-  was measured off by 0.1 in gradient.)
-- NO LOCAL SKIPS. A micro-batch without policy tokens on this rank (padding rows) still runs forward and backward:
-  the other ranks' collectives wait for it. Only a mini-batch with no token on ANY rank is skipped, on every rank.
-- EVERY FORWARD RUNS THE VISION TOWER (`VisionAlwaysOn`), image or not.
-- The gradient norm (`clip_gradients`) and the full weights are collectives over the shards.
-"""
+Runs inside a training worker (`vlmrl.distributed.worker`); with world_size 1 nothing is sharded. Construction
+(`vlmrl.actor.policy.build_policy`), the logprob pass and the update loop (`vlmrl.actor.core.ActorCore`) are the
+single-process actor's; what differs is the FSDP2 wrapping and what this class feeds the loop:
+- the loss divides by the GLOBAL mini-batch's normaliser / world_size, so the ranks' averaged gradient is exactly the
+  single-process one (each rank's own token mean was measured off by 0.1 in gradient);
+- no local skips: a micro-batch without policy tokens on this rank still runs forward and backward (the other ranks'
+  collectives wait for it); every forward runs the vision tower (`VisionAlwaysOn`);
+- the gradient norm and the full weights are collectives over the shards. Why: docs/distributed.md."""
 
 from __future__ import annotations
 

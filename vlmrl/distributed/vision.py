@@ -1,23 +1,12 @@
 """Run the vision tower in EVERY forward on every rank, so that sharded collectives line up even when a rank's rows
 carry no image.
 
-With FSDP2, each sharded block all-gathers its weights when it runs and reduce-scatters its gradients in the
-backward; every rank must run the same blocks in the same order. A micro-batch with no image (text-only rows,
-padding rows) would skip the vision tower on that rank while another rank runs it on its images: gloo aborts
-("collective mismatch") or the group hangs until the timeout. Measured on this project's machines: wrapping the
-tower separately and skipping it aborts, skipping it inside the root unit crashes the backward, running it without
-using the output hangs at the next collective. What works is running it on a dummy image and letting its output
-reach the loss with weight zero.
-
-Here the zero-weighted output is added to the input embeddings, the place a real image's features go: the backward
-then reaches the vision tower after the decoder layers on every rank, whether its input was real or dummy.
-The result is numerically identical to the plain model (x + 0 == x; the tower's gradient from it is exactly 0).
-
-"Output" means every merger the model family names (`ModelFamily.vision_mergers`): Qwen2.5-VL's one merger, and for
-Qwen3-VL also the deepstack mergers, whose features a real image adds to the first decoder layers. Adding only the
-final merger's output leaves the deepstack mergers out of the backward (measured on the tiny Qwen3-VL: 12 of its 57
-vision tensors got no gradient), and their reduce-scatter would then be issued on image ranks only.
-"""
+With FSDP2 every rank must run the same blocks in the same order; a micro-batch without an image would skip the tower
+on its rank while another runs it, and gloo aborts or the group hangs (measured: skipping it, or running it without
+using the output, fails). So the tower runs on a dummy image and the outputs of every merger the family names
+(`ModelFamily.vision_mergers`, Qwen3-VL's deepstack mergers included) are added to the input embeddings with weight 0:
+numerically identical to the plain model (x + 0 == x), and the backward reaches every vision tensor on every rank.
+The measurements: docs/distributed.md, "Why the vision tower runs on every rank"."""
 
 from __future__ import annotations
 

@@ -1,33 +1,14 @@
-"""Qwen2-VL / Qwen2.5-VL 3D (mrope) position ids, vectorised over the whole batch.
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL 3D (mrope) position ids, vectorised over the whole batch.
 
 The one function that owns position ids, so that no two places disagree on their shape or layout: the trainer, the
 padding code, the hf backend and every backend-side check ask it. It computes Qwen's original `get_rope_index` (what
-the model was trained with), which vLLM 0.32 (`get_mrope_input_positions`) and SGLang 0.5.23 (`get_rope_index`) also
-compute; for images and for short videos that is transformers 5.19's `Qwen2_5_VLModel.get_rope_index` too, token for
-token:
-
-- padding (attention_mask 0) gets position 0 on all three rows, attended tokens are laid out as if packed together;
-- a text token takes `current + 1` on all three rows;
-- an image of merged grid (t, h, w) starting at `s` takes (s + t_i, s + h_i, s + w_i) for its t*h*w tokens in
-  (t, h, w) row-major order;
-- a video of merged grid (t, h, w) starting at `s` takes (s + floor(t_i * second_per_grid_t * tokens_per_second),
-  s + h_i, s + w_i), multiplied in that order in float32 as Qwen's original code and SGLang do;
-- the next token after an image or a video continues at the item's largest position + 1. For an image that is
-  `s + max(h, w)`; for a video it is `s + max(h, w, last temporal position + 1)`. transformers 5.19 continues at
-  `s + max(h, w)` after a video too, so it places the text after a long video (last temporal position >= max(h, w))
-  elsewhere than the model was trained with and than both rollout engines do; vlmrl follows the model and the engines
-  (the hf backend is given these ids, `vlmrl.rollout.hf`);
-- a run of consecutive image (video) tokens is one image (video); images are taken from `image_grid_thw` and videos
-  from `video_grid_thw`, each in batch-row order;
-- Qwen3-VL (`video_per_frame`): each video's grid is first split into t grids of one temporal patch
-  (`split_video_frames`, as its get_rope_index does): its patches are separate runs between timestamp text.
-
-vLLM multiplies a video's temporal index in float64 (its `t_factor`), so where t_i x second_per_grid_t x
-tokens_per_second is an integer in exact arithmetic that float32 rounds up to (float64 keeps it just below), vLLM's
-temporal position is one lower than this one, SGLang's and transformers' (README "Videos").
-
-transformers loops over samples and over token groups in Python; here every step is one tensor op over (B, L).
-"""
+the model was trained with, and what vLLM and SGLang compute), not transformers 5.19's where the two differ: after a
+long video transformers continues the text at `s + max(h, w)`, the model and both engines at the video's largest
+position + 1, so the hf backend is given these ids too. Video temporal ids are multiplied in float32 (Qwen's code,
+SGLang); vLLM's float64 puts one temporal patch in ~2% of videos one lower, and vlmrl keeps the model's rule.
+Qwen3-VL splits each video's grid per temporal patch (`split_video_frames`). The layout rules, token by token, and
+the measurements: docs/engines.md, "Position ids". transformers loops over samples and token groups in Python; here
+every step is one tensor op over (B, L)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
 """Videos: load (a file or bytes decoded with PyAV, or a list of frame images), sample frames by qwen-vl-utils' rules,
 resize them once, hash them.
 
-Every video reaches the engines and the trainer through here, once: the frames are sampled ONCE (fps or nframes,
-within [min_frames, max_frames], a multiple of the temporal patch size) and resized ONCE (sides multiples of the
-model's factor, 28 or 32, each frame within [video_min_pixels, video_max_pixels] and all frames together within
-video_total_pixels and, for Qwen3-VL, within its video processor's per-video bounds), so every backend gets the same
-uint8 frames and the same timing (`vlmrl.types.Video`), and no engine samples or resizes again.
-
-The timing reaches the model as its family carries it (`ModelFamily.video_timing`): Qwen2/2.5-VL through
-second_per_grid_ts in the position ids; Qwen3-VL as `<x.x seconds>` text before each temporal patch
-(`VideoSupport.expansion`), its grid split per temporal patch for the position ids.
-
-Decoding uses PyAV (`av`, already brought by qwen-vl-utils): torchvision's video reader is not in the CPU stack and
-decord is not installed. Paths follow the image rules: under data.data_root, remote URLs only with
-allow_remote_images.
-"""
+Every video reaches the engines and the trainer through here, once: frames sampled ONCE (fps or nframes, within
+[min_frames, max_frames], a multiple of the temporal patch size) and resized ONCE (the model's factor, the per-frame
+and total pixel bounds, Qwen3-VL's per-video bounds), so every backend gets the same uint8 frames and timing
+(`vlmrl.types.Video`) and no engine samples or resizes again. The timing reaches the model as its family carries it
+(`ModelFamily.video_timing`): second_per_grid_ts for Qwen2/2.5-VL, `<x.x seconds>` text for Qwen3-VL. The hash covers
+frames and timing because SGLang's prefix cache keys on pixels alone. PyAV, because torchvision's video reader is not
+in the CPU stack and decord is not installed. Paths follow the image rules. See docs/video.md and docs/engines.md."""
 
 from __future__ import annotations
 

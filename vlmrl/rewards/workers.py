@@ -1,24 +1,12 @@
 """Reward worker processes: a per-sample time limit that really stops a hung reward function.
 
-A Python thread cannot be killed, so with a limit (`reward.timeout_s`) the reward function runs in worker processes
-that are killed and replaced when a sample overruns. The pool is small and persistent:
-
-- `workers_for(fn, num_workers)` gives this module's pool for `fn`, started on first use (one pool at a time: asking
-  for another function or size closes the old one). `close_reward_workers()` stops it; so does interpreter exit.
-- A batch costs one message per worker: each gets one contiguous chunk of the batch and answers one small message
-  per sample as it finishes. The parent times each sample from that worker's previous answer (or from sending the
-  chunk), so the limit holds per sample, never per chunk, and the overrunning sample is known exactly: it scores 0
-  with `timed_out`, its worker is killed (SIGKILL to the worker's process group) and a fresh worker scores the rest
-  of the chunk. A worker that dies while scoring (a crash in C code, `os._exit`) fails that one sample the same way,
-  counted as a failure, not a timeout.
-
-Workers are fresh interpreters started with `subprocess`, not forked: a trainer holds engine threads (and on GPU,
-CUDA state) that a forked child must not inherit. `fn` travels by pickle, that is by reference: built-ins and
-`package.module:fn` are imported again in the worker, and a reward file loaded by path (`path/to/file.py:fn`) is
-loaded again from the same path first. So the function must be defined at module level (not a lambda or a closure),
-and module-level state in it lives per worker process (it starts over in a replaced worker). The limit is wall-clock
-time, so on an overloaded machine give it slack. A worker exits by itself when its parent dies.
-"""
+A Python thread cannot be killed, so with a limit (`reward.timeout_s`) the reward function runs in a small persistent
+pool of worker processes (`workers_for(fn, num_workers)`, `close_reward_workers()`). Each worker gets one contiguous
+chunk of a batch and answers per sample; the parent times each sample from the previous answer, so an overrunning
+sample is known exactly: it scores 0 with `timed_out`, its worker is killed (SIGKILL to its process group) and a
+fresh one scores the rest. Workers are fresh interpreters (`subprocess`, not fork: a trainer holds engine threads and
+CUDA state a forked child must not inherit), so `fn` travels by reference and must be defined at module level; its
+module-level state lives per worker. The whole protocol: docs/data.md, "How the time limit is kept"."""
 
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
 """Checkpoints: HF-format weights + processor files (vLLM and SGLang load the folder directly) + trainer state.
 
-Layout under OUTPUT_DIR/checkpoints/:
-
-    global_step_12/          model.safetensors, config.json, generation_config.json, tokenizer + processor files,
-                             trainer_state.pt   (optimizer, scheduler, RNG states; torch.load(weights_only=True))
-                             trainer_state.json (step, data position, the config; readable by eye)
-                             agent_carried.json + .safetensors (partial rollout's carried groups, when agent.enable;
-                             vlmrl.agent.carry)
-                             adapter/ (with actor.lora: the PEFT adapter, adapter_model.safetensors +
-                             adapter_config.json; the weights beside it are the merged model, base + adapter deltas)
-    latest                   a symlink to the newest complete checkpoint folder: a model path like any other
-                             (actor.model_path=OUTPUT_DIR/checkpoints/latest, vllm serve ..., from_pretrained)
-
-A checkpoint is written into a `.tmp-*` folder and renamed into place only when complete, then `latest` is replaced
-atomically: a run killed at any moment leaves either the previous checkpoint or the new one, never half of one.
-Resume takes the highest complete step, whatever `latest` says: a kill between the rename and the link's rewrite
-leaves the link one checkpoint behind (the next start points it at the newest again). Pruning renames a folder to `.deleting-global_step_N` before removing it, so a
-kill mid-delete never leaves a half-deleted `global_step_N`; `tidy_checkpoints` (at start) removes `.tmp-*` and
-`.deleting-*` leftovers, prunes to max_ckpt_to_keep again and points `latest` at the newest.
-"""
+OUTPUT_DIR/checkpoints/global_step_N/ holds the model files, trainer_state.pt (optimizer, scheduler, RNG; loaded
+with weights_only=True) and trainer_state.json (step, data position, config), plus agent_carried.* (partial rollout)
+and adapter/ (LoRA) when used; `latest` links to the newest complete one and works as a model path.
+Why the renames: a checkpoint is written into `.tmp-*` and renamed into place only when complete, then `latest` is
+replaced atomically, so a kill at any moment leaves the previous checkpoint or the new one, never half of one; resume
+takes the highest complete step whatever `latest` says; pruning renames to `.deleting-*` first, and
+`tidy_checkpoints` (at start) clears what a killed run left. The layout in full: docs/training.md, "Checkpoint
+layout"."""
 
 from __future__ import annotations
 
