@@ -14,7 +14,7 @@ ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_ba
 """Advantage estimators of `vlmrl.algorithms.advantages` (algorithm.adv_estimator)."""
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """Loss aggregation modes of `vlmrl.algorithms.aggregation` (actor.loss_agg_mode)."""
-POLICY_LOSSES = ("ppo-clip", "gspo", "cispo")
+POLICY_LOSSES = ("ppo-clip", "gspo", "cispo", "sapo")
 """Policy losses of `vlmrl.algorithms.policy_loss` (actor.policy_loss)."""
 ROLLOUT_CORRECTIONS = ("off", "token_tis", "seq_mis")
 """Rollout corrections of `vlmrl.algorithms.correction` (algorithm.rollout_correction)."""
