@@ -233,7 +233,9 @@ def loss_inputs(config: Config, batch: TrainBatch, old_logprobs: torch.Tensor | 
                              f"which backend {config.rollout.name} did not return")
         corr = rollout_correction(old_logprobs, batch.rollout_logprobs, mask, al.rollout_correction,
                                   token_cap=al.rollout_correction_token_cap, seq_low=al.rollout_correction_seq_low,
-                                  seq_high=al.rollout_correction_seq_high, seq_ratio=al.rollout_correction_seq_ratio)
+                                  seq_high=al.rollout_correction_seq_high, seq_ratio=al.rollout_correction_seq_ratio,
+                                  token_low=al.rollout_correction_token_low,
+                                  token_high=al.rollout_correction_token_high)
         mask, weights = corr.mask, corr.weights
         metrics.update({f"rollout_correction/{key}": value for key, value in corr.metrics.items()})
     if al.mask_truncated:
