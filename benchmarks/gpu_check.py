@@ -1,17 +1,20 @@
 """One-call GPU check: 3 GRPO steps of a random-init Qwen2.5-VL-3B (its real config, built here: no hub) with vLLM
-colocated, then with SGLang where it is installed; prints tokens/s per GPU, peak GPU memory of training and of the
-rollout engine, and weight-sync time.
+colocated, then with SGLang where it is installed; prints tokens/s per GPU and the actor update's MFU (the run's
+throughput/* metrics, EasyR1's definitions: vlmrl.trainer.throughput), peak GPU memory of training and of the rollout
+engine, and weight-sync time.
 
 Each backend runs the real trainer (`python -m vlmrl.train`) on the synthetic task with long random responses (a
 random model rarely stops), in a subprocess of its own so that each engine is gone before the next starts. While it
 runs, `nvidia-smi --query-compute-apps` is sampled every 0.5 s: the trainer's process is "train" (the actor: weights,
 gradients, AdamW, activations), every other process of the GPU that appears meanwhile is the engine ("rollout").
-Step figures come from the run's metrics.jsonl (timing/*, response and prompt lengths).
+Step figures come from the run's metrics.jsonl (timing/*, throughput/*).
 
     python benchmarks/gpu_check.py                    # on the GPU machine: ~10 GB of disk for the model
     python benchmarks/gpu_check.py --tiny --backends vllm --steps 1   # CPU dry check of the script itself
 
-EasyR1 publishes ~1800 tokens/s per GPU for Qwen2.5-VL-3B GRPO on 8x H100 (prompt + response tokens over step time).
+EasyR1 publishes ~1800 tokens/s per GPU and an MFU of 8.1% for Qwen2.5-VL-3B GRPO on 8x H100 (prompt + response
+tokens over step time x GPUs; the update's model FLOPs over its time x GPUs x peak). MFU needs a known device (or
+trainer.device_peak_flops): on CPU (--tiny) the column reads "-".
 """
 
 from __future__ import annotations
@@ -125,14 +128,15 @@ def run_backend(name: str, model_dir: Path, out: Path, args) -> dict:
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [m for m in lines if "timing/step" in m and "timing/update" in m]
     last = steps[1:] or steps  # the first step pays compilation / CUDA-graph capture
-    rows = args.prompts * args.n
     mean = lambda key: sum(m.get(key, 0.0) for m in last) / len(last)  # noqa: E731
-    tokens = rows * (mean("prompt_length/mean") + mean("response_length/mean"))
+    mfu = [m["throughput/mfu_actor"] for m in last if m.get("throughput/mfu_actor") is not None]
     train_mib = memory.peaks.get(proc.pid, 0)
     rollout_mib = sum(v for pid, v in memory.peaks.items() if pid != proc.pid)
     return {"backend": name, "steps": len(steps), "step_s": mean("timing/step"), "rollout_s": mean("timing/rollout"),
             "update_s": mean("timing/update"), "sync_s": mean("timing/weight_sync"),
-            "tokens_per_s_per_gpu": tokens / mean("timing/step"),
+            "tokens_per_s_per_gpu": mean("throughput/tokens_per_s_per_gpu"),
+            "mfu_actor": sum(mfu) / len(mfu) if mfu else None,
+            "actor_tflops_per_gpu": mean("throughput/actor_tflops_per_gpu"),
             "response_tokens_per_s": mean("throughput/response_tokens_per_s"),
             "train_peak_mib": train_mib, "rollout_peak_mib": rollout_mib, "wall_s": wall}
 
@@ -166,14 +170,16 @@ def main() -> None:
         print(json.dumps(results[-1]), flush=True)
     print(f"\n{args.prompts} prompts x n={args.n}, responses up to {args.response} tokens, {args.steps} steps "
           "(means over the steps after the first)")
-    print("| backend | tokens/s/GPU (prompt+response) | response tokens/s | step | rollout | update | weight sync | "
-          "train peak GPU | rollout peak GPU |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| backend | tokens/s/GPU (prompt+response) | MFU (update) | update TFLOP/s/GPU | response tokens/s | step | "
+          "rollout | update | weight sync | train peak GPU | rollout peak GPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['backend']} | not run: {r['error']} | | | | | | | |")
+            print(f"| {r['backend']} | not run: {r['error']} | | | | | | | | | |")
             continue
-        print(f"| {r['backend']} | {r['tokens_per_s_per_gpu']:.0f} | {r['response_tokens_per_s']:.0f} | "
+        mfu = "-" if r["mfu_actor"] is None else f"{100 * r['mfu_actor']:.1f}%"
+        print(f"| {r['backend']} | {r['tokens_per_s_per_gpu']:.0f} | {mfu} | {r['actor_tflops_per_gpu']:.1f} | "
+              f"{r['response_tokens_per_s']:.0f} | "
               f"{r['step_s']:.1f} s | {r['rollout_s']:.1f} s | {r['update_s']:.1f} s | {r['sync_s']:.2f} s | "
               f"{r['train_peak_mib'] / 1024:.1f} GiB | {r['rollout_peak_mib'] / 1024:.1f} GiB |")
 

@@ -440,6 +440,18 @@ def test_loss_and_algorithm_settings_are_checked_at_load():
                                                                "algorithm.norm_adv_by_std_in_grpo=false")
     # GSPO's sequence ratio needs its own, far narrower clip range
     assert "GSPO paper: 3e-4 and 4e-4" in problems_of("actor.policy_loss=gspo")
+    # SAPO divides by its temperatures, and only SAPO is given them
+    assert "actor.sapo_tau_neg=0.0 must be > 0" in problems_of("actor.policy_loss=sapo", "actor.sapo_tau_neg=0")
+    sapo = load("actor.policy_loss=sapo", "actor.sapo_tau_pos=0.5", "actor.clip_ratio_high=0.28").actor
+    assert sapo.policy_loss_kwargs() == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
+                                         "tau_pos": 0.5, "tau_neg": 1.05}
+    assert "tau_pos" not in load().actor.policy_loss_kwargs()
+    # Seq-MIS weighs by the product ratio; a band on the geometric mean is Geo-RS, a rejection mode
+    assert "set algorithm.rollout_correction=seq_rs" in problems_of("algorithm.rollout_correction=seq_mis",
+                                                                    "algorithm.rollout_correction_seq_ratio=geometric")
+    assert load("algorithm.rollout_correction=seq_rs", "algorithm.rollout_correction_seq_ratio=geometric")
+    assert "IcePop: 0.5 and 5.0" in problems_of("algorithm.rollout_correction=token_icepop",
+                                                "algorithm.rollout_correction_token_high=0.9")
     # engine logprobs are of the untempered distribution
     assert "rollout.temperature=1" in problems_of("algorithm.rollout_correction=token_tis", "rollout.temperature=0.7")
     # the agent loop takes prompts from a queue and carries groups: no dynamic sampling there

@@ -192,12 +192,13 @@ def test_mixed_precision_keeps_float32_master_weights(tiny_model_path, batch):
 
 # ---- every policy loss and loss aggregation mode ---------------------------------------------------------------------
 
-# (policy loss, loss_agg_mode): every mode with ppo-clip, and gspo / cispo with a token and a sequence mode
+# (policy loss, loss_agg_mode): every mode with ppo-clip, and gspo / cispo / sapo with a token and a sequence mode
 LOSS_MODES = [("ppo-clip", mode) for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                                "seq-mean-token-sum-norm")]
-LOSS_MODES += [(loss, mode) for loss in ("gspo", "cispo") for mode in ("token-mean", "seq-mean-token-mean")]
+LOSS_MODES += [(loss, mode) for loss in ("gspo", "cispo", "sapo") for mode in ("token-mean", "seq-mean-token-mean")]
 CLIPS = {"ppo-clip": dict(clip_ratio_low=0.2, clip_ratio_high=0.28), "gspo": dict(clip_ratio_low=3e-4,
-         clip_ratio_high=4e-4), "cispo": dict(clip_ratio_low=1.0, clip_ratio_high=0.2)}
+         clip_ratio_high=4e-4), "cispo": dict(clip_ratio_low=1.0, clip_ratio_high=0.2),
+         "sapo": dict(sapo_tau_pos=0.5, sapo_tau_neg=2.0)}
 
 
 def _mode_update(tiny_model_path, batch, micro: int, loss: str, mode: str, weights: torch.Tensor | None = None):

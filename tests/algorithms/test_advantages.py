@@ -122,15 +122,16 @@ def test_reinforce_plus_plus_baseline_matches_reference(seed):
 
 
 def verl_reinforce_plus_plus(token_level_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0):
-    """volcengine/verl compute_reinforce_plus_plus_outcome_advantage's recursion (reset after EOS) + masked_whiten
-    (unbiased variance, eps 1e-8 inside the rsqrt), written out in float64 for this test."""
+    """verl-project/verl compute_reinforce_plus_plus_outcome_advantage (1dda039: the running return is carried
+    through observation tokens, mask 0, unchanged) + masked_whiten (unbiased variance, eps 1e-8 inside the rsqrt),
+    written out in float64 for this test."""
     rewards, mask = token_level_rewards.double(), mask.double()
     returns = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=torch.float64)
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        new_running = rewards[:, t] + gamma * running
+        returns[:, t] = new_running * mask[:, t]
+        running = new_running * mask[:, t] + running * (1 - mask[:, t])
     mean = (returns * mask).sum() / mask.sum()
     var = ((returns - mean) ** 2 * mask).sum() / mask.sum() * mask.sum() / (mask.sum() - 1)
     return (returns - mean) * torch.rsqrt(var + 1e-8) * mask
@@ -144,6 +145,18 @@ def test_reinforce_plus_plus_matches_verls_token_level_recursion(seed):
     token_rewards[torch.arange(len(lengths)), torch.tensor(lengths) - 1] = rewards
     expected = verl_reinforce_plus_plus(token_rewards, mask)
     got = reinforce_plus_plus_advantages(rewards, uids, response_mask=mask)
+    torch.testing.assert_close(got[:, None] * mask.double(), expected, rtol=1e-6, atol=1e-6, check_dtype=False)
+
+
+def test_reinforce_plus_plus_matches_verl_across_tool_turns():
+    # multi-turn rows: policy tokens, a tool turn (mask 0), policy tokens again, the outcome reward on the last policy
+    # token. verl carries the return through the tool turn: every policy token of a row gets its reward, as here.
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 1, 0]], dtype=torch.float32)
+    rewards = torch.tensor([1.0, 0.0, 0.5])
+    token_rewards = torch.zeros_like(mask)
+    token_rewards[[0, 1, 2], [5, 4, 5]] = rewards
+    expected = verl_reinforce_plus_plus(token_rewards, mask)
+    got = reinforce_plus_plus_advantages(rewards, ["a", "b", "c"], response_mask=mask)
     torch.testing.assert_close(got[:, None] * mask.double(), expected, rtol=1e-6, atol=1e-6, check_dtype=False)
 
 

@@ -1,5 +1,5 @@
-"""Policy losses (PPO-clip with dual-clip, GSPO, CISPO): values, gradients and metrics against float64 references
-written here, and the peers' published formulas and cases."""
+"""Policy losses (PPO-clip with dual-clip, GSPO, CISPO, SAPO): values, gradients and metrics against float64
+references written here, and the peers' published formulas and cases."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from vlmrl.algorithms.policy_loss import (
     cispo_token_loss,
     gspo_token_loss,
     ppo_clip_token_loss,
+    sapo_gate,
+    sapo_token_loss,
 )
 
 
@@ -186,9 +188,9 @@ def test_verl_vanilla_policy_loss_and_its_metrics(seed):
     assert m["approx_kl"].item() == pytest.approx(kl.item())
 
 
-def easyr1_policy_loss(old, lp, adv, mask, low, high, dual, loss_type):
-    """hiyouga/EasyR1 verl/trainer/core_algos.py compute_policy_loss (token average), written out: loss_mat and
-    its pg_clipfrac_higher / pg_clipfrac_lower per-token indicators."""
+def easyr1_policy_loss(old, lp, adv, mask, low, high, dual, loss_type, tau_positive=1.0, tau_negative=1.05):
+    """hiyouga/EasyR1 verl/trainer/core_algos.py compute_policy_loss (token average; SAPO since EasyR1 55b40c8),
+    written out: loss_mat and its pg_clipfrac_higher / pg_clipfrac_lower per-token indicators."""
     neg_kl = lp - old
     if loss_type == "gspo_token":
         seq = (neg_kl * mask).sum(-1) / mask.sum(-1)
@@ -199,6 +201,11 @@ def easyr1_policy_loss(old, lp, adv, mask, low, high, dual, loss_type):
     clipped = torch.exp(torch.clamp(log_ratio, math.log(1 - low), math.log(1 + high)))
     if loss_type == "cispo":
         return -adv * lp * clipped.detach(), None, None
+    if loss_type == "sapo":
+        positive, negative = (adv >= 0).float(), (adv < 0).float()
+        gate_negative = 4.0 / tau_negative * torch.sigmoid(tau_negative * (ratio - 1.0))
+        gate_positive = 4.0 / tau_positive * torch.sigmoid(tau_positive * (ratio - 1.0))
+        return -adv * (positive * gate_positive + negative * gate_negative), None, None
     l1, l2, l3 = -adv * ratio, -adv * clipped, -adv * dual
     higher = torch.maximum(l1, l2)
     lower = torch.minimum(higher, l3)
@@ -206,7 +213,7 @@ def easyr1_policy_loss(old, lp, adv, mask, low, high, dual, loss_type):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("loss_type", ["default", "gspo_token", "cispo"])
+@pytest.mark.parametrize("loss_type", ["default", "gspo_token", "cispo", "sapo"])
 def test_easyr1_policy_loss_types(seed, loss_type):
     # EasyR1 applies dual-clip to gspo_token as well; so do we (verl's GSPO has none). EasyR1's cispo clips the
     # log ratio in [log(1 - low), log(1 + high)], the same weight as clamping the ratio.
@@ -215,7 +222,8 @@ def test_easyr1_policy_loss_types(seed, loss_type):
     low, high = (0.2, 0.28) if loss_type != "gspo_token" else (3e-4, 4e-4)
     lp_ref, lp_ours = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
     ref, higher, lower = easyr1_policy_loss(old, lp_ref, adv, mask, low, high, 3.0, loss_type)
-    fn = {"default": ppo_clip_token_loss, "gspo_token": gspo_token_loss, "cispo": cispo_token_loss}[loss_type]
+    fn = {"default": ppo_clip_token_loss, "gspo_token": gspo_token_loss, "cispo": cispo_token_loss,
+          "sapo": sapo_token_loss}[loss_type]
     out = fn(lp_ours, old, adv, mask, low, high, 3.0)
     ((ref * mask).sum() / mask.sum()).backward()  # EasyR1's "token" average
     agg_loss(out.loss_mat, mask, "token-mean").backward()
@@ -282,3 +290,149 @@ def test_trl_clip_ratio_metrics():
     assert m["clipfrac_low"].item() == pytest.approx(low_ref.item())
     assert m["clipfrac_high"].item() == pytest.approx(high_ref.item())
     assert low_ref > 0 and high_ref > 0
+
+
+# --- SAPO: the paper's gate, and EasyR1's, verl's and TRL's functions ----------------------------------------------
+
+
+def ref_sapo(lp: float, old: float, a: float, tau_pos: float, tau_neg: float) -> tuple[float, float]:
+    """(loss, d loss / d lp) of one token, written out from the paper: -A f(r), f(r) = 4/tau sigmoid(tau (r - 1))."""
+    r = math.exp(max(-20.0, min(20.0, lp - old)))
+    tau = tau_pos if a > 0 else tau_neg
+    s = 1.0 / (1.0 + math.exp(-tau * (r - 1.0)))
+    grad = -a * 4.0 * s * (1.0 - s) * r if abs(lp - old) < 20.0 else 0.0  # the clamp holds the ratio beyond 20
+    return -a * 4.0 / tau * s, grad
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("tau_pos, tau_neg", [(1.0, 1.05), (0.1, 1.0), (2.0, 5.0)])
+def test_sapo_matches_reference_values_and_gradients(seed, tau_pos, tau_neg):
+    lp, old, adv, mask = random_inputs(seed, spread=1.2)
+    lp = lp.requires_grad_(True)
+    out = sapo_token_loss(lp, old, adv, mask, tau_pos=tau_pos, tau_neg=tau_neg)
+    agg_loss(out.loss_mat, mask, "token-mean").backward()
+    tokens = int(mask.sum())
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            if not mask[i, t]:
+                assert lp.grad[i, t] == 0
+                continue
+            loss, grad = ref_sapo(lp[i, t].item(), old[i, t].item(), adv[i, t].item(), tau_pos, tau_neg)
+            assert out.loss_mat[i, t].item() == pytest.approx(loss, rel=1e-12, abs=1e-12)
+            assert lp.grad[i, t].item() == pytest.approx(grad / tokens, rel=1e-10, abs=1e-14)
+    m = out.metrics
+    assert m["clipfrac_low"] == 0 and m["clipfrac_high"] == 0 and m["dual_clip_fraction"] == 0
+    keep = mask != 0
+    assert m["ratio_mean"].item() == pytest.approx(torch.exp(lp - old)[keep].mean().item())
+    assert m["approx_kl"].item() == pytest.approx((old - lp)[keep].mean().item())
+
+
+def test_sapo_on_policy_is_the_policy_gradient_and_fades_off_policy():
+    # at r = 1 the gate's slope is 1 whatever tau: the gradient is -A, the plain policy gradient; away from 1 it fades
+    # smoothly (never cut to 0 as PPO's clip does), faster for the larger tau
+    lp = torch.tensor([[0.0, 0.0, 0.5, 0.5, -0.5, 2.0]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([[1.0, -2.0, 1.0, -1.0, 1.0, 1.0]], dtype=torch.float64)
+    sapo_token_loss(lp, torch.zeros_like(lp), adv, torch.ones_like(lp), tau_pos=1.0, tau_neg=1.05).loss_mat.sum(
+    ).backward()
+    grad = lp.grad[0]
+    assert grad[0].item() == pytest.approx(-1.0) and grad[1].item() == pytest.approx(2.0)
+    assert all(g != 0 for g in grad.tolist())
+    weight = [-g / a for g, a in zip(grad.tolist(), adv[0].tolist(), strict=True)]  # gradient weight per unit of A
+    assert weight[3] < weight[2], "a negative token fades faster (tau_neg > tau_pos)"
+    assert weight[5] < weight[2] < weight[0] * math.exp(0.5), "the weight falls below the unclipped ratio r"
+    # PPO-clip gives the positive token at r = e^0.5 > 1.2 no gradient at all
+    ppo_lp = lp.detach().clone().requires_grad_(True)
+    ppo_clip_token_loss(ppo_lp, torch.zeros_like(lp), adv, torch.ones_like(lp)).loss_mat.sum().backward()
+    assert ppo_lp.grad[0, 2] == 0
+
+
+def verl_sapo(old, lp, adv, mask, tau_pos, tau_neg):
+    """volcengine/verl verl/trainer/ppo/core_algos.py compute_policy_loss_sapo (verl-project/verl 1dda039), written
+    out: (scalar loss, which verl always aggregates with seq-mean-token-mean whatever loss_agg_mode says, ppo_kl)."""
+    negative_approx_kl = torch.clamp(lp - old, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    taus = torch.where(adv > 0, torch.as_tensor(tau_pos, dtype=adv.dtype), torch.as_tensor(tau_neg, dtype=adv.dtype))
+    pg_losses = -torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus) * adv
+    rows = mask.sum(-1) > 0
+    seq_means = (pg_losses * mask).sum(-1)[rows] / mask.sum(-1)[rows]
+    return seq_means.mean(), (-negative_approx_kl * mask).sum() / mask.sum()
+
+
+def trl_sapo(old, lp, adv, mask, tau_pos, tau_neg):
+    """huggingface/trl GRPOTrainer._compute_loss, loss_type="sapo", token-level importance sampling (trl f2cd577),
+    written out: per_token_loss (no clamp of the log ratio) and its loss (per-sequence mean, then the mean)."""
+    coef_1 = torch.exp(lp - old)
+    temperatures = torch.where(adv > 0, tau_pos, tau_neg)
+    per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * adv
+    loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    return per_token_loss, loss
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("tau_pos, tau_neg", [(1.0, 1.05), (0.5, 2.0)])
+def test_verl_sapo_with_seq_mean_token_mean(seed, tau_pos, tau_neg):
+    lp, old, adv, mask = random_inputs(seed, spread=1.5)
+    adv[0, :3] = 0.0  # A = 0: verl takes tau_neg, EasyR1 tau_pos; the loss and its gradient are 0 either way
+    lp_ref, lp_ours = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    ref, kl = verl_sapo(old, lp_ref, adv, mask, tau_pos, tau_neg)
+    ref.backward()
+    out = sapo_token_loss(lp_ours, old, adv, mask, tau_pos=tau_pos, tau_neg=tau_neg)
+    ours = agg_loss(out.loss_mat, mask, "seq-mean-token-mean")
+    ours.backward()
+    assert ours.item() == pytest.approx(ref.item(), rel=1e-12)
+    torch.testing.assert_close(lp_ours.grad, lp_ref.grad, rtol=1e-10, atol=1e-15)
+    assert out.metrics["approx_kl"].item() == pytest.approx(kl.item())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_trl_sapo_with_its_sequence_mean(seed):
+    # TRL's grpo/sapo loss averages each sequence's tokens, then the sequences (a row without tokens adds a 0 to
+    # that mean, so give every row one)
+    lp, old, adv, mask = random_inputs(seed, spread=1.0)
+    mask[-1, 0] = 1.0
+    lp_ref, lp_ours = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    per_token, ref = trl_sapo(old, lp_ref, adv, mask, 1.0, 1.05)
+    ref.backward()
+    out = sapo_token_loss(lp_ours, old, adv, mask)
+    agg_loss(out.loss_mat, mask, "seq-mean-token-mean").backward()
+    keep = mask != 0
+    torch.testing.assert_close(out.loss_mat[keep], per_token[keep])
+    torch.testing.assert_close(lp_ours.grad, lp_ref.grad)
+
+
+def test_sapo_extreme_ratios_and_padding_against_the_peers():
+    # log ratios of +-60 and +100: the gate saturates at 4/tau (r -> inf) or 4/tau sigmoid(-tau) (r -> 0). Ours and
+    # EasyR1's / verl's clamp the log ratio at +-20: same finite loss, no gradient. TRL does not clamp: in float32
+    # exp(100) = inf and its gradient there is 0 * inf = NaN (same values elsewhere). A NaN logprob under the mask's
+    # zeros (a padded position) reaches neither our loss nor our gradient; the peers multiply by the mask.
+    old = torch.zeros(2, 4)
+    lp = torch.tensor([[60.0, -60.0, 100.0, 0.3], [0.1, -0.2, float("nan"), float("nan")]])
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0], [2.0, 2.0, 2.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    lp_ours = lp.clone().requires_grad_(True)
+    out = sapo_token_loss(lp_ours, old, adv, mask)
+    agg_loss(out.loss_mat, mask, "token-mean").backward()
+    assert torch.isfinite(out.loss_mat).all() and torch.isfinite(lp_ours.grad).all()
+    clean = torch.where(mask != 0, lp, torch.zeros(()))  # what the peers see once padding is clean
+    lp_easy = clean.clone().requires_grad_(True)
+    easy, _, _ = easyr1_policy_loss(old, lp_easy, adv, mask, 0.2, 0.2, 3.0, "sapo")
+    ((easy * mask).sum() / mask.sum()).backward()
+    keep = mask != 0
+    torch.testing.assert_close(out.loss_mat[keep], easy[keep])
+    torch.testing.assert_close(lp_ours.grad, lp_easy.grad)
+    assert out.loss_mat[0, 0].item() == pytest.approx(-4.0) and out.loss_mat[0, 2].item() == pytest.approx(-4.0)
+    assert out.loss_mat[0, 1].item() == pytest.approx(4.0 / 1.05 * torch.sigmoid(torch.tensor(-1.05)).item())
+    assert lp_ours.grad[0, :3].abs().max() == 0
+    lp_trl = clean.clone().requires_grad_(True)
+    per_token, trl = trl_sapo(old, lp_trl, adv, mask, 1.0, 1.05)
+    trl.backward()
+    torch.testing.assert_close(out.loss_mat[keep], per_token[keep])
+    assert torch.isnan(lp_trl.grad[0, 2]) and torch.isfinite(lp_trl.grad[0, [0, 1, 3]]).all()
+
+
+def test_sapo_gate_and_bad_temperatures():
+    r = torch.linspace(0.0, 3.0, 31, dtype=torch.float64, requires_grad=True)
+    sapo_gate(r, 1.7).sum().backward()
+    assert r.grad.max().item() == pytest.approx(1.0) and r.grad.argmax().item() == 10  # the slope peaks at r = 1
+    with pytest.raises(ValueError, match="tau_neg=0"):
+        sapo_token_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), tau_neg=0.0)

@@ -57,12 +57,16 @@ def test_short_run_writes_documented_metrics_checkpoint_and_plot(tiny_model_path
     out = tmp_path / "run"
     fit(load_config(base_args(tiny_model_path, out, "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01",
                               "trainer.save_freq=3", "trainer.format_warmup_steps=1",
-                              "trainer.format_warmup_batch_size=4")))
+                              "trainer.format_warmup_batch_size=4", "trainer.device_peak_flops=1e12")))
     rows = read_metrics(out / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     for row in rows[1:]:
         missing = [key for key in TRAIN_KEYS + ("actor/kl_loss", "timing/ref_logprobs") if key not in row]
         assert not missing, f"step {row['step']} lacks {missing}"
+        # EasyR1's throughput: tokens/s per GPU over the step, the update's MFU against the configured peak
+        assert row["throughput/tokens"] > 16 * 4 and row["throughput/tokens_per_s_per_gpu"] > 0
+        peak = 1e12  # trainer.device_peak_flops
+        assert row["throughput/mfu_actor"] == pytest.approx(row["throughput/actor_tflops_per_gpu"] * 1e12 / peak)
     for row in (rows[0], rows[2], rows[3]):  # val_before_train, test_freq=2, and after the last step
         assert all(key in row for key in VAL_KEYS), row.keys()
     assert "val/accuracy" not in rows[1]

@@ -134,7 +134,8 @@ class ActorConfig:
     """Passes over each rollout batch."""
     policy_loss: str = "ppo-clip"
     """Policy loss: ppo-clip (token ratio, dual-clip), gspo (sequence-level ratio, GSPO; set clip_ratio_low/high to
-    its ~3e-4/4e-4) or cispo (clipped, detached IS weight times logprob: every token keeps a gradient)."""
+    its ~3e-4/4e-4), cispo (clipped, detached IS weight times logprob: every token keeps a gradient) or sapo (a
+    sigmoid soft gate instead of a hard clip, SAPO; its width is sapo_tau_pos/neg, clip_ratio* do not apply)."""
     loss_agg_mode: str = "token-mean"
     """How token losses become the loss (verl's name): token-mean, seq-mean-token-sum, seq-mean-token-mean,
     seq-mean-token-sum-norm (Dr. GRPO: token sums / (sequences x data.max_response_length)). KL and entropy terms
@@ -148,6 +149,12 @@ class ActorConfig:
     clip_ratio_c: float | None = 3.0
     """Dual-clip: a negative-advantage token's loss is capped at clip_ratio_c x |A| (> 1; verl's default 3); null
     turns it off. Applies to ppo-clip and gspo."""
+    sapo_tau_pos: float = 1.0
+    """sapo: temperature of the soft gate for positive-advantage tokens (> 0; the paper's, EasyR1's, verl's and TRL's
+    1.0). Larger = the gradient fades faster as the token ratio leaves 1."""
+    sapo_tau_neg: float = 1.05
+    """sapo: temperature for the other tokens (> 0; the paper's 1.05, above sapo_tau_pos: negative updates are the
+    less stable side and fade faster)."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus (loss -= entropy_coeff * token-mean entropy)."""
     use_kl_loss: bool = False
@@ -178,6 +185,18 @@ class ActorConfig:
     """Torch device for the actor: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (lora.rank > 0) instead of full fine-tuning."""
+
+    def policy_loss_kwargs(self) -> dict[str, float | None]:
+        """The keyword arguments of `POLICY_LOSS_FNS[policy_loss]` besides the tensors: the clip range (clip_ratio
+        where clip_ratio_low / _high are null), the dual-clip cap, and SAPO's temperatures for sapo."""
+        kwargs: dict[str, float | None] = {
+            "clip_ratio_low": self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low,
+            "clip_ratio_high": self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high,
+            "clip_ratio_c": self.clip_ratio_c,
+        }
+        if self.policy_loss == "sapo":
+            kwargs.update(tau_pos=self.sapo_tau_pos, tau_neg=self.sapo_tau_neg)
+        return kwargs
 
     def problems(self) -> list[str]:
         """What is wrong, each with what to change; empty when valid."""
@@ -217,6 +236,10 @@ class ActorConfig:
         if self.policy_loss == "gspo" and (self.clip_ratio_low is None or self.clip_ratio_high is None):
             out.append("actor.policy_loss=gspo clips a sequence-level ratio, which moves far less than a token's: set "
                        "actor.clip_ratio_low and actor.clip_ratio_high explicitly (the GSPO paper: 3e-4 and 4e-4)")
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            if not getattr(self, name) > 0:
+                out.append(f"actor.{name}={getattr(self, name)} must be > 0 (SAPO's gate is 4 / tau * sigmoid(tau * "
+                           "(ratio - 1)); the paper uses 1.0 and 1.05)")
         if self.dtype not in PRECISIONS:
             out.append(f"actor.dtype={self.dtype!r} must be float32 or bfloat16")
         if self.compute_dtype not in ("auto", *PRECISIONS):

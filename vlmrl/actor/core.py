@@ -436,9 +436,7 @@ class ActorCore:
         as float64 tensors on the device and read once at the end: no host sync between micro-batches."""
         cfg = self.config
         mode = cfg.loss_agg_mode
-        loss_fn = POLICY_LOSS_FNS[cfg.policy_loss]
-        clip_low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
-        clip_high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+        loss_fn, loss_kwargs = POLICY_LOSS_FNS[cfg.policy_loss], cfg.policy_loss_kwargs()
         precision = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
         self.optimizer.zero_grad(set_to_none=True)
         token_means = ("pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "dual_clip_fraction", "ratio_mean",
@@ -470,8 +468,7 @@ class ActorCore:
                                                      chunk=cfg.logprob_chunk_size)
             old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
             adv = token_adv[rows, :width].to(self.device)
-            out = loss_fn(logprobs, old, adv, mask, clip_ratio_low=clip_low, clip_ratio_high=clip_high,
-                          clip_ratio_c=cfg.clip_ratio_c)
+            out = loss_fn(logprobs, old, adv, mask, **loss_kwargs)
             loss_mat = out.loss_mat
             if loss_weights is not None:
                 loss_mat = loss_mat * loss_weights[rows, :width].to(device=self.device, dtype=loss_mat.dtype)

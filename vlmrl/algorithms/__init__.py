@@ -38,6 +38,8 @@ _LAZY = {
     "cispo_token_loss": "policy_loss",
     "gspo_token_loss": "policy_loss",
     "ppo_clip_token_loss": "policy_loss",
+    "sapo_gate": "policy_loss",
+    "sapo_token_loss": "policy_loss",
 }
 
 

@@ -137,8 +137,9 @@ def reinforce_plus_plus_advantages(rewards: torch.Tensor, uids: Sequence[str], i
             None = every real row weighs one token.
 
     Returns:
-        (B,) advantages (each row's tokens share it). Where verl resets the return at a hole in the mask (a tool
-        turn), every policy token here keeps the row's reward: the outcome is the whole trajectory's.
+        (B,) advantages (each row's tokens share it). Every policy token of a multi-turn row, before a hole in the
+        mask (a tool turn) too, gets the row's reward: the outcome is the whole trajectory's, and verl's recursion
+        carries the return through observation spans in the same way (its returns are 0 only on the masked tokens).
     """
     scores, real, _ = real_groups(rewards, uids, is_padding)
     return _output(_whiten_over_tokens(scores, real, response_mask), rewards)

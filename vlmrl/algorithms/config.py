@@ -14,12 +14,12 @@ ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_ba
 """Advantage estimators of `vlmrl.algorithms.advantages` (algorithm.adv_estimator)."""
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """Loss aggregation modes of `vlmrl.algorithms.aggregation` (actor.loss_agg_mode)."""
-POLICY_LOSSES = ("ppo-clip", "gspo", "cispo")
+POLICY_LOSSES = ("ppo-clip", "gspo", "cispo", "sapo")
 """Policy losses of `vlmrl.algorithms.policy_loss` (actor.policy_loss)."""
-ROLLOUT_CORRECTIONS = ("off", "token_tis", "seq_mis")
+ROLLOUT_CORRECTIONS = ("off", "token_tis", "token_icepop", "seq_mis", "seq_rs")
 """Rollout corrections of `vlmrl.algorithms.correction` (algorithm.rollout_correction)."""
 SEQ_RATIOS = ("product", "geometric")
-"""How seq_mis forms a sequence's ratio (algorithm.rollout_correction_seq_ratio)."""
+"""How seq_rs forms a sequence's ratio (algorithm.rollout_correction_seq_ratio); seq_mis takes the product."""
 
 
 @dataclass
@@ -29,18 +29,24 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     """Divide group-centred rewards by the group std (GRPO); false = mean-centred only (Dr. GRPO). grpo only."""
     rollout_correction: str = "off"
-    """Correct for the gap between the engine's and the trainer's logprobs: off, token_tis (truncated token-level
-    importance weights) or seq_mis (sequences whose ratio leaves a band are taken out of the loss). Turn it on when
+    """Correct for the gap between the engine's and the trainer's logprobs (ratio = trainer / engine probability):
+    off, token_tis (token weights, truncated at a cap), token_icepop (IcePop: token weights, 0 outside a band),
+    seq_mis (Seq-MIS: sequences whose ratio leaves a band are taken out of the loss, the rest weighted by their
+    ratio) or seq_rs (the same rejection, kept sequences weigh 1; or on the geometric mean: Geo-RS). Turn it on when
     rollout/logprob_abs_diff is not small (bf16 or quantised engine, long responses). Needs rollout.temperature=1."""
     rollout_correction_token_cap: float = 2.0
     """token_tis: the largest importance weight (verl's 2.0)."""
+    rollout_correction_token_low: float = 0.5
+    """token_icepop: a token whose ratio is below this gets weight 0 (<= 1; IcePop's and verl's 0.5)."""
+    rollout_correction_token_high: float = 5.0
+    """token_icepop: a token whose ratio is above this gets weight 0 (>= 1; IcePop's and verl's 5.0)."""
     rollout_correction_seq_low: float = 0.5
-    """seq_mis: lower bound of the sequence ratio band (<= 1)."""
+    """seq_mis / seq_rs: lower bound of the sequence ratio band (<= 1; inclusive)."""
     rollout_correction_seq_high: float = 2.0
-    """seq_mis: upper bound of the sequence ratio band (>= 1)."""
+    """seq_mis / seq_rs: upper bound of the sequence ratio band (>= 1; inclusive)."""
     rollout_correction_seq_ratio: str = "product"
-    """seq_mis: the sequence ratio is the product of token ratios (product) or their geometric mean (geometric,
-    length-normalised: use a band like [0.999, 1.001])."""
+    """seq_rs: the sequence ratio is the product of token ratios (product) or their geometric mean (geometric,
+    length-normalised: use a band like [0.999, 1.001]). seq_mis takes the product (its weight)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop groups whose rewards are all equal (no signal) and draw more prompts until the
     batch holds data.train_batch_size groups with signal. Plain rollout only (not with agent.enable)."""
@@ -77,9 +83,16 @@ class AlgorithmConfig:
                        f"{list(SEQ_RATIOS)}")
         if not self.rollout_correction_token_cap > 0:
             out.append(f"algorithm.rollout_correction_token_cap={self.rollout_correction_token_cap} must be > 0 (2.0)")
+        if self.rollout_correction == "seq_mis" and self.rollout_correction_seq_ratio != "product":
+            out.append("algorithm.rollout_correction=seq_mis weighs each kept sequence by the product of its token "
+                       "ratios: for a band on their geometric mean (Geo-RS, kept sequences weigh 1) set "
+                       "algorithm.rollout_correction=seq_rs, or set rollout_correction_seq_ratio=product")
         if not 0 < self.rollout_correction_seq_low <= 1.0 <= self.rollout_correction_seq_high:
             out.append(f"algorithm.rollout_correction_seq_low/high = {self.rollout_correction_seq_low}/"
                        f"{self.rollout_correction_seq_high} must satisfy 0 < low <= 1 <= high (e.g. 0.5 and 2.0)")
+        if not 0 < self.rollout_correction_token_low <= 1.0 <= self.rollout_correction_token_high:
+            out.append(f"algorithm.rollout_correction_token_low/high = {self.rollout_correction_token_low}/"
+                       f"{self.rollout_correction_token_high} must satisfy 0 < low <= 1 <= high (IcePop: 0.5 and 5.0)")
         if self.dynamic_sampling_max_extra_draws < 0:
             out.append(f"algorithm.dynamic_sampling_max_extra_draws={self.dynamic_sampling_max_extra_draws} must be "
                        ">= 0")

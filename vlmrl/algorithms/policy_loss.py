@@ -1,11 +1,11 @@
-"""Policy losses as per-token loss matrices: PPO-clip (with dual-clip), GSPO and CISPO.
+"""Policy losses as per-token loss matrices: PPO-clip (with dual-clip), GSPO, CISPO and SAPO.
 
 Shapes: B = rows, R = padded response length. Each loss takes
     logprobs (B, R)       current policy logprobs of the response tokens (carry the gradient),
     old_logprobs (B, R)   the policy that generated the data (no gradient),
     advantages (B, R)     token advantages (`broadcast_to_tokens` of the (B,) sequence advantages),
     response_mask (B, R)  1 on policy tokens,
-    clip_ratio_low, clip_ratio_high, clip_ratio_c
+    clip_ratio_low, clip_ratio_high, clip_ratio_c (and a loss's own knobs: SAPO's tau_pos, tau_neg)
 and returns a `TokenLoss`: the (B, R) loss to multiply by any rollout-correction weight and reduce with
 `aggregation.agg_loss`, plus diagnostics over THIS batch's real tokens.
 
@@ -165,13 +165,58 @@ def cispo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
     return TokenLoss(loss, metrics)
 
 
+def sapo_gate(ratio: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
+    """SAPO's soft gate f(r) = 4 / tau * sigmoid(tau * (r - 1)): the surrogate that replaces PPO's clipped ratio.
+
+    Its slope f'(r) = 4 sigmoid(x) (1 - sigmoid(x)), x = tau (r - 1), is 1 at r = 1 for every tau (the plain policy
+    gradient on policy) and decays smoothly on both sides, faster the larger tau.
+
+    >>> [round(v, 4) for v in sapo_gate(torch.tensor([0.5, 1.0, 2.0]), 1.0).tolist()]
+    [1.5102, 2.0, 2.9242]
+    """
+    return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+
+
+def sapo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                    response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                    clip_ratio_c: float | None = 3.0, tau_pos: float = 1.0, tau_neg: float = 1.05) -> TokenLoss:
+    """SAPO, soft adaptive policy optimisation (Gao et al. 2025, arXiv:2511.20347; EasyR1's loss_type="sapo", verl's
+    compute_policy_loss_sapo, TRL's loss_type="sapo"):
+
+        l_t = -A_t * 4 / tau_t * sigmoid(tau_t * (r_t - 1)),   r_t = exp(logprobs_t - old_logprobs_t)
+        tau_t = tau_pos where A_t > 0, else tau_neg
+
+    No hard clip: a token's gradient is A_t r_t times the gate's slope (1 at r = 1), which fades smoothly as r_t
+    leaves 1, so an off-policy token is attenuated instead of cut off. tau_neg > tau_pos (the paper's 1.05 vs 1.0)
+    fades negative-advantage tokens faster: their gradient raises many other tokens' probabilities at once and is
+    the less stable side. clip_ratio_low / high / c have no effect (accepted so every loss takes the same call);
+    clipfrac_low / clipfrac_high / dual_clip_fraction are 0 (verl reports 0 too). The paper, verl and TRL aggregate
+    with seq-mean-token-mean, EasyR1 with its loss_avg_mode (token by default); here actor.loss_agg_mode decides.
+
+    >>> sapo_token_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)).loss_mat
+    tensor([[-2.0000,  1.9048]])
+    """
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"SAPO's temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    logprobs, old_logprobs, advantages = (zero_outside(x, response_mask) for x in (logprobs, old_logprobs, advantages))
+    log_ratio = torch.clamp(logprobs - old_logprobs.detach(), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    loss = -advantages * sapo_gate(ratio, tau)
+    zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+    metrics = {"clipfrac_low": zero, "clipfrac_high": zero, "dual_clip_fraction": zero}
+    metrics.update(_ratio_metrics(ratio, log_ratio, response_mask))
+    return TokenLoss(loss, metrics)
+
+
 PolicyLossFn = Callable[..., TokenLoss]
 
 POLICY_LOSS_FNS: dict[str, PolicyLossFn] = {
     "ppo-clip": ppo_clip_token_loss,
     "gspo": gspo_token_loss,
     "cispo": cispo_token_loss,
+    "sapo": sapo_token_loss,
 }
 """name -> loss; each is called as fn(logprobs, old_logprobs, advantages, response_mask, clip_ratio_low=...,
-clip_ratio_high=..., clip_ratio_c=...)."""
+clip_ratio_high=..., clip_ratio_c=..., plus its own knobs: `ActorConfig.policy_loss_kwargs` gives them all)."""
 

@@ -51,6 +51,10 @@ class TrainerConfig:
     """Training devices per node; more than one device in all runs Ray workers with FSDP2 (vlmrl.distributed)."""
     nnodes: int = 1
     """Nodes in the Ray cluster."""
+    device_peak_flops: float | None = None
+    """Peak FLOP/s of one training device, for throughput/mfu_actor: its dense bf16 tensor peak (989e12 for an H100
+    SXM or H200). None = looked up by CUDA device name (vlmrl.trainer.throughput.DEVICE_PEAK_FLOPS); on a CPU or an
+    unknown device no MFU is logged unless this is set."""
     engine_placement: str = "worker"
     """With several devices, where the colocated rollout engines run: `worker` = one per training worker, `node` =
     one per node (on its first worker; the node's requests go to it)."""
@@ -75,6 +79,9 @@ class TrainerConfig:
             out.append(f"trainer.format_warmup_steps={self.format_warmup_steps} must be >= 0")
         if self.n_gpus_per_node < 1 or self.nnodes < 1:
             out.append("trainer.n_gpus_per_node and trainer.nnodes must be >= 1")
+        if self.device_peak_flops is not None and not self.device_peak_flops > 0:
+            out.append(f"trainer.device_peak_flops={self.device_peak_flops} must be > 0 (e.g. 989e12 for an H100) or "
+                       "null (from the device's name)")
         if self.engine_placement not in ENGINE_PLACEMENTS:
             out.append(f"trainer.engine_placement={self.engine_placement!r} is not one of {list(ENGINE_PLACEMENTS)}")
         return out

@@ -46,6 +46,7 @@ from vlmrl.trainer.checkpoint import (
 )
 from vlmrl.trainer.components import load_run_processor, start_agent, start_run_backend
 from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_curves, truncate_after
+from vlmrl.trainer.throughput import throughput_metrics
 from vlmrl.trainer.validation import load_val_dataset, run_validation
 from vlmrl.trainer.warmup import format_warmup
 from vlmrl.types import RolloutRequest, Sample, SamplingParams, TrainBatch
@@ -233,7 +234,9 @@ def loss_inputs(config: Config, batch: TrainBatch, old_logprobs: torch.Tensor | 
                              f"which backend {config.rollout.name} did not return")
         corr = rollout_correction(old_logprobs, batch.rollout_logprobs, mask, al.rollout_correction,
                                   token_cap=al.rollout_correction_token_cap, seq_low=al.rollout_correction_seq_low,
-                                  seq_high=al.rollout_correction_seq_high, seq_ratio=al.rollout_correction_seq_ratio)
+                                  seq_high=al.rollout_correction_seq_high, seq_ratio=al.rollout_correction_seq_ratio,
+                                  token_low=al.rollout_correction_token_low,
+                                  token_high=al.rollout_correction_token_high)
         mask, weights = corr.mask, corr.weights
         metrics.update({f"rollout_correction/{key}": value for key, value in corr.metrics.items()})
     if al.mask_truncated:
@@ -355,7 +358,8 @@ def agent_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
 
 def step_metrics(collected: StepBatch, run: Run, timer: PhaseTimer) -> dict[str, float]:
     """Metrics beyond batch_metrics and the actor's: reward failures and timeouts (timeouts are failures too),
-    filtered prompts, groups with signal, and the response tokens per second of the step so far."""
+    filtered prompts, groups with signal, the response tokens per second of the step so far, and the step's tokens/s
+    per GPU and the update's MFU (vlmrl.trainer.throughput)."""
     batch = collected.batch
     real = ~batch.is_padding
     tokens = float((batch.response_mask * real.unsqueeze(-1)).sum())
@@ -366,6 +370,7 @@ def step_metrics(collected: StepBatch, run: Run, timer: PhaseTimer) -> dict[str,
         "batch/groups_with_signal": _share_of_groups_with_signal(batch),
         "epoch": float(run.sampler.epoch),
         "throughput/response_tokens_per_s": tokens / max(timer.elapsed(), 1e-9),
+        **throughput_metrics(run.config, batch, timer.elapsed(), timer.seconds["update"]),
     }
 
 
