@@ -3,7 +3,7 @@ told otherwise) or one the user runs (rollout.server.url). It builds requests an
 Engine does (`vlmrl.rollout.sglang`), sends images as lossless PNG data URLs, and syncs weights as safetensors
 shards written atomically to a private folder and loaded with `/update_weights_from_disk` (no pickled payloads over
 HTTP). Video requests are refused: over HTTP SGLang takes a video only as a file, from which it cannot compute what
-transformers computes (docs/engines.md, "SGLang over HTTP").
+transformers computes (docs/engines.md, "sglang-server and videos").
 """
 
 from __future__ import annotations
