@@ -36,7 +36,7 @@ class Actor(ActorCore):
         """
         super().__init__(config, build_policy(config, total_steps, init_path), temperature)
         self.mini_batch_samples = mini_batch_samples
-        self.lora_sync = LoraSync(config.lora, self.peft_config) if self.peft_config is not None else None
+        self.lora_sync = LoraSync(config.lora, self.model) if self.peft_config is not None else None
         self.last_sync_bytes = 0
         """What the last sync_weights sent: merged tensors or the adapter file (LoRA), else the full weights."""
 
