@@ -171,7 +171,8 @@ def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float,
     """Logprobs (b, r) of the response tokens under softmax(logits / temperature), and their entropy (b, r)
     (without a graph unless `entropy_grad`: a metric needs no backward). `chunk` > 0: the logits are made `chunk`
     tokens at a time and recomputed in the backward (actor.logprob_chunk_size), so the full (b, r, V) logits never
-    exist; the values are the unchunked ones (float32, up to the projection's summation order)."""
+    exist; the values are the unchunked ones (float32 or the weights' wider precision, up to the projection's
+    summation order)."""
     dtype = next(model.parameters()).dtype
     pixel_values = mb.pixel_values.to(dtype) if mb.pixel_values is not None else None
     videos = {k: v.to(dtype) if k == "pixel_values_videos" else v for k, v in mb.video_inputs.items()}
@@ -353,7 +354,9 @@ class ActorCore:
         if reference and self.reference_on_host:  # actor.offload.reference: on the device for this pass only
             model.to(self.device)
         width = batch.response_mask.shape[1]
-        logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        # the weights' precision, at least float32: a float64 model's old and reference logprobs stay float64
+        precision = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+        logprobs = torch.zeros(batch.response_mask.shape, dtype=precision)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
         for rows in self.micro_batches(batch, range(len(batch))):
             with self.autocast():
@@ -401,7 +404,9 @@ class ActorCore:
             raise ValueError("old_logprobs are needed when the batch gets more than one optimizer step")
         if cfg.use_kl_loss and ref_logprobs is None:
             raise ValueError("actor.use_kl_loss is on but no reference logprobs were given")
-        token_adv = broadcast_to_tokens(advantages.float(), batch.response_mask)
+        # in the weights' precision, at least float32 (not cast down to float32: a float64 model's loss stays float64)
+        precision = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
+        token_adv = broadcast_to_tokens(advantages.to(precision), batch.response_mask)
         self.model.train()
         steps: list[dict[str, float]] = []
         skipped = 0
@@ -477,8 +482,8 @@ class ActorCore:
                 loss_mat = loss_mat * loss_weights[rows, :width].to(device=self.device, dtype=loss_mat.dtype)
             pg_loss = agg_loss(loss_mat, mask, mode, normaliser)
             loss = pg_loss
-            # summed in the weights' precision (at least float32; entropy comes in float32): a float64 model then
-            # splits exactly over micro-batches, a float32 one is unchanged
+            # summed in the weights' precision (at least float32; a 16-bit autocast's entropy comes in float32): a
+            # float64 model then splits exactly over micro-batches, a float32 one is unchanged
             entropy_term = agg_loss(entropy.to(precision), mask, mode, normaliser)
             parts["actor/entropy"] += scalar(entropy_term)
             if cfg.entropy_coeff:
