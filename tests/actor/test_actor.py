@@ -149,6 +149,24 @@ def test_update_refuses_a_batch_that_is_not_a_mini_batch_multiple(tiny_model_pat
         actor.update(batch, torch.zeros_like(batch.response_mask), torch.zeros(len(batch)))
 
 
+def test_mini_and_micro_batches_of_only_padding_rows_are_counted(tiny_model_path, processor, batch):
+    """8 real rows padded to 12: with mini-batches of 4 the last one is only padding (an optimizer step skipped); with
+    mini-batches of 6 and micro-batches of 2 the second mini-batch runs rows 6-7 and skips two micro-batches of
+    padding. Both counts are step metrics, not only a log line."""
+    padded = upsample_to_multiple(batch, 12, eos_token_id=processor.eos_token_ids[0],
+                                  pad_token_id=processor.pad_token_id)
+    advantages = group_advantages(padded.rewards, padded.uids, padded.is_padding)
+    by_four = Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=4)
+    metrics = by_four.update(padded, by_four.compute_logprobs(padded)[0], advantages)
+    assert metrics["actor/empty_steps"] == 1 and metrics["actor/skipped_steps"] == 1
+    assert metrics["actor/empty_micro_batches"] == 0
+    by_six = Actor(actor_config(tiny_model_path, ppo_micro_batch_size_per_gpu=2), total_steps=1,
+                   mini_batch_samples=6)
+    metrics = by_six.update(padded, by_six.compute_logprobs(padded)[0], advantages)
+    assert metrics["actor/empty_steps"] == 0 and metrics["actor/skipped_steps"] == 0
+    assert metrics["actor/empty_micro_batches"] == 2
+
+
 def test_named_tensors_cover_every_weight(tiny_model_path):
     actor = Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=8)
     names = dict(actor.named_tensors())

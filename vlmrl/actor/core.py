@@ -409,26 +409,30 @@ class ActorCore:
         token_adv = broadcast_to_tokens(advantages.to(precision), batch.response_mask)
         self.model.train()
         steps: list[dict[str, float]] = []
-        skipped = 0
+        empty_steps = empty_micro_batches = non_finite = 0
         for _ in range(cfg.ppo_epochs):
             for normaliser, num_tokens, mini_rows in zip(normalisers, token_counts,
                                                          chunks(range(len(batch)), mini_batch_rows), strict=True):
-                if num_tokens == 0:  # only padding rows: nothing to learn, and no metric either
-                    skipped += 1
+                if num_tokens == 0:  # only padding rows (or every token masked): nothing to learn, no loss metric
+                    empty_steps += 1
                     continue
                 parts = self._accumulate(batch, mini_rows, normaliser, num_tokens, old_logprobs, token_adv,
                                          ref_logprobs, loss_weights, keep_empty_micro_batches)
+                empty_micro_batches += int(parts.pop("actor/empty_micro_batches"))
                 grad_norm = self.clip_gradients()
                 if math.isfinite(grad_norm):  # sharded: the same global norm on every rank, so all step or none
                     self.optimizer_step()
                 else:  # a NaN/inf gradient would poison the weights: skip the step, say so in the metrics
                     logger.warning("non-finite gradient norm; optimizer step skipped")
-                    skipped += 1
+                    non_finite += 1
                 parts["actor/grad_norm"] = grad_norm
                 steps.append(parts)
         metrics = mean_metrics(steps) if steps else {}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        metrics["actor/skipped_steps"] = float(skipped)
+        # counted, not only logged: a step that learnt from less than its batch shows on the dashboard
+        metrics["actor/skipped_steps"] = float(empty_steps + non_finite)
+        metrics["actor/empty_steps"] = float(empty_steps)
+        metrics["actor/empty_micro_batches"] = float(empty_micro_batches)
         self.scheduler.step()
         return metrics
 
@@ -437,7 +441,9 @@ class ActorCore:
                     loss_weights: torch.Tensor | None, keep_empty_micro_batches: bool) -> dict[str, float]:
         """Forward/backward every micro-batch of one mini-batch; returns the mini-batch's loss parts (losses divided
         by `normaliser`, token-mean metrics weighted by the micro-batch's share of `num_tokens`: on FSDP ranks the
-        average over ranks is then the global mini-batch value; ratio_min / _max are extremes). The parts are summed
+        average over ranks is then the global mini-batch value; ratio_min / _max are extremes; and
+        actor/empty_micro_batches, how many held no policy token (skipped, or run with zero loss when
+        `keep_empty_micro_batches`)). The parts are summed
         as float64 tensors on the device and read once at the end: no host sync between micro-batches."""
         cfg = self.config
         mode = cfg.loss_agg_mode
@@ -458,6 +464,7 @@ class ActorCore:
         if compare_rollout:
             start["rollout/logprob_abs_diff"] = 0.0
         parts = {key: torch.full((), value, dtype=torch.float64, device=self.device) for key, value in start.items()}
+        empty = 0
 
         def scalar(value: torch.Tensor | float) -> torch.Tensor:
             return torch.as_tensor(value, device=self.device).detach().to(torch.float64)
@@ -468,8 +475,10 @@ class ActorCore:
             host_mask = batch.response_mask[rows, :width]
             share = float(host_mask.sum() / num_tokens)  # this micro-batch's weight in the mini-batch token mean
             mask = host_mask.to(self.device)
-            if share == 0 and not keep_empty_micro_batches:
-                continue
+            if share == 0:  # no policy token: padding rows only, or every token masked
+                empty += 1
+                if not keep_empty_micro_batches:
+                    continue
             with self.autocast():
                 logprobs, entropy = forward_response(self.model, mb, self.temperature, True, bool(cfg.entropy_coeff),
                                                      chunk=cfg.logprob_chunk_size)
@@ -509,4 +518,5 @@ class ActorCore:
             if compare_rollout:  # engine vs trainer: how off-policy the samples really are
                 gap = (old - batch.rollout_logprobs[rows, :width].to(self.device)).abs()
                 parts["rollout/logprob_abs_diff"] += scalar(token_mean(gap, mask, num_tokens))
-        return dict(zip(parts, torch.stack(list(parts.values())).tolist()))  # the one host sync
+        return {**dict(zip(parts, torch.stack(list(parts.values())).tolist())),  # the one host sync
+                "actor/empty_micro_batches": float(empty)}

@@ -66,7 +66,10 @@ class Actor(ActorCore):
             metrics averaged over optimizer steps: actor/pg_loss, actor/pg_clipfrac (= _low + _high: tokens clipped
             at the lower / upper bound), actor/dual_clip_fraction, actor/ratio_mean, actor/ratio_min / _max (the
             extremes), actor/ppo_kl, actor/entropy, actor/kl_loss, actor/entropy_loss, actor/grad_norm, actor/lr,
-            actor/skipped_steps, and rollout/logprob_abs_diff (|old - backend| logprobs, at temperature 1 only).
+            actor/skipped_steps (optimizer steps not taken: empty or non-finite gradient), actor/empty_steps (of
+            those, mini-batches without a policy token: padding rows only, or every token masked),
+            actor/empty_micro_batches (micro-batches without a policy token, skipped), and
+            rollout/logprob_abs_diff (|old - backend| logprobs, at temperature 1 only).
         """
         if len(batch) % self.mini_batch_samples:
             raise ValueError(f"batch of {len(batch)} rows is not a multiple of the mini-batch "
