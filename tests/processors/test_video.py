@@ -153,8 +153,8 @@ def test_a_decode_error_says_its_cause_once(tiny_model_path, tmp_path):
 @pytest.mark.parametrize(("bad", "config", "message"), [
     (3, {}, "video file {path} has 3 frames, fewer than data.video_min_frames=4"),
     # 2 s sample 4 frames, which fit 6272 pixels at 3136 per frame; 6 s sample 12, which do not
-    (60, {"video_total_pixels": 6272}, "video file {path}: 12 frames cannot fit data.video_total_pixels=6272 .*over "
-                                       "the pixel budget"),
+    (60, {"video_total_pixels": 6272}, ("video file {path}: 12 frames cannot fit data.video_total_pixels=6272 .*over "
+                                        "the pixel budget")),
 ])
 def test_of_a_rows_videos_the_error_names_the_bad_ones_file(tiny_model_path, tmp_path, bad, config, message):
     (tmp_path / "fine.mp4").write_bytes(_mp4(20))

@@ -179,8 +179,8 @@ def test_the_start_says_once_where_latest_pointed_and_why_it_moves(tmp_path, cap
         tidy_checkpoints(tmp_path, keep=2)
         tidy_checkpoints(tmp_path, keep=2)  # a second start finds the link right: nothing to say
     moved = [r.getMessage() for r in caplog.records if str(root / "latest") in r.getMessage()]
-    assert moved == [f"{root / 'latest'} named global_step_2; it names global_step_3 now, the newest complete "
-                     "checkpoint (a run killed after saving global_step_3 and before re-pointing the link)"]
+    assert moved == [(f"{root / 'latest'} named global_step_2; it names global_step_3 now, the newest complete "
+                      "checkpoint (a run killed after saving global_step_3 and before re-pointing the link)")]
     # the folder it named is gone (deleted by hand): said as such
     caplog.clear()
     os.symlink("global_step_9", root / ".tmp-link")
