@@ -1,10 +1,11 @@
 """Logprobs and entropy of the response tokens from the model's last hidden states, in chunks of tokens.
 
-The full-vocabulary logits of a response, (b, r, V) float32 (or the head's own precision, if higher) with V = 151,936 for Qwen2.5-VL, are the largest tensors
-of a training step (b = 4, r = 2048: 5 GB per copy, and log_softmax, softmax and their gradients make several
-copies). Projecting `chunk` tokens at a time and keeping only each token's logprob and entropy makes the peak grow
-with the chunk instead. Under autograd each chunk runs inside `torch.utils.checkpoint`, so its logits are recomputed
-in the backward instead of being kept from the forward; the gradient is the same.
+The full-vocabulary logits of a response, (b, r, V) float32 (or the head's own precision, if higher) with V =
+151,936 for Qwen2.5-VL, are the largest tensors of a training step (b = 4, r = 2048: 5 GB per copy, and log_softmax,
+softmax and their gradients make several copies). Projecting `chunk` tokens at a time and keeping only each token's
+logprob and entropy makes the peak grow with the chunk instead. Under autograd each chunk runs inside
+`torch.utils.checkpoint`, so its logits are recomputed in the backward instead of being kept from the forward; the
+gradient is the same.
 
 Pure functions over tensors: no config objects, no process groups, no device assumptions.
 """

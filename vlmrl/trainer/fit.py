@@ -466,9 +466,10 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
 
 def check_requests(config: Config, processor: Processor, train_data: RLDataset, first_batch: list[int],
                    val_data: RLDataset | None) -> None:
-    """Build (and drop) the request of every validation row and of the first training batch's rows before any engine,
-    actor or reward worker starts: a bad row then fails in seconds with one message naming its row, file and cause, instead of
-    after an engine start (25-90 s on 2 CPU cores). Later training batches are built as their step comes."""
+    """Build (and drop) the request of every validation row and of the first training batch's rows before any
+    engine, actor or reward worker starts: a bad row then fails in seconds with one message naming its row, file and
+    cause, instead of after an engine start (25-90 s on 2 CPU cores). Later training batches are built as their step
+    comes."""
     begin = time.perf_counter()
     checked = len(first_batch)
     build_requests(processor, train_data, first_batch)
