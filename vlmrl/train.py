@@ -44,11 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from vlmrl.data import DataError
+    from vlmrl.processors import BadRowError
     from vlmrl.rollout.logs import log_engines_into
     from vlmrl.trainer.fit import fit  # torch, transformers and the engines load only for a valid config
 
     log_engines_into(config.trainer.output_dir)  # the engines' INFO chatter: OUTPUT_DIR/engine.log (docs/training.md)
-    fit(config)
+    try:
+        fit(config)
+    except (DataError, BadRowError) as err:
+        if isinstance(err, BadRowError) and err.__cause__ is not None:  # a bug in building a row: its traceback
+            raise
+        print(f"error: {err}", file=sys.stderr)  # the data is wrong: one message naming the row, file and cause
+        return 2
     return 0
 
 

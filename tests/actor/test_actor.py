@@ -149,6 +149,24 @@ def test_update_refuses_a_batch_that_is_not_a_mini_batch_multiple(tiny_model_pat
         actor.update(batch, torch.zeros_like(batch.response_mask), torch.zeros(len(batch)))
 
 
+def test_mini_and_micro_batches_of_only_padding_rows_are_counted(tiny_model_path, processor, batch):
+    """8 real rows padded to 12: with mini-batches of 4 the last one is only padding (an optimizer step skipped); with
+    mini-batches of 6 and micro-batches of 2 the second mini-batch runs rows 6-7 and skips two micro-batches of
+    padding. Both counts are step metrics, not only a log line."""
+    padded = upsample_to_multiple(batch, 12, eos_token_id=processor.eos_token_ids[0],
+                                  pad_token_id=processor.pad_token_id)
+    advantages = group_advantages(padded.rewards, padded.uids, padded.is_padding)
+    by_four = Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=4)
+    metrics = by_four.update(padded, by_four.compute_logprobs(padded)[0], advantages)
+    assert metrics["actor/empty_steps"] == 1 and metrics["actor/skipped_steps"] == 1
+    assert metrics["actor/empty_micro_batches"] == 0
+    by_six = Actor(actor_config(tiny_model_path, ppo_micro_batch_size_per_gpu=2), total_steps=1,
+                   mini_batch_samples=6)
+    metrics = by_six.update(padded, by_six.compute_logprobs(padded)[0], advantages)
+    assert metrics["actor/empty_steps"] == 0 and metrics["actor/skipped_steps"] == 0
+    assert metrics["actor/empty_micro_batches"] == 2
+
+
 def test_named_tensors_cover_every_weight(tiny_model_path):
     actor = Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=8)
     names = dict(actor.named_tensors())
@@ -165,15 +183,56 @@ def test_skipping_the_old_logprob_pass_gives_the_same_update(tiny_model_path, ba
     actor.model.to(torch.float64)
     assert not actor.needs_old_logprobs(len(batch)) and actor.needs_old_logprobs(2 * len(batch))
     skipped = actor.update(batch, None, group_advantages(batch.rewards, batch.uids).to(torch.float64))
-    # the separate pass returns float32 logprobs, so the two differ by float32 rounding only
-    assert skipped["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-6)
-    assert skipped["actor/entropy"] == pytest.approx(metrics["actor/entropy"], rel=1e-9)
+    # a float64 model's separate pass returns float64 logprobs: the two differ by float64 summation order only
+    assert skipped["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-12, abs=1e-15)
+    assert skipped["actor/entropy"] == pytest.approx(metrics["actor/entropy"], rel=1e-12)
     for name, p in actor.model.named_parameters():
         if p.grad is not None:
-            assert torch.allclose(p.grad, grads[name], rtol=1e-5, atol=1e-9), name
+            assert torch.allclose(p.grad, grads[name], rtol=1e-9, atol=1e-12), name
     with pytest.raises(ValueError, match="old_logprobs are needed"):
         Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=4).update(
             batch, None, torch.zeros(len(batch)))
+
+
+def test_a_float64_model_trains_in_float64(tiny_model_path, processor, batch):
+    """float64 weights: logprobs, advantages, loss and gradients stay float64 (promoted to at least float32, never
+    cast down), so one update equals GRPO's ppo-clip loss written out here in float64 over the model's own logits
+    (transformers' own positions, one row at a time)."""
+    actor = Actor(actor_config(tiny_model_path, grad_clip=0.0), total_steps=1, mini_batch_samples=len(batch))
+    actor.model.to(torch.float64)
+    model = copy.deepcopy(actor.model).eval()
+    current, _ = actor.compute_logprobs(batch)
+    assert current.dtype == torch.float64
+    mask = batch.response_mask.double()
+    noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    old = (current + 0.3 * noise) * mask  # ratios off 1: both clips bite
+    advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
+    metrics = actor.update(batch, old, advantages)
+
+    p_len = batch.prompt_length
+    total = torch.zeros((), dtype=torch.float64)
+    for row in range(len(batch)):
+        ids, mm = batch.input_ids[row : row + 1], batch.multi_modal_inputs[row]
+        pixels = mm.get("pixel_values")
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask[row : row + 1],
+                       mm_token_type_ids=(ids == processor.image_token_id).int(),
+                       pixel_values=pixels.double() if pixels is not None else None,
+                       image_grid_thw=mm.get("image_grid_thw")).logits[0, p_len - 1 : -1]
+        assert logits.dtype == torch.float64
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[row, p_len:, None])[:, 0]
+        ratio = torch.exp(logprobs - old[row])
+        a = advantages[row]
+        clipped = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))
+        loss = torch.minimum(clipped, -a * 3.0) if a < 0 else clipped  # dual clip (clip_ratio_c = 3)
+        total = total + (loss * mask[row]).sum()
+    expected = total / mask.sum()  # token-mean over the mini-batch
+    expected.backward()
+    assert metrics["actor/pg_loss"] == pytest.approx(expected.item(), rel=1e-10, abs=1e-15)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    trained = {n: p.grad for n, p in actor.model.named_parameters() if p.grad is not None}
+    assert trained.keys() == grads.keys() and any("visual" in n for n in grads)
+    for name, grad in trained.items():
+        assert grad.dtype == torch.float64 and torch.allclose(grad, grads[name], rtol=1e-8, atol=1e-13), name
 
 
 def test_mixed_precision_keeps_float32_master_weights(tiny_model_path, batch):

@@ -5,6 +5,7 @@ weights are PEFT's merge, and that an adapter folder round-trips (resume) and lo
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from vlmrl.actor import Actor
 from vlmrl.actor.lora import (
     ADAPTER_DIR,
     adapter_tensors,
+    apply_lora,
     load_adapter_weights,
     merged_names,
     merged_tensors,
@@ -67,6 +69,30 @@ def test_adapters_go_where_lora_vision_says(tiny_model_path):
     assert only_q == ["model.language_model.layers.1.self_attn.q_proj"]
     with pytest.raises(ValueError, match="selects no Linear layer"):
         target_modules(model, LoraConfig(rank=4, target_modules=["nothing"]))
+
+
+def test_lora_vision_off_adapts_no_vision_layer_whatever_exclude_modules_says(tiny_model_path):
+    # Qwen2.5-VL's vision MLP is named gate_proj/up_proj/down_proj like the language model's: an exclude_modules
+    # narrower than the default must not let the suffix rule reach it, since the engine serves no vision adapter
+    model = _base_model(tiny_model_path)
+    names = target_modules(model, LoraConfig(rank=4, exclude_modules=r".*language_model\.layers\.0\..*"))
+    vision = [n for n in names if n.startswith("model.visual.")]
+    assert not vision, f"vision=off adapted {len(vision)} vision layers, e.g. {vision[:2]}"
+    assert len(names) == 7 and all(n.startswith("model.language_model.layers.1.") for n in names), names
+    # lora.vision still decides the vision side alone: tower adds the tower blocks, and never the merger
+    tower = target_modules(model, LoraConfig(rank=4, exclude_modules="", vision="tower"))
+    assert {n for n in tower if n.startswith("model.visual.")} == {
+        n for n, m in model.named_modules() if n.startswith("model.visual.blocks.") and isinstance(m, torch.nn.Linear)}
+
+
+def test_the_start_up_log_counts_the_adapted_layers(tiny_model_path, caplog):
+    from peft.tuners.lora import LoraLayer
+
+    with caplog.at_level(logging.INFO, logger="vlmrl.actor.lora"):
+        model = apply_lora(_base_model(tiny_model_path), LoraConfig(rank=4, vision="tower+merger"))
+    layers = sum(isinstance(m, LoraLayer) for m in model.modules())
+    assert layers == 14 + 10 + 2  # language projections, tower blocks, merger
+    assert f"on {layers} layers (12 of the vision side;" in caplog.text, caplog.text
 
 
 def test_config_checks_name_what_to_change():

@@ -220,11 +220,12 @@ def test_metrics_ignore_padding_rows():
     assert batch_metrics(batch)["reward_extra/accuracy/mean"] == 0.5
 
 
-def test_all_padding_batch_yields_no_metric_values_and_says_so(caplog):
+def test_all_padding_batch_yields_no_metric_values_but_counts_its_rows_and_says_so(caplog):
     only_padding = upsample_to_multiple(_text_batch(1), 4, eos_token_id=EOS, pad_token_id=PAD)
     only_padding = stack_samples_subset(only_padding, slice(1, 4))
     with caplog.at_level("WARNING", logger="vlmrl.batch.padding"):
-        assert batch_metrics(only_padding) == {}
+        # no reward or length made of padding, but the dashboard shows a step without a real row
+        assert batch_metrics(only_padding) == {"batch/real_rows": 0.0, "batch/padding_rows": 3.0}
     assert "only padding rows (3)" in caplog.text
 
 

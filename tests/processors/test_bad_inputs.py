@@ -198,6 +198,19 @@ def test_extreme_aspect_ratio(processor):
     _bad(processor, [noise_image(2000, 5)], "aspect ratio")
 
 
+def test_of_a_rows_images_a_resize_error_names_the_bad_ones_source(processor, tmp_path):
+    (tmp_path / "fine.png").write_bytes(png_bytes(noise_image(60, 60)))
+    (tmp_path / "sliver.png").write_bytes(png_bytes(noise_image(2000, 5)))
+    _bad(processor, [str(tmp_path / "fine.png"), str(tmp_path / "sliver.png")],
+         f"^row {ROW}: image 1: cannot resize image file {re.escape(str(tmp_path / 'sliver.png'))} .*aspect ratio",
+         question="<image><image>Which is wider?")
+    # bytes carrying their path (the HF datasets form) are named by it
+    _bad(processor, [{"bytes": png_bytes(noise_image(60, 60))}, {"bytes": png_bytes(noise_image(71, 1)),
+                                                                 "path": "slivers/71x1.png"}],
+         rf"^row {ROW}: image 1: image bytes \(slivers/71x1.png\) \(71x1\) resizes to",
+         question="<image><image>Which is wider?")
+
+
 def test_bad_images_are_counted_skips_when_filtering(filtering):
     for images in ([{"bytes": b"junk"}], [noise_image(30, 30), noise_image(30, 30)], ["https://example.com/a.png"]):
         with pytest.raises(FilteredRow) as info:

@@ -104,7 +104,8 @@ def test_frames_fit_the_models_per_video_bounds(processor):
 def test_too_many_frames_for_the_bounds_name_the_row(tiny_qwen3_vl_path):
     config = DataConfig(max_prompt_length=4096, video_min_pixels=32 * 32 * 160)  # x 6 frames > 786432
     processor = load_processor(tiny_qwen3_vl_path, config)
-    with pytest.raises(BadRowError, match=r"row 4: video 0: 6 frames cannot fit the model's video processor bounds"):
+    with pytest.raises(BadRowError, match=r"row 4: video 0: video bytes: 6 frames cannot fit the model's video "
+                                          r"processor bounds"):
         processor.build_request(_mp4_row(30, 10.0), 4)
 
 

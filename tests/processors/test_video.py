@@ -3,6 +3,8 @@ images, and every bad video a clear error naming the row (or a counted skip with
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -118,3 +120,61 @@ def test_a_qwen2_vl_checkpoint_refuses_video_by_row(tiny_model_path, tmp_path):
     assert _processor(tiny_model_path).build_request(_row({"bytes": _mp4(20)}), 3).videos
     image_row = generate_rows("colour", 1, 0, "val")[0]
     assert processor.build_request(image_row, 0).images
+
+
+def _wav(seconds: float = 0.2) -> bytes:
+    """A valid media file with an audio stream and no video stream."""
+    import io
+    import wave
+
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(8000)
+        out.writeframes(b"\0\0" * int(8000 * seconds))
+    return buffer.getvalue()
+
+
+def test_a_decode_error_says_its_cause_once(tiny_model_path, tmp_path):
+    """The decode budget and a missing video stream are the cause, not a symptom of an unreadable file."""
+    (tmp_path / "long.mp4").write_bytes(_mp4(12))
+    (tmp_path / "sound.wav").write_bytes(_wav())
+    processor = _processor(tiny_model_path, data_root=str(tmp_path), video_max_decoded_frames=10)
+    with pytest.raises(BadRowError) as info:
+        processor.build_request(_row("long.mp4"), 7)
+    assert str(info.value) == (f"row 7: video 0: video file {tmp_path / 'long.mp4'} has over "
+                               "data.video_max_decoded_frames=10 frames (the decode budget)")
+    with pytest.raises(BadRowError) as info:
+        processor.build_request(_row("sound.wav"), 7)
+    assert str(info.value) == f"row 7: video 0: video file {tmp_path / 'sound.wav'} holds no video stream"
+
+
+@pytest.mark.parametrize(("bad", "config", "message"), [
+    (3, {}, "video file {path} has 3 frames, fewer than data.video_min_frames=4"),
+    # 2 s sample 4 frames, which fit 6272 pixels at 3136 per frame; 6 s sample 12, which do not
+    (60, {"video_total_pixels": 6272}, ("video file {path}: 12 frames cannot fit data.video_total_pixels=6272 .*over "
+                                        "the pixel budget")),
+])
+def test_of_a_rows_videos_the_error_names_the_bad_ones_file(tiny_model_path, tmp_path, bad, config, message):
+    (tmp_path / "fine.mp4").write_bytes(_mp4(20))
+    (tmp_path / "bad.mp4").write_bytes(_mp4(bad))
+    processor = _processor(tiny_model_path, data_root=str(tmp_path), **config)
+    row = {"prompt": [{"role": "user", "content": "<video><video>Which way?"}], "videos": ["fine.mp4", "bad.mp4"]}
+    expected = message.format(path=re.escape(str(tmp_path / "bad.mp4")))
+    with pytest.raises(BadRowError, match=f"^row 7: video 1: {expected}"):
+        processor.build_request(row, 7)
+
+
+def test_video_bytes_with_a_path_are_named_by_it(tiny_model_path):
+    with pytest.raises(BadRowError, match=r"row 7: video 0: video bytes \(clips/short.mp4\) has 3 frames"):
+        _processor(tiny_model_path).build_request(_row({"bytes": _mp4(3), "path": "clips/short.mp4"}), 7)
+
+
+@pytest.mark.parametrize("module", ["vlmrl.processors.images", "vlmrl.processors.video"])
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

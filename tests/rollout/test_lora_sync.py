@@ -198,3 +198,33 @@ def test_an_adapter_on_the_output_head_goes_to_a_lora_serving_vllm_as_merged_wei
         with pytest.raises(ValueError, match="lm_head"):
             head.lora_sync.path(engine)
         sync_and_check(head, engine, merged_hf, requests, sync="auto", path="merged")
+
+
+@pytest.mark.vllm
+def test_with_lora_vision_off_vllm_serves_what_the_trainer_trains(tiny_model_path, requests):
+    """Qwen2.5-VL's vision MLP is named like the language model's: with lora.vision=off and an exclude_modules
+    narrower than the default, the adapter must still reach only layers the engine started for vision=off (no
+    tower/connector LoRA) serves, so its greedy output equals HF merged's. A policy that does hold vision adapters
+    is refused as an adapter by such an engine and goes to it as merged weights under `auto`."""
+    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.config import lora_engine_options
+
+    lora = LoraConfig(rank=RANK, alpha=16, exclude_modules=r".*language_model\.layers\.0\..*")
+    narrow = Actor(ActorConfig(model_path=tiny_model_path, device="cpu", lora=lora), total_steps=1,
+                   mini_batch_samples=1)
+    set_adapters(narrow, language=0.5, vision=2.0, seed=3)
+    tower = Actor(ActorConfig(model_path=tiny_model_path, device="cpu",
+                              lora=LoraConfig(rank=RANK, alpha=16, vision="tower")), total_steps=1,
+                  mini_batch_samples=1)
+    tower.lora_sync.lora.vision = "off"  # what the engine below was started for
+    # a fresh transformers reference: the module's `merged_hf` holds other policies' adapted layers
+    with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as merged_hf, \
+            get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
+                        **lora_engine_options(lora, "vllm")) as engine:
+        assert engine.serves_adapters()
+        sync_and_check(narrow, engine, merged_hf, requests, sync="auto", path="adapter")
+        tower.lora_sync.lora.sync = "adapter"
+        with pytest.raises(ValueError, match="vision-side adapters .* actor.lora.vision=off"):
+            tower.lora_sync.path(engine)
+        tower.lora_sync.lora.sync = "auto"
+        assert tower.lora_sync.path(engine) == "merged"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -169,6 +170,25 @@ def test_kill_9_between_the_rename_and_the_pointer_resumes_from_the_new_checkpoi
     assert latest_checkpoint(tmp_path) == root / "global_step_3"
     tidy_checkpoints(tmp_path, keep=2)  # the next start points the link at the newest again
     assert os.readlink(root / "latest") == "global_step_3"
+
+
+def test_the_start_says_once_where_latest_pointed_and_why_it_moves(tmp_path, caplog):
+    _save_loop_killed(tmp_path, "ckpt._point_latest", "ckpt._point_latest", "calls == 3")
+    root = checkpoints_root(tmp_path)
+    with caplog.at_level(logging.INFO, logger="vlmrl.trainer.checkpoint"):
+        tidy_checkpoints(tmp_path, keep=2)
+        tidy_checkpoints(tmp_path, keep=2)  # a second start finds the link right: nothing to say
+    moved = [r.getMessage() for r in caplog.records if str(root / "latest") in r.getMessage()]
+    assert moved == [(f"{root / 'latest'} named global_step_2; it names global_step_3 now, the newest complete "
+                      "checkpoint (a run killed after saving global_step_3 and before re-pointing the link)")]
+    # the folder it named is gone (deleted by hand): said as such
+    caplog.clear()
+    os.symlink("global_step_9", root / ".tmp-link")
+    os.replace(root / ".tmp-link", root / "latest")
+    with caplog.at_level(logging.INFO, logger="vlmrl.trainer.checkpoint"):
+        tidy_checkpoints(tmp_path, keep=2)
+    assert "named global_step_9; it names global_step_3 now" in caplog.text
+    assert "the folder it named is gone" in caplog.text
 
 
 def test_the_pointer_lagging_by_one_is_overruled_by_the_newest_complete_step(tmp_path):

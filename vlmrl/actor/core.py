@@ -171,7 +171,8 @@ def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float,
     """Logprobs (b, r) of the response tokens under softmax(logits / temperature), and their entropy (b, r)
     (without a graph unless `entropy_grad`: a metric needs no backward). `chunk` > 0: the logits are made `chunk`
     tokens at a time and recomputed in the backward (actor.logprob_chunk_size), so the full (b, r, V) logits never
-    exist; the values are the unchunked ones (float32, up to the projection's summation order)."""
+    exist; the values are the unchunked ones (float32 or the weights' wider precision, up to the projection's
+    summation order)."""
     dtype = next(model.parameters()).dtype
     pixel_values = mb.pixel_values.to(dtype) if mb.pixel_values is not None else None
     videos = {k: v.to(dtype) if k == "pixel_values_videos" else v for k, v in mb.video_inputs.items()}
@@ -353,7 +354,9 @@ class ActorCore:
         if reference and self.reference_on_host:  # actor.offload.reference: on the device for this pass only
             model.to(self.device)
         width = batch.response_mask.shape[1]
-        logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        # the weights' precision, at least float32: a float64 model's old and reference logprobs stay float64
+        precision = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+        logprobs = torch.zeros(batch.response_mask.shape, dtype=precision)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
         for rows in self.micro_batches(batch, range(len(batch))):
             with self.autocast():
@@ -401,29 +404,35 @@ class ActorCore:
             raise ValueError("old_logprobs are needed when the batch gets more than one optimizer step")
         if cfg.use_kl_loss and ref_logprobs is None:
             raise ValueError("actor.use_kl_loss is on but no reference logprobs were given")
-        token_adv = broadcast_to_tokens(advantages.float(), batch.response_mask)
+        # in the weights' precision, at least float32 (not cast down to float32: a float64 model's loss stays float64)
+        precision = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
+        token_adv = broadcast_to_tokens(advantages.to(precision), batch.response_mask)
         self.model.train()
         steps: list[dict[str, float]] = []
-        skipped = 0
+        empty_steps = empty_micro_batches = non_finite = 0
         for _ in range(cfg.ppo_epochs):
             for normaliser, num_tokens, mini_rows in zip(normalisers, token_counts,
                                                          chunks(range(len(batch)), mini_batch_rows), strict=True):
-                if num_tokens == 0:  # only padding rows: nothing to learn, and no metric either
-                    skipped += 1
+                if num_tokens == 0:  # only padding rows (or every token masked): nothing to learn, no loss metric
+                    empty_steps += 1
                     continue
                 parts = self._accumulate(batch, mini_rows, normaliser, num_tokens, old_logprobs, token_adv,
                                          ref_logprobs, loss_weights, keep_empty_micro_batches)
+                empty_micro_batches += int(parts.pop("actor/empty_micro_batches"))
                 grad_norm = self.clip_gradients()
                 if math.isfinite(grad_norm):  # sharded: the same global norm on every rank, so all step or none
                     self.optimizer_step()
                 else:  # a NaN/inf gradient would poison the weights: skip the step, say so in the metrics
                     logger.warning("non-finite gradient norm; optimizer step skipped")
-                    skipped += 1
+                    non_finite += 1
                 parts["actor/grad_norm"] = grad_norm
                 steps.append(parts)
         metrics = mean_metrics(steps) if steps else {}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        metrics["actor/skipped_steps"] = float(skipped)
+        # counted, not only logged: a step that learnt from less than its batch shows on the dashboard
+        metrics["actor/skipped_steps"] = float(empty_steps + non_finite)
+        metrics["actor/empty_steps"] = float(empty_steps)
+        metrics["actor/empty_micro_batches"] = float(empty_micro_batches)
         self.scheduler.step()
         return metrics
 
@@ -432,7 +441,9 @@ class ActorCore:
                     loss_weights: torch.Tensor | None, keep_empty_micro_batches: bool) -> dict[str, float]:
         """Forward/backward every micro-batch of one mini-batch; returns the mini-batch's loss parts (losses divided
         by `normaliser`, token-mean metrics weighted by the micro-batch's share of `num_tokens`: on FSDP ranks the
-        average over ranks is then the global mini-batch value; ratio_min / _max are extremes). The parts are summed
+        average over ranks is then the global mini-batch value; ratio_min / _max are extremes; and
+        actor/empty_micro_batches, how many held no policy token (skipped, or run with zero loss when
+        `keep_empty_micro_batches`)). The parts are summed
         as float64 tensors on the device and read once at the end: no host sync between micro-batches."""
         cfg = self.config
         mode = cfg.loss_agg_mode
@@ -451,6 +462,7 @@ class ActorCore:
         if compare_rollout:
             start["rollout/logprob_abs_diff"] = 0.0
         parts = {key: torch.full((), value, dtype=torch.float64, device=self.device) for key, value in start.items()}
+        empty = 0
 
         def scalar(value: torch.Tensor | float) -> torch.Tensor:
             return torch.as_tensor(value, device=self.device).detach().to(torch.float64)
@@ -461,8 +473,10 @@ class ActorCore:
             host_mask = batch.response_mask[rows, :width]
             share = float(host_mask.sum() / num_tokens)  # this micro-batch's weight in the mini-batch token mean
             mask = host_mask.to(self.device)
-            if share == 0 and not keep_empty_micro_batches:
-                continue
+            if share == 0:  # no policy token: padding rows only, or every token masked
+                empty += 1
+                if not keep_empty_micro_batches:
+                    continue
             with self.autocast():
                 logprobs, entropy = forward_response(self.model, mb, self.temperature, True, bool(cfg.entropy_coeff),
                                                      chunk=cfg.logprob_chunk_size)
@@ -474,8 +488,8 @@ class ActorCore:
                 loss_mat = loss_mat * loss_weights[rows, :width].to(device=self.device, dtype=loss_mat.dtype)
             pg_loss = agg_loss(loss_mat, mask, mode, normaliser)
             loss = pg_loss
-            # summed in the weights' precision (at least float32; entropy comes in float32): a float64 model then
-            # splits exactly over micro-batches, a float32 one is unchanged
+            # summed in the weights' precision (at least float32; a 16-bit autocast's entropy comes in float32): a
+            # float64 model then splits exactly over micro-batches, a float32 one is unchanged
             entropy_term = agg_loss(entropy.to(precision), mask, mode, normaliser)
             parts["actor/entropy"] += scalar(entropy_term)
             if cfg.entropy_coeff:
@@ -501,4 +515,5 @@ class ActorCore:
             if compare_rollout:  # engine vs trainer: how off-policy the samples really are
                 gap = (old - batch.rollout_logprobs[rows, :width].to(self.device)).abs()
                 parts["rollout/logprob_abs_diff"] += scalar(token_mean(gap, mask, num_tokens))
-        return dict(zip(parts, torch.stack(list(parts.values())).tolist()))  # the one host sync
+        return {**dict(zip(parts, torch.stack(list(parts.values())).tolist())),  # the one host sync
+                "actor/empty_micro_batches": float(empty)}

@@ -36,7 +36,7 @@ class Actor(ActorCore):
         """
         super().__init__(config, build_policy(config, total_steps, init_path), temperature)
         self.mini_batch_samples = mini_batch_samples
-        self.lora_sync = LoraSync(config.lora, self.peft_config) if self.peft_config is not None else None
+        self.lora_sync = LoraSync(config.lora, self.model) if self.peft_config is not None else None
         self.last_sync_bytes = 0
         """What the last sync_weights sent: merged tensors or the adapter file (LoRA), else the full weights."""
 
@@ -66,7 +66,10 @@ class Actor(ActorCore):
             metrics averaged over optimizer steps: actor/pg_loss, actor/pg_clipfrac (= _low + _high: tokens clipped
             at the lower / upper bound), actor/dual_clip_fraction, actor/ratio_mean, actor/ratio_min / _max (the
             extremes), actor/ppo_kl, actor/entropy, actor/kl_loss, actor/entropy_loss, actor/grad_norm, actor/lr,
-            actor/skipped_steps, and rollout/logprob_abs_diff (|old - backend| logprobs, at temperature 1 only).
+            actor/skipped_steps (optimizer steps not taken: empty or non-finite gradient), actor/empty_steps (of
+            those, mini-batches without a policy token: padding rows only, or every token masked),
+            actor/empty_micro_batches (micro-batches without a policy token, skipped), and
+            rollout/logprob_abs_diff (|old - backend| logprobs, at temperature 1 only).
         """
         if len(batch) % self.mini_batch_samples:
             raise ValueError(f"batch of {len(batch)} rows is not a multiple of the mini-batch "

@@ -59,22 +59,48 @@ def vision_patterns(model: torch.nn.Module, vision: str) -> list[str]:
 
 
 def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
-    """Full names of the Linear layers that get adapters: those whose name ends with one of lora.target_modules
-    (PEFT's suffix rule) and is not matched whole by lora.exclude_modules, plus the vision tower's and/or the
-    merger's linear layers when lora.vision asks for them (`vision_patterns`)."""
+    """Full names of the Linear layers that get adapters. On the language side: those whose name ends with one of
+    lora.target_modules (PEFT's suffix rule) and is not matched whole by lora.exclude_modules. On the vision side
+    (the family's vision tower): exactly the tower's and/or the merger's linear layers lora.vision asks for
+    (`vision_patterns`), whatever target_modules and exclude_modules say.
+
+    lora.vision alone decides the vision side because it alone decides what the engine serves (vLLM is started with
+    tower/connector LoRA only when it is not `off`): Qwen2.5-VL's vision MLP is named gate_proj/up_proj/down_proj
+    like the language model's, so the suffix rule with a narrower exclude_modules would otherwise train vision
+    adapters that a LoRA-serving engine silently ignores."""
+    from vlmrl.models.families import family_of
+
+    vision_side = family_of(model.config).vision_tower + "."
     vision = vision_patterns(model, lora.vision)
     exclude = re.compile(lora.exclude_modules) if lora.exclude_modules else None
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        suffix = any(name == t or name.endswith("." + t) for t in lora.target_modules)
-        if (suffix and not (exclude and exclude.fullmatch(name))) or any(re.fullmatch(v, name) for v in vision):
+        if name.startswith(vision_side):
+            adapted = any(re.fullmatch(v, name) for v in vision)
+        else:
+            adapted = (any(name == t or name.endswith("." + t) for t in lora.target_modules)
+                       and not (exclude and exclude.fullmatch(name)))
+        if adapted:
             names.append(name)
     if not names:
         raise ValueError(f"actor.lora selects no Linear layer of {type(model).__name__} (target_modules="
                          f"{lora.target_modules}, exclude_modules={lora.exclude_modules!r}, vision={lora.vision})")
     return names
+
+
+def adapted_modules(model: torch.nn.Module) -> list[str]:
+    """HF names of the layers that carry an adapter in `model` (a PeftModel, itself or wrapped). Not the PEFT
+    config's target_modules: PEFT rewrites a long list into the shortest suffixes that select the same layers
+    (26 layers of the tiny model become 11 names such as `gate_proj`)."""
+    from peft.tuners.lora import LoraLayer
+
+    peft_model = peft_model_of(model)
+    if peft_model is None:
+        return []
+    return [name.removeprefix(PEFT_PREFIX) for name, module in peft_model.named_modules()
+            if isinstance(module, LoraLayer)]
 
 
 def peft_config(model: torch.nn.Module, lora: LoraConfig):
@@ -95,14 +121,19 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     initialised from `LORA_INIT_SEED`. Every base weight is frozen; only the adapters require grad."""
     from peft import get_peft_model
 
+    from vlmrl.models.families import family_of
+
     config = peft_config(model, lora)
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(LORA_INIT_SEED)
         wrapped = get_peft_model(model, config)
     adapters = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
-    logger.info("LoRA rank %d alpha %g on %d layers (vision: %s): %.3fM adapter parameters, base frozen",
-                lora.rank, lora.alpha, len(config.target_modules), lora.vision, adapters / 1e6)
+    layers = adapted_modules(wrapped)
+    vision_side = family_of(model.config).vision_tower + "."
+    logger.info("LoRA rank %d alpha %g on %d layers (%d of the vision side; vision: %s): %.3fM adapter parameters, "
+                "base frozen", lora.rank, lora.alpha, len(layers), sum(n.startswith(vision_side) for n in layers),
+                lora.vision, adapters / 1e6)
     return wrapped
 
 
@@ -267,35 +298,51 @@ class LoraSync:
       started with enable_lora). `auto` takes it where the backend serves adapters, else merged (logged once).
     """
 
-    def __init__(self, lora: LoraConfig, config):
-        """lora: the actor's settings; config: the PEFT LoraConfig of the model (what an adapter folder records)."""
+    def __init__(self, lora: LoraConfig, model: torch.nn.Module):
+        """lora: the actor's settings; model: the policy (its PeftModel, itself or wrapped by FSDP2), whose PEFT
+        LoraConfig an adapter folder records and whose adapted layers decide what an engine can serve."""
         import tempfile
 
-        self.lora, self.config = lora, config
+        from vlmrl.models.families import family_of
+
+        peft_model = peft_model_of(model)
+        self.lora, self.config = lora, peft_model.peft_config["default"]
+        self.adapted = adapted_modules(peft_model)
+        self.vision_side = family_of(base_model_of(peft_model).config).vision_tower + "."
         self.scaling = lora_scaling(lora)
         self.folder = Path(tempfile.mkdtemp(prefix="vlmrl-lora-sync-"))
         self.version = 0
         self._logged: set[str] = set()
 
-    def unservable(self) -> list[str]:
-        """Adapted layers no engine's LoRA serving takes: the output head (`lm_head`; vLLM 0.32 refuses an adapter
-        on it at load: "expected target modules in {...}")."""
-        return sorted(m for m in self.config.target_modules if m == "lm_head" or m.endswith(".lm_head"))
+    def unservable(self) -> str:
+        """Why the engine's LoRA serving would ignore or refuse some of the adapters ("" when it takes them all):
+        an adapter on the output head (vLLM 0.32 refuses it at load: "expected target modules in {...}"), or on the
+        vision side while lora.vision=off, which starts vLLM without tower/connector LoRA (`lora_engine_options`):
+        vLLM then loads the adapter and drops its vision layers without a word, and serves a policy the trainer is
+        not training."""
+        head = [m for m in self.adapted if m == "lm_head" or m.endswith(".lm_head")]
+        vision = [m for m in self.adapted if m.startswith(self.vision_side)] if self.lora.vision == "off" else []
+        why = []
+        if head:
+            why.append(f"an adapter on {head} cannot be served as a LoRA")
+        if vision:
+            why.append(f"{len(vision)} vision-side adapters (e.g. {vision[0]}) would be ignored by an engine started "
+                       "for actor.lora.vision=off (no tower/connector LoRA)")
+        return "; ".join(why)
 
     def path(self, backend) -> str:
         """`adapter` or `merged` for this backend (see the class docstring)."""
         serves = backend.serves_adapters()
-        head = self.unservable()
-        if self.lora.sync == "adapter" and (not serves or head):
-            why = f"an adapter on {head} cannot be served as a LoRA" if head else \
-                f"the {backend.name} backend does not serve LoRA adapters here"
+        unservable = self.unservable()
+        if self.lora.sync == "adapter" and (not serves or unservable):
+            why = unservable or f"the {backend.name} backend does not serve LoRA adapters here"
             raise ValueError(f"actor.lora.sync=adapter but {why}: set actor.lora.sync=auto or merged")
-        serves = serves and not head
+        serves = serves and not unservable
         if self.lora.sync == "auto" and not serves and backend.name not in self._logged:
             self._logged.add(backend.name)
             logger.warning("%s: LoRA adapters cannot be served by this backend here%s; syncing merged weights "
                            "(base + scaled adapter deltas) instead", backend.name,
-                           f" (adapters on {head})" if head else "")
+                           f" ({unservable})" if unservable else "")
         return "adapter" if serves and self.lora.sync != "merged" else "merged"
 
     def push(self, backend, named: Iterable[tuple[str, torch.Tensor]], names: list[str] | None = None) -> int:

@@ -116,12 +116,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     >>> round(entropy_from_logits(torch.zeros(4)).item(), 6) == round(float(torch.log(torch.tensor(4.0))), 6)
     True
     """
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least float32, never cast down
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Logprob of each label under softmax(logits): (..., V), (...) long -> (...). Raw distribution (no temperature)."""
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least float32, never cast down
     return torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)

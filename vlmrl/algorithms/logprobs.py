@@ -1,10 +1,11 @@
 """Logprobs and entropy of the response tokens from the model's last hidden states, in chunks of tokens.
 
-The full-vocabulary logits of a response, (b, r, V) float32 with V = 151,936 for Qwen2.5-VL, are the largest tensors
-of a training step (b = 4, r = 2048: 5 GB per copy, and log_softmax, softmax and their gradients make several
-copies). Projecting `chunk` tokens at a time and keeping only each token's logprob and entropy makes the peak grow
-with the chunk instead. Under autograd each chunk runs inside `torch.utils.checkpoint`, so its logits are recomputed
-in the backward instead of being kept from the forward; the gradient is the same.
+The full-vocabulary logits of a response, (b, r, V) float32 (or the head's own precision, if higher) with V =
+151,936 for Qwen2.5-VL, are the largest tensors of a training step (b = 4, r = 2048: 5 GB per copy, and log_softmax,
+softmax and their gradients make several copies). Projecting `chunk` tokens at a time and keeping only each token's
+logprob and entropy makes the peak grow with the chunk instead. Under autograd each chunk runs inside
+`torch.utils.checkpoint`, so its logits are recomputed in the backward instead of being kept from the forward; the
+gradient is the same.
 
 Pure functions over tensors: no config objects, no process groups, no device assumptions.
 """
@@ -18,8 +19,12 @@ from torch.utils.checkpoint import checkpoint
 def _chunk_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor,
                                 labels: torch.Tensor, temperature: float, with_entropy: bool,
                                 entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(n, H) hidden, (n,) labels -> (n,) logprobs and (n,) entropy (or None): one chunk, float32 math."""
-    logits = head(hidden).float() / temperature  # (n, V)
+    """(n, H) hidden, (n,) labels -> (n,) logprobs and (n,) entropy (or None): one chunk, in float32 or the head's
+    precision if higher."""
+    logits = head(hidden)  # (n, V)
+    # promoted, never cast down: a 16-bit head's logits go up to float32, a float64 head's stay float64 (a cast to
+    # float32 here made a float64 model's loss and gradients float32-exact only)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     lse = torch.logsumexp(logits, dim=-1)  # (n,): once for both, the vocabulary-wide pass that dominates
     logprobs = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - lse  # as logprobs_from_logits
     entropy = None
@@ -46,7 +51,7 @@ def logprobs_and_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: to
         entropy_grad: give the entropy a graph (for an entropy bonus); otherwise it is a detached metric.
 
     Returns:
-        (b, r) float32 logprobs, and (b, r) float32 entropy or None.
+        (b, r) logprobs, and (b, r) entropy or None: float32, or the head's output dtype where that is wider.
 
     >>> head = torch.nn.Linear(4, 10, bias=False)
     >>> hidden, labels = torch.randn(2, 3, 4), torch.randint(10, (2, 3))

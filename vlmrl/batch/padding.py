@@ -248,14 +248,15 @@ def scored_batch(samples: Sequence[Sample], rewards: Sequence[float], reward_par
 
 
 def batch_metrics(batch: TrainBatch) -> dict[str, float]:
-    """Reward and length metrics over the REAL rows of a batch: {} for a batch of only padding rows (logged).
-    Keys: reward/{mean,std,max,min}, reward/<data_source>/mean, reward_extra/<name>/mean,
-    response_length/{mean,max,min,clip_ratio}, prompt_length/mean, batch/{real_rows,padding_rows}."""
+    """Reward and length metrics over the REAL rows of a batch. Keys: reward/{mean,std,max,min},
+    reward/<data_source>/mean, reward_extra/<name>/mean, response_length/{mean,max,min,clip_ratio},
+    prompt_length/mean, batch/{real_rows,padding_rows}. A batch of only padding rows has no reward or length to
+    report (logged): only batch/real_rows = 0 and batch/padding_rows, so that it shows on the dashboard too."""
     real = ~batch.is_padding.to(torch.bool)
     num_real = int(real.sum())
     if num_real == 0:
         logger.warning("metrics skipped: the batch holds only padding rows (%d)", len(batch))
-        return {}
+        return {"batch/real_rows": 0.0, "batch/padding_rows": float(len(batch))}
     rewards = batch.rewards[real].float()
     p_len = batch.prompt_length
     response_len = batch.attention_mask[real, p_len:].sum(-1).float()

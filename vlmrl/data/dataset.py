@@ -12,6 +12,7 @@ asked for), generated deterministically into a cache folder the first time.
 
 from __future__ import annotations
 
+import copy
 import glob
 import logging
 import os
@@ -275,6 +276,15 @@ class BatchSampler:
         self.offset += len(batch)
         return [int(i) for i in batch]
 
+    def peek(self) -> list[int]:
+        """The batch `next` gives, without moving: the first batch's rows can be checked before anything starts.
+
+        >>> sampler = BatchSampler(5, 2, shuffle=False)
+        >>> sampler.peek(), next(sampler), sampler.peek()
+        ([0, 1], [0, 1], [2, 3])
+        """
+        return next(copy.copy(self))  # __next__ replaces the epoch order, never changes it in place
+
     def state_dict(self) -> dict[str, int | bool]:
         return {"epoch": self.epoch, "offset": self.offset, "num_rows": self.num_rows,
                 "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle,
@@ -346,7 +356,9 @@ class RequestBatch:
 
 def build_requests(processor: RequestBuilder, dataset: RLDataset, indices: Sequence[int]) -> RequestBatch:
     """Rows -> RolloutRequests. A row the processor filters (`FilteredRow`) is skipped and counted; a bad row
-    (`BadRowError`, or any other error) is raised as a BadRowError naming the row, its file and its row in the file."""
+    (`BadRowError`, or any other error) is raised as a BadRowError naming the row, its file and its row in the file.
+    A bad row's error is one message (its cause, in words, is in it) without a chain; any other error keeps its
+    cause (`__cause__`): it is a bug in the processing rather than in the data, and its traceback is what matters."""
     requests, skipped = [], []
     for index in indices:
         row = dataset[index]
@@ -356,7 +368,7 @@ def build_requests(processor: RequestBuilder, dataset: RLDataset, indices: Seque
             skipped.append(skip)
         except BadRowError as err:  # the processor knows the dataset index; the file and its row are named here
             path, local = dataset.locate(index)
-            raise BadRowError(err.row_index, f"{err.reason} (row {local} of {path})") from err
+            raise BadRowError(err.row_index, f"{err.reason} (row {local} of {path})") from None
         except Exception as err:
             path, local = dataset.locate(index)
             raise BadRowError(index, f"{type(err).__name__}: {err} (row {local} of {path})") from err

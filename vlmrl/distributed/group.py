@@ -170,8 +170,9 @@ class DistributedActor:
                            [(select_rows(batch, rows), reference, with_entropy) for rows in blocks],
                            "reference logprobs" if reference else "logprobs")
         order = torch.as_tensor([row for rows in blocks for row in rows], dtype=torch.long)
-        logprobs = torch.empty_like(batch.response_mask, dtype=torch.float32)
-        logprobs[order] = torch.cat([lp for lp, _ in parts])
+        gathered = torch.cat([lp for lp, _ in parts])  # the ranks' precision: float32, or float64 for a float64 model
+        logprobs = torch.empty_like(batch.response_mask, dtype=gathered.dtype)
+        logprobs[order] = gathered
         entropy = None
         if with_entropy:
             entropy = torch.empty_like(logprobs)

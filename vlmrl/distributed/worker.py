@@ -104,7 +104,7 @@ class TrainWorker:
         if self.actor.peft_config is not None:
             from vlmrl.actor.lora import LoraSync
 
-            self.lora_sync = LoraSync(self.spec.actor.lora, self.actor.peft_config)
+            self.lora_sync = LoraSync(self.spec.actor.lora, self.actor.model)
         if host_engine and self.spec.engine is not None:
             from vlmrl.rollout import get_backend
 

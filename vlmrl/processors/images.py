@@ -35,7 +35,7 @@ def load_image(source: Any, limits: DataConfig) -> Image.Image:
         return _checked(source, limits, "PIL image")
     if isinstance(source, dict):
         if source.get("bytes") is not None:
-            return _decode(bytes(source["bytes"]), limits, "image bytes")
+            return _decode(bytes(source["bytes"]), limits, source_name(source))
         if source.get("path"):
             return _load_str(str(source["path"]), limits)
         if source.get("image") is not None:  # a content part carrying its image inline
@@ -48,8 +48,40 @@ def load_image(source: Any, limits: DataConfig) -> Image.Image:
     raise ImageInputError(f"unsupported image value of type {type(source).__name__}")
 
 
-def resize_image(image: Image.Image, min_pixels: int, max_pixels: int, factor: int) -> Image.Image:
-    """Resize with qwen-vl-utils (sides multiples of `factor`, pixel count within [min_pixels, max_pixels]).
+def source_name(source: Any, kind: str = "image") -> str:
+    """How an error names a dataset image or video (`kind`): by its file, URL or form, so that a user can tell which
+    of a row's images or videos it is about.
+
+    >>> source_name({"bytes": b"...", "path": "cat.png"})
+    'image bytes (cat.png)'
+    >>> source_name("file://clips/a.mp4", "video")
+    'video file clips/a.mp4'
+    """
+    if isinstance(source, dict):
+        if source.get("bytes") is not None:
+            return f"{kind} bytes ({source['path']})" if source.get("path") else f"{kind} bytes"
+        if source.get("path"):
+            return source_name(str(source["path"]), kind)
+        return source_name(source[kind], kind) if source.get(kind) is not None else f"{kind} entry"
+    if isinstance(source, Image.Image):
+        return f"PIL image {source.filename}" if getattr(source, "filename", "") else "PIL image"
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return f"{kind} bytes"
+    if isinstance(source, (list, tuple)):
+        first = f" ({source_name(source[0])}, ...)" if source else ""
+        return f"{kind} of {len(source)} frame images{first}"
+    value = str(source)
+    if value.startswith(("http://", "https://")):
+        return f"{kind} from {value[:200]}"
+    if value.startswith("data:"):
+        return f"data URI {kind}"
+    return f"{kind} file {value.removeprefix('file://')}"
+
+
+def resize_image(image: Image.Image, min_pixels: int, max_pixels: int, factor: int, what: str = "an image"
+                 ) -> Image.Image:
+    """Resize with qwen-vl-utils (sides multiples of `factor`, pixel count within [min_pixels, max_pixels]). `what`
+    names the image in errors (`source_name`).
 
     Only a PIL image is handed to qwen-vl-utils: it would fetch a URL itself with no timeout.
     """
@@ -61,8 +93,8 @@ def resize_image(image: Image.Image, min_pixels: int, max_pixels: int, factor: i
         resized = fetch_image({"image": to_8bit(image), "min_pixels": min_pixels, "max_pixels": max_pixels},
                               image_patch_size=factor // SPATIAL_MERGE_SIZE)
     except (ValueError, OSError) as err:  # an aspect ratio over 200:1; a lazily opened PIL image that is truncated
-        raise ImageInputError(f"cannot resize a {image.width}x{image.height} image: {err}") from err
-    _check_engines_keep(resized, image, min_pixels, max_pixels, factor)
+        raise ImageInputError(f"cannot resize {what} ({image.width}x{image.height}): {err}") from err
+    _check_engines_keep(resized, image, min_pixels, max_pixels, factor, what)
     return resized
 
 
@@ -97,7 +129,7 @@ def to_8bit(image: Image.Image) -> Image.Image:
 
 
 def _check_engines_keep(resized: Image.Image, original: Image.Image, min_pixels: int, max_pixels: int,
-                        factor: int) -> None:
+                        factor: int, what: str) -> None:
     """The engines (and the trainer's pixel values) run transformers' image processor, which resizes again by its own
     smart_resize. For a few extreme shapes qwen-vl-utils' rounding lands on a size that one changes (over max_pixels
     when scaling a sliver up, or an aspect ratio just over 200:1), so the token count would differ between the
@@ -111,7 +143,7 @@ def _check_engines_keep(resized: Image.Image, original: Image.Image, min_pixels:
     else:
         reason = f"resizes it again to {again[1]}x{again[0]}"
     if again != (resized.height, resized.width):
-        raise ImageInputError(f"a {original.width}x{original.height} image resizes to {resized.width}x"
+        raise ImageInputError(f"{what} ({original.width}x{original.height}) resizes to {resized.width}x"
                               f"{resized.height} (qwen-vl-utils), but the engines' image processor {reason}: "
                               "its token count would differ between the trainer and the engines (crop or pad it)")
 

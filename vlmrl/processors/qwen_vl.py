@@ -21,7 +21,7 @@ import torch
 from vlmrl.data.config import DataConfig, max_image_pixels_problem
 from vlmrl.models.families import ModelFamily, family_for_path, read_model_config
 from vlmrl.processors.errors import BadRowError, FilteredRow
-from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
+from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image, source_name
 from vlmrl.processors.rope import mrope_position_ids
 from vlmrl.processors.video import VideoInputError, VideoSupport
 from vlmrl.types import PromptInputs, RolloutRequest, Video
@@ -129,7 +129,8 @@ class Processor:
         for i, source in enumerate(sources):
             try:
                 loaded = load_image(source, self.config)
-                images.append(resize_image(loaded, self.min_pixels, self.max_pixels, self.image_factor))
+                images.append(resize_image(loaded, self.min_pixels, self.max_pixels, self.image_factor,
+                                           source_name(source)))
             except ImageInputError as err:
                 self._bad_image(index, f"image {i}: {err}")
         text = self.hf_processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

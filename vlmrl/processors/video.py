@@ -1,13 +1,20 @@
 """Videos: load (a file or bytes decoded with PyAV, or a list of frame images), sample frames by qwen-vl-utils' rules,
 resize them once, hash them.
 
-Every video reaches the engines and the trainer through here, once: frames sampled ONCE (fps or nframes, within
-[min_frames, max_frames], a multiple of the temporal patch size) and resized ONCE (the model's factor, the per-frame
-and total pixel bounds, Qwen3-VL's per-video bounds), so every backend gets the same uint8 frames and timing
-(`vlmrl.types.Video`) and no engine samples or resizes again. The timing reaches the model as its family carries it
-(`ModelFamily.video_timing`): second_per_grid_ts for Qwen2/2.5-VL, `<x.x seconds>` text for Qwen3-VL. The hash covers
-frames and timing because SGLang's prefix cache keys on pixels alone. PyAV, because torchvision's video reader is not
-in the CPU stack and decord is not installed. Paths follow the image rules. See docs/video.md and docs/engines.md."""
+Every video reaches the engines and the trainer through here, once: the frames are sampled ONCE (fps or nframes,
+within [min_frames, max_frames], a multiple of the temporal patch size) and resized ONCE (sides multiples of the
+model's factor, 28 or 32, each frame within [video_min_pixels, video_max_pixels] and all frames together within
+video_total_pixels and, for Qwen3-VL, within its video processor's per-video bounds), so every backend gets the same
+uint8 frames and the same timing (`vlmrl.types.Video`), and no engine samples or resizes again.
+
+The timing reaches the model as its family carries it (`ModelFamily.video_timing`): Qwen2/2.5-VL through
+second_per_grid_ts in the position ids; Qwen3-VL as `<x.x seconds>` text before each temporal patch
+(`VideoSupport.expansion`), its grid split per temporal patch for the position ids.
+
+Decoding uses PyAV (`av`, already brought by qwen-vl-utils): torchvision's video reader is not in the CPU stack and
+decord is not installed. Paths follow the image rules: under data.data_root, remote URLs only with
+allow_remote_images.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import numpy as np
 from PIL import Image
 
 from vlmrl.data.config import DataConfig
-from vlmrl.processors.images import ImageInputError, _fetch, _resolve_path, load_image, to_8bit
+from vlmrl.processors.images import ImageInputError, _fetch, _resolve_path, load_image, source_name, to_8bit
 from vlmrl.types import Video
 
 FRAME_FACTOR = 2
@@ -36,11 +43,11 @@ class VideoInputError(ImageInputError):
 # ---------------------------------------------------------------------------------------------------- sampling
 
 
-def sample_count(total_frames: int, video_fps: float, config: DataConfig) -> int:
+def sample_count(total_frames: int, video_fps: float, config: DataConfig, what: str = "the video") -> int:
     """How many frames to sample from a video of `total_frames` at `video_fps` (qwen-vl-utils' `smart_nframes`):
     `video_nframes` when set, else duration x `video_fps` clamped to [video_min_frames, video_max_frames], rounded
-    down to a multiple of 2. Raises VideoInputError when the video holds fewer frames than that minimum, or when
-    `video_nframes` asks for more than video_max_frames.
+    down to a multiple of 2. Raises VideoInputError (naming the video by `what`) when the video holds fewer frames
+    than that minimum, or when `video_nframes` asks for more than video_max_frames.
 
     >>> cfg = DataConfig()
     >>> sample_count(300, 30.0, cfg)  # 10 s at 2 fps
@@ -51,7 +58,7 @@ def sample_count(total_frames: int, video_fps: float, config: DataConfig) -> int
     if config.video_nframes is not None:
         wanted = _round_to(config.video_nframes, FRAME_FACTOR)
         if wanted > config.video_max_frames:
-            raise VideoInputError(f"data.video_nframes={config.video_nframes} asks for more frames than "
+            raise VideoInputError(f"{what}: data.video_nframes={config.video_nframes} asks for more frames than "
                                   f"data.video_max_frames={config.video_max_frames} (the frame budget)")
     else:
         low = _ceil_to(config.video_min_frames, FRAME_FACTOR)
@@ -59,9 +66,9 @@ def sample_count(total_frames: int, video_fps: float, config: DataConfig) -> int
         wanted = _floor_to(min(max(total_frames / video_fps * config.video_fps, low), high, total_frames),
                            FRAME_FACTOR)
         if total_frames < low:
-            raise VideoInputError(f"the video has {total_frames} frames, fewer than data.video_min_frames={low}")
+            raise VideoInputError(f"{what} has {total_frames} frames, fewer than data.video_min_frames={low}")
     if not FRAME_FACTOR <= wanted <= total_frames:
-        raise VideoInputError(f"cannot sample {wanted} frames from a video of {total_frames} frames "
+        raise VideoInputError(f"cannot sample {wanted} frames from {what} of {total_frames} frames "
                               f"(need {FRAME_FACTOR}..{total_frames})")
     return wanted
 
@@ -76,7 +83,7 @@ def sample_indices(total_frames: int, count: int) -> list[int]:
 
 
 def frame_size(height: int, width: int, num_frames: int, config: DataConfig, bounds: tuple[int, int],
-               factor: int) -> tuple[int, int]:
+               factor: int, what: str = "the video") -> tuple[int, int]:
     """(height, width) every frame is resized to (qwen-vl-utils' rule): each frame within [min, max] pixels, where max
     shrinks so that all frames together stay within video_total_pixels (counted per temporal patch of 2 frames).
     `bounds` are the per-frame (min, max) pixels, already checked against the model's video processor."""
@@ -84,14 +91,15 @@ def frame_size(height: int, width: int, num_frames: int, config: DataConfig, bou
 
     low, high = bounds
     if low * num_frames / FRAME_FACTOR > config.video_total_pixels:  # even the smallest frames do not fit
-        raise VideoInputError(f"{num_frames} frames cannot fit data.video_total_pixels={config.video_total_pixels} "
+        raise VideoInputError(f"{what}: {num_frames} frames cannot fit data.video_total_pixels="
+                              f"{config.video_total_pixels} "
                               f"at data.video_min_pixels={low} per frame (over the pixel budget): sample fewer "
                               "frames (data.video_fps / video_max_frames) or raise video_total_pixels")
     try:
         budget = min(max(min(high, config.video_total_pixels / num_frames * FRAME_FACTOR), int(low * 1.05)), high)
         return smart_resize(height, width, factor=factor, min_pixels=low, max_pixels=int(budget))
     except ValueError as err:  # aspect ratio over 200:1
-        raise VideoInputError(f"cannot resize {width}x{height} frames: {err}") from err
+        raise VideoInputError(f"cannot resize the {width}x{height} frames of {what}: {err}") from err
 
 
 def _round_to(n: float, f: int) -> int:
@@ -109,9 +117,9 @@ def _floor_to(n: float, f: int) -> int:
 # ---------------------------------------------------------------------------------------------------- loading
 
 
-Bounds = tuple[int, int] | Callable[[int], tuple[int, int]]
-"""Per-frame (min, max) pixels, or a function of the sampled frame count giving them (a model whose video processor
-bounds the pixels of all frames together)."""
+Bounds = tuple[int, int] | Callable[[int, str], tuple[int, int]]
+"""Per-frame (min, max) pixels, or a function of the sampled frame count (and the video's name, for its errors)
+giving them (a model whose video processor bounds the pixels of all frames together)."""
 
 
 def load_video(source: Any, config: DataConfig, bounds: Bounds, factor: int) -> Video:
@@ -128,14 +136,15 @@ def load_video(source: Any, config: DataConfig, bounds: Bounds, factor: int) -> 
     data, what = _read_bytes(source, config)
     frames, fps = decode(data, what, config)
     total = len(frames)
-    indices = sample_indices(total, sample_count(total, fps, config))
+    indices = sample_indices(total, sample_count(total, fps, config, what))
     picked = [frames[i] for i in indices]
-    return _finish(picked, fps, indices, total, config, bounds, factor)
+    return _finish(picked, fps, indices, total, config, bounds, factor, what)
 
 
 def _from_frames(sources: list[Any], config: DataConfig, bounds: Bounds, factor: int) -> Video:
     if not sources:
         raise VideoInputError("the video is an empty list of frames")
+    what = source_name(sources, "video")
     frames = []
     for i, src in enumerate(sources):
         try:
@@ -143,24 +152,25 @@ def _from_frames(sources: list[Any], config: DataConfig, bounds: Bounds, factor:
         except ImageInputError as err:
             raise VideoInputError(f"frame {i}: {err}") from err
     if len(frames) < config.video_min_frames:
-        raise VideoInputError(f"the video has {len(frames)} frames, fewer than data.video_min_frames="
+        raise VideoInputError(f"{what} has {len(frames)} frames, fewer than data.video_min_frames="
                               f"{config.video_min_frames}")
     if len(frames) > config.video_max_frames:
-        raise VideoInputError(f"the video has {len(frames)} frames, more than data.video_max_frames="
+        raise VideoInputError(f"{what} has {len(frames)} frames, more than data.video_max_frames="
                               f"{config.video_max_frames} (the frame budget)")
     sizes = {f.size for f in frames}
     if len(sizes) > 1:
-        raise VideoInputError(f"the frames differ in size ({sorted(sizes)[:3]}): a video's frames share one size")
+        raise VideoInputError(f"the frames of {what} differ in size ({sorted(sizes)[:3]}): a video's frames share one "
+                              "size")
     count = _ceil_to(len(frames), FRAME_FACTOR)
     frames += [frames[-1]] * (count - len(frames))
-    return _finish(frames, config.video_fps, list(range(count)), count, config, bounds, factor)
+    return _finish(frames, config.video_fps, list(range(count)), count, config, bounds, factor, what)
 
 
 def _finish(frames: Sequence[Image.Image], fps: float, indices: list[int], total: int, config: DataConfig,
-            bounds: Bounds, factor: int) -> Video:
+            bounds: Bounds, factor: int, what: str) -> Video:
     width, height = frames[0].size
-    per_frame = bounds(len(frames)) if callable(bounds) else bounds
-    new_h, new_w = frame_size(height, width, len(frames), config, per_frame, factor)
+    per_frame = bounds(len(frames), what) if callable(bounds) else bounds
+    new_h, new_w = frame_size(height, width, len(frames), config, per_frame, factor, what)
     resized = np.stack([np.asarray(f.resize((new_w, new_h), Image.Resampling.BICUBIC)
                                    if f.size != (new_w, new_h) else f) for f in frames])
     video = Video(frames=resized, fps=float(fps), frame_indices=indices, total_frames=int(total))
@@ -171,7 +181,7 @@ def _finish(frames: Sequence[Image.Image], fps: float, indices: list[int], total
 def _read_bytes(source: Any, config: DataConfig) -> tuple[bytes, str]:
     if isinstance(source, dict):
         if source.get("bytes") is not None:
-            return bytes(source["bytes"]), "video bytes"
+            return bytes(source["bytes"]), source_name(source, "video")
         if source.get("path"):
             source = source["path"]
         else:
@@ -220,6 +230,8 @@ def decode(data: bytes, what: str, config: DataConfig) -> tuple[list[Image.Image
                 if len(frames) > config.video_max_decoded_frames:
                     raise VideoInputError(f"{what} has over data.video_max_decoded_frames="
                                           f"{config.video_max_decoded_frames} frames (the decode budget)")
+    except VideoInputError:  # ours, from inside the block (a ValueError too): already says what is wrong
+        raise
     except (av.FFmpegError, ValueError, OSError) as err:
         raise VideoInputError(f"{what} is not a readable video: {err}") from err
     if not frames:
@@ -321,7 +333,7 @@ class VideoSupport:
                 "one per temporal patch, which vlmrl does not compute yet")
         return load_video(source, self.config, self.frame_bounds if self.video_bounds else self.bounds, self.factor)
 
-    def frame_bounds(self, num_frames: int) -> tuple[int, int]:
+    def frame_bounds(self, num_frames: int, what: str = "the video") -> tuple[int, int]:
         """Per-frame (min, max) pixels for `num_frames` frames where the model bounds a video's pixels summed over
         its frames (Qwen3-VL): its processor resizes every frame again unless frames x pixels lies within its
         bounds, so each frame gets that share of them, within data.video_min_pixels / video_max_pixels."""
@@ -330,7 +342,7 @@ class VideoSupport:
         low, high = max(self.bounds[0], math.ceil(model_min / frames)), min(self.bounds[1], model_max // frames)
         if low > high:
             raise VideoInputError(
-                f"{num_frames} frames cannot fit the model's video processor bounds [{model_min}, {model_max}] "
+                f"{what}: {num_frames} frames cannot fit the model's video processor bounds [{model_min}, {model_max}] "
                 f"pixels per video with data.video_min_pixels={self.config.video_min_pixels}, "
                 f"video_max_pixels={self.config.video_max_pixels} per frame (over the pixel budget): sample fewer "
                 "frames (data.video_fps / video_nframes / video_max_frames) or change those bounds")

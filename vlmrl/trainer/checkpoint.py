@@ -209,7 +209,26 @@ def tidy_checkpoints(output_dir: str | os.PathLike, keep: int | None) -> None:
             _delete(path)
     _prune(root, keep, complete[-1][1] if complete else root)
     if complete and _pointer(root) != complete[-1][1].name:
+        why = _why_latest_moves(root, complete[-1][1].name)
+        if why:  # a folder in the link's place is reported by _point_latest itself
+            logger.warning("%s named %s; it names %s now, the newest complete checkpoint (%s)", root / LATEST,
+                           _pointer(root) or "nothing", complete[-1][1].name, why)
         _point_latest(root, complete[-1][1].name)
+
+
+def _why_latest_moves(root: Path, newest: str) -> str | None:
+    """Why `latest` does not name `newest`, in a user's words; None when a folder stands in the link's place."""
+    latest = root / LATEST
+    if latest.is_dir() and not latest.is_symlink():
+        return None
+    named = _pointer(root)
+    if named is None:
+        return "there was no link: a run killed before it wrote one"
+    if not (root / named).is_dir():
+        return "the folder it named is gone"
+    if not _is_complete(root / named):
+        return "the folder it named is incomplete"
+    return f"a run killed after saving {newest} and before re-pointing the link"
 
 
 def refuse_earlier_checkpoints(output_dir: str | os.PathLike) -> None:

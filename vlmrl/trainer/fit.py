@@ -31,7 +31,7 @@ from vlmrl.algorithms.dapo import groups_with_signal, mask_truncated, overlong_p
 from vlmrl.atomic import write_text_atomically
 from vlmrl.batch import batch_metrics, pad_results, required_batch_multiple, scored_batch
 from vlmrl.config import Config, to_dict, to_yaml
-from vlmrl.data import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset
+from vlmrl.data import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset, sequential_batches
 from vlmrl.processors import Processor
 from vlmrl.rewards import TIMEOUT_KEY, RewardFn, close_reward_workers, load_reward_fn, response_texts, score_texts
 from vlmrl.rollout import RolloutBackend
@@ -440,12 +440,16 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
                               synthetic_train_size=d.synthetic_train_size, synthetic_val_size=d.synthetic_val_size,
                               synthetic_seed=t.seed)
     val_data = load_val_dataset(config) if d.val_files else None
-    sources = train_data.data_sources() + (val_data.data_sources() if val_data else [])
-    reward_fn = load_reward_fn(config.reward, sources)
     sampler = BatchSampler(len(train_data), d.train_batch_size, shuffle=d.shuffle, seed=t.seed)
     total_steps = t.total_steps or t.total_epochs * sampler.batches_per_epoch
     checkpoint = latest_checkpoint(output_dir) if t.resume else None
     init_path = str(checkpoint) if checkpoint else None
+    if checkpoint is not None:  # the data position first: the batch checked below is the one the run starts with
+        state, info = load_checkpoint_state(checkpoint)
+        sampler.load_state_dict(info["data"])
+    check_requests(config, processor, train_data, sampler.peek(), val_data)  # before any process starts
+    sources = train_data.data_sources() + (val_data.data_sources() if val_data else [])
+    reward_fn = load_reward_fn(config.reward, sources)
     dp_size = config.derived.world_size
     actor: PolicyActor
     if dp_size > 1:  # Ray workers with FSDP2-sharded actors and colocated engines; the loop stays the same
@@ -465,10 +469,8 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         actor.sync_weights(backend)
     step = 0
     if checkpoint is not None:
-        state, info = load_checkpoint_state(checkpoint)
         actor.load_state_dict(state["actor"])
         set_rng_state(state["rng"])
-        sampler.load_state_dict(info["data"])
         step = int(info["step"])
         logger.info("resuming from %s (step %d of %d)", checkpoint, step, total_steps)
         truncate_after(output_dir / METRICS_FILE, step)
@@ -489,6 +491,23 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         if checkpoint is not None:
             resume_agent(run, checkpoint, info)
     return run
+
+
+def check_requests(config: Config, processor: Processor, train_data: RLDataset, first_batch: list[int],
+                   val_data: RLDataset | None) -> None:
+    """Build (and drop) the request of every validation row and of the first training batch's rows before any
+    engine, actor or reward worker starts: a bad row then fails in seconds with one message naming its row, file and
+    cause, instead of after an engine start (25-90 s on 2 CPU cores). Later training batches are built as their step
+    comes."""
+    begin = time.perf_counter()
+    checked = len(first_batch)
+    build_requests(processor, train_data, first_batch)
+    if val_data is not None:
+        for indices in sequential_batches(len(val_data), config.data.val_batch_size):  # a call's worth at a time
+            build_requests(processor, val_data, indices)
+        checked += len(val_data)
+    logger.info("checked %d rows (the first training batch%s) in %.1f s: each builds a request", checked,
+                " and the validation set" if val_data is not None else "", time.perf_counter() - begin)
 
 
 def resume_agent(run: Run, checkpoint: Path, info: dict) -> None:
