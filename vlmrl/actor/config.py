@@ -58,8 +58,8 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input while training (0 keeps the update forward equal to the logprob pass)."""
     target_modules: list[str] = field(default_factory=lambda: list(QWEN_VL_LM_PROJECTIONS))
-    """Linear layers to adapt, by the last part(s) of their name (PEFT's rule); default the language model's
-    attention and MLP projections."""
+    """Language-model linear layers to adapt, by the last part(s) of their name (PEFT's rule); default its attention
+    and MLP projections. The vision side's adapters are lora.vision's alone, whatever this and exclude_modules say."""
     exclude_modules: str = QWEN_VL_VISION
     """Regex of module names target_modules never adapts (full match); default the whole vision side, as verl's
     `.*visual.*`. lora.vision adds vision layers regardless of it."""
