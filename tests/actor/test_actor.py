@@ -4,6 +4,7 @@ positions, micro-batch invariance, KL reference."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -322,3 +323,27 @@ def test_the_modes_weigh_rows_differently(tiny_model_path, batch):
             (("sum", seq_sum), ("norm", seq_norm))}
     scale = float(flat["sum"].norm() / flat["norm"].norm())
     assert float((flat["sum"] - scale * flat["norm"]).norm() / flat["sum"].norm()) < 1e-5
+
+
+def test_the_update_reports_the_engine_mismatch_of_its_own_tokens(tiny_model_path, batch):
+    """mismatch/* come from the update's own pre-update logprobs (no extra forward): an engine whose logprobs are
+    the trainer's shifted by a known gap gives that gap back, per data source and modality."""
+    from dataclasses import replace
+
+    actor = Actor(actor_config(tiny_model_path, ppo_micro_batch_size_per_gpu=3), total_steps=1,
+                  mini_batch_samples=len(batch))
+    trainer, _ = actor.compute_logprobs(batch)
+    gap = 0.05
+    engine = replace(batch, rollout_logprobs=(trainer - gap) * batch.response_mask)
+    adv = group_advantages(batch.rewards, batch.uids, batch.is_padding)
+    metrics = actor.update(engine, None, adv)  # one optimizer step: no old-logprob pass
+    tokens = float(batch.response_mask.sum())
+    assert metrics["mismatch/tokens"] == tokens
+    assert metrics["mismatch/k1"] == pytest.approx(-gap, abs=1e-6)
+    assert metrics["mismatch/k3"] == pytest.approx(math.exp(gap) - 1 - gap, rel=1e-3)
+    assert metrics["mismatch/abs_dlogp_max"] == pytest.approx(gap, abs=1e-6)
+    assert metrics["mismatch/over_threshold"] == 0.0
+    assert metrics["mismatch/modality/text/tokens"] + metrics["mismatch/modality/image/tokens"] == tokens
+    assert metrics["rollout/logprob_abs_diff"] == pytest.approx(gap, abs=1e-6)
+    quiet = Actor(actor_config(tiny_model_path, mismatch_metrics=False), total_steps=1, mini_batch_samples=len(batch))
+    assert not any(k.startswith("mismatch/") for k in quiet.update(engine, None, adv))

@@ -183,6 +183,13 @@ class ActorConfig:
     """Recompute activations in the backward (less memory, ~30% slower)."""
     device: str = "auto"
     """Torch device for the actor: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
+    mismatch_metrics: bool = True
+    """Log the trainer/engine mismatch of the tokens each update uses (mismatch/*: k1 and k3 KL, chi-square, IS
+    effective sample size, perplexity ratio, IS-ratio quantiles, max and p99 |dlogp|, per data source and modality;
+    docs/alignment.md). From the update's own pre-update logprobs: no extra forward. Needs rollout.temperature=1 (the
+    engines return the untempered distribution's logprobs)."""
+    mismatch_threshold: float = 0.1
+    """|trainer - engine| logprob gap above which a token counts in mismatch/over_threshold."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (lora.rank > 0) instead of full fine-tuning."""
 
@@ -209,6 +216,8 @@ class ActorConfig:
         if self.micro_batch_tokens < 0:
             out.append(f"actor.micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0 = fixed rows of "
                        "ppo_micro_batch_size_per_gpu; e.g. 16384 packs micro-batches to 16k tokens)")
+        if not self.mismatch_threshold > 0:
+            out.append(f"actor.mismatch_threshold={self.mismatch_threshold} must be > 0 (0.1 = a 10% probability gap)")
         if self.logprob_chunk_size < 0:
             out.append(f"actor.logprob_chunk_size={self.logprob_chunk_size} must be >= 0 (0 = unchunked; 256 keeps "
                        "the logits of a 152k vocabulary small)")

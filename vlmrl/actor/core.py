@@ -26,6 +26,7 @@ from vlmrl.actor.policy import Policy, move_optimizer_state
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean
 from vlmrl.algorithms.grpo import broadcast_to_tokens, kl_penalty
 from vlmrl.algorithms.logprobs import logprobs_and_entropy
+from vlmrl.algorithms.mismatch import MismatchAccumulator, modality
 from vlmrl.algorithms.policy_loss import POLICY_LOSS_FNS
 from vlmrl.types import TrainBatch
 from vlmrl.utils.sequences import chunks
@@ -410,14 +411,18 @@ class ActorCore:
         self.model.train()
         steps: list[dict[str, float]] = []
         empty_steps = empty_micro_batches = non_finite = 0
-        for _ in range(cfg.ppo_epochs):
+        # the update's first pass over each mini-batch sees the pre-update weights (or old_logprobs holds them)
+        mismatch = (MismatchAccumulator(cfg.mismatch_threshold) if cfg.mismatch_metrics and self.temperature == 1.0
+                    and batch.rollout_logprobs is not None else None)
+        for epoch in range(cfg.ppo_epochs):
             for normaliser, num_tokens, mini_rows in zip(normalisers, token_counts,
                                                          chunks(range(len(batch)), mini_batch_rows), strict=True):
                 if num_tokens == 0:  # only padding rows (or every token masked): nothing to learn, no loss metric
                     empty_steps += 1
                     continue
                 parts = self._accumulate(batch, mini_rows, normaliser, num_tokens, old_logprobs, token_adv,
-                                         ref_logprobs, loss_weights, keep_empty_micro_batches)
+                                         ref_logprobs, loss_weights, keep_empty_micro_batches,
+                                         mismatch if epoch == 0 else None)
                 empty_micro_batches += int(parts.pop("actor/empty_micro_batches"))
                 grad_norm = self.clip_gradients()
                 if math.isfinite(grad_norm):  # sharded: the same global norm on every rank, so all step or none
@@ -433,12 +438,15 @@ class ActorCore:
         metrics["actor/skipped_steps"] = float(empty_steps + non_finite)
         metrics["actor/empty_steps"] = float(empty_steps)
         metrics["actor/empty_micro_batches"] = float(empty_micro_batches)
+        if mismatch is not None:
+            metrics.update(mismatch.metrics())
         self.scheduler.step()
         return metrics
 
     def _accumulate(self, batch: TrainBatch, mini_rows: list[int], normaliser: torch.Tensor, num_tokens: torch.Tensor,
                     old_logprobs: torch.Tensor | None, token_adv: torch.Tensor, ref_logprobs: torch.Tensor | None,
-                    loss_weights: torch.Tensor | None, keep_empty_micro_batches: bool) -> dict[str, float]:
+                    loss_weights: torch.Tensor | None, keep_empty_micro_batches: bool,
+                    mismatch: MismatchAccumulator | None = None) -> dict[str, float]:
         """Forward/backward every micro-batch of one mini-batch; returns the mini-batch's loss parts (losses divided
         by `normaliser`, token-mean metrics weighted by the micro-batch's share of `num_tokens`: on FSDP ranks the
         average over ranks is then the global mini-batch value; ratio_min / _max are extremes; and
@@ -513,7 +521,11 @@ class ActorCore:
                 parts["actor/ratio_min"] = torch.minimum(parts["actor/ratio_min"], scalar(m["ratio_min"]))
                 parts["actor/ratio_max"] = torch.maximum(parts["actor/ratio_max"], scalar(m["ratio_max"]))
             if compare_rollout:  # engine vs trainer: how off-policy the samples really are
-                gap = (old - batch.rollout_logprobs[rows, :width].to(self.device)).abs()
-                parts["rollout/logprob_abs_diff"] += scalar(token_mean(gap, mask, num_tokens))
+                engine = batch.rollout_logprobs[rows, :width].to(self.device)
+                parts["rollout/logprob_abs_diff"] += scalar(token_mean((old - engine).abs(), mask, num_tokens))
+                if mismatch is not None:
+                    mismatch.add(old, engine, mask, [batch.data_sources[i] if batch.data_sources else "unknown"
+                                                     for i in rows],
+                                 [modality(batch.multi_modal_inputs[i]) for i in rows])
         return {**dict(zip(parts, torch.stack(list(parts.values())).tolist())),  # the one host sync
                 "actor/empty_micro_batches": float(empty)}
