@@ -69,10 +69,10 @@ def flagless(setup) -> Path:
 
 def _validate(overrides, backend, path):
     from vlmrl.config import load_config
-    from vlmrl.trainer.validation import run_validation
+    from vlmrl.trainer.validation import validate_with
 
     config = load_config([*overrides, "trainer.val_only=true", f"rollout.name={backend}"])
-    return run_validation(config, backend, artifact_path=path).artifact_path
+    return validate_with(config, backend, artifact_path=path).artifact_path
 
 
 def _report(out: Path) -> dict:

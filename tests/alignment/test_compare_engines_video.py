@@ -78,13 +78,13 @@ def test_a_one_sided_fps_change_is_an_input_mismatch(setup, hf_vs_vllm):
     """The same frames declared at 4 fps on one side: other timing, other temporal position ids, so every row is an
     input mismatch (not a model difference), and the report names the setting and the video's rate."""
     from vlmrl.config import load_config
-    from vlmrl.trainer.validation import run_validation
+    from vlmrl.trainer.validation import validate_with
 
     root, overrides = setup
     _, out, _ = hf_vs_vllm
     config = load_config([*overrides, "data.video_fps=4.0", "trainer.val_only=true", "rollout.name=hf",
                           f"trainer.output_dir={root / 'run_fps4'}"])
-    fast = run_validation(config, "hf", artifact_path=root / "val_hf_fps4.jsonl").artifact_path
+    fast = validate_with(config, "hf", artifact_path=root / "val_hf_fps4.jsonl").artifact_path
     status = main([str(out / "val_a_hf.jsonl"), str(fast), "--out", str(root / "fps"), "--no-html"])
     report = json.loads((root / "fps" / "report.json").read_text())
     assert status == 1 and not report["ok"]

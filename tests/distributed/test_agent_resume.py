@@ -54,7 +54,7 @@ def test_dp2_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run
     try:
         assert run.dp_size == 2
         first = step(run)
-        carried = run.agent.carried
+        carried = run.parts.agent.carried
         assert carried and not any(t.done for g in carried for t in g.trajectories), \
             "step 1 should park the LONG groups unfinished"
         assert any(t.open_turn for g in carried for t in g.trajectories), "no group parked mid-turn"
@@ -68,7 +68,7 @@ def test_dp2_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run
 
         set_rng_state(rng)  # each process would start step 2 from the RNG state it saved
         expected = step(run)
-        expected_shape, expected_pending = shape(run.agent.carried), list(run.prompts.pending)
+        expected_shape, expected_pending = shape(run.parts.agent.carried), list(run.prompts.pending)
         expected_sampler, expected_weights = run.sampler.state_dict(), weights(run)
     finally:
         run.close()  # its workers leave before the resumed run's start
@@ -81,7 +81,7 @@ def test_dp2_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run
     resumed = setup_run(make_config(taught_model, tmp_path, tmp_path / "resumed", *DP2))
     try:
         assert resumed.step == 1 and resumed.dp_size == 2
-        assert_same_groups(resumed.agent.carried, saved)
+        assert_same_groups(resumed.parts.agent.carried, saved)
         assert resumed.prompts.pending == saved_pending
         assert resumed.sampler.state_dict() == saved_sampler
         loaded = weights(resumed)
@@ -90,7 +90,7 @@ def test_dp2_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run
         set_rng_state(rng)
         got = step(resumed)
         assert got == expected
-        assert shape(resumed.agent.carried) == expected_shape
+        assert shape(resumed.parts.agent.carried) == expected_shape
         assert resumed.prompts.pending == expected_pending
         assert resumed.sampler.state_dict() == expected_sampler
         got_weights = weights(resumed)

@@ -206,8 +206,8 @@ def test_with_lora_vision_off_vllm_serves_what_the_trainer_trains(tiny_model_pat
     narrower than the default, the adapter must still reach only layers the engine started for vision=off (no
     tower/connector LoRA) serves, so its greedy output equals HF merged's. A policy that does hold vision adapters
     is refused as an adapter by such an engine and goes to it as merged weights under `auto`."""
-    from vlmrl.rollout import get_backend
-    from vlmrl.rollout.config import lora_engine_options
+    from vlmrl.rollout import backend_options, get_backend
+    from vlmrl.rollout.config import RolloutConfig
 
     lora = LoraConfig(rank=RANK, alpha=16, exclude_modules=r".*language_model\.layers\.0\..*")
     narrow = Actor(ActorConfig(model_path=tiny_model_path, device="cpu", lora=lora), total_steps=1,
@@ -219,8 +219,8 @@ def test_with_lora_vision_off_vllm_serves_what_the_trainer_trains(tiny_model_pat
     tower.lora_sync.lora.vision = "off"  # what the engine below was started for
     # a fresh transformers reference: the module's `merged_hf` holds other policies' adapted layers
     with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as merged_hf, \
-            get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
-                        **lora_engine_options(lora, "vllm")) as engine:
+            get_backend("vllm", tiny_model_path, backend_options(  # started as the run would start it
+                RolloutConfig(dtype="float32", timeout_s=300), "vllm", max_model_len=1024, seed=0, lora=lora)) as engine:
         assert engine.serves_adapters()
         sync_and_check(narrow, engine, merged_hf, requests, sync="auto", path="adapter")
         tower.lora_sync.lora.sync = "adapter"

@@ -33,7 +33,7 @@ def test_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run(tau
     resumed = None
     try:
         assert step(run)["actor/grad_norm"] > 0
-        carried = run.agent.carried
+        carried = run.parts.agent.carried
         assert carried and not any(t.done for g in carried for t in g.trajectories), \
             "step 1 should park the LONG groups unfinished"
         assert any(t.open_turn for g in carried for t in g.trajectories), "no group parked mid-turn"
@@ -45,7 +45,7 @@ def test_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run(tau
         shutil.copytree(checkpoints_root(tmp_path / "run"), checkpoints_root(tmp_path / "resumed"))
         resumed = setup_run(make_config(taught_model, tmp_path, tmp_path / "resumed", *WITH_GRADIENT))
         assert resumed.step == 1
-        assert_same_groups(resumed.agent.carried, carried)
+        assert_same_groups(resumed.parts.agent.carried, carried)
         assert resumed.prompts.pending == run.prompts.pending
         assert resumed.sampler.state_dict() == run.sampler.state_dict()
 
@@ -55,7 +55,7 @@ def test_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run(tau
         got = step(resumed)
         assert expected["partial/resumed_groups"] == len(carried) and expected["partial/stale_tokens"] > 0
         assert got == expected
-        assert shape(resumed.agent.carried) == shape(run.agent.carried)
+        assert shape(resumed.parts.agent.carried) == shape(run.parts.agent.carried)
         assert resumed.prompts.pending == run.prompts.pending
         after = resumed.actor.model.state_dict()
         for name, tensor in run.actor.model.state_dict().items():  # same update: optimizer state came back too
@@ -79,7 +79,7 @@ def test_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run(tau
     try:
         assert "holds no carried partial-rollout groups" in caplog.text
         assert "has no prompt-queue position" in caplog.text
-        assert run.step == 1 and run.agent.carried == [] and run.prompts.pending == []
+        assert run.step == 1 and run.parts.agent.carried == [] and run.prompts.pending == []
         assert step(run)["partial/new_groups"] == 5
     finally:
         run.close()

@@ -1,12 +1,37 @@
-"""A run's components built from its config, shared by the fit loop and validation: the processor, the rollout
-backend, the agent loop."""
+"""A run's components built from its config, shared by the fit loop and validation (`RunComponents`: the
+processor, the reward function, the validation set, the rollout backend, the agent loop), and how each is built."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vlmrl.agent.loop import AgentLoop
 from vlmrl.config import Config
+from vlmrl.data import RLDataset
 from vlmrl.processors import Processor, load_processor
+from vlmrl.rewards import RewardFn
 from vlmrl.rollout import RolloutBackend, start_backend
+
+
+@dataclass
+class RunComponents:
+    """What a run (training, or validate-only) generates and scores with; built once, closed once."""
+
+    config: Config
+    processor: Processor
+    """The run's model's processor with the data section's settings: builds every request."""
+    reward_fn: RewardFn
+    backend: RolloutBackend
+    """The rollout backend (one engine, or the Ray workers' colocated engines)."""
+    val_data: RLDataset | None = None
+    """The validation set (data.val_files); None = no validation."""
+    agent: AgentLoop | None = None
+    """The multi-turn loop over `backend` when agent.enable: training and validation rollouts go through it."""
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()  # releases the tools of carried trajectories before the backend goes
+        self.backend.close()
 
 
 def load_run_processor(config: Config) -> Processor:

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from vlmrl.actor import Actor, PolicyActor
-from vlmrl.agent.loop import AgentLoop
 from vlmrl.algorithms.advantages import compute_advantages
 from vlmrl.algorithms.correction import rollout_correction
 from vlmrl.algorithms.dapo import groups_with_signal, mask_truncated, overlong_penalty, select_groups
@@ -33,8 +32,7 @@ from vlmrl.batch import batch_metrics, pad_results, required_batch_multiple, sco
 from vlmrl.config import Config, to_dict, to_yaml
 from vlmrl.data import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset, sequential_batches
 from vlmrl.processors import Processor
-from vlmrl.rewards import TIMEOUT_KEY, RewardFn, close_reward_workers, load_reward_fn, response_texts, score_texts
-from vlmrl.rollout import RolloutBackend
+from vlmrl.rewards import TIMEOUT_KEY, close_reward_workers, load_reward_fn, response_texts, score_texts
 from vlmrl.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint_state,
@@ -44,10 +42,10 @@ from vlmrl.trainer.checkpoint import (
     set_rng_state,
     tidy_checkpoints,
 )
-from vlmrl.trainer.components import load_run_processor, start_agent, start_run_backend
+from vlmrl.trainer.components import RunComponents, load_run_processor, start_agent, start_run_backend
 from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_curves, truncate_after
 from vlmrl.trainer.throughput import throughput_metrics
-from vlmrl.trainer.validation import load_val_dataset, run_validation
+from vlmrl.trainer.validation import load_val_dataset, run_validation, validate_with
 from vlmrl.trainer.warmup import format_warmup
 from vlmrl.types import RolloutRequest, Sample, SamplingParams, TrainBatch
 
@@ -83,28 +81,22 @@ class Run:
 
     config: Config
     output_dir: Path
-    processor: Processor
+    parts: RunComponents
+    """The processor, reward function, validation set, rollout backend and agent loop, shared with validation."""
     train_data: RLDataset
-    val_data: RLDataset | None
     sampler: BatchSampler
-    reward_fn: RewardFn
     actor: PolicyActor
     """The single-process Actor, or vlmrl.distributed's DistributedActor when dp_size > 1."""
-    backend: RolloutBackend
     sink: MetricsLogger
     total_steps: int
     dp_size: int = 1
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
-    agent: AgentLoop | None = None
-    """The multi-turn loop over `backend` when agent.enable (training and validation rollouts go through it)."""
     prompts: PromptQueue | None = None
     """Prompt indices for the agent loop, which may ask for more or fewer than a batch (partial rollout)."""
 
     def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()  # releases the tools of carried trajectories before the backend goes
-        self.backend.close()
+        self.parts.close()
         self.sink.close()
         close_reward_workers()
 
@@ -144,7 +136,7 @@ def run_step(run: Run) -> dict[str, float]:
     timer = PhaseTimer()
     metrics = train_step(run, timer)
     run.step += 1
-    if _due(t.test_freq, run.step, run.total_steps) and run.val_data is not None:
+    if _due(t.test_freq, run.step, run.total_steps) and run.parts.val_data is not None:
         with timer("validate"):
             metrics.update(validate(run))
     metrics.update(timer.metrics())
@@ -193,9 +185,10 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     cfg, step = run.config, run.step + 1
     collected = collect_step(run, step, timer)
     batch = collected.batch
-    if run.backend.releases_memory():  # the engine frees its memory while the actor trains; the sync takes it back
+    backend = run.parts.backend
+    if backend.releases_memory():  # the engine frees its memory while the actor trains; the sync takes it back
         with timer("engine_sleep"):
-            run.backend.sleep()
+            backend.sleep()
     old_logprobs = None  # one optimizer step on fresh samples: the update's own forward gives them (ratio 1)
     # Carried partial-rollout tokens came from older policies: the current weights are not the ones that sampled them,
     # so the trainer recomputes old logprobs with the weights about to be updated (verl's recompute).
@@ -216,7 +209,7 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     with timer("update"):
         actor_metrics = run.actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights)
     with timer("weight_sync"):
-        run.actor.sync_weights(run.backend)
+        run.actor.sync_weights(run.parts.backend)
     return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
             **step_metrics(collected, run, timer)}
 
@@ -261,7 +254,8 @@ def collect_step(run: Run, step: int, timer: PhaseTimer) -> StepBatch:
     while True:
         sampling = training_sampling(cfg, step, draw)
         with timer("rollout"):
-            rollout = plain_rollout(run, step, sampling) if run.agent is None else agent_rollout(run, step, sampling)
+            plain = run.parts.agent is None
+            rollout = plain_rollout(run, step, sampling) if plain else agent_rollout(run, step, sampling)
         with timer("reward"):
             scored, draw_failures = score_rollout(run, rollout, sampling)
         failures, filtered = failures + draw_failures, filtered + rollout.filtered
@@ -291,9 +285,10 @@ def collect_step(run: Run, step: int, timer: PhaseTimer) -> StepBatch:
     if al.overlong_buffer_len > 0:
         metrics["reward/overlong_penalty"] = sum(kept.penalties) / max(len(kept.penalties), 1)
     with timer("reward"):
+        processor = run.parts.processor
         batch = scored_batch(kept.samples, kept.rewards, kept.parts,
                              multiple=required_batch_multiple(run.dp_size, cfg.actor.ppo_mini_batch_size, cfg.rollout.n),
-                             eos_token_id=run.processor.eos_token_ids[0], pad_token_id=run.processor.pad_token_id)
+                             eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
     return StepBatch(batch, metrics, failures, filtered)
 
 
@@ -319,7 +314,7 @@ def score_rollout(run: Run, rollout: Rollout, sampling: SamplingParams) -> tuple
     """The reward of every sample of a rollout, with DAPO's overlong shaping added (algorithm.overlong_buffer_len);
     returns them and the number of samples whose reward function failed."""
     cfg, al = run.config, run.config.algorithm
-    scores = score_texts(run.reward_fn, rollout.requests, rollout.answers, sampling.n, cfg.reward)
+    scores = score_texts(run.parts.reward_fn, rollout.requests, rollout.answers, sampling.n, cfg.reward)
     values = torch.tensor(scores.values, dtype=torch.float64)
     penalty = torch.zeros_like(values)
     if al.overlong_buffer_len > 0:
@@ -332,25 +327,26 @@ def score_rollout(run: Run, rollout: Rollout, sampling: SamplingParams) -> tuple
 
 def plain_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
     """The next batch of prompts, generated in one backend call and padded per sample."""
-    built = build_requests(run.processor, run.train_data, next(run.sampler))
+    built = build_requests(run.parts.processor, run.train_data, next(run.sampler))
     if not built.requests:
         raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
-    results = run.backend.generate(built.requests, sampling)
+    results = run.parts.backend.generate(built.requests, sampling)
     d = run.config.data
-    samples = pad_results([run.processor.prompt_inputs(r) for r in built.requests], results,
+    samples = pad_results([run.parts.processor.prompt_inputs(r) for r in built.requests], results,
                           prompt_length=d.max_prompt_length, response_length=d.max_response_length,
-                          pad_token_id=run.processor.pad_token_id, policy_version=step - 1)
-    return Rollout(built.requests, samples, response_texts(run.processor.tokenizer, results), {}, built.num_skipped)
+                          pad_token_id=run.parts.processor.pad_token_id, policy_version=step - 1)
+    texts = response_texts(run.parts.processor.tokenizer, results)
+    return Rollout(built.requests, samples, texts, {}, built.num_skipped)
 
 
 def agent_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
     """Multi-turn conversations for a batch of prompts (with partial rollout: carried groups first, then new ones
     from the prompt queue, until a batch of groups has finished); each trajectory is padded as it ends."""
     size = run.config.data.train_batch_size
-    built = build_requests(run.processor, run.train_data, run.prompts.take(run.agent.prompts_needed(size)))
-    if not built.requests and not run.agent.carried:
+    built = build_requests(run.parts.processor, run.train_data, run.prompts.take(run.parts.agent.prompts_needed(size)))
+    if not built.requests and not run.parts.agent.carried:
         raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
-    rolled = run.agent.step(built.requests, sampling, batch_size=size, policy_version=step - 1)
+    rolled = run.parts.agent.step(built.requests, sampling, batch_size=size, policy_version=step - 1)
     if not rolled.samples:
         raise RuntimeError(f"step {step}: the agent loop finished no group (see the partial rollout warning)")
     return Rollout(rolled.requests, rolled.train_samples, rolled.final_answers, rolled.metrics, built.num_skipped)
@@ -391,8 +387,7 @@ def training_sampling(config: Config, step: int, draw: int = 0) -> SamplingParam
 
 
 def validate(run: Run) -> dict[str, float]:
-    return run_validation(run.config, run.backend, step=run.step, processor=run.processor, dataset=run.val_data,
-                          reward_fn=run.reward_fn, agent=run.agent).metrics
+    return run_validation(run.parts, step=run.step).metrics
 
 
 def _due(freq: int, step: int, total: int) -> bool:
@@ -483,11 +478,11 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
 
     sink = MetricsLogger(output_dir, t.logger, to_dict(config), t.project_name, t.experiment_name, console=tqdm.write)
     opened.append(sink.close)
-    run = Run(config, output_dir, processor, train_data, val_data, sampler, reward_fn, actor, backend, sink,
-              total_steps, dp_size, step)
+    parts = RunComponents(config, processor, reward_fn, backend, val_data)
+    run = Run(config, output_dir, parts, train_data, sampler, actor, sink, total_steps, dp_size, step)
     if config.agent.enable:
-        run.agent, run.prompts = start_agent(config, backend, processor), PromptQueue(sampler)
-        opened.append(run.agent.close)
+        parts.agent, run.prompts = start_agent(config, backend, processor), PromptQueue(sampler)
+        opened.append(parts.agent.close)
         if checkpoint is not None:
             resume_agent(run, checkpoint, info)
     return run
@@ -518,7 +513,7 @@ def resume_agent(run: Run, checkpoint: Path, info: dict) -> None:
     else:  # written before checkpoints kept it: those prompts are skipped
         logger.warning("%s has no prompt-queue position (an older checkpoint): prompts drawn from the sampler but "
                        "not started before it was saved are skipped", checkpoint)
-    run.agent.restore_carried(checkpoint)
+    run.parts.agent.restore_carried(checkpoint)
 
 
 def start_of_training(run: Run) -> None:
@@ -528,10 +523,10 @@ def start_of_training(run: Run) -> None:
     metrics: dict[str, float] = {}
     if t.format_warmup_steps > 0:
         with timer("format_warmup"):
-            losses = format_warmup(run.actor, run.processor, run.train_data, run.config)
-            run.actor.sync_weights(run.backend)
+            losses = format_warmup(run.actor, run.parts.processor, run.train_data, run.config)
+            run.actor.sync_weights(run.parts.backend)
         metrics.update({"warmup/loss_first": losses[0], "warmup/loss_last": losses[-1]})
-    if t.val_before_train and run.val_data is not None:
+    if t.val_before_train and run.parts.val_data is not None:
         with timer("validate"):
             metrics.update(validate(run))
     if metrics:
@@ -543,10 +538,10 @@ def start_of_training(run: Run) -> None:
 def save(run: Run) -> Path:
     model = run.actor.full_model()  # at dp > 1 gathered from the shards
     info = {"data": run.sampler.state_dict(), "total_steps": run.total_steps, "config": to_dict(run.config)}
-    if run.agent is not None:
+    if run.parts.agent is not None:
         # Prompts taken from the sampler but not started yet; the carried groups go into files of their own.
-        info.update(prompt_queue=list(run.prompts.pending), agent_carried_groups=len(run.agent.carried))
-    agent = run.agent
+        info.update(prompt_queue=list(run.prompts.pending), agent_carried_groups=len(run.parts.agent.carried))
+    agent = run.parts.agent
 
     def write_extra(folder: Path) -> None:  # the LoRA adapter (with LoRA) and the agent's carried groups
         run.actor.save_adapter(folder)
@@ -572,7 +567,7 @@ def validate_only(config: Config) -> dict[str, float]:
     name = config.rollout.name
     artifact = output_dir / f"validation_{name}_step{step}.jsonl"
     try:
-        result = run_validation(config, name, step=step, artifact_path=artifact)
+        result = validate_with(config, name, step=step, artifact_path=artifact)
     finally:
         close_reward_workers()
     sink = MetricsLogger(output_dir, config.trainer.logger, to_dict(config), config.trainer.project_name,

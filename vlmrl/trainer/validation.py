@@ -1,8 +1,8 @@
 """Validation: generate on the held-out set, score, aggregate per data source, optionally write the artifact.
 
-`run_validation(config, backend)` is the one entry point: the fit loop calls it with its running backend, validate-only
-mode (which `python -m vlmrl.alignment.compare --backends` runs once per backend) with a backend name (it then starts
-and closes that backend on `config.actor.model_path`).
+`run_validation(parts)` validates a run's components (`vlmrl.trainer.components.RunComponents`): the fit loop calls
+it with its own, validate-only mode (which `python -m vlmrl.alignment.compare --backends` runs once per backend) through
+`validate_with(config, backend_name)`, which builds them (requests first, then the engine) and closes them.
 
 Every dataset row is validated exactly once, in order, in generate calls of `data.val_batch_size` prompts; a short
 last call is simply shorter. Validation builds no training batch, so it never needs padding rows, and it never
@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vlmrl.agent.loop import AgentLoop
 from vlmrl.alignment.artifact import (
     ArtifactMeta,
     DatasetIdentity,
@@ -40,9 +39,8 @@ from vlmrl.alignment.artifact import (
 from vlmrl.config import Config, to_dict
 from vlmrl.data import RLDataset, build_requests, load_dataset, sequential_batches
 from vlmrl.processors import Processor
-from vlmrl.rewards import TIMEOUT_KEY, RewardFn, load_reward_fn, response_texts, score_texts
-from vlmrl.rollout import RolloutBackend
-from vlmrl.trainer.components import load_run_processor, start_agent, start_run_backend
+from vlmrl.rewards import TIMEOUT_KEY, load_reward_fn, response_texts, score_texts
+from vlmrl.trainer.components import RunComponents, load_run_processor, start_agent, start_run_backend
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -70,64 +68,69 @@ def load_val_dataset(config: Config) -> RLDataset:
                         synthetic_seed=config.trainer.seed)
 
 
-def run_validation(
-    config: Config,
-    backend: RolloutBackend | str | None = None,
-    *,
-    step: int = 0,
-    artifact_path: str | os.PathLike | None = None,
-    processor: Processor | None = None,
-    dataset: RLDataset | None = None,
-    reward_fn: RewardFn | None = None,
-    agent: AgentLoop | None = None,
-) -> ValidationResult:
-    """Validate on `data.val_files`; write the per-sample artifact when `artifact_path` is given.
+@dataclass
+class ValidationRequests:
+    """Every request of the validation set, in generate calls of data.val_batch_size prompts."""
 
-    Args:
-        backend: a running backend (left running), or a backend name / None (= rollout.name), started on
-            `config.actor.model_path` and closed here.
-        step: the training step of the weights (recorded in the artifact).
-        processor, dataset, reward_fn: reuse the caller's; built from the config when None.
-        agent: the run's multi-turn loop (over `backend`); with agent.enable and none given, one is built here.
-            Agent samples are scored on their last assistant turn; their response is the whole conversation.
-    """
-    processor = processor or load_run_processor(config)
-    dataset = dataset or load_val_dataset(config)
-    # Every request first, then the reward workers and the engine: a bad row fails in seconds, naming its row, file
-    # and cause, not after an engine start (25-90 s on 2 CPU cores). The requests are all kept to the end anyway
-    # (scores, the artifact).
+    calls: list[list[RolloutRequest]]
+    filtered: int
+    """Rows the processor skipped (over data.max_prompt_length, bad images with data.on_bad_image=filter)."""
+
+
+def build_validation_requests(config: Config, processor: Processor, dataset: RLDataset) -> ValidationRequests:
+    """The validation set's requests; a bad row raises naming its row, file and cause (build them before any engine
+    starts), and a set whose every row is filtered raises too."""
     built = [build_requests(processor, dataset, indices)
              for indices in sequential_batches(len(dataset), config.data.val_batch_size)]
     calls = [batch.requests for batch in built if batch.requests]
-    filtered = sum(batch.num_skipped for batch in built)
     if not calls:
         raise ValueError(f"validation: every one of the {len(dataset)} rows of {dataset.spec} was filtered; raise "
                          "data.max_prompt_length or check the images")
-    reward_fn = reward_fn or load_reward_fn(config.reward, dataset.data_sources())
+    return ValidationRequests(calls, sum(batch.num_skipped for batch in built))
+
+
+def validate_with(config: Config, backend: str | None = None, *, step: int = 0,
+                  artifact_path: str | os.PathLike | None = None) -> ValidationResult:
+    """Validate-only: build every request first (a bad row fails in seconds, naming its row, file and cause, not
+    after an engine start: 25-90 s on 2 CPU cores), then the reward function, the backend (`backend`, or
+    rollout.name, on `config.actor.model_path`) and, with agent.enable, the agent loop; validate; close them."""
+    processor = load_run_processor(config)
+    dataset = load_val_dataset(config)
+    requests = build_validation_requests(config, processor, dataset)
+    reward_fn = load_reward_fn(config.reward, dataset.data_sources())
+    parts = RunComponents(config, processor, reward_fn, start_run_backend(config, backend), dataset)
+    try:
+        if config.agent.enable:
+            parts.agent = start_agent(config, parts.backend, processor)
+        return run_validation(parts, step=step, artifact_path=artifact_path, requests=requests)
+    finally:
+        parts.close()
+
+
+def run_validation(parts: RunComponents, *, step: int = 0, artifact_path: str | os.PathLike | None = None,
+                   requests: ValidationRequests | None = None) -> ValidationResult:
+    """Validate the run's components on their validation set (`parts.val_data`); write the per-sample artifact when
+    `artifact_path` is given. `step`: the training step of the weights (recorded in the artifact); `requests`: the
+    set's requests when already built (`build_validation_requests`). With an agent loop, samples are scored on their
+    last assistant turn; their response is the whole conversation."""
+    config, processor, dataset, running = parts.config, parts.processor, parts.val_data, parts.backend
+    if dataset is None:
+        raise ValueError("validation needs data.val_files")
+    requests = requests or build_validation_requests(config, processor, dataset)
     sampling = validation_sampling(config, config.rollout.val_top_logprobs if artifact_path else 0)
-    owned = backend if isinstance(backend, RolloutBackend) else None
-    running = owned or start_run_backend(config, backend)
-    requests = [request for call in calls for request in call]
     results: list[RolloutResult] = []
     answers: list[str] = []  # what the reward reads: the response, or an agent trajectory's last assistant turn
-    own_agent = agent is None and config.agent.enable
-    try:
-        if own_agent:
-            agent = start_agent(config, running, processor)
-        for call in calls:
-            if agent is not None:
-                rolled = agent.run(call, sampling, policy_version=step)
-                results.extend(rolled.results)
-                answers.extend(rolled.final_answers)
-            else:
-                generated = running.generate(call, sampling)
-                results.extend(generated)
-                answers.extend(response_texts(processor.tokenizer, generated))
-    finally:
-        if own_agent and agent is not None:
-            agent.close()
-        if owned is None:
-            running.close()
+    for call in requests.calls:
+        if parts.agent is not None:
+            rolled = parts.agent.run(call, sampling, policy_version=step)
+            results.extend(rolled.results)
+            answers.extend(rolled.final_answers)
+        else:
+            generated = running.generate(call, sampling)
+            results.extend(generated)
+            answers.extend(response_texts(processor.tokenizer, generated))
+    filtered, reward_fn = requests.filtered, parts.reward_fn
+    requests = [request for call in requests.calls for request in call]
     scores = score_texts(reward_fn, requests, answers, sampling.n, config.reward)
     metrics = validation_metrics(requests, results, scores.values, scores.parts, sampling.n)
     metrics.update({"val/filtered_prompts": float(filtered), "val/reward_failures": float(scores.failures),
