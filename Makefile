@@ -1,6 +1,8 @@
 # vlmrl — the front-door commands (see README.md):
 #   make demo   set up the CPU environment and run the main job on the embedded default
-#   make test   set up the CPU environment and run the whole test suite (what CI runs)
+#   make test   set up the CPU environment and run the test suite (what CI runs): every test but the `full` variants
+#   make test-all   the same and the `full` variants (second seeds, second families and recipes of a learning run,
+#                   the rest of the kill -9 resume matrix); run it before a change that touches what they cover
 #   make test-fast   every test that needs no engine, no Ray, no GPU and is not slow (1195 tests, about two minutes)
 VENV ?= .venv
 PY   := $(VENV)/bin/python
@@ -8,9 +10,9 @@ export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export SGLANG_USE_CPU_ENGINE ?= 1
 
-FAST := not vllm and not sglang and not ray and not slow and not gpu
+FAST := not vllm and not sglang and not ray and not slow and not gpu and not full
 
-.PHONY: setup demo test test-fast bench
+.PHONY: setup demo test test-all test-fast bench
 setup:
 	VENV=$(VENV) bash scripts/setup_cpu.sh
 
@@ -18,6 +20,9 @@ demo: setup
 	PYTHON=$(PY) bash examples/qwen2_5_vl_grpo.sh
 
 test: setup
+	$(PY) -m pytest tests -m "not full"
+
+test-all: setup
 	$(PY) -m pytest tests
 
 test-fast: setup

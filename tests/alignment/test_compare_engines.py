@@ -1,8 +1,9 @@
 """The compare tool on real engines (tiny Qwen2.5-VL, fp32, CPU): what it says about real backends is true.
 
-One module-scoped run per engine: `compare --backends hf,vllm` starts HF and vLLM once; SGLang starts once for the
-vLLM-vs-SGLang comparison; the injected faults run on the HF backend (the diff does not care which engine made an
-artifact, and HF starts in a second).
+One `compare --backends hf,vllm` run per module, as a user runs it (each side its own validate-only process); the
+vLLM-vs-SGLang comparison validates each side in this process (what each side of `--backends` runs, without the two
+interpreters that would import the engines again) and compares the artifacts with the same tool; the injected faults
+run on the HF backend (the diff does not care which engine made an artifact, and HF starts in a second).
 """
 
 from __future__ import annotations
@@ -119,9 +120,10 @@ def test_vllm_vs_sglang_bf16_near_ties_are_near_ties_in_fp32(setup):
     """In bf16 (the production dtype) the engines split on some tokens (in fp32 they agree exactly, measured).
     Whatever they do is bucketed truthfully: every near-tie is a near-tie of the fp32 reference model too."""
     root, overrides = setup
-    out = root / "vllm_vs_sglang"
-    status = main(["--backends", "vllm,sglang", *overrides, "rollout.dtype=bfloat16", "--out", str(out)])
-    (meta_a, rec_a), (meta_b, rec_b) = read_artifact(out / "val_a_vllm.jsonl"), read_artifact(out / "val_b_sglang.jsonl")
+    bf16 = [*overrides, "rollout.dtype=bfloat16"]
+    sides = [_validate(bf16, backend, root / f"val_{backend}_bf16.jsonl") for backend in ("vllm", "sglang")]
+    status = main([*map(str, sides), "--out", str(root / "vllm_vs_sglang"), "--no-html"])
+    (meta_a, rec_a), (meta_b, rec_b) = map(read_artifact, sides)
     comparison = compare_artifacts(meta_a, rec_a, meta_b, rec_b)
     assert status == (0 if comparison.ok else 1) and meta_a.config["rollout"]["dtype"] == "bfloat16"
     assert Cause.INPUT_MISMATCH not in comparison.cause_counts, "both engines got the same requests"

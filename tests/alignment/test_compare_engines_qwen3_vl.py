@@ -1,7 +1,9 @@
 """The compare tool on the embedded Qwen3-VL (fp32, CPU) with the real engines: HF, vLLM and SGLang agree exactly,
 and an engine started without Qwen3-VL's mrope interleaving is reported as not aligned.
 
-`compare --backends hf,vllm` runs as a user runs it (each side its own validate-only process); the mis-set engine
+`compare --backends hf,vllm` runs as a user runs it (each side its own validate-only process); SGLang's side is
+validated in this process (what a side of `--backends` runs, without another interpreter importing the engines) and
+compared with the artifacts of that run; the mis-set engine
 is reached by validating a copy of the model whose config.json lacks `mrope_interleaved` with
 `rollout.family_engine_settings=false` (vlmrl then starts vLLM on that config as it is, as a deployment outside vlmrl
 would), and its artifact is compared with the HF one.
@@ -89,16 +91,16 @@ def test_hf_vs_vllm_fp32_is_aligned_and_exact(hf_vs_vllm):
 
 @pytest.mark.sglang
 def test_vllm_vs_sglang_and_hf_vs_sglang_fp32_are_exact(setup, hf_vs_vllm):
-    """The third engine: vLLM vs SGLang as a user runs it, and HF vs SGLang from the artifacts already written."""
+    """The third engine: SGLang's validation artifact against vLLM's and HF's from the `--backends hf,vllm` run."""
     root, overrides, _ = setup
     _, first = hf_vs_vllm
+    sglang = _validate(overrides, "sglang", root / "val_sglang.jsonl")
     out = root / "vllm_vs_sglang"
-    assert main(["--backends", "vllm,sglang", *overrides, "--out", str(out)]) == 0
+    assert main([str(first / "val_b_vllm.jsonl"), str(sglang), "--out", str(out), "--no-html"]) == 0
     report = _report(out)
     assert report["summary"]["exact"] == report["summary"]["samples"] == 7
     assert report["summary"]["max_abs_logprob_delta"] < 1e-4
-    assert main([str(first / "val_a_hf.jsonl"), str(out / "val_b_sglang.jsonl"), "--out", str(root / "hf_vs_sglang"),
-                 "--no-html"]) == 0
+    assert main([str(first / "val_a_hf.jsonl"), str(sglang), "--out", str(root / "hf_vs_sglang"), "--no-html"]) == 0
     assert _report(root / "hf_vs_sglang")["summary"]["exact"] == 7
 
 

@@ -1,5 +1,6 @@
 """Shared pieces for distributed tests: fewer real synthetic rows than the other tests (batches: tests/batches.py),
-and one local Ray cluster per test module (with its own temp folder, torn down at the end of the module)."""
+and one local Ray cluster for the whole folder (with its own temp folder, torn down after its last test): each test
+closes the workers it started, so the next one finds the cluster's two CPUs free."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ def synthetic_rows(tmp_path_factory):
     return write_synthetic_rows(tmp_path_factory.mktemp("data"), train_size=16, val_size=4)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ray_cluster():
-    """A local 2-CPU Ray cluster for this module only, in its own short temp folder (Unix socket paths are
-    limited to ~107 characters, so not under pytest's deep tmp_path)."""
+    """A local 2-CPU Ray cluster for the tests of this folder, started once, in its own short temp folder (Unix
+    socket paths are limited to ~107 characters, so not under pytest's deep tmp_path)."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

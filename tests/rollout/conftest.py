@@ -1,6 +1,19 @@
-"""Fixtures of the rollout tests: the processor's request batch and the HF reference (one per session)."""
+"""Fixtures of the rollout tests: the processor's request batch, the HF reference (one per session), and the engines
+shared by the modules that test the same engine on the same family with the same settings.
+
+Shared engines (`SharedEngines`): one started engine per (backend, embedded model), fp32, started by the first test
+that uses it and closed right after the last one. The tests of this folder run grouped by the shared engine they use
+(`pytest_collection_modifyitems`): first those that use none, then each engine's tests one after another, so that
+each is started once and only one is alive at a time. Both matter on CPU (measured): two in-process vLLM engines
+break each other (vLLM's parallel state is global: "pipeline model parallel group is not initialized"), and an idle
+SGLang scheduler polls at about half a core. A test that changes a shared engine puts it back (weights, options)
+before it ends; a test that kills one (marked `ends_engine`) runs after the engine's other tests, and a later test
+that needs it gets a fresh one.
+"""
 
 from __future__ import annotations
+
+import collections
 
 import pytest
 
@@ -8,6 +21,158 @@ from tests.rollout.helpers import GREEDY, build_batch
 
 VIDEO_MODELS = ("tiny", "tiny-qwen3-vl")
 """The embedded model of each family the video contract (tests.rollout.video_helpers) runs on."""
+
+ENGINE_OPTIONS = {"dtype": "float32", "max_model_len": 1024, "timeout_s": 300}
+"""What every shared engine is started with (fp32: the engines then equal HF token for token)."""
+
+SHARED = {
+    # (backend, embedded model): options beyond ENGINE_OPTIONS
+    ("vllm", "tiny"): {},
+    ("vllm", "tiny-qwen3-vl"): {},
+    ("sglang", "tiny"): {},  # the multimodal embedding cache off (SGLANG_VLM_CACHE_SIZE_MB=0), salted hashes
+    ("sglang", "tiny-qwen3-vl"): {},
+    # the cache ON: the weight-versioned mm_hashes alone must keep old vision embeddings out
+    ("sglang-server", "tiny"): {"vlm_cache_size_mb": 100},
+}
+ENGINE_FIXTURES = {
+    "vllm_qwen2_5_vl": ("vllm", "tiny"),
+    "vllm_qwen3_vl": ("vllm", "tiny-qwen3-vl"),
+    "sglang_qwen2_5_vl": ("sglang", "tiny"),
+    "sglang_qwen3_vl": ("sglang", "tiny-qwen3-vl"),
+    "sglang_server_qwen2_5_vl": ("sglang-server", "tiny"),
+}
+VIDEO_ENGINE_FIXTURES = {"video_vllm": "vllm", "video_sglang": "sglang"}
+"""The shared engine of a backend on the module's current `video_model_path` family."""
+
+
+class SharedEngines:
+    """The started shared engines of the session, by (backend, embedded model)."""
+
+    def __init__(self) -> None:
+        self.running: dict[tuple[str, str], object] = {}
+        self.starts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.last_user: dict[tuple[str, str], str] = {}
+        """The node id of the last test (in the session's order) that uses each engine: closed after it."""
+        self.log_folder = None
+
+    def get(self, backend: str, model: str):
+        from vlmrl.models import ensure_built
+        from vlmrl.rollout import get_backend
+        from vlmrl.utils.processes import is_alive
+
+        key = (backend, model)
+        engine = self.running.get(key)
+        if engine is not None and not all(is_alive(pid) for pid in engine.engine_pids):
+            self.close(key)  # a test killed it
+            engine = None
+        if engine is None:
+            options = dict(ENGINE_OPTIONS, **SHARED[key])
+            if backend == "sglang-server":  # the server's own log, named in its errors
+                options["log_file"] = str(self.log_folder / f"{backend}-{model}.log")
+            engine = self.running[key] = get_backend(backend, str(ensure_built(model)), **options)
+            self.starts[key] += 1
+        return engine
+
+    def close(self, key: tuple[str, str]) -> None:
+        engine = self.running.pop(key, None)
+        if engine is not None:
+            engine.close()
+
+    def close_all(self) -> None:
+        for key in list(self.running):
+            self.close(key)
+
+
+ENGINES = SharedEngines()
+
+
+def shared_engines_of(item) -> set[tuple[str, str]]:
+    """The shared engines a test uses, read from the fixtures it requests (directly or through others)."""
+    keys = {ENGINE_FIXTURES[name] for name in item.fixturenames if name in ENGINE_FIXTURES}
+    video = [VIDEO_ENGINE_FIXTURES[name] for name in item.fixturenames if name in VIDEO_ENGINE_FIXTURES]
+    if video:
+        keys |= {(backend, item.callspec.params["video_model_path"]) for backend in video}
+    return keys
+
+
+def pytest_collection_modifyitems(config, items):
+    """This folder's tests grouped by the shared engine they use (see the module's docstring); collection order kept
+    within a group, except that the tests which end the engine go last."""
+    here = [i for i, item in enumerate(items) if item.nodeid.startswith("tests/rollout/")]
+    if not here:
+        return
+    first, last = here[0], here[-1] + 1
+    assert len(here) == last - first, "tests/rollout's tests are not collected together"
+    order = list(SHARED)
+
+    def group(pair):
+        index, item = pair
+        engines = sorted(order.index(key) + 1 for key in shared_engines_of(item))
+        return (engines[0] if engines else 0, item.get_closest_marker("ends_engine") is not None, index)
+
+    items[first:last] = [item for _, item in sorted(enumerate(items[first:last]), key=group)]
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        for key in shared_engines_of(item):
+            ENGINES.last_user[key] = item.nodeid
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield  # the test's own fixtures torn down first
+    for key in [key for key, nodeid in ENGINES.last_user.items() if nodeid == item.nodeid]:
+        ENGINES.close(key)
+    return result
+
+
+@pytest.fixture(scope="session")
+def shared_engines(tmp_path_factory) -> SharedEngines:
+    ENGINES.log_folder = tmp_path_factory.mktemp("shared-engines")
+    yield ENGINES
+    ENGINES.close_all()
+
+
+@pytest.fixture(scope="module")
+def vllm_qwen2_5_vl(shared_engines):
+    return shared_engines.get("vllm", "tiny")
+
+
+@pytest.fixture(scope="module")
+def vllm_qwen3_vl(shared_engines):
+    return shared_engines.get("vllm", "tiny-qwen3-vl")
+
+
+@pytest.fixture(scope="module")
+def sglang_qwen2_5_vl(shared_engines):
+    return shared_engines.get("sglang", "tiny")
+
+
+@pytest.fixture(scope="module")
+def sglang_qwen3_vl(shared_engines):
+    return shared_engines.get("sglang", "tiny-qwen3-vl")
+
+
+@pytest.fixture(scope="module")
+def sglang_server_qwen2_5_vl(shared_engines):
+    return shared_engines.get("sglang-server", "tiny")
+
+
+def _embedded_name(model_path: str) -> str:
+    from vlmrl.models import ensure_built
+
+    return next(name for name in VIDEO_MODELS if str(ensure_built(name)) == model_path)
+
+
+@pytest.fixture(scope="module")
+def video_vllm(shared_engines, video_model_path):
+    return shared_engines.get("vllm", _embedded_name(video_model_path))
+
+
+@pytest.fixture(scope="module")
+def video_sglang(shared_engines, video_model_path):
+    return shared_engines.get("sglang", _embedded_name(video_model_path))
 
 
 @pytest.fixture(scope="session")

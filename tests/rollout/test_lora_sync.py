@@ -12,12 +12,13 @@ engines' encoder caches are reset or keyed by weight version)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
 import torch
 
-from tests.rollout.helpers import GREEDY, greedy_mismatch, noise_image
+from tests.rollout.helpers import GREEDY, clone_state, greedy_mismatch, noise_image
 from vlmrl.actor import Actor
 from vlmrl.config import ActorConfig, LoraConfig
 
@@ -118,6 +119,19 @@ def base_greedy(hf, requests):
     return hf.generate(requests, GREEDY)
 
 
+@contextlib.contextmanager
+def given_back(engine, hf, requests, base_greedy):
+    """A shared engine (tests/rollout/conftest.py) put back as it was after the test: the base model's weights (the
+    HF reference's) and its own sync bucket size; it then gives the base model's greedy outputs again."""
+    bucket_mb = engine.options.sync_bucket_mb
+    try:
+        yield engine
+    finally:
+        engine.options.sync_bucket_mb = bucket_mb
+        engine.update_weights(clone_state(hf.model).items())
+    assert_equal_to_hf(engine.generate(requests, GREEDY), base_greedy, f"{engine.name} given back")
+
+
 @pytest.mark.vllm
 def test_vllm_serves_the_adapter_itself_path_b(tiny_model_path, policy, base_greedy, merged_hf, requests):
     from vlmrl.rollout import get_backend
@@ -130,10 +144,8 @@ def test_vllm_serves_the_adapter_itself_path_b(tiny_model_path, policy, base_gre
 
 
 @pytest.mark.vllm
-def test_vllm_takes_merged_weights_path_a(tiny_model_path, policy, base_greedy, merged_hf, requests):
-    from vlmrl.rollout import get_backend
-
-    with get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as engine:
+def test_vllm_takes_merged_weights_path_a(vllm_qwen2_5_vl, hf, policy, base_greedy, merged_hf, requests):
+    with given_back(vllm_qwen2_5_vl, hf, requests, base_greedy) as engine:
         assert not engine.serves_adapters() and not engine.accepts_partial_weights
         check_engine(policy, engine, base_greedy, merged_hf, requests, sync="auto", path="merged")
         full = sum(t.numel() * t.element_size() for t in policy.full_model().state_dict().values())
@@ -141,14 +153,13 @@ def test_vllm_takes_merged_weights_path_a(tiny_model_path, policy, base_greedy, 
 
 
 @pytest.mark.sglang
-def test_sglang_takes_merged_adapted_layers_only_path_a(tiny_model_path, policy, base_greedy, merged_hf, requests):
-    from vlmrl.rollout import get_backend
-
+def test_sglang_takes_merged_adapted_layers_only_path_a(sglang_qwen2_5_vl, hf, policy, base_greedy, merged_hf,
+                                                        requests):
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # the engines reconfigure logging; a handler on the logger itself sees it all
     lora_logger = logging.getLogger("vlmrl.actor.lora")
-    with get_backend("sglang", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as engine:
+    with given_back(sglang_qwen2_5_vl, hf, requests, base_greedy) as engine:
         assert not engine.serves_adapters() and engine.accepts_partial_weights
         lora_logger.addHandler(handler)
         level, lora_logger.level = lora_logger.level, logging.WARNING  # SGLang's log_level=error lowers the root's
@@ -166,14 +177,12 @@ def test_sglang_takes_merged_adapted_layers_only_path_a(tiny_model_path, policy,
 
 
 @pytest.mark.sglang
-def test_sglang_server_takes_merged_weights_path_a(tiny_model_path, tmp_path, policy, base_greedy, merged_hf,
+def test_sglang_server_takes_merged_weights_path_a(sglang_server_qwen2_5_vl, hf, policy, base_greedy, merged_hf,
                                                    requests):
     """The HTTP server cannot serve adapters from vlmrl (no adapter upload on CPU), so `auto` merges; its multimodal
     embedding cache stays ON, so the vision-only sync must still reach images the server has already encoded."""
-    from vlmrl.rollout import get_backend
-
-    with get_backend("sglang-server", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
-                     vlm_cache_size_mb=100, log_file=str(tmp_path / "server.log")) as engine:
+    with given_back(sglang_server_qwen2_5_vl, hf, requests, base_greedy) as engine:
+        assert engine.options.vlm_cache_size_mb == 100
         assert not engine.serves_adapters()
         check_engine(policy, engine, base_greedy, merged_hf, requests, sync="auto", path="merged")
 

@@ -16,12 +16,9 @@ pytestmark = pytest.mark.sglang
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model_path):
-    from vlmrl.rollout import get_backend
-
+def backend(sglang_qwen2_5_vl):
     # Default options: the multimodal embedding cache is off (SGLANG_VLM_CACHE_SIZE_MB=0) and hashes are salted.
-    with get_backend("sglang", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as started:
-        yield started
+    return sglang_qwen2_5_vl
 
 
 class TestSGLangBackend(EngineContract):
@@ -36,6 +33,7 @@ def test_sglang_greedy_on_an_image_prompt_equals_hf_or_near_tie_fp32(backend, hf
     assert is_near_tie_or_equal(ref, got, "sglang"), greedy_mismatch(ref, got, "sglang")
 
 
+@pytest.mark.ends_engine
 def test_killed_scheduler_fails_next_call_fast_with_clear_error(backend, batch):
     """SGLang's own calls hang forever once the scheduler is gone; the backend names the dead process instead,
     and the caller (this test process) survives SGLang's SIGQUIT machinery."""

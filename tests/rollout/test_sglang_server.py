@@ -9,17 +9,16 @@ import signal
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, EngineContract, greedy_mismatch, sglang_server
+from tests.rollout.helpers import GREEDY, EngineContract, greedy_mismatch
 from vlmrl.rollout import EngineDeadError, RolloutError, get_backend
 
 pytestmark = pytest.mark.sglang
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model_path, tmp_path_factory):
-    for started in sglang_server(tiny_model_path, tmp_path_factory, "sglang-server", vlm_cache_size_mb=100):
-        assert started.url.startswith("http://127.0.0.1:")
-        yield started
+def backend(sglang_server_qwen2_5_vl):
+    assert sglang_server_qwen2_5_vl.url.startswith("http://127.0.0.1:")
+    return sglang_server_qwen2_5_vl
 
 
 class TestSGLangServerBackend(EngineContract):
@@ -36,6 +35,7 @@ def test_client_of_a_server_given_by_url(backend, tiny_model_path, batch, hf_gre
     assert backend.generate(batch[:1], GREEDY)[0].response_ids == hf_greedy[0].response_ids
 
 
+@pytest.mark.ends_engine
 def test_killed_server_fails_next_call_fast_with_clear_error(backend, tiny_model_path, batch):
     """Killing the server process: the launching backend names the dead process and its log; a client connected
     by URL reports that the server does not answer."""

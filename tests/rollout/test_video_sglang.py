@@ -15,11 +15,8 @@ VIDEO_LOGPROB_TOL = 5e-4
 
 
 @pytest.fixture(scope="module")
-def backend(video_model_path):
-    from vlmrl.rollout import get_backend
-
-    with get_backend("sglang", video_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as started:
-        yield started
+def backend(video_sglang):
+    return video_sglang
 
 
 class TestSGLangVideo(VideoContract):

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, greedy_mismatch, sglang_server
+from tests.rollout.helpers import GREEDY, greedy_mismatch
 from tests.rollout.video_helpers import video_batch
 from vlmrl.rollout import RolloutError
 from vlmrl.rollout.errors import InvalidRequestError
@@ -19,8 +19,10 @@ pytestmark = pytest.mark.sglang
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model_path, tmp_path_factory):
-    yield from sglang_server(tiny_model_path, tmp_path_factory, "sglang-server-video")
+def backend(sglang_server_qwen2_5_vl):
+    """The server the other Qwen2.5-VL server tests use (its multimodal cache on, which a refusal before any HTTP call
+    and the server's own rejection of the request's form do not depend on)."""
+    return sglang_server_qwen2_5_vl
 
 
 def test_video_requests_are_refused_and_the_server_keeps_serving(backend, tiny_model_path, batch, hf_greedy):

@@ -13,11 +13,8 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def backend(video_model_path):
-    from vlmrl.rollout import get_backend
-
-    with get_backend("vllm", video_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as started:
-        yield started
+def backend(video_vllm):
+    return video_vllm
 
 
 class TestVLLMVideo(VideoContract):

@@ -14,12 +14,9 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model_path):
-    from vlmrl.rollout import get_backend
-
-    with get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as started:
-        assert started.engine_pids == [], "the tests run vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
-        yield started
+def backend(vllm_qwen2_5_vl):
+    assert vllm_qwen2_5_vl.engine_pids == [], "the tests run vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+    return vllm_qwen2_5_vl
 
 
 class TestVLLMBackend(EngineContract):

@@ -74,7 +74,12 @@ def test_lora_checkpoint_is_a_merged_model_vllm_and_sglang_load_plus_the_adapter
         assert worst <= LOGPROB_TOL, f"{name}: logprobs differ from HF on the checkpoint by {worst:.2e}"
 
 
+# A variant (marker `full`, make test-all): the kill -9 resume matrix on LoRA. make test keeps one kill -9 run
+# (tests/trainer/test_fit.py::test_dynamic_sampling_trains_only_groups_with_signal_and_resumes_bit_exactly_after_kill_9:
+# a killed run resumes bit-exactly), and the adapter folder's round trip (tests/actor/test_lora.py); this one adds
+# that the two meet (adapters and their optimizer state come back from a checkpoint).
 @pytest.mark.slow
+@pytest.mark.full
 def test_lora_run_killed_after_a_checkpoint_resumes_bit_exactly(tiny_model_path, tmp_path):
     common = [*LORA, "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01", "trainer.total_steps=5",
               "trainer.save_freq=2", "trainer.test_freq=5", "trainer.val_before_train=false"]
@@ -85,9 +90,11 @@ def test_lora_run_killed_after_a_checkpoint_resumes_bit_exactly(tiny_model_path,
     assert (tmp_path / "killed" / "checkpoints" / "global_step_4" / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()
 
 
-
+# Seed 2 is a variant (marker `full`, make test-all): the second seed of the same LoRA learning run. make test keeps
+# seed 1 (learns within 100 steps); seed 2 is the one on which rank 64 collapsed, so it guards the choice of rank 16
+# (README "LoRA") and needs all 150 demo steps.
 @pytest.mark.slow
-@pytest.mark.parametrize(("seed", "steps"), [(1, 100), (2, 150)])
+@pytest.mark.parametrize(("seed", "steps"), [(1, 100), pytest.param(2, 150, marks=pytest.mark.full)])
 def test_the_demos_lora_settings_learn_the_synthetic_task(tmp_path, seed, steps):
     """`RECIPE=lora examples/qwen2_5_vl_grpo.sh`: the demo's config with examples/configs/tiny_synthetic_lora.yaml
     (rank 16 adapters on the language model and lm_head, lr 1e-3): validation accuracy rises >= 0.3 above its step-0

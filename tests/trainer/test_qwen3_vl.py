@@ -131,7 +131,13 @@ def test_the_video_task_runs_through_fit(tiny_qwen3_vl_path, tmp_path):
     assert rows[0]["batch/real_rows"] == 16 and rows[-1]["val/num_samples"] == 8
 
 
+# A variant (marker `full`, make test-all): the video task learned on the second family. make test keeps the video
+# learning run on Qwen2.5-VL (tests/trainer/test_fit.py::test_demo_recipe_learns_the_video_task); this family's video
+# path is there too: through the fit loop (test_the_video_task_runs_through_fit), in the actor's update
+# (test_actor_on_a_video_batch_matches_transformers_and_learns) and in every engine (the video contract,
+# tests/rollout/video_helpers.py). 150 steps of ~133-token prompts: 11-16 min on 2 cores, the longest test there is.
 @pytest.mark.slow
+@pytest.mark.full
 def test_demo_recipe_learns_the_video_task(tmp_path):
     """The video demo (the demo's recipe on last_colour) on Qwen3-VL: the frames' order reaches the model only
     through the timestamps in the text and the temporal patches' order, and validation accuracy still rises >= 0.3

@@ -11,23 +11,18 @@ pytestmark = pytest.mark.sglang
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model_path):
-    from vlmrl.rollout import get_backend
-
-    with get_backend("sglang", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as started:
-        yield started
+def backend(sglang_qwen3_vl):
+    return sglang_qwen3_vl
 
 
 class TestSGLangQwen3VL(Qwen3VLContract):
     pass
 
 
-def test_config_without_interleaving_gets_the_setting_and_matches_hf(backend, flagless_model_path, hf, batch,
-                                                                     hf_greedy):
+def test_config_without_interleaving_gets_the_setting_and_matches_hf(flagless_model_path, hf, batch, hf_greedy):
     """On a config without `mrope_interleaved` vlmrl starts SGLang with it: HF's outputs, token for token."""
     from vlmrl.rollout import get_backend
 
-    backend.close()  # one engine at a time: this module's is not needed any more
     with get_backend("sglang", flagless_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as fixed:
         results = fixed.generate(batch, GREEDY)
     problems = [m for ref, got in zip(hf_greedy, results) if (m := greedy_mismatch(ref, got, "sglang"))]

@@ -12,24 +12,19 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model_path):
-    from vlmrl.rollout import get_backend
-
-    with get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as started:
-        yield started
+def backend(vllm_qwen3_vl):
+    return vllm_qwen3_vl
 
 
 class TestVLLMQwen3VL(Qwen3VLContract):
     pass
 
 
-def test_config_without_interleaving_gets_the_setting_and_matches_hf(backend, flagless_model_path, hf, batch,
-                                                                     hf_greedy):
+def test_config_without_interleaving_gets_the_setting_and_matches_hf(flagless_model_path, hf, batch, hf_greedy):
     """On a config without `mrope_interleaved` vlmrl starts vLLM with it (hf_overrides): HF's outputs. Started on
     that config as it is (family_engine_settings=false) vLLM drifts from HF, which is what the override prevents."""
     from vlmrl.rollout import get_backend
 
-    backend.close()  # one engine at a time: this module's is not needed any more
     images = [r for r in batch if r.images]
     with get_backend("vllm", flagless_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as fixed:
         results = fixed.generate(batch, GREEDY)
