@@ -73,13 +73,13 @@ def test_hf_vs_sglang_on_videos_is_aligned_and_exact(setup, hf_vs_vllm):
     """Without vlmrl's per-temporal-patch grids SGLang's video features differ from HF's on every row here (1e-3 to
     7e-3 nats per token, over the fp32 mean threshold of 1e-3)."""
     from vlmrl.config import load_config
-    from vlmrl.trainer.validation import run_validation
+    from vlmrl.trainer.validation import validate_with
 
     root, overrides = setup
     _, first, _ = hf_vs_vllm
     config = load_config([*overrides, "trainer.val_only=true", "rollout.name=sglang",
                           f"trainer.output_dir={root / 'run_sglang'}"])
-    sglang = run_validation(config, "sglang", artifact_path=root / "val_sglang.jsonl").artifact_path
+    sglang = validate_with(config, "sglang", artifact_path=root / "val_sglang.jsonl").artifact_path
     out = root / "hf_vs_sglang"
     status = main([str(first / "val_a_hf.jsonl"), str(sglang), "--out", str(out), "--no-html"])
     _assert_exact(status, json.loads((out / "report.json").read_text()))

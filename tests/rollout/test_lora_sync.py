@@ -123,11 +123,11 @@ def base_greedy(hf, requests):
 def given_back(engine, hf, requests, base_greedy):
     """A shared engine (tests/rollout/conftest.py) put back as it was after the test: the base model's weights (the
     HF reference's) and its own sync bucket size; it then gives the base model's greedy outputs again."""
-    bucket_mb = engine.options.sync_bucket_mb
+    bucket_mb = engine.rollout.sync_bucket_mb
     try:
         yield engine
     finally:
-        engine.options.sync_bucket_mb = bucket_mb
+        engine.rollout.sync_bucket_mb = bucket_mb
         engine.update_weights(clone_state(hf.model).items())
     assert_equal_to_hf(engine.generate(requests, GREEDY), base_greedy, f"{engine.name} given back")
 

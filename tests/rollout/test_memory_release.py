@@ -37,15 +37,6 @@ def sleeping(tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(tiny_model_path):
-    """A vLLM engine with the defaults (fp32)."""
-    from vlmrl.rollout import get_backend
-
-    with get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
 def checkpoint(tiny_model_path):
     """The model's own weights, by checkpoint name: a full weight sync."""
     from pathlib import Path
@@ -92,7 +83,8 @@ def test_sleep_level_two_needs_a_weight_sync_before_generating(sleeping, batch, 
     assert [r.response_ids for r in engine.generate(batch, GREEDY)] == [r.response_ids for r in hf_greedy]
 
 
-def test_sleep_mode_is_off_on_cpu_by_default_and_refused_by_vllm_when_asked(tiny_model_path, vllm_engine):
+def test_sleep_mode_is_off_on_cpu_by_default_and_refused_by_vllm_when_asked(tiny_model_path, vllm_qwen2_5_vl):
+    vllm_engine = vllm_qwen2_5_vl  # the shared engine, started with the defaults
     assert not vllm_engine.releases_memory()
     vllm_engine.sleep()  # a no-op, said once in the log
     assert vllm_engine.asleep == () and not vllm_engine.llm.llm_engine.is_sleeping()
