@@ -161,7 +161,7 @@ def test_a_failed_backend_run_exits_2_naming_the_backend_and_its_log(tmp_path, t
     err = capsys.readouterr().err
     assert status == 2
     message = " ".join(err.split())  # the error line is wrapped to the terminal width
-    assert f"side A hf: the validation run exited with status 1; its log: {out / 'val_a_hf.log'}" in message
+    assert f"side A hf: the validation run exited with status 2; its log: {out / 'val_a_hf.log'}" in message
     assert "no prompt column 'prompt'" in (out / "val_a_hf.log").read_text(), "the child's own error is kept"
     assert "[A hf] " in err, "the run's output is shown as it comes"
     assert not (out / "val_b_vllm.log").exists() and not (out / "report.json").exists()

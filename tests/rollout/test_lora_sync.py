@@ -182,7 +182,7 @@ def test_sglang_server_takes_merged_weights_path_a(sglang_server_qwen2_5_vl, hf,
     """The HTTP server cannot serve adapters from vlmrl (no adapter upload on CPU), so `auto` merges; its multimodal
     embedding cache stays ON, so the vision-only sync must still reach images the server has already encoded."""
     with given_back(sglang_server_qwen2_5_vl, hf, requests, base_greedy) as engine:
-        assert engine.options.vlm_cache_size_mb == 100
+        assert engine.rollout.sglang.vlm_cache_size_mb == 100
         assert not engine.serves_adapters()
         check_engine(policy, engine, base_greedy, merged_hf, requests, sync="auto", path="merged")
 
