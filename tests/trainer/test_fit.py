@@ -256,12 +256,14 @@ def test_demo_config_learns_the_synthetic_task(tmp_path, model):
 def test_demo_recipe_learns_the_video_task(tmp_path):
     """The demo's recipe on the synthetic last_colour video task (the shape changes colour halfway; both colours are
     in the video, so the frames' order decides): validation accuracy rises >= 0.3 above its step-0 value (chance,
-    0.25, after the random-label warm-up). Measured: 0.25 to step 50, 0.59 at 70, 1.0 from 130."""
+    0.25, after the random-label warm-up). Measured on the demo's 150 steps: 0.25 to step 50, 0.59 at 70, 1.0 from
+    130; so 100 steps show the rise with margin (on 64 validation rows: chance is still 0.25, +0.3 is 19 rows more)."""
     backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
     out = tmp_path / "video"
     fit(load_config(["config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic.yaml"),
                      "config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic_video.yaml"),
-                     f"rollout.name={backend}", "trainer.total_steps=150", f"trainer.output_dir={out}"]))
+                     f"rollout.name={backend}", "trainer.total_steps=100", "data.synthetic_val_size=64",
+                     f"trainer.output_dir={out}"]))
     curve = [(row["step"], row["val/accuracy"]) for row in read_metrics(out / "metrics.jsonl") if "val/accuracy" in row]
     start = curve[0][1]
     assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"
