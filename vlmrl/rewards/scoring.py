@@ -25,6 +25,7 @@ from vlmrl.rewards.workers import workers_for
 
 if TYPE_CHECKING:  # scoring imports no torch: reward worker processes import this package
     from vlmrl.rewards.config import RewardConfig
+    from vlmrl.rewards.judge import Judge
     from vlmrl.types import RolloutRequest, RolloutResult
 
 logger = logging.getLogger(__name__)
@@ -65,11 +66,12 @@ def response_texts(tokenizer, results: Sequence[RolloutResult]) -> list[str]:
 
 
 def score_texts(reward_fn: RewardFn, requests: Sequence[RolloutRequest], texts: Sequence[str], n: int,
-                config: RewardConfig) -> Scores:
+                config: RewardConfig, judge: Judge | None = None) -> Scores:
     """Score every response text (request-major, n per request) against its request's data_source, ground truth and
     extra_info. A failing reward function, or one overrunning reward.timeout_s, scores 0 with `reward_failed = 1`
     and the run goes on (`vlmrl.rewards.compute_rewards`). With reward.judge.enable the judge scores them too and
-    the two combine (`vlmrl.rewards.judge.combine`: parts rule, judge, judge_failed, judge_cached)."""
+    the two combine (`vlmrl.rewards.judge.combine`: parts rule, judge, judge_failed, judge_cached); `judge`: the
+    one to ask (default: the run's, started for reward.judge on first use)."""
     if len(texts) != n * len(requests):
         raise ValueError(f"{len(texts)} responses for {len(requests)} requests x n={n}: scoring needs n per request")
     items = [RewardInput.from_request(requests[i // n], text) for i, text in enumerate(texts)]
@@ -78,7 +80,7 @@ def score_texts(reward_fn: RewardFn, requests: Sequence[RolloutRequest], texts: 
     if config.judge.enable:
         from vlmrl.rewards.judge import combine, judge_for
 
-        verdicts = judge_for(config.judge).score(requests, texts, n)
+        verdicts = (judge or judge_for(config.judge)).score(requests, texts, n)
         values, parts = combine(values, parts, verdicts, n, config.judge.weight)
         failures = sum(part[FAILED_KEY] > 0 for part in parts)
     return Scores(values, parts, failures)
