@@ -8,6 +8,7 @@ from __future__ import annotations
 import doctest
 import socket
 import time
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -80,6 +81,15 @@ def test_a_valid_judge_config_loads():
 ])
 def test_invalid_judge_settings_are_refused_at_load_saying_what_to_change(extra, message):
     assert message in problems_of(*extra)
+
+
+def test_the_demo_overlay_loads_on_the_cpu_demo():
+    configs = Path(__file__).resolve().parents[2] / "examples" / "configs"
+    config = load_config([f"config={configs / 'tiny_synthetic.yaml'}",
+                          f"config={configs / 'tiny_synthetic_judge.yaml'}"])
+    judge = config.reward.judge
+    assert judge.enable and judge.mode == "logprobs" and judge.server.model_path == "tiny" and judge.weight == 0.5
+    assert config.reward.function == "synthetic"
 
 
 def test_a_judge_only_reward_is_reward_function_none_with_weight_one():

@@ -108,17 +108,17 @@ class JudgeStats:
 
 
 def parse_rating(reply: str, pattern: str, choices: dict[str, float], score_range: Sequence[float]) -> float:
-    """generate mode's score of a reply: the LAST match of `pattern` (a judge may quote the format before it gives
+    r"""generate mode's score of a reply: the LAST match of `pattern` (a judge may quote the format before it gives
     its own rating), one of `choices` (case-insensitive), else a number mapped from `score_range` to [0, 1].
 
-    >>> parse_rating("Partly right. Rating: [[7]]", r"\\[\\[\\s*([^\\[\\]]+?)\\s*\\]\\]", {}, [0, 10])
+    >>> parse_rating("Partly right. Rating: [[7]]", r"\[\[\s*([^\[\]]+?)\s*\]\]", {}, [0, 10])
     0.7
-    >>> parse_rating("Verdict: \\\\boxed{True}", r"\\\\boxed\\{(\\w+)\\}", {"True": 1.0, "False": 0.0}, [0, 1])
+    >>> parse_rating(r"Verdict: \boxed{True}", r"\\boxed\{(\w+)\}", {"True": 1.0, "False": 0.0}, [0, 1])
     1.0
-    >>> parse_rating("It looks fine to me.", r"\\[\\[(.+?)\\]\\]", {}, [0, 10])
+    >>> parse_rating("It looks fine to me.", r"\[\[(.+?)\]\]", {}, [0, 10])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    vlmrl.rewards.judge.JudgeParseError: no match of score_pattern '\\\\[\\\\[(.+?)\\\\]\\\\]' in the reply 'It looks fine to me.'
+    vlmrl.rewards.judge.JudgeParseError: no match of score_pattern ... in the reply 'It looks fine to me.'
     """
     matches = re.findall(pattern, reply)
     if not matches:
@@ -143,12 +143,13 @@ def choice_score(alternatives: Sequence[tuple[str, float]], choices: dict[str, f
     choices (a token counts for a choice when its text, stripped, is the choice's word, case-insensitive):
     sum(p * value) / sum(p), the choices holding at least `min_mass` of the probability.
 
-    >>> choice_score([("Yes", math.log(0.6)), (" yes", math.log(0.1)), ("No", math.log(0.3))], {"Yes": 1, "No": 0}, 0.5)
+    >>> yes_no = {"Yes": 1.0, "No": 0.0}
+    >>> choice_score([("Yes", math.log(0.6)), (" yes", math.log(0.1)), ("No", math.log(0.3))], yes_no, 0.5)
     0.7
-    >>> choice_score([("Maybe", math.log(0.9)), ("No", math.log(0.05))], {"Yes": 1, "No": 0}, 0.5)
+    >>> choice_score([("Maybe", math.log(0.9)), ("No", math.log(0.05))], yes_no, 0.5)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    vlmrl.rewards.judge.JudgeParseError: the choices ['No', 'Yes'] hold 0.05 of the first token's probability (< min_choice_mass 0.5); its top alternatives: [('Maybe', 0.9), ('No', 0.05)]
+    vlmrl.rewards.judge.JudgeParseError: the choices ['No', 'Yes'] hold 0.05 of the first token's probability ...
     """
     lowered = {word.lower(): float(value) for word, value in choices.items()}
     mass = weighted = 0.0

@@ -49,6 +49,11 @@ class JudgeServer:
         self.url = f"http://{_connect_host(config.host)}:{port}"
         self.log_path = config.log_file or os.path.join(tempfile.gettempdir(), f"vlmrl-judge-{port}.log")
         on_cuda = _on_cuda(config)
+        if on_cuda and not config.cuda_visible_devices:
+            logger.warning("judge: the server starts on the GPU(s) this process sees, taking %.0f%% of their memory "
+                           "beside the rollout engine and the actor: give it its own with "
+                           "reward.judge.server.cuda_visible_devices (or lower server.gpu_memory_utilization)",
+                           100 * config.gpu_memory_utilization)
         command = [sys.executable, "-m", *server_command(config, self.model_path, port, seed=seed,
                                                           top_logprobs=top_logprobs, on_cuda=on_cuda)]
         env = {**os.environ, **server_env(config, on_cuda)}
