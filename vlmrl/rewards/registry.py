@@ -3,6 +3,7 @@
 Specs:
   - ``""`` or ``"auto"``: per sample by its data_source (`synthetic/...` -> synthetic; geometry3k -> geo3k).
   - ``"geo3k"``, ``"synthetic"``: that built-in for every sample.
+  - ``"none"``: no rule reward (every sample scores 0), for a judge-only reward (reward.judge, weight 1).
   - ``"path/to/file.py:function"``: a function loaded from a file (by path, not from sys.path), or
     ``"package.module:function"`` for an importable module. It must take verl's keyword arguments
     (data_source, solution_str, ground_truth, extra_info); see `vlmrl.rewards.base`.
@@ -21,8 +22,20 @@ from typing import Any
 
 from vlmrl.rewards import geo3k, synthetic
 from vlmrl.rewards.base import RewardFn
+from vlmrl.rewards.config import NO_RULE
 
-BUILTINS: dict[str, RewardFn] = {"geo3k": geo3k.compute_score, "synthetic": synthetic.compute_score}
+
+def no_rule_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """reward.function=none: every sample's rule score is 0 (the judge gives the reward).
+
+    >>> no_rule_reward("captions", "a red square", None)
+    0.0
+    """
+    return 0.0
+
+
+BUILTINS: dict[str, RewardFn] = {"geo3k": geo3k.compute_score, "synthetic": synthetic.compute_score,
+                                 NO_RULE: no_rule_reward}
 AUTO = ("", "auto")
 GEO3K_SOURCES = ("hiyouga/geometry3k", "geometry3k", "geo3k")
 USER_MODULE_PREFIX = "vlmrl_user_reward_"

@@ -8,6 +8,8 @@ validation both score this way), in this process without a time limit or in rewa
 
 Every sample gets a score and the same named parts; failures and timeouts are flagged (`reward_failed`,
 `reward_timeout`), counted and logged once per batch (see `vlmrl.rewards.base` for what a reward function is).
+With reward.judge.enable a judge model scores every response too, and the reward is (1 - weight) * rule +
+weight * judge (`vlmrl.rewards.judge`; a sample the judge fails on is flagged and counted as a failure too).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from vlmrl.rewards.workers import workers_for
 
 if TYPE_CHECKING:  # scoring imports no torch: reward worker processes import this package
     from vlmrl.rewards.config import RewardConfig
+    from vlmrl.rewards.judge import Judge
     from vlmrl.types import RolloutRequest, RolloutResult
 
 logger = logging.getLogger(__name__)
@@ -37,15 +40,22 @@ class Scores:
     parts: list[dict[str, float]]
     """Each response's named reward parts plus `reward_failed` (and `reward_timeout` under a time limit)."""
     failures: int
-    """Responses whose reward function failed or overran reward.timeout_s (timeouts included)."""
+    """Responses whose reward function failed or overran reward.timeout_s (timeouts included), or that the judge
+    failed to score."""
 
 
 def load_reward_fn(config: RewardConfig, data_sources: Iterable[str]) -> RewardFn:
     """The run's reward function (reward.function). With reward.timeout_s its worker processes start now, so a
-    function that cannot run in a worker stops the run here rather than after the first rollout."""
+    function that cannot run in a worker stops the run here rather than after the first rollout; with
+    reward.judge.enable the judge starts now too (its server launched, or the given URL checked to answer), so an
+    unusable judge stops the run before training."""
     reward_fn = get_reward_fn(config.function, data_sources)
     if config.timeout_s:
         workers_for(reward_fn, config.num_workers)
+    if config.judge.enable:
+        from vlmrl.rewards.judge import judge_for
+
+        judge_for(config.judge)
     return reward_fn
 
 
@@ -56,15 +66,23 @@ def response_texts(tokenizer, results: Sequence[RolloutResult]) -> list[str]:
 
 
 def score_texts(reward_fn: RewardFn, requests: Sequence[RolloutRequest], texts: Sequence[str], n: int,
-                config: RewardConfig) -> Scores:
+                config: RewardConfig, judge: Judge | None = None) -> Scores:
     """Score every response text (request-major, n per request) against its request's data_source, ground truth and
     extra_info. A failing reward function, or one overrunning reward.timeout_s, scores 0 with `reward_failed = 1`
-    and the run goes on (`vlmrl.rewards.compute_rewards`)."""
+    and the run goes on (`vlmrl.rewards.compute_rewards`). With reward.judge.enable the judge scores them too and
+    the two combine (`vlmrl.rewards.judge.combine`: parts rule, judge, judge_failed, judge_cached); `judge`: the
+    one to ask (default: the run's, started for reward.judge on first use)."""
     if len(texts) != n * len(requests):
         raise ValueError(f"{len(texts)} responses for {len(requests)} requests x n={n}: scoring needs n per request")
     items = [RewardInput.from_request(requests[i // n], text) for i, text in enumerate(texts)]
     values, parts, failures = compute_rewards(reward_fn, items, timeout_s=config.timeout_s,
                                               num_workers=config.num_workers)
+    if config.judge.enable:
+        from vlmrl.rewards.judge import combine, judge_for
+
+        verdicts = (judge or judge_for(config.judge)).score(requests, texts, n)
+        values, parts = combine(values, parts, verdicts, n, config.judge.weight)
+        failures = sum(part[FAILED_KEY] > 0 for part in parts)
     return Scores(values, parts, failures)
 
 

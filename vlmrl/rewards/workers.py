@@ -244,12 +244,16 @@ def workers_for(fn: RewardFn, num_workers: int) -> RewardWorkers:
 
 
 def close_reward_workers() -> None:
-    """Stops the reward worker processes, if any (the next limited scoring starts new ones)."""
+    """Stops the reward worker processes, if any (the next limited scoring starts new ones), and the judge
+    (reward.judge, with the server vlmrl launched for it) when one was started: what a run's reward holds."""
     global _pool
     with _pool_lock:
         if _pool is not None:
             _pool.close()
             _pool = None
+    judge = sys.modules.get("vlmrl.rewards.judge")  # only a run that started a judge imported it
+    if judge is not None:
+        judge.close_judge()
 
 
 atexit.register(close_reward_workers)
