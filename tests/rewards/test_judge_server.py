@@ -123,6 +123,7 @@ def test_scoring_combines_the_judge_with_the_synthetic_rule_and_closes_it_with_t
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.full  # a variant: the second engine as the judge; make test runs the SGLang judge
 def test_a_vllm_judge_server_gives_the_sglang_judges_scores(server, tiny_model_path, requests_):
     """The same requests to both engines (fp32, logprobs after the logit bias) give the same scores."""
     vllm_server = launch_judge_server(JudgeServerConfig(model_path=tiny_model_path, engine="vllm",

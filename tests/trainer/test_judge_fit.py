@@ -52,6 +52,10 @@ def test_the_judge_demo_trains_with_a_launched_judge_and_its_scores_reach_the_me
     assert judge_module._judge is None and not judge_servers(), "the run ends its judge server"
 
 
+# A variant (marker `full`, make test-all): the failure counting itself runs in make test on a real server
+# (tests/rewards/test_judge_server.py: free text that gives no score fails every sample, counted) and on a closed
+# port (tests/rewards/test_judge.py); this one shows a whole run going on through it.
+@pytest.mark.full
 def test_a_judge_that_gives_no_score_fails_every_sample_counted_and_the_run_goes_on(tiny_model_path, tmp_path):
     rule = tmp_path / "length_reward.py"  # a rule reward that is not 0 on an untrained policy
     rule.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
