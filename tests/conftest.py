@@ -50,8 +50,15 @@ def tiny_qwen3_vl_path() -> str:
     return str(ensure_built("tiny-qwen3-vl"))
 
 
-TINY_FAMILIES = ("tiny", "tiny-qwen3-vl")
-"""One embedded model per supported family: Qwen2.5-VL and Qwen3-VL."""
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_path() -> str:
+    from vlmrl.models import ensure_built
+
+    return str(ensure_built("tiny-qwen3.5"))
+
+
+TINY_FAMILIES = ("tiny", "tiny-qwen3-vl", "tiny-qwen3.5")
+"""One embedded model per supported family: Qwen2.5-VL, Qwen3-VL and Qwen3.5."""
 
 
 @pytest.fixture(scope="session", params=TINY_FAMILIES)

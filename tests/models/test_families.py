@@ -16,6 +16,7 @@ import vlmrl.models.families
 from vlmrl.models.families import (
     FAMILIES,
     QWEN2_5_VL,
+    QWEN3_5,
     QWEN3_VL,
     family_for_path,
     family_of,
@@ -30,18 +31,19 @@ def test_doctests():
 
 
 @pytest.fixture(scope="module")
-def built(tiny_model_path, tiny_qwen3_vl_path):
-    """{family name: (folder, model)} for the two embedded models."""
+def built(tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path):
+    """{family name: (folder, model)} for the embedded models."""
     from transformers import AutoModelForImageTextToText
 
     return {family_for_path(path).name: (Path(path), AutoModelForImageTextToText.from_pretrained(path,
                                                                                                    dtype=torch.float32))
-            for path in (tiny_model_path, tiny_qwen3_vl_path)}
+            for path in (tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path)}
 
 
-def test_each_embedded_model_has_its_family(tiny_model_path, tiny_qwen3_vl_path):
+def test_each_embedded_model_has_its_family(tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path):
     assert family_for_path(tiny_model_path) is QWEN2_5_VL
     assert family_for_path(tiny_qwen3_vl_path) is QWEN3_VL
+    assert family_for_path(tiny_qwen3_5_path) is QWEN3_5
     # a transformers config object and config.json as a dict give the same answer
     from transformers import AutoConfig
 
@@ -52,7 +54,7 @@ def test_each_embedded_model_has_its_family(tiny_model_path, tiny_qwen3_vl_path)
 
 def test_an_unsupported_model_is_refused_naming_it_and_the_supported_ones(tmp_path):
     with pytest.raises(ValueError, match=r"architecture LlavaForConditionalGeneration is not supported; vlmrl "
-                                         r"handles Qwen2.5-VL \(qwen2_vl / qwen2_5_vl\) and Qwen3-VL \(qwen3_vl\)"):
+                                         r"handles Qwen2.5-VL \(qwen2_vl / qwen2_5_vl\), Qwen3-VL \(qwen3_vl\) and Qwen3.5 \(qwen3_5\)"):
         family_of({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"]})
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl_moe"}))
     with pytest.raises(ValueError, match=f"{tmp_path}: architecture model_type='qwen3_vl_moe' is not supported"):
@@ -120,3 +122,55 @@ def test_transformers_interleaves_qwen3_vl_mrope_whatever_the_config_says(tiny_q
         a = flagged(input_ids=ids, position_ids=positions).logits
         b = unflagged(input_ids=ids, position_ids=positions).logits
     assert torch.equal(a, b)
+
+
+def test_linear_attention_names_the_gated_deltanet_mixers_and_their_projections(built):
+    """The packed forward finds the Qwen3.5 layers that carry state by `linear_attention`, LoRA their projections by
+    `linear_attention_projections`: every one is a Linear of each such mixer, and together they are all of them."""
+    _, model = built["Qwen3.5"]
+    layers = model.model.language_model.layers
+    mixers = [getattr(layer, QWEN3_5.linear_attention) for layer in layers if hasattr(layer, QWEN3_5.linear_attention)]
+    assert [type(m).__name__ for m in mixers] == ["Qwen3_5GatedDeltaNet"] * 2
+    for mixer in mixers:
+        linears = {n for n, m in mixer.named_modules() if isinstance(m, torch.nn.Linear)}
+        assert linears == set(QWEN3_5.linear_attention_projections)
+    assert all(f.linear_attention is None for f in (QWEN2_5_VL, QWEN3_VL))
+
+
+def test_a_qwen3_5_config_sglang_would_build_other_layers_from_is_an_engine_problem(tiny_qwen3_5_path):
+    """SGLang builds a Qwen3.5's layers from full_attention_interval alone, transformers and vLLM from layer_types:
+    missing, the interval is an SGLang problem that the override settles; layer_types no interval can express are
+    one it cannot settle."""
+    good = read_model_config(tiny_qwen3_5_path)
+    assert QWEN3_5.engine_problems(good) == [] and QWEN3_5.engine_overrides(good) == {}
+    missing = copy.deepcopy(good)
+    del missing["text_config"]["full_attention_interval"]
+    assert QWEN3_5.engine_problems(missing, "vllm") == []
+    (problem,) = QWEN3_5.engine_problems(missing, "sglang")
+    assert "full_attention_interval=None where its layer_types say 3" in problem
+    assert QWEN3_5.engine_overrides(missing) == {"text_config": {"full_attention_interval": 3}}
+    odd = copy.deepcopy(good)
+    odd["text_config"]["layer_types"] = ["full_attention", "linear_attention", "linear_attention"]
+    (problem,) = QWEN3_5.engine_problems(odd, "sglang-server")
+    assert "no full_attention_interval can express" in problem
+
+
+def test_a_qwen3_5_config_without_interleaving_gets_the_flag_where_each_engine_reads_it(tiny_qwen3_5_path):
+    bad = read_model_config(tiny_qwen3_5_path)
+    del bad["text_config"]["rope_parameters"]["mrope_interleaved"]
+    assert len(QWEN3_5.engine_problems(bad)) == 1
+    text = QWEN3_5.engine_overrides(bad)["text_config"]
+    assert text["rope_parameters"]["mrope_interleaved"] is True and text["rope_scaling"] == text["rope_parameters"]
+    assert text["rope_parameters"]["partial_rotary_factor"] == 0.25
+
+
+def test_cpu_engine_problems_name_the_dtype_and_head_size_vllm_takes(tiny_qwen3_5_path):
+    config = read_model_config(tiny_qwen3_5_path)
+    assert QWEN3_5.cpu_engine_problems(config, "vllm", "bfloat16") == []
+    (dtype,) = QWEN3_5.cpu_engine_problems(config, "sglang", "float32")
+    assert "rollout.dtype=bfloat16 or auto" in dtype
+    small = copy.deepcopy(config)
+    small["text_config"]["linear_key_head_dim"] = 32
+    assert QWEN3_5.cpu_engine_problems(small, "sglang", "bfloat16") == []
+    (head,) = QWEN3_5.cpu_engine_problems(small, "vllm", "bfloat16")
+    assert "{'linear_key_head_dim': 32}" in head

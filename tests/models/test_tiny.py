@@ -1,5 +1,5 @@
-"""The embedded tiny models (Qwen2.5-VL `tiny`, Qwen3-VL `tiny-qwen3-vl`): deterministic rebuild, Auto-class loading,
-HF generate on a chat with an image."""
+"""The embedded tiny models (Qwen2.5-VL `tiny`, Qwen3-VL `tiny-qwen3-vl`, Qwen3.5 `tiny-qwen3.5`): deterministic
+rebuild, Auto-class loading, HF generate on a chat with an image."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def file_digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl", "tiny-qwen3.5"])
 def test_rebuild_is_byte_identical(tmp_path, variant):
     a = file_digests(build(tmp_path / "a", variant))
     b = file_digests(build(tmp_path / "b", variant))
@@ -131,6 +131,44 @@ def test_tiny_qwen3_vl_loads_with_auto_classes_and_generates_on_image_chat(tiny_
     assert 1 <= out.shape[1] - inputs["input_ids"].shape[1] <= 8
     assert torch.equal(out, model.generate(**inputs, max_new_tokens=8, do_sample=False))
     other = processor(text=[text], images=[Image.new("RGB", (128, 96), (255, 0, 0))], return_tensors="pt")
+    with torch.no_grad():
+        assert not torch.allclose(model(**inputs).logits[0, -1], model(**other).logits[0, -1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_qwen3_5_loads_with_auto_classes_and_generates_on_image_chat(tiny_qwen3_5_path, dtype):
+    """The Qwen3.5 build: transformers' own Qwen3.5 classes with Qwen3-VL's processor (16 px patches, mean/std 0.5),
+    the hybrid layers [Gated DeltaNet, Gated DeltaNet, full attention] with the full_attention_interval SGLang reads,
+    linear-attention heads of 128 (vLLM's CPU kernel takes no other size), interleaved mrope flagged for the engines,
+    no deepstack. It generates with an image in float32 and in bfloat16 (the engines' dtype on CPU) through
+    transformers' PyTorch fallbacks of the causal conv1d and gated delta rule kernels."""
+    import json
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_qwen3_5_path)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_5_path, dtype=dtype).eval()
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert type(processor).__name__ == "Qwen3VLProcessor" and processor.image_processor.patch_size == 16
+    text_config = json.loads((Path(tiny_qwen3_5_path) / "config.json").read_text())["text_config"]
+    assert text_config["layer_types"] == ["linear_attention", "linear_attention", "full_attention"]
+    assert text_config["full_attention_interval"] == 3
+    assert text_config["linear_key_head_dim"] == text_config["linear_value_head_dim"] == 128
+    assert text_config["rope_parameters"]["mrope_interleaved"] is True
+    assert [type(layer.linear_attn).__name__ for layer in model.model.language_model.layers[:2]] == [
+        "Qwen3_5GatedDeltaNet"] * 2
+    assert not hasattr(model.model.visual, "deepstack_merger_list")
+    assert 1.0e6 < sum(p.numel() for p in model.parameters()) < 1.4e6
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[_gradient_image(128, 96)], return_tensors="pt")
+    inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    assert inputs["image_grid_thw"].tolist() == [[1, 6, 8]]
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] - inputs["input_ids"].shape[1] == 8
+    assert torch.equal(out, model.generate(**inputs, max_new_tokens=8, do_sample=False))
+    other = processor(text=[text], images=[Image.new("RGB", (128, 96), (255, 0, 0))], return_tensors="pt")
+    other["pixel_values"] = other["pixel_values"].to(dtype)
     with torch.no_grad():
         assert not torch.allclose(model(**inputs).logits[0, -1], model(**other).logits[0, -1])
 

@@ -1,4 +1,4 @@
-"""Qwen3-VL video: each temporal patch of 2 frames is `<x.x seconds><|vision_start|>` + its pads + `<|vision_end|>`
+"""Qwen3-VL (and Qwen3.5, which takes video the same way) video: each temporal patch of 2 frames is `<x.x seconds><|vision_start|>` + its pads + `<|vision_end|>`
 in the text, its grid is split per temporal patch for the position ids, and the frames fit the model's video
 processor bounds (pixels of all frames together). vlmrl's expanded ids, pixel values, grids and position ids equal
 transformers' Qwen3VLProcessor / get_rope_index on the same sampled frames."""
@@ -18,6 +18,14 @@ from vlmrl.processors.video import encode_mp4
 
 NUM_GENERATED_CASES = 36
 PADDINGS = ("left", "none", "right", "left")
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen3.5"])
+def tiny_qwen3_vl_path(request) -> str:
+    """Each embedded family whose videos carry timestamps in the text, in turn (the module's name is Qwen3-VL's)."""
+    from vlmrl.models import ensure_built
+
+    return str(ensure_built(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +120,7 @@ def test_too_many_frames_for_the_bounds_name_the_row(tiny_qwen3_vl_path):
 def test_expanding_without_the_videos_is_an_error(processor):
     request = processor.build_request(generate_rows("motion", 1, 0, "val")[0], 0)
     grid = processor.multi_modal_inputs(request)["video_grid_thw"]
-    with pytest.raises(ValueError, match="Qwen3-VL videos expand with their timestamps"):
+    with pytest.raises(ValueError, match=f"{processor.family.name} videos expand with their timestamps"):
         processor.expand_prompt_ids(request.prompt_ids, None, grid)
 
 

@@ -1,4 +1,4 @@
-"""The processor on the embedded Qwen3-VL: what differs from Qwen2.5-VL (16 px patches, so sides are multiples of
+"""The processor on the embedded Qwen3-VL (and Qwen3.5, whose processor is Qwen3-VL's): what differs from Qwen2.5-VL (16 px patches, so sides are multiples of
 32; the model's own pixel bounds and mean/std 0.5) comes from the model's preprocessor config, and the requests and
 trainer inputs agree with what transformers' Qwen3VLProcessor makes of the same chat."""
 
@@ -13,13 +13,21 @@ from vlmrl.data.config import DataConfig
 from vlmrl.processors import load_processor
 
 
+@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen3.5"])
+def tiny_qwen3_vl_path(request) -> str:
+    """Each embedded family with Qwen3-VL's processor, in turn."""
+    from vlmrl.models import ensure_built
+
+    return str(ensure_built(request.param))
+
+
 @pytest.fixture(scope="module")
 def processor(tiny_qwen3_vl_path):
     return load_processor(tiny_qwen3_vl_path)
 
 
 def test_the_family_factor_and_bounds_are_the_models(processor):
-    assert processor.family.name == "Qwen3-VL"
+    assert processor.family.name in ("Qwen3-VL", "Qwen3.5")
     assert (processor.patch_size, processor.spatial_merge_size, processor.image_factor) == (16, 2, 32)
     # the tiny Qwen3-VL's preprocessor bounds (the released models': 65536..16777216), not Qwen2.5-VL's constants
     assert (processor.min_pixels, processor.max_pixels) == (32 * 32 * 4, 32 * 32 * 16)

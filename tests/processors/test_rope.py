@@ -1,5 +1,6 @@
 """mrope position ids: equal to transformers' get_rope_index on generated batches and real requests, for both embedded
-families (Qwen2.5-VL's `Qwen2_5_VLModel.get_rope_index` and Qwen3-VL's `Qwen3VLModel.get_rope_index`)."""
+families (Qwen2.5-VL's `Qwen2_5_VLModel.get_rope_index`, Qwen3-VL's `Qwen3VLModel.get_rope_index` and Qwen3.5's
+`Qwen3_5Model.get_rope_index`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ PLACEMENTS = ("first", "middle", "last")
 PADDINGS = ("left", "left", "right", "none")
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3-vl"])
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3-vl", "tiny-qwen3.5"])
 def model_path(request):
     from vlmrl.models import ensure_built
 

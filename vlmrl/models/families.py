@@ -1,10 +1,11 @@
 """What vlmrl must know about each supported model family, in one place.
 
-A `ModelFamily` holds the facts that differ between Qwen2-VL / Qwen2.5-VL and Qwen3-VL and that more than one
-component needs: the checkpoint layout the engines load (weight sync renames the trainer's parameters into it), the
-engine settings without which vLLM and SGLang compute something other than transformers, and where the vision
-tower, its merger and (Qwen3-VL) its deepstack mergers sit in the model. Code elsewhere asks the family of the model
-it holds (`family_of(config)`) instead of testing model types itself.
+A `ModelFamily` holds the facts that differ between Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Qwen3.5 and that more than
+one component needs: the checkpoint layout the engines load (weight sync renames the trainer's parameters into it),
+the engine settings without which vLLM and SGLang compute something other than transformers (or do not start), where
+the vision tower, its merger and (Qwen3-VL) its deepstack mergers sit in the model, and (Qwen3.5) which decoder
+layers are linear attention. Code elsewhere asks the family of the model it holds (`family_of(config)`) instead of
+testing model types itself.
 
 Image sizing facts (patch size, merge size, pixel bounds) are not here: they are read from the model's own
 preprocessor config, which is the source the engines read too.
@@ -65,6 +66,25 @@ class ModelFamily:
     split grids its tower attends per temporal patch; its own position ids would then read t separate videos, so
     vlmrl sends the prompt's mrope positions (the trainer's) with them."""
 
+    linear_attention: str | None = None
+    """Attribute of the decoder layers whose token mixer is linear attention (Qwen3.5's Gated DeltaNet,
+    `linear_attn`); None = every layer attends. Such a layer carries a recurrent state and a causal convolution from
+    token to token: a packed forward must restart both at every row (`vlmrl.actor.packing`), and LoRA adapts its
+    projections (`linear_attention_projections`)."""
+    linear_attention_projections: tuple[str, ...] = ()
+    """The Linear layers of a linear-attention mixer (transformers-5 names): what LoRA adapts there."""
+    cpu_engine_dtype: str | None = None
+    """The one dtype vLLM and SGLang run this family in on CPU (None: any). Qwen3.5: bfloat16, since vLLM's CPU Gated
+    DeltaNet op asserts it ("CPU GDN attention requires BF16"). rollout.dtype=auto then means it on CPU, for every
+    backend of the run (the hf reference too, so that a comparison is of one dtype); float32 is refused."""
+    cpu_linear_head_dim: int | None = None
+    """The only linear-attention key / value head size vLLM's CPU kernel takes (128, as in every released Qwen3.5;
+    32 fails with "Unexpected head dim size"); None: no such limit."""
+    sglang_cpu_args: tuple[tuple[str, Any], ...] = ()
+    """SGLang server arguments this family needs on CPU. Qwen3.5: `mamba_radix_cache_strategy=no_buffer` (the
+    default extra_buffer needs Mamba cache-state snapshots, which the CPU platform lacks) and, because no_buffer
+    refuses it, `disable_overlap_schedule`."""
+
     @property
     def timestamps_in_text(self) -> bool:
         """A video's timing is `<x.x seconds>` text per temporal patch, its grid split per temporal patch
@@ -86,13 +106,17 @@ class ModelFamily:
                 return saved + name[len(memory):]
         return name
 
-    def engine_problems(self, model_config: Mapping[str, Any]) -> list[str]:
+    def engine_problems(self, model_config: Mapping[str, Any], backend: str | None = None) -> list[str]:
         """Why vLLM / SGLang started on this config would compute something other than transformers (empty: none).
+        `backend` (vllm, sglang, sglang-server): that engine's problems only; None: either engine's.
 
-        A config named here is refused before any engine starts: both engines would agree with each other and
-        silently disagree with the trainer's logprobs.
+        vlmrl starts the engines with `engine_overrides`, which settle these where the config allows; an engine
+        with a problem left after them is refused before it starts, and a server given by URL is checked for them:
+        both engines would otherwise silently disagree with the trainer's logprobs (or with each other).
         """
         problems = []
+        if self.linear_attention is not None and (backend is None or backend.startswith("sglang")):
+            problems += _attention_interval_problems(self.name, model_config)
         if self.interleaved_mrope and not mrope_interleaved(model_config):
             problems.append(
                 f"{self.name} config without `mrope_interleaved: true` in text_config.rope_parameters (or "
@@ -122,15 +146,54 @@ class ModelFamily:
         >>> QWEN2_5_VL.engine_overrides({"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}})
         {}
         """
-        if not (self.interleaved_mrope and not mrope_interleaved(model_config)):
-            return {}
+        overrides: dict[str, Any] = {}
         text = model_config.get("text_config") or model_config
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-        if "rope_theta" not in rope and "rope_theta" in text:
-            rope["rope_theta"] = text["rope_theta"]
-        rope["mrope_interleaved"] = True
-        return {"text_config": {"rope_parameters": rope}, "rope_parameters": rope} if "text_config" in model_config \
-            else {"rope_parameters": rope}
+        nested = "text_config" in model_config
+        if self.interleaved_mrope and not mrope_interleaved(model_config):
+            rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+            if "rope_theta" not in rope and "rope_theta" in text:
+                rope["rope_theta"] = text["rope_theta"]
+            rope["mrope_interleaved"] = True
+            overrides = {"text_config": {"rope_parameters": rope}, "rope_parameters": rope} if nested \
+                else {"rope_parameters": rope}
+            if self.linear_attention is not None:
+                # sglang's Qwen3.5 text config reads the rope from `rope_scaling` (it copies rope_parameters there
+                # when it is built, before any override)
+                overrides["text_config"]["rope_scaling"] = rope
+        interval = attention_interval(text)
+        if self.linear_attention is not None and interval is not None \
+                and text.get("full_attention_interval") != interval:
+            overrides.setdefault("text_config", {})["full_attention_interval"] = interval
+        return overrides
+
+    def cpu_engine_problems(self, model_config: Mapping[str, Any], backend: str, dtype: str) -> list[str]:
+        """Why `backend` (vllm, sglang, sglang-server) cannot run this config in `dtype` on a CPU (empty: it can).
+
+        >>> QWEN3_5.cpu_engine_problems({"text_config": {"linear_key_head_dim": 128,
+        ...     "linear_value_head_dim": 128}}, "vllm", "float32")[0][:62]
+        'Qwen3.5 runs in bfloat16 on CPU engines (vLLM asserts "CPU GDN'
+        >>> QWEN3_5.cpu_engine_problems({"text_config": {"linear_key_head_dim": 32}}, "vllm", "bfloat16")[0][:46]
+        'vllm on CPU takes linear-attention heads of 12'
+        >>> QWEN3_VL.cpu_engine_problems({}, "vllm", "float32")
+        []
+        """
+        problems = []
+        if self.cpu_engine_dtype is not None and dtype != self.cpu_engine_dtype:
+            problems.append(
+                f"{self.name} runs in {self.cpu_engine_dtype} on CPU engines (vLLM asserts \"CPU GDN attention "
+                f"requires BF16\"; SGLang's CPU kernels are its twins): got dtype={dtype}. Set rollout.dtype="
+                f"{self.cpu_engine_dtype} or auto, and compare with the hf reference in the same dtype")
+        text = model_config.get("text_config") or model_config
+        if backend == "vllm" and self.cpu_linear_head_dim is not None:
+            sizes = {key: text.get(key, self.cpu_linear_head_dim)
+                     for key in ("linear_key_head_dim", "linear_value_head_dim")}
+            wrong = {key: size for key, size in sizes.items() if size != self.cpu_linear_head_dim}
+            if wrong:
+                problems.append(
+                    f"vllm on CPU takes linear-attention heads of {self.cpu_linear_head_dim} only (its "
+                    f"chunk_gated_delta_rule_cpu raises \"Unexpected head dim size\"), this config has {wrong}: "
+                    "use the sglang or hf backend, or a GPU")
+        return problems
 
 
 QWEN2_5_VL = ModelFamily(
@@ -159,12 +222,30 @@ QWEN3_VL = ModelFamily(
     video_bounds_per_video=True,
 )
 
-FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL)
+QWEN3_5 = ModelFamily(
+    name="Qwen3.5",
+    model_types=("qwen3_5",),
+    checkpoint_prefixes=(),  # saved as it sits in memory: model.language_model.*, model.visual.*
+    vision_tower="model.visual",
+    vision_mergers=("merger",),  # Qwen3-VL's tower without its deepstack mergers
+    interleaved_mrope=True,
+    sglang_caller_mm_hashes=False,  # SGLang runs it through Qwen3-VL's multimodal path
+    video_timing="timestamps",
+    video_bounds_per_video=True,
+    linear_attention="linear_attn",
+    linear_attention_projections=("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+    cpu_engine_dtype="bfloat16",
+    cpu_linear_head_dim=128,
+    sglang_cpu_args=(("mamba_radix_cache_strategy", "no_buffer"), ("disable_overlap_schedule", True)),
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL, QWEN3_5)
 
 
 def supported() -> str:
-    """'Qwen2.5-VL (qwen2_vl / qwen2_5_vl) and Qwen3-VL (qwen3_vl)', for error messages."""
-    return " and ".join(f"{f.name} ({' / '.join(f.model_types)})" for f in FAMILIES)
+    """'Qwen2.5-VL (qwen2_vl / qwen2_5_vl), Qwen3-VL (qwen3_vl) and Qwen3.5 (qwen3_5)', for error messages."""
+    names = [f"{f.name} ({' / '.join(f.model_types)})" for f in FAMILIES]
+    return ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def family_of(model_config: Mapping[str, Any] | Any) -> ModelFamily:
@@ -209,3 +290,40 @@ def mrope_interleaved(model_config: Mapping[str, Any]) -> bool:
         if isinstance(rope, Mapping) and rope.get("mrope_interleaved"):
             return True
     return False
+
+
+def attention_interval(text_config: Mapping[str, Any]) -> int | None:
+    """The `full_attention_interval` that gives the text config's `layer_types` (every interval-th layer full
+    attention, the others linear), or None when no interval gives them (or the config has none).
+
+    >>> attention_interval({"layer_types": ["linear_attention"] * 3 + ["full_attention"]} )
+    4
+    >>> attention_interval({"layer_types": ["full_attention", "linear_attention"]}) is None
+    True
+    """
+    types = text_config.get("layer_types")
+    if not types:
+        return None
+    interval = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+    expected = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(len(types))]
+    return interval if list(types) == expected else None
+
+
+def _attention_interval_problems(name: str, model_config: Mapping[str, Any]) -> list[str]:
+    """A hybrid config whose `full_attention_interval` is missing or disagrees with its `layer_types`: transformers
+    and vLLM build the layers from layer_types, SGLang from the interval alone (sglang 0.5.23's Qwen3-Next config;
+    without it SGLang does not start)."""
+    text = model_config.get("text_config") or model_config
+    types = text.get("layer_types")
+    if not types:
+        return []
+    interval, given = attention_interval(text), text.get("full_attention_interval")
+    if interval is None:
+        return [f"{name} config whose layer_types {list(types)} no full_attention_interval can express: SGLang builds "
+                "its layers from that interval alone, so it cannot serve this model (vLLM and transformers can)"]
+    if given != interval:
+        return [f"{name} config with full_attention_interval={given!r} where its layer_types say {interval}: "
+                "transformers and vLLM build the layers from layer_types, SGLang from the interval alone (a "
+                f"different model, or no start when it is missing); set \"full_attention_interval\": {interval} in "
+                "text_config"]
+    return []

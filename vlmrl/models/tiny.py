@@ -1,4 +1,4 @@
-"""The embedded models: tiny random-init Qwen2.5-VL and Qwen3-VL built locally, without any hub access.
+"""The embedded models: tiny random-init Qwen2.5-VL, Qwen3-VL and Qwen3.5 built locally, without any hub access.
 
 `build(out_dir)` writes tokenizer, chat template, image processor, config, generation config and safetensors
 weights. Rebuilding gives byte-identical files on any machine with the same torch/transformers: the tokenizer files
@@ -11,6 +11,10 @@ Variants (pass the name wherever a model path is taken):
   - ``tiny-large``: text hidden 768, 6 layers; vision depth 4, hidden 256 (~50 M params, ~200 MB). Benchmarks.
   - ``tiny-qwen3-vl``: a Qwen3-VL: text hidden 128, 3 layers, head_dim 64, interleaved mrope [12, 10, 10]; vision
     depth 3, patch 16, deepstack mergers at vision layers 0 and 1 (~1.3 M params). Same tokenizer and template.
+  - ``tiny-qwen3.5``: a Qwen3.5: text hidden 128, 3 layers [Gated DeltaNet, Gated DeltaNet, full attention]
+    (full_attention_interval 3), head_dim 64 with partial rotary 0.25 (interleaved mrope [3, 3, 2] over 16 dims),
+    linear attention 1 key / 2 value heads of 128 (the only size vLLM's CPU kernel takes, as in the released
+    models); vision depth 2, patch 16, no deepstack (~1.2 M params). Same tokenizer and template.
 """
 
 from __future__ import annotations
@@ -101,12 +105,39 @@ class TinyQwen3Spec:
     max_pixels: int
 
 
-VARIANTS: dict[str, TinySpec | TinyQwen3Spec] = {
+@dataclass(frozen=True)
+class TinyQwen3_5Spec:
+    text_hidden: int
+    layer_types: tuple[str, ...]
+    """Each decoder layer's token mixer: linear_attention (Gated DeltaNet) or full_attention."""
+    text_heads: int
+    head_dim: int
+    text_intermediate: int
+    partial_rotary_factor: float
+    """Share of head_dim that rotary embeddings turn (0.25 in the released models)."""
+    mrope_section: tuple[int, int, int]
+    """Sums to head_dim * partial_rotary_factor / 2."""
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_head_dim: int
+    """Key and value head size of the linear-attention layers."""
+    vision_depth: int
+    vision_hidden: int
+    vision_heads: int
+    vision_intermediate: int
+    num_position_embeddings: int
+    min_pixels: int
+    max_pixels: int
+
+
+VARIANTS: dict[str, TinySpec | TinyQwen3Spec | TinyQwen3_5Spec] = {
     "tiny": TinySpec(128, 2, 2, 256, (8, 12, 12), 2, 64, 2, 128, 28 * 28 * 4, 28 * 28 * 16),
     "tiny-large": TinySpec(768, 6, 6, 2048, (16, 24, 24), 4, 256, 4, 512, 28 * 28 * 4, 28 * 28 * 64),
     # Qwen3-VL's factor is 32 (patch 16 x merge 2): 4..16 merged tokens per image, as for `tiny`
     "tiny-qwen3-vl": TinyQwen3Spec(128, 3, 2, 64, 256, (12, 10, 10), 3, 64, 2, 128, (0, 1), 64,
                                    32 * 32 * 4, 32 * 32 * 16),
+    "tiny-qwen3.5": TinyQwen3_5Spec(128, ("linear_attention", "linear_attention", "full_attention"), 2, 64, 256,
+                                    0.25, (3, 3, 2), 1, 2, 128, 2, 64, 2, 128, 64, 32 * 32 * 4, 32 * 32 * 16),
 }
 
 
@@ -132,7 +163,8 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
-    """A local model folder for `name_or_path`: an embedded name (`tiny`, `tiny-qwen3-vl`...) built once; a local folder as it is; a hub id
+    """A local model folder for `name_or_path`: an embedded name (`tiny`, `tiny-qwen3-vl`, `tiny-qwen3.5`...) built
+    once; a local folder as it is; a hub id
     (`Qwen/Qwen2.5-VL-7B-Instruct`) downloaded once into the Hugging Face cache (safetensors only; with
     HF_HUB_OFFLINE=1 the cached copy). Anything else raises FileNotFoundError naming it."""
     name = str(name_or_path)
@@ -208,7 +240,9 @@ def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tok = _build_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    if isinstance(spec, TinyQwen3Spec):
+    if isinstance(spec, TinyQwen3_5Spec):
+        _build_qwen3_5(out, spec, tok, ids)
+    elif isinstance(spec, TinyQwen3Spec):
         _build_qwen3_vl(out, spec, tok, ids)
     else:
         _build_qwen2_5_vl(out, spec, tok, ids)
@@ -317,6 +351,51 @@ def _build_qwen3_vl(out: Path, spec: TinyQwen3Spec, tok, ids: dict[str, int]) ->
     )
     _save_seeded(Qwen3VLForConditionalGeneration, config, out)
     # the released Qwen3-VL processors normalise with mean = std = 0.5
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
+                                               patch_size=16, temporal_patch_size=2, merge_size=2,
+                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    video_processor = Qwen3VLVideoProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
+    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                                 chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(out)
+
+
+def _build_qwen3_5(out: Path, spec: TinyQwen3_5Spec, tok, ids: dict[str, int]) -> None:
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from vlmrl.models.families import attention_interval
+
+    rotary = int(spec.head_dim * spec.partial_rotary_factor)
+    assert sum(spec.mrope_section) == rotary // 2, "mrope sections must sum to the rotary dims / 2"
+    interval = attention_interval({"layer_types": list(spec.layer_types)})
+    assert interval is not None, "SGLang builds the layers from full_attention_interval: keep layer_types periodic"
+    config = Qwen3_5Config(
+        text_config=dict(
+            vocab_size=VOCAB_SIZE, hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
+            num_hidden_layers=len(spec.layer_types), layer_types=list(spec.layer_types),
+            full_attention_interval=interval,  # the released configs carry it, and SGLang reads nothing else
+            num_attention_heads=spec.text_heads, num_key_value_heads=spec.text_heads, head_dim=spec.head_dim,
+            max_position_embeddings=4096, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
+            linear_key_head_dim=spec.linear_head_dim, linear_value_head_dim=spec.linear_head_dim,
+            linear_num_key_heads=spec.linear_key_heads, linear_num_value_heads=spec.linear_value_heads,
+            # as the released checkpoints: partial rotary, interleaved mrope flagged for the engines
+            rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                             "partial_rotary_factor": spec.partial_rotary_factor,
+                             "mrope_section": list(spec.mrope_section), "mrope_interleaved": True},
+            **_text_token_ids(ids),
+        ),
+        vision_config=dict(
+            depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=spec.vision_intermediate,
+            num_heads=spec.vision_heads, in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+            out_hidden_size=spec.text_hidden, num_position_embeddings=spec.num_position_embeddings,
+        ),
+        **_vision_token_ids(ids),
+        tie_word_embeddings=False,
+    )
+    _save_seeded(Qwen3_5ForConditionalGeneration, config, out)
+    # the released Qwen3.5 processors are Qwen3-VL's: 16 px patches, mean = std = 0.5
     image_processor = Qwen2VLImageProcessorPil(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
                                                patch_size=16, temporal_patch_size=2, merge_size=2,
                                                image_mean=[0.5] * 3, image_std=[0.5] * 3)

@@ -71,10 +71,14 @@ class BackendOptions:
     lora_vision: bool = False
     """With lora_rank: the adapters cover the vision tower and merger too (vLLM's enable_tower_connector_lora)."""
 
-    def resolved_dtype(self) -> str:
+    def resolved_dtype(self, family: ModelFamily | None = None) -> str:
+        """rollout.dtype; auto = bfloat16 on CUDA, on CPU the family's `cpu_engine_dtype` (Qwen3.5: bfloat16, the only
+        dtype its CPU engines run) or else float32. Every backend of a run resolves alike, the hf reference too."""
         if self.rollout.dtype != "auto":
             return self.rollout.dtype
-        return "bfloat16" if torch.cuda.is_available() else "float32"
+        if torch.cuda.is_available():
+            return "bfloat16"
+        return (family.cpu_engine_dtype if family is not None else None) or "float32"
 
     @classmethod
     def from_kwargs(cls, backend: str, options: dict[str, Any]) -> BackendOptions:
@@ -250,7 +254,7 @@ class RolloutBackend(abc.ABC):
         if self._checkpoint_names is None:
             self._checkpoint_names = checkpoint_names(self.model_path)
         bucket_bytes = 0 if whole else int(self.rollout.sync_bucket_mb * 2**20)
-        return weight_sync(named_tensors, names, self._checkpoint_names, DTYPES[self.options.resolved_dtype()],
+        return weight_sync(named_tensors, names, self._checkpoint_names, DTYPES[self.options.resolved_dtype(self.processor.family)],
                            bucket_bytes, self.name, self.processor.family)
 
     def sync_state(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -284,7 +288,7 @@ def family_engine_overrides(model_path: str, family: ModelFamily, enabled: bool,
     `enabled=False` (rollout.family_engine_settings=false, to reproduce a deployment) passes nothing and warns when
     the engine will therefore disagree with the trainer."""
     model_config = read_model_config(model_path)
-    problems = family.engine_problems(model_config)
+    problems = family.engine_problems(model_config, backend)
     if not enabled:
         if problems:
             logger.warning("%s: rollout.family_engine_settings=false: the engine starts on %s as it is and will NOT "
@@ -292,6 +296,9 @@ def family_engine_overrides(model_path: str, family: ModelFamily, enabled: bool,
                            "\n  ".join(problems))
         return {}
     overrides = family.engine_overrides(model_config)
+    left = family.engine_problems(merged(model_config, overrides), backend)
+    if left:  # no override settles them: this engine cannot compute what the trainer computes on this config
+        raise ValueError(f"{backend}: refusing to start on {model_path}: " + " ".join(left))
     if overrides:
         logger.warning("%s: %s; vlmrl starts the engine with the config override %s. Engines started outside vlmrl "
                        "on this folder would still drift: fix its config.json", backend, " ".join(problems),

@@ -40,7 +40,7 @@ class HFBackend(RolloutBackend):
     def _load(self):
         from transformers import AutoModelForImageTextToText, GenerationConfig
 
-        dtype = getattr(torch, self.options.resolved_dtype())
+        dtype = getattr(torch, self.options.resolved_dtype(self.processor.family))
         model = AutoModelForImageTextToText.from_pretrained(self.model_path, dtype=dtype,
                                                             **self.rollout.hf.engine_kwargs)
         # generate() fills every field a GenerationConfig leaves at its default from the model's

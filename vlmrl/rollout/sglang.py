@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.models.families import ModelFamily
+from vlmrl.models.families import ModelFamily, read_model_config
 from vlmrl.rollout.base import (
     BackendOptions,
     DeadlineRunner,
@@ -62,14 +62,19 @@ def engine_args(model_path: str, options: BackendOptions, family: ModelFamily, o
     section's neutral knobs, rollout.sglang and what the run derives. Pure: what a run config sets can be checked
     without starting the engine."""
     r, o = options.rollout, options.rollout.sglang
-    args: dict[str, Any] = dict(model_path=model_path, dtype=options.resolved_dtype(),
+    dtype = options.resolved_dtype(family)
+    if not on_cuda:
+        problems = family.cpu_engine_problems(read_model_config(model_path), backend, dtype)
+        if problems:
+            raise ValueError(f"{backend}: " + " ".join(problems))
+    args: dict[str, Any] = dict(model_path=model_path, dtype=dtype,
                                 context_length=options.max_model_len, random_seed=options.seed,
                                 tp_size=r.tensor_parallel_size, mem_fraction_static=r.gpu_memory_utilization,
                                 log_level=o.log_level,
                                 enable_memory_saver=release_memory(o.enable_memory_saver, on_cuda, options.colocated))
     if not on_cuda:
         args.update(device="cpu", disable_cuda_graph=True, max_total_tokens=o.max_total_tokens or 8192,
-                    attention_backend=o.attention_backend or "torch_native")
+                    attention_backend=o.attention_backend or "torch_native", **dict(family.sglang_cpu_args))
     else:
         if o.max_total_tokens:
             args["max_total_tokens"] = o.max_total_tokens
@@ -316,7 +321,7 @@ class SGLangBackend(SGLangCommon):
         if watchdog is not None:
             watchdog.stop()  # it SIGQUITs this process when a child dies; our health check reports it instead
         self.engine_pids = list(engine.get_all_child_pids())
-        logger.info("sglang: engine up on %s (%s), processes %s", self.model_path, self.options.resolved_dtype(),
+        logger.info("sglang: engine up on %s (%s), processes %s", self.model_path, self.options.resolved_dtype(self.processor.family),
                     self.engine_pids)
         return engine
 

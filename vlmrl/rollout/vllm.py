@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.models.families import ModelFamily
+from vlmrl.models.families import ModelFamily, read_model_config
 from vlmrl.rollout.base import (
     BackendOptions,
     DeadlineRunner,
@@ -140,8 +140,13 @@ def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily,
     options: the rollout section's neutral knobs, rollout.vllm and what the run derives. Pure: what a run config
     sets can be checked without starting the engine."""
     r, v = options.rollout, options.rollout.vllm
+    dtype = options.resolved_dtype(family)
+    if not on_cuda:
+        problems = family.cpu_engine_problems(read_model_config(model_path), "vllm", dtype)
+        if problems:
+            raise ValueError("vllm: " + " ".join(problems))
     kwargs: dict[str, Any] = dict(
-        model=model_path, dtype=options.resolved_dtype(), max_model_len=options.max_model_len, seed=options.seed,
+        model=model_path, dtype=dtype, max_model_len=options.max_model_len, seed=options.seed,
         enforce_eager=(not on_cuda) if v.enforce_eager is None else v.enforce_eager,
         limit_mm_per_prompt={"image": r.limit_images, "video": r.limit_videos}, logprobs_mode="raw_logprobs",
         mm_processor_kwargs={"do_sample_frames": False},
