@@ -80,6 +80,12 @@ class ModelFamily:
     cpu_linear_head_dim: int | None = None
     """The only linear-attention key / value head size vLLM's CPU kernel takes (128, as in every released Qwen3.5;
     32 fails with "Unexpected head dim size"); None: no such limit."""
+    deepstack_free: bool = False
+    """The vision tower has no deepstack mergers, and the config must say so to SGLang (`deepstack_visual_indexes:
+    []` in vision_config, as the released Qwen3.5 configs do): SGLang builds Qwen3.5's tower from Qwen3-VL's config
+    class, whose default is [8, 16, 24], and then scatters a deepstack embedding three times the hidden size where
+    the model has none (measured: the scheduler dies on the first image, "index_copy_(): ... source slice shape:
+    0"). transformers and vLLM read no such key for Qwen3.5."""
     sglang_cpu_args: tuple[tuple[str, Any], ...] = ()
     """SGLang server arguments this family needs on CPU. Qwen3.5: `mamba_radix_cache_strategy=no_buffer` (the
     default extra_buffer needs Mamba cache-state snapshots, which the CPU platform lacks) and, because no_buffer
@@ -115,8 +121,15 @@ class ModelFamily:
         both engines would otherwise silently disagree with the trainer's logprobs (or with each other).
         """
         problems = []
-        if self.linear_attention is not None and (backend is None or backend.startswith("sglang")):
+        sglang = backend is None or backend.startswith("sglang")
+        if self.linear_attention is not None and sglang:
             problems += _attention_interval_problems(self.name, model_config)
+        if self.deepstack_free and sglang and (model_config.get("vision_config") or {}).get(
+                "deepstack_visual_indexes") != []:
+            problems.append(f"{self.name} config without `deepstack_visual_indexes: []` in vision_config: SGLang then "
+                            "assumes Qwen3-VL's deepstack layers [8, 16, 24], which this model does not have (its "
+                            "scheduler dies on the first image, or adds features no layer of the model computes); "
+                            'add "deepstack_visual_indexes": [] to vision_config, as the released configs have')
         if self.interleaved_mrope and not mrope_interleaved(model_config):
             problems.append(
                 f"{self.name} config without `mrope_interleaved: true` in text_config.rope_parameters (or "
@@ -160,6 +173,8 @@ class ModelFamily:
                 # sglang's Qwen3.5 text config reads the rope from `rope_scaling` (it copies rope_parameters there
                 # when it is built, before any override)
                 overrides["text_config"]["rope_scaling"] = rope
+        if self.deepstack_free and (model_config.get("vision_config") or {}).get("deepstack_visual_indexes") != []:
+            overrides["vision_config"] = {"deepstack_visual_indexes": []}
         interval = attention_interval(text)
         if self.linear_attention is not None and interval is not None \
                 and text.get("full_attention_interval") != interval:
@@ -236,6 +251,7 @@ QWEN3_5 = ModelFamily(
     linear_attention_projections=("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
     cpu_engine_dtype="bfloat16",
     cpu_linear_head_dim=128,
+    deepstack_free=True,
     sglang_cpu_args=(("mamba_radix_cache_strategy", "no_buffer"), ("disable_overlap_schedule", True)),
 )
 

@@ -390,6 +390,7 @@ def _build_qwen3_5(out: Path, spec: TinyQwen3_5Spec, tok, ids: dict[str, int]) -
             depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=spec.vision_intermediate,
             num_heads=spec.vision_heads, in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
             out_hidden_size=spec.text_hidden, num_position_embeddings=spec.num_position_embeddings,
+            deepstack_visual_indexes=[],  # as the released configs: SGLang would assume Qwen3-VL's [8, 16, 24]
         ),
         **_vision_token_ids(ids),
         tie_word_embeddings=False,
