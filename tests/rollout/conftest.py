@@ -33,6 +33,10 @@ SHARED = {
     ("sglang", "tiny-qwen3-vl"): {},
     # the cache ON: the weight-versioned mm_hashes alone must keep old vision embeddings out
     ("sglang-server", "tiny"): {"vlm_cache_size_mb": 100},
+    # Qwen3.5: bfloat16, its engines' only dtype on CPU
+    ("vllm", "tiny-qwen3.5"): {"dtype": "bfloat16"},
+    ("sglang", "tiny-qwen3.5"): {"dtype": "bfloat16"},
+    ("sglang-server", "tiny-qwen3.5"): {"dtype": "bfloat16"},
 }
 ENGINE_FIXTURES = {
     "vllm_qwen2_5_vl": ("vllm", "tiny"),
@@ -40,6 +44,9 @@ ENGINE_FIXTURES = {
     "sglang_qwen2_5_vl": ("sglang", "tiny"),
     "sglang_qwen3_vl": ("sglang", "tiny-qwen3-vl"),
     "sglang_server_qwen2_5_vl": ("sglang-server", "tiny"),
+    "vllm_qwen3_5": ("vllm", "tiny-qwen3.5"),
+    "sglang_qwen3_5": ("sglang", "tiny-qwen3.5"),
+    "sglang_server_qwen3_5": ("sglang-server", "tiny-qwen3.5"),
 }
 VIDEO_ENGINE_FIXTURES = {"video_vllm": "vllm", "video_sglang": "sglang"}
 """The shared engine of a backend on the module's current `video_model_path` family."""
@@ -157,6 +164,21 @@ def sglang_qwen3_vl(shared_engines):
 @pytest.fixture(scope="module")
 def sglang_server_qwen2_5_vl(shared_engines):
     return shared_engines.get("sglang-server", "tiny")
+
+
+@pytest.fixture(scope="module")
+def vllm_qwen3_5(shared_engines):
+    return shared_engines.get("vllm", "tiny-qwen3.5")
+
+
+@pytest.fixture(scope="module")
+def sglang_qwen3_5(shared_engines):
+    return shared_engines.get("sglang", "tiny-qwen3.5")
+
+
+@pytest.fixture(scope="module")
+def sglang_server_qwen3_5(shared_engines):
+    return shared_engines.get("sglang-server", "tiny-qwen3.5")
 
 
 def _embedded_name(model_path: str) -> str:

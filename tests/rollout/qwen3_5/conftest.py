@@ -1,0 +1,64 @@
+"""The rollout tests of the embedded Qwen3.5 (`tiny-qwen3.5`, bfloat16: the only dtype its engines run on CPU): in
+this folder `tiny_model_path` is that model and `hf` its transformers reference in bfloat16; `batch` and
+`hf_greedy` are tests/rollout/conftest.py's fixtures registered again here, so that they are this folder's own."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.rollout.conftest import batch, hf_greedy  # noqa: F401 - registered again: this folder's own copies
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    from vlmrl.models import ensure_built
+
+    return str(ensure_built("tiny-qwen3.5"))
+
+
+@pytest.fixture(scope="session")
+def hf(tiny_model_path):
+    """transformers in bfloat16 (the engines' dtype): the reference. Tests that edit its weights restore them."""
+    from vlmrl.rollout import get_backend
+
+    with get_backend("hf", tiny_model_path, dtype="bfloat16", max_model_len=1024, timeout_s=300) as backend:
+        yield backend
+
+
+def edited_copy(model_path: str, folder: Path, edit) -> str:
+    """A copy of the model folder whose config.json `edit(config)` changed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in Path(model_path).iterdir():
+        shutil.copy2(file, folder / file.name)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def bare_config_path(tiny_model_path, tmp_path_factory) -> str:
+    """The same model whose config.json lacks the two keys only SGLang reads (full_attention_interval, an empty
+    deepstack_visual_indexes) and the rope flag only the engines read (mrope_interleaved): transformers computes the
+    same model; the engines would not, unless vlmrl tells them."""
+    def strip(config):
+        del config["text_config"]["full_attention_interval"]
+        del config["vision_config"]["deepstack_visual_indexes"]
+        del config["text_config"]["rope_parameters"]["mrope_interleaved"]
+
+    return edited_copy(tiny_model_path, tmp_path_factory.mktemp("qwen3_5-bare"), strip)
+
+
+@pytest.fixture(scope="session")
+def misset_config_path(tiny_model_path, tmp_path_factory) -> str:
+    """The model's config without the two keys an SGLang server can start without but then computes something else
+    from (deepstack_visual_indexes: it assumes Qwen3-VL's deepstack; mrope_interleaved: it does not interleave)."""
+    def strip(config):
+        del config["vision_config"]["deepstack_visual_indexes"]
+        del config["text_config"]["rope_parameters"]["mrope_interleaved"]
+
+    return edited_copy(tiny_model_path, tmp_path_factory.mktemp("qwen3_5-misset"), strip)

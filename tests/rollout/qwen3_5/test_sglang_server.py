@@ -1,0 +1,43 @@
+"""SGLang HTTP server (launched by vlmrl, bfloat16, CPU) on the embedded Qwen3.5 against transformers in bfloat16:
+the engine contract in its bfloat16 form, the family's CPU settings as server flags, and a server given by URL that
+runs a config without what SGLang reads is refused, naming the flag to restart it with."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.rollout.helpers import Qwen3_5Contract
+from vlmrl.rollout import RolloutError, get_backend
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module")
+def backend(sglang_server_qwen3_5):
+    return sglang_server_qwen3_5
+
+
+class TestSGLangServerQwen3_5(Qwen3_5Contract):
+    pass
+
+
+def test_the_server_runs_with_the_familys_flags(backend):
+    """`--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule` reached the server (its /server_info)."""
+    import requests
+
+    info = requests.get(f"{backend.url}/server_info", timeout=30).json()
+    assert info["mamba_radix_cache_strategy"] == "no_buffer" and info["disable_overlap_schedule"] is True
+    assert info["dtype"] == "bfloat16"
+
+
+def test_a_server_on_a_misset_config_is_refused_unless_told(backend, misset_config_path):
+    """A server started on a config without deepstack_visual_indexes and mrope_interleaved (family_engine_settings=
+    false, as a deployment outside vlmrl would; it starts, then computes another model) is refused by a default
+    client, naming --json-model-override-args with what it lacks. (Without full_attention_interval such a server
+    does not even start: SGLang reads its layer types from that key alone.)"""
+    backend.close()  # one server at a time
+    with get_backend("sglang-server", misset_config_path, dtype="bfloat16", max_model_len=1024, timeout_s=300,
+                     family_engine_settings=False) as raw:
+        with pytest.raises(RolloutError, match="sglang-server: the server at .*deepstack_visual_indexes.*"
+                                               "mrope_interleaved.*--json-model-override-args"):
+            get_backend("sglang-server", misset_config_path, url=raw.url, max_model_len=1024)
