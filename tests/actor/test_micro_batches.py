@@ -248,3 +248,77 @@ def test_qwen3_vl_packed_update_equals_the_padded_update(tiny_qwen3_vl_path, qwe
         assert torch.allclose(grads[name], grad, rtol=1e-6, atol=1e-10), name
     for (name, p), (_, q) in zip(base.model.named_parameters(), new.model.named_parameters()):
         assert torch.allclose(p, q, rtol=1e-7, atol=1e-10), name
+
+
+# ---- the packed forward on Qwen3.5 (Gated DeltaNet layers keep rows apart through vlmrl.actor.packing) -----------
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_batches(tiny_qwen3_5_path, synthetic_rows):
+    """Like `qwen3_batches`, with the embedded Qwen3.5's processor."""
+    from vlmrl.data.config import DataConfig
+    from vlmrl.processors import load_processor
+
+    processor = load_processor(tiny_qwen3_5_path, DataConfig(max_prompt_length=64))
+    plain = make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,), response_length=8)
+    padded = upsample_to_multiple(plain, 12, eos_token_id=processor.eos_token_ids[0],
+                                  pad_token_id=processor.pad_token_id)
+    return {"plain": plain, "padding-rows": padded}
+
+
+@pytest.mark.parametrize("kind", ["plain", "padding-rows"])
+def test_qwen3_5_packed_logprobs_equal_each_row_alone(tiny_qwen3_5_path, qwen3_5_batches, kind):
+    """A packed micro-batch gives each row's logprobs as the padded pass (rows alone in their own sequence) does:
+    the linear-attention layers' convolution and recurrent state restart at every row. Without the row boundaries
+    (the layers as transformers ships them) the rows after the first read the state the previous row left."""
+    from vlmrl.actor.core import forward_response
+    from vlmrl.actor.packing import add_row_boundaries
+
+    data = qwen3_5_batches[kind]
+    actor = Actor(actor_config(tiny_qwen3_5_path, ppo_micro_batch_size_per_gpu=3), total_steps=1,
+                  mini_batch_samples=8)
+    assert add_row_boundaries(actor.model) == 2  # [GDN, GDN, full]: already given, counted again
+    expected, expected_entropy = actor.compute_logprobs(data, with_entropy=True)
+    actor.config.ppo_micro_batch_size_per_gpu = 1  # each row alone in its forward
+    alone, _ = actor.compute_logprobs(data)
+    assert torch.allclose(alone, expected, atol=1e-5), (alone - expected).abs().max()
+    actor.config.ppo_micro_batch_size_per_gpu = 3
+    actor.config.padding_free = True
+    got, entropy = actor.compute_logprobs(data, with_entropy=True)
+    assert (expected[data.response_mask > 0] != 0).all()
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    assert torch.allclose(entropy, expected_entropy, atol=1e-5), (entropy - expected_entropy).abs().max()
+
+    rows = [0, 4, 6]  # an image row, a text-only row, an image row
+    mb = micro_batch(data, rows, actor.device, packed=True)
+    mixers = [m for m in actor.model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
+    assert len(mixers) == 2
+    with torch.no_grad():
+        good, _ = forward_response(actor.model.eval(), mb, 1.0, False)
+        for mixer in mixers:  # the shipped class: one sequence across the pack
+            mixer.__class__ = type(mixer).__mro__[2]
+        leaky, _ = forward_response(actor.model, mb, 1.0, False)
+    mask = data.response_mask[rows, :mb.response_width]
+    assert torch.allclose(good * mask, expected[rows, :mb.response_width], atol=1e-5)
+    assert not torch.allclose(leaky[1:] * mask[1:], expected[rows[1:], :mb.response_width], atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["plain", "padding-rows"])
+def test_qwen3_5_packed_update_equals_the_padded_update(tiny_qwen3_5_path, qwen3_5_batches, kind):
+    """The update through packed micro-batches: the padded update's losses, gradients (the linear-attention
+    projections among them) and weights."""
+    data = qwen3_5_batches[kind]
+    base, base_metrics, base_grads = _update(tiny_qwen3_5_path, data, ppo_micro_batch_size_per_gpu=2)
+    new, metrics, grads = _update(tiny_qwen3_5_path, data, ppo_micro_batch_size_per_gpu=2, padding_free=True)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl"):
+        assert metrics[key] == pytest.approx(base_metrics[key], rel=1e-7, abs=1e-10), key
+    assert base_metrics["actor/grad_norm"] > 0
+    assert grads.keys() == base_grads.keys()
+    assert any(".linear_attn.in_proj_qkv" in name for name in grads)
+    # transformers' Gated DeltaNet computes its delta rule and gated norm in float32 whatever the model's dtype, so
+    # a float64 model agrees to float32 rounding of each tensor's scale (measured: 1.8e-7 of it at most), not 1e-15
+    for name, grad in base_grads.items():
+        scale = grad.abs().max().item()
+        assert (grads[name] - grad).abs().max().item() <= 1e-6 * scale + 1e-12, name
+    for (name, p), (_, q) in zip(base.model.named_parameters(), new.model.named_parameters()):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-9), name

@@ -47,7 +47,10 @@ def load_policy(model_path: str, dtype: torch.dtype, device: torch.device) -> to
 
     from vlmrl.models import resolve_model_path
 
+    from vlmrl.actor.packing import add_row_boundaries
+
     model = AutoModelForImageTextToText.from_pretrained(resolve_model_path(model_path), dtype=dtype)
+    add_row_boundaries(model)  # linear-attention layers (Qwen3.5) keep a packed forward's rows apart
     return model.to(device)
 
 
