@@ -14,6 +14,7 @@ from vlmrl.actor import Actor
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch.padding import upsample_to_multiple
 from vlmrl.config import ActorConfig, OptimConfig
+from vlmrl.models.families import family_of
 
 
 def actor_config(tiny_model_path, **overrides) -> ActorConfig:
@@ -93,10 +94,17 @@ def test_one_micro_batch_of_8_equals_eight_of_1(family_batch):
     assert big_metrics["actor/grad_norm"] == pytest.approx(small_metrics["actor/grad_norm"], rel=1e-10)
     assert big_metrics["actor/grad_norm"] > 0
     assert big_grads.keys() == small_grads.keys() and any("visual" in name for name in big_grads)
+    # transformers' Gated DeltaNet (Qwen3.5) runs its delta rule in float32 whatever the model's dtype: there the
+    # float64 update agrees to float32 rounding of each gradient's scale (measured: 1.8e-7 of it at most)
+    float32_inside = family_of(big.model.config).linear_attention is not None
+    rel = 1e-6 if float32_inside else 1e-9
     for name, grad in big_grads.items():
-        assert torch.allclose(grad, small_grads[name], rtol=1e-9, atol=1e-12), name
+        if float32_inside:
+            assert (grad - small_grads[name]).abs().max() <= rel * grad.abs().max() + 1e-12, name
+        else:
+            assert torch.allclose(grad, small_grads[name], rtol=rel, atol=1e-12), name
     for (name, p), (_, q) in zip(big.model.named_parameters(), small.model.named_parameters()):
-        assert torch.allclose(p, q, rtol=1e-9, atol=1e-12), name
+        assert torch.allclose(p, q, rtol=rel, atol=1e-12), name
 
 
 def test_padding_rows_change_no_gradient(tiny_model_path, processor, batch):
