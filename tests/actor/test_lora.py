@@ -248,3 +248,50 @@ def test_the_lora_recipe_overlay_loads_on_the_geo3k_recipe():
     assert (lora.rank, lora.alpha, config.actor.optim.lr) == (64, 64.0, 1e-5)  # EasyR1's published LoRA settings
     assert lora.vision == "off" and lora.exclude_modules == r"model\.visual\..*" and config.actor.use_kl_loss
     assert config.data.max_response_length == 2048  # the overlay keeps the geo3k recipe's lengths
+
+
+# ---- Qwen3.5: the linear-attention projections are adapted by default ------------------------------------------
+
+
+def test_qwen3_5_default_targets_take_the_linear_attention_projections(tiny_qwen3_5_path):
+    """The default target list adapts every projection of Qwen3.5's language layers: the full-attention layer's
+    q/k/v/o, each layer's MLP, and both Gated DeltaNet layers' in_proj_qkv/z/b/a and out_proj; an explicit list is
+    taken as written (no linear-attention projection unless named)."""
+    model = _base_model(tiny_qwen3_5_path)
+    names = target_modules(model, LoraConfig(rank=4))
+    for layer in (0, 1):
+        for projection in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+            assert f"model.language_model.layers.{layer}.linear_attn.{projection}" in names
+    assert "model.language_model.layers.2.self_attn.q_proj" in names
+    assert not any(n.startswith("model.visual.") for n in names)
+    explicit = target_modules(model, LoraConfig(rank=4, target_modules=["q_proj", "gate_proj"]))
+    assert not any(".linear_attn." in n for n in explicit) and explicit
+
+
+def test_qwen3_5_merged_weights_equal_peft_merge_and_a_step_trains_the_linear_attention_adapters(
+        tiny_qwen3_5_path, synthetic_rows):
+    from peft import get_peft_model
+
+    from vlmrl.actor.lora import lora_scaling, peft_config
+    from vlmrl.data.config import DataConfig
+    from vlmrl.processors import load_processor
+
+    lora = LoraConfig(rank=4, alpha=8)
+    model = get_peft_model(_base_model(tiny_qwen3_5_path), peft_config(_base_model(tiny_qwen3_5_path), lora))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    ours = dict(merged_tensors(model.state_dict().items(), lora_scaling(lora)))
+    theirs = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+    processor = load_processor(tiny_qwen3_5_path, DataConfig(max_prompt_length=64))
+    data = make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,))
+    actor = lora_actor(tiny_qwen3_5_path)
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters() if p.requires_grad}
+    _step(actor, data)
+    moved = {n for n, p in actor.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
+    assert any(".linear_attn.in_proj_qkv.lora_" in n for n in moved), sorted(moved)[:5]
+    assert any(".linear_attn.out_proj.lora_" in n for n in moved)

@@ -60,18 +60,24 @@ def vision_patterns(model: torch.nn.Module, vision: str) -> list[str]:
 
 def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     """Full names of the Linear layers that get adapters. On the language side: those whose name ends with one of
-    lora.target_modules (PEFT's suffix rule) and is not matched whole by lora.exclude_modules. On the vision side
-    (the family's vision tower): exactly the tower's and/or the merger's linear layers lora.vision asks for
+    lora.target_modules (PEFT's suffix rule; the default list also takes the family's linear-attention projections,
+    Qwen3.5's Gated DeltaNet in_proj_qkv/z/b/a and out_proj) and is not matched whole by lora.exclude_modules. On
+    the vision side (the family's vision tower): exactly the tower's and/or the merger's linear layers lora.vision asks for
     (`vision_patterns`), whatever target_modules and exclude_modules say.
 
     lora.vision alone decides the vision side because it alone decides what the engine serves (vLLM is started with
     tower/connector LoRA only when it is not `off`): Qwen2.5-VL's vision MLP is named gate_proj/up_proj/down_proj
     like the language model's, so the suffix rule with a narrower exclude_modules would otherwise train vision
     adapters that a LoRA-serving engine silently ignores."""
+    from vlmrl.actor.config import QWEN_VL_LM_PROJECTIONS
     from vlmrl.models.families import family_of
 
-    vision_side = family_of(model.config).vision_tower + "."
+    family = family_of(model.config)
+    vision_side = family.vision_tower + "."
     vision = vision_patterns(model, lora.vision)
+    targets = list(lora.target_modules)
+    if targets == QWEN_VL_LM_PROJECTIONS:  # the default: every projection of the family's language layers
+        targets += family.linear_attention_projections
     exclude = re.compile(lora.exclude_modules) if lora.exclude_modules else None
     names = []
     for name, module in model.named_modules():
@@ -80,7 +86,7 @@ def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
         if name.startswith(vision_side):
             adapted = any(re.fullmatch(v, name) for v in vision)
         else:
-            adapted = (any(name == t or name.endswith("." + t) for t in lora.target_modules)
+            adapted = (any(name == t or name.endswith("." + t) for t in targets)
                        and not (exclude and exclude.fullmatch(name)))
         if adapted:
             names.append(name)
