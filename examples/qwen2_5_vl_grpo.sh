@@ -7,9 +7,10 @@
 #   examples/qwen2_5_vl_grpo.sh trainer.total_steps=50            # the CPU demo, shorter
 #   RECIPE=dapo+lora MODEL_PATH=Qwen/Qwen2.5-VL-7B-Instruct N_GPUS=8 examples/qwen2_5_vl_grpo.sh actor.lora.rank=32
 #
-# MODEL_PATH  unset, an embedded name (tiny, tiny-qwen3-vl) or a checkpoint the demo wrote: the CPU demo
+# MODEL_PATH  unset, an embedded name (tiny, tiny-qwen3-vl, tiny-qwen3.5) or a checkpoint the demo wrote: the CPU demo
 #             (tiny_synthetic.yaml: the tiny model learns the synthetic colour task). Anything else: the geo3k recipe
-#             of its family (qwen2_5_vl_geo3k.yaml or qwen3_vl_geo3k.yaml, by its config.json or a hub id's name);
+#             of its family (qwen2_5_vl_geo3k.yaml, qwen3_vl_geo3k.yaml or qwen3_5_geo3k.yaml, by its config.json
+#             or a hub id's name);
 #             its data is ~/data/geo3k (elsewhere: data.train_files=DIR/train.parquet data.val_files=DIR/test.parquet).
 # RECIPE      grpo (default), dapo, gspo, lora, dapo+lora or gspo+lora: overlays on that recipe (on the demo: their
 #             losses; lora there is tiny_synthetic_lora.yaml, rank 16 with lm_head, else qwen2_5_vl_geo3k_lora.yaml).

@@ -1,6 +1,6 @@
 """What examples/qwen2_5_vl_grpo.sh asks Python: which recipe a model takes, and the finished run's curve.
 
-    python examples/recipe.py pick MODEL_PATH DEVICES   # prints: demo|qwen2_5_vl_geo3k|qwen3_vl_geo3k ENGINE OUTPUT_DIR
+    python examples/recipe.py pick MODEL_PATH DEVICES   # prints: demo|qwen2_5_vl_geo3k|qwen3_vl_geo3k|qwen3_5_geo3k ENGINE OUTPUT_DIR
     python examples/recipe.py curve ARG ...             # validation accuracy by step, from the run's metrics.jsonl
 """
 
@@ -27,13 +27,18 @@ def pick(model: str, devices: str) -> str:
     if not devices and (not model or is_embedded(model) or wrote_demo):
         engine = "vllm" if importlib.util.find_spec("vllm") else "hf"
         return f"demo {engine} outputs/demo" + (f"-{model}" if model not in ("", "tiny") and not wrote_demo else "")
+    recipes = {"Qwen3-VL": "qwen3_vl_geo3k", "Qwen3.5": "qwen3_5_geo3k"}
     if model and (Path(model).expanduser() / "config.json").exists():
         from vlmrl.models.families import family_for_path
 
-        qwen3 = family_for_path(Path(model).expanduser()).name == "Qwen3-VL"
-    else:  # a hub id (downloaded later), or none: the default Qwen2.5-VL
-        qwen3 = bool(re.search(r"qwen3[-_.]?vl", model, re.IGNORECASE))
-    recipe = "qwen3_vl_geo3k" if qwen3 else "qwen2_5_vl_geo3k"
+        family = family_for_path(Path(model).expanduser()).name
+    elif re.search(r"qwen3[-_.]?vl", model, re.IGNORECASE):  # a hub id (downloaded later)
+        family = "Qwen3-VL"
+    elif re.search(r"qwen3[-_.]5", model, re.IGNORECASE):
+        family = "Qwen3.5"
+    else:  # another hub id, or none: the default Qwen2.5-VL
+        family = "Qwen2.5-VL"
+    recipe = recipes.get(family, "qwen2_5_vl_geo3k")
     return f"{recipe} vllm outputs/{recipe}"
 
 

@@ -39,7 +39,8 @@ def value(args: list[str], key: str) -> str:
     return found[-1]
 
 
-@pytest.mark.parametrize("model, output", [("tiny", "outputs/demo"), ("tiny-qwen3-vl", "outputs/demo-tiny-qwen3-vl")])
+@pytest.mark.parametrize("model, output", [("tiny", "outputs/demo"), ("tiny-qwen3-vl", "outputs/demo-tiny-qwen3-vl"),
+                                           ("tiny-qwen3.5", "outputs/demo-tiny-qwen3.5")])
 def test_an_embedded_name_runs_the_demo_on_that_model(model, output):
     args = dry_run(MODEL_PATH=model, ROLLOUT="hf")
     assert value(args, "config") == "examples/configs/tiny_synthetic.yaml"
@@ -49,10 +50,11 @@ def test_an_embedded_name_runs_the_demo_on_that_model(model, output):
     from vlmrl.processors import load_processor
 
     processor = load_processor(model, config.data)  # the demo's pixel bounds fit this model's processor
-    assert processor.family.name == ("Qwen3-VL" if model == "tiny-qwen3-vl" else "Qwen2.5-VL")
+    assert processor.family.name == {"tiny-qwen3-vl": "Qwen3-VL", "tiny-qwen3.5": "Qwen3.5"}.get(model, "Qwen2.5-VL")
 
 
 @pytest.mark.parametrize("model, recipe", [("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl_geo3k"),
+                                           ("Qwen/Qwen3.5-9B", "qwen3_5_geo3k"),
                                            ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl_geo3k")])
 def test_a_hub_id_picks_its_familys_recipe_by_name(model, recipe):
     args = dry_run(MODEL_PATH=model)
@@ -65,9 +67,11 @@ def test_a_hub_id_picks_its_familys_recipe_by_name(model, recipe):
     assert moved.data.train_files == "/data/geo3k/train.parquet"
 
 
-def test_a_local_folder_picks_the_recipe_of_its_config(tiny_model_path, tiny_qwen3_vl_path, tmp_path):
-    """A folder's name says nothing: its config.json decides (both copies are named `policy`)."""
-    for source, recipe in [(tiny_qwen3_vl_path, "qwen3_vl_geo3k"), (tiny_model_path, "qwen2_5_vl_geo3k")]:
+def test_a_local_folder_picks_the_recipe_of_its_config(tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path,
+                                                       tmp_path):
+    """A folder's name says nothing: its config.json decides (every copy is named `policy`)."""
+    for source, recipe in [(tiny_qwen3_vl_path, "qwen3_vl_geo3k"), (tiny_model_path, "qwen2_5_vl_geo3k"),
+                           (tiny_qwen3_5_path, "qwen3_5_geo3k")]:
         folder = tmp_path / recipe / "policy"
         shutil.copytree(source, folder)
         args = dry_run(MODEL_PATH=str(folder))
@@ -81,6 +85,17 @@ def test_the_qwen3_vl_recipe_loads_and_fits_the_models_image_bounds():
     assert config.data.min_pixels is None and 65536 <= config.data.max_pixels <= 16777216
     assert config.data.max_pixels % (32 * 32) == 0
     assert (config.actor.optim.lr, config.rollout.n, config.actor.kl_loss_coef) == (1e-6, 5, 0.01)
+
+
+def test_the_qwen3_5_recipe_loads_with_slimes_geo3k_settings():
+    config = load_config([f"config={ROOT / 'examples' / 'configs' / 'qwen3_5_geo3k.yaml'}"], check_model=False)
+    assert config.data.min_pixels is None and config.data.max_pixels % (32 * 32) == 0
+    assert (config.actor.optim.lr, config.actor.optim.weight_decay, config.actor.optim.betas) == (1e-6, 0.1,
+                                                                                                 [0.9, 0.98])
+    assert (config.rollout.n, config.rollout.temperature, config.data.max_response_length) == (8, 0.8, 4096)
+    assert config.data.train_batch_size * config.rollout.n == 512 and not config.actor.use_kl_loss
+    assert (config.actor.clip_ratio, config.actor.clip_ratio_high) == (0.2, 0.28)
+    assert not config.actor.padding_free
 
 
 def test_recipe_overlays_stack_on_the_demo_and_on_the_geo3k_recipe():
