@@ -382,11 +382,11 @@ class Qwen3_5Contract(EngineContract):
     between tokens 0.0-0.125 nats apart). Also: every linear-attention tensor reaches the engine."""
 
     logprob_tol = tie_tol = BF16_LOGPROB_TOL
-    favoured_logprob_tol = 1.0
+    favoured_logprob_tol = 1.25
     """With the pad token pushed to hold almost all the mass, the tokens sampled in its place have raw logprobs of
     -4 to -22 nats, computed from bfloat16 logits that resolve 0.1-0.25 at that size, and the ban correction adds
-    back the pad's mass (SGLang) from such logits too: measured up to 0.52 at strength 6 (vLLM; 1.33 on SGLang, on
-    a -21 nat token), PENDING at strength 4. Without the correction the error would be the pad's whole mass."""
+    back the pad's mass (SGLang) from such logits too: measured at strength 4, the largest |engine - HF| is 0.64
+    (vLLM) and 0.93 (SGLang). Without the correction the error would be the pad's whole mass (several nats)."""
     ties_allowed = True
     min_equal = 4
     min_buckets = 8  # the bfloat16 tiny Qwen3.5 is 2.4 MB

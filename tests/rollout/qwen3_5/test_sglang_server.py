@@ -31,13 +31,13 @@ def test_the_server_runs_with_the_familys_flags(backend):
 
 
 def test_a_server_on_a_misset_config_is_refused_unless_told(backend, misset_config_path):
-    """A server started on a config without deepstack_visual_indexes and mrope_interleaved (family_engine_settings=
-    false, as a deployment outside vlmrl would; it starts, then computes another model) is refused by a default
-    client, naming --json-model-override-args with what it lacks. (Without full_attention_interval such a server
-    does not even start: SGLang reads its layer types from that key alone.)"""
+    """A server started on a config without mrope_interleaved (family_engine_settings=false, as a deployment outside
+    vlmrl would; it starts, then computes another model) is refused by a default client, naming
+    --json-model-override-args with what it lacks. (Without full_attention_interval or deepstack_visual_indexes
+    such a server does not even start or serve an image.)"""
     backend.close()  # one server at a time
     with get_backend("sglang-server", misset_config_path, dtype="bfloat16", max_model_len=1024, timeout_s=300,
                      family_engine_settings=False) as raw:
-        with pytest.raises(RolloutError, match="sglang-server: the server at .*deepstack_visual_indexes.*"
-                                               "mrope_interleaved.*--json-model-override-args"):
+        with pytest.raises(RolloutError, match="sglang-server: the server at .*mrope_interleaved.*"
+                                               "--json-model-override-args"):
             get_backend("sglang-server", misset_config_path, url=raw.url, max_model_len=1024)
