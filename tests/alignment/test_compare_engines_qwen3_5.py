@@ -1,16 +1,18 @@
 """The compare tool on the embedded Qwen3.5 (bfloat16: its engines' only dtype on CPU) with the real engines: HF,
-vLLM and SGLang are aligned under the tool's bfloat16 thresholds (the splits they show are near-ties), and an
-engine started without one of the family's settings is reported as not aligned.
+vLLM and SGLang are aligned under the tool's bfloat16 thresholds (the splits they show are near-ties).
 
 `compare --backends hf,vllm` runs as a user runs it; SGLang's side is validated in this process and compared with
-that run's artifacts. The mis-set engine is vLLM on a copy of the model whose config.json lacks
-`mrope_interleaved`, started with `rollout.family_engine_settings=false` (as a deployment outside vlmrl would).
+that run's artifacts.
+
+Not here: a mis-set engine caught in bfloat16. vLLM started without `mrope_interleaved` on this tiny random model
+(family_engine_settings=false) measured like a correct one: 6 near-ties + 1 drift of 7, mean |dlogp| 0.0315
+(correct: 0.0324), so bfloat16's noise hides it; the family settings whose absence does show (SGLang without
+full_attention_interval or deepstack_visual_indexes) stop the engine before any output (tests/rollout/qwen3_5/).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -78,7 +80,8 @@ def test_hf_vs_vllm_bf16_is_aligned(hf_vs_vllm):
     assert status == 0 and report["ok"], _causes(report)
     assert report["summary"]["samples"] == 7
     assert set(_causes(report)) <= ALIGNED_CAUSES, _causes(report)
-    assert report["summary"]["exact"] >= 1
+    # measured: 0 of 7 exact, 6 near-ties, 1 drift; mean |dlogp| 0.032, max 0.136 (bfloat16 on both sides)
+    assert report["summary"]["mean_abs_logprob_delta"] < 0.05
 
 
 @pytest.mark.sglang
@@ -91,22 +94,3 @@ def test_vllm_vs_sglang_and_hf_vs_sglang_bf16_are_aligned(setup, hf_vs_vllm):
         status = main([str(other), str(sglang), "--out", str(out), "--no-html"])
         report = _report(out)
         assert status == 0 and set(_causes(report)) <= ALIGNED_CAUSES, (name, _causes(report))
-
-
-def test_engine_without_mrope_interleaving_is_not_aligned(setup, hf_vs_vllm):
-    """vLLM on the flagless config computes other rope angles on the image rows than transformers: the tool exits 1,
-    even under the bfloat16 thresholds."""
-    root, overrides, model = setup
-    folder = root / "qwen3_5-flagless"
-    shutil.copytree(model, folder)
-    config = json.loads((folder / "config.json").read_text())
-    del config["text_config"]["rope_parameters"]["mrope_interleaved"]
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    _, out = hf_vs_vllm
-    misset = _validate([*overrides, f"actor.model_path={folder}", "rollout.family_engine_settings=false"], "vllm",
-                       root / "val_vllm_misset.jsonl")
-    status = main([str(out / "val_a_hf.jsonl"), str(misset), "--out", str(root / "misset"), "--no-html"])
-    report = _report(root / "misset")
-    print("MISSET", _causes(report), report["summary"].get("max_abs_logprob_delta"),
-          report["summary"].get("mean_abs_logprob_delta"))
-    assert status == 1 and not report["ok"], _causes(report)
