@@ -142,7 +142,8 @@ class RolloutConfig:
     """Top-k logprobs per position stored in validation artifacts (validate-only mode), so the compare tool can tell
     near-ties from real divergences; 0 = none."""
     dtype: str = "auto"
-    """Engine dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
+    """Engine dtype: auto (bfloat16 on GPU; on CPU float32, or the family's only CPU dtype: Qwen3.5 bfloat16), float32
+    or bfloat16."""
     timeout_s: float = 600.0
     """Every engine call must finish within this, else the run stops with an error naming the backend. One call
     generates the whole step's batch: raise it for large batches x n on one engine."""
