@@ -233,8 +233,11 @@ def test_two_device_run_goes_through_the_same_loop(tiny_model_path, tmp_path):
     assert (out / "checkpoints" / "global_step_2" / "model.safetensors").exists()
 
 
+# The embedded Qwen3-VL's run is a variant (marker `full`, make test-all): the second family of the same learning run.
+# make test keeps the default model's (the demo as `make demo` runs it); Qwen3-VL's training path runs in make test
+# through its actor, engine, sync and compare tests and tests/trainer/test_qwen3_vl.py.
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("model", ["tiny", pytest.param("tiny-qwen3-vl", marks=pytest.mark.full)])
 def test_demo_config_learns_the_synthetic_task(tmp_path, model):
     """The no-argument demo's recipe, and the same on the embedded Qwen3-VL (`MODEL_PATH=tiny-qwen3-vl`): validation
     accuracy rises >= 0.3 above its step-0 value (after the format warm-up, which trains on random labels and leaves
@@ -277,13 +280,13 @@ RECIPE_DEMO_ARGS = {
 }
 
 
-# DAPO is a variant (marker `full`, make test-all): the second recipe of the same feature (a recipe's losses still
-# learn). make test keeps GSPO (a sequence-level ratio clipped at 3e-4..4e-4 and seq-mean-token-mean: the loss that
-# differs most from the demo's); DAPO's data side (dynamic sampling, overlong shaping, truncation masking, token_tis)
-# runs in make test through test_dynamic_sampling_trains_only_groups_with_signal_and_resumes_bit_exactly_after_kill_9,
-# and its loss terms (clip-higher, token-mean) in tests/algorithms.
+# Both recipes' learning runs are variants (marker `full`, make test-all) of the demo's learning run, which make test
+# keeps. Their losses are checked in make test against verl's, EasyR1's and TRL's cases (tests/algorithms), DAPO's
+# data side (dynamic sampling, overlong shaping, truncation masking, token_tis) through
+# test_dynamic_sampling_trains_only_groups_with_signal_and_resumes_bit_exactly_after_kill_9.
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", [pytest.param("dapo", marks=pytest.mark.full), "gspo"])
+@pytest.mark.full
+@pytest.mark.parametrize("recipe", ["dapo", "gspo"])
 def test_each_recipes_losses_still_learn_the_synthetic_task(tmp_path, recipe):
     """The DAPO and GSPO recipes' losses (clip-higher + token-mean + dynamic sampling + overlong shaping; sequence
     ratio + seq-mean-token-mean) on the demo's model, task and settings, for a few dozen steps on the hf backend:

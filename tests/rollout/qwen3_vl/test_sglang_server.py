@@ -34,6 +34,10 @@ class TestSGLangServerQwen3VL(Qwen3VLContract):
     pass
 
 
+# A variant (marker `full`, make test-all): a second server started on a config without the interleaving flag. make
+# test keeps the in-process SGLang engine on that config (tests/rollout/qwen3_vl/test_sglang.py) and the server-flag
+# construction (tests/rollout/test_options.py).
+@pytest.mark.full
 def test_server_flag_for_a_config_without_interleaving(backend, flagless_model_path, hf, batch, hf_greedy):
     """A server vlmrl launches on a config without `mrope_interleaved` gets --json-model-override-args: HF's
     outputs; a client given that server's URL reads the setting back and accepts it. A server started on the config
