@@ -234,19 +234,24 @@ def test_two_device_run_goes_through_the_same_loop(tiny_model_path, tmp_path):
 
 
 # The embedded Qwen3-VL's run is a variant (marker `full`, make test-all): the second family of the same learning run.
-# make test keeps the default model's (the demo as `make demo` runs it); Qwen3-VL's training path runs in make test
-# through its actor, engine, sync and compare tests and tests/trainer/test_qwen3_vl.py.
+# make test keeps the default model's (the demo as `make demo` runs it) and Qwen3.5's (a hybrid linear-attention
+# model whose engines run bfloat16 against a float32 trainer); Qwen3-VL's training path runs in make test through
+# its actor, engine, sync and compare tests and tests/trainer/test_qwen3_vl.py.
+STEPS = {"tiny": 120, "tiny-qwen3-vl": 150, "tiny-qwen3.5": 120}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny", pytest.param("tiny-qwen3-vl", marks=pytest.mark.full)])
+@pytest.mark.parametrize("model", ["tiny", pytest.param("tiny-qwen3-vl", marks=pytest.mark.full), "tiny-qwen3.5"])
 def test_demo_config_learns_the_synthetic_task(tmp_path, model):
-    """The no-argument demo's recipe, and the same on the embedded Qwen3-VL (`MODEL_PATH=tiny-qwen3-vl`): validation
-    accuracy rises >= 0.3 above its step-0 value (after the format warm-up, which trains on random labels and leaves
-    accuracy at chance). tiny-qwen3-vl learns later (all 150 demo steps): measured on vLLM 0.25 until step 80, 0.41
-    at 90, 0.51 at 120; on the hf backend 0.68 at 110."""
+    """The no-argument demo's recipe, and the same on the embedded Qwen3-VL and Qwen3.5 (`MODEL_PATH=...`):
+    validation accuracy rises >= 0.3 above its step-0 value (after the format warm-up, which trains on random labels
+    and leaves accuracy at chance). tiny-qwen3-vl learns later (all 150 demo steps): measured on vLLM 0.25 until step
+    80, 0.41 at 90, 0.51 at 120; on the hf backend 0.68 at 110. tiny-qwen3.5 (vLLM in bfloat16): 0.25 until step 70,
+    0.49 at 80, 0.74 at 120."""
     backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
     out = tmp_path / "demo"
     fit(load_config(["config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic.yaml"), f"actor.model_path={model}",
-                     f"rollout.name={backend}", f"trainer.total_steps={120 if model == 'tiny' else 150}",
+                     f"rollout.name={backend}", f"trainer.total_steps={STEPS[model]}",
                      f"trainer.output_dir={out}"]))
     curve = [(row["step"], row["val/accuracy"]) for row in read_metrics(out / "metrics.jsonl") if "val/accuracy" in row]
     start = curve[0][1]
