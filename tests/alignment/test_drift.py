@@ -44,8 +44,14 @@ def test_bf16_noise_within_a_factor_of_a_few_is_never_a_jump():
 
 
 def test_below_the_floor_nothing_jumps_however_far_it_moves():
-    assert find_jumps([1e-14, 1e-14, 1e-14, 1e-14, 1e-8]) == []
-    assert find_jumps([1e-14, 1e-14, 1e-14, 1e-14, 1e-8], JumpRule(floor=1e-10)) == [4]
+    assert find_jumps([1e-14, 1e-14, 1e-14, 1e-14, 1e-11]) == []
+    assert find_jumps([1e-14, 1e-14, 1e-14, 1e-14, 1e-11], JumpRule(floor=1e-12)) == [4]
+
+
+def test_zero_gaps_read_as_float32_resolution_not_as_endless_spread():
+    """Steps whose k3 is exactly 0 (identical logprobs) beside 1e-13 ones are one quiet level."""
+    assert find_jumps([0.0, 1e-13, 0.0, 2e-13, 0.0, 1e-13]) == []
+    assert find_jumps([0.0, 0.0, 0.0, 0.0, 5e-9]) == [4]
 
 
 def test_no_step_is_judged_before_min_history_steps():

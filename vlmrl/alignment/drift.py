@@ -1,6 +1,6 @@
 """python -m vlmrl.alignment.drift OUTPUT_DIR: did the trainer/engine mismatch jump during a run, when, and why?
 
-    python -m vlmrl.alignment.drift OUTPUT_DIR [--out DIR] [--k 3] [--window 10] [--min-history 3] [--floor 1e-6]
+    python -m vlmrl.alignment.drift OUTPUT_DIR [--out DIR] [--k 3] [--window 10] [--min-history 3] [--floor 1e-10]
 
 Reads OUTPUT_DIR/drift/step_<N>.jsonl (the samples the fit loop kept, trainer.drift_fraction) and, when present,
 OUTPUT_DIR/metrics.jsonl's mismatch/*. Writes DIR/drift.png (mismatch per step, jumps marked), DIR/drift.html and
@@ -46,6 +46,9 @@ EXIT_OK, EXIT_JUMPS, EXIT_USAGE = 0, 1, 2
 METRICS_FILE = "metrics.jsonl"
 REPORT_DIR = "drift_report"
 WORST_SHOWN = 5
+K3_RESOLUTION = 1e-15
+"""k3 below this is read as this: float32 logprobs one rounding step apart (~1e-7) give k3 ~5e-15, so smaller
+values (0 included) are all 'equal' and must not look like decades of spread."""
 MAD_TO_SIGMA = 1.4826
 """MAD x this estimates the standard deviation of normal data."""
 WEIGHTS = "weights"
@@ -66,8 +69,9 @@ class JumpRule:
     """Preceding steps the median and MAD are taken over."""
     min_history: int = 3
     """Steps needed before any step can be judged."""
-    floor: float = 1e-6
-    """k3 at or below this is never a jump (fp32 engines sit at ~1e-12; a bf16 engine at 1e-4..1e-3)."""
+    floor: float = 1e-10
+    """k3 at or below this is never a jump: 100x where float32 engine and trainer sit (~1e-13..1e-12), so float32
+    rounding never jumps; a bf16 engine sits at 1e-4..1e-3, far above."""
     min_spread: float = 1 / 3
     """Smallest spread (decades) the rule divides by: a perfectly quiet history still needs a factor 10^(k x this)."""
 
@@ -82,7 +86,7 @@ def find_jumps(values: list[float], rule: JumpRule | None = None) -> list[int]:
     []
     """
     rule = rule or JumpRule()
-    logs = [math.log10(max(v, 1e-300)) if math.isfinite(v) else math.nan for v in values]
+    logs = [math.log10(max(v, K3_RESOLUTION)) if math.isfinite(v) else math.nan for v in values]
     out = []
     for t, value in enumerate(values):
         history = [x for x in logs[max(0, t - rule.window):t] if math.isfinite(x)]
