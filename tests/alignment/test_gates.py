@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from vlmrl.alignment.compare import main
 from vlmrl.alignment.gates import (
@@ -163,3 +164,32 @@ def test_a_bad_backend_or_config_exits_2_before_any_engine(tmp_path, capsys):
     assert main(["--gate", "all", *gate_args("tiny", tmp_path), "rollout.n=0"]) == 2
     assert "rollout.n" in capsys.readouterr().err
     assert not (tmp_path / "gates.json").exists()
+
+
+# Real engines (marker `full`, make test-all: each starts its engine twice, 45-60 s on 2 cores).
+
+
+@pytest.mark.vllm
+@pytest.mark.full
+def test_vllm_passes_every_gate(tiny_model_path, tmp_path):
+    out = tmp_path / "gate"
+    assert main(["--gate", "all", *gate_args(tiny_model_path, out, "--backend", "vllm", "rollout.dtype=float32")]) == 0
+    gates = json.loads((out / "gates.json").read_text())["gates"]
+    assert [(g["name"], g["ok"]) for g in gates] == [("reproducibility", True), ("batch", True),
+                                                     ("cross-instance", True), ("diversity", True)]
+
+
+@pytest.mark.sglang
+@pytest.mark.full
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU SGLang can honour sampling seeds")
+def test_sglang_on_a_cpu_fails_run_twice_because_it_cannot_honour_sampling_seeds(tiny_model_path, tmp_path):
+    """torch_native attention (the one that runs on a CPU) refuses enable_deterministic_inference, without which
+    SGLang ignores sampling_seed (docs/engines.md): a second call draws other samples, while a fresh instance's first
+    call repeats the first instance's (both start from random_seed)."""
+    out = tmp_path / "gate"
+    args = gate_args(tiny_model_path, out, "--backend", "sglang", "rollout.dtype=float32")
+    assert main(["--gate", "all", *args]) == 1
+    gates = {g["name"]: g for g in json.loads((out / "gates.json").read_text())["gates"]}
+    assert not gates["reproducibility"]["ok"] and not gates["batch"]["ok"]
+    assert "run 1 vs run 2: tokens split" in gates["reproducibility"]["findings"][0]
+    assert gates["cross-instance"]["ok"] and gates["diversity"]["ok"]
