@@ -151,10 +151,14 @@ def test_metrics_jsonl_k3_is_the_judged_series_when_every_step_has_it(tmp_path):
 
 
 class _Dom(HTMLParser):
-    """The elements a reader looks for: jump sections by step, cause cells, step rows, the inline plot."""
+    """The elements a reader looks for: jump sections by step, cause cells, step rows, the inline plot; and every
+    element closed where it was opened (a broken tag renders half the page inside another element)."""
+
+    VOID = {"meta", "img", "br", "hr", "input", "link"}
 
     def __init__(self):
         super().__init__()
+        self.open: list[str] = []
         self.jump_sections, self.causes, self.step_rows, self.jump_rows, self.images = [], [], [], [], []
         self.verdict = ""
         self._in_verdict = False
@@ -173,6 +177,8 @@ class _Dom(HTMLParser):
         if tag == "img":
             self.images.append(a.get("src", ""))
         self._in_verdict = a.get("id") == "verdict"
+        if tag not in self.VOID:
+            self.open.append(tag)
 
     def handle_data(self, data):
         if self._in_verdict:
@@ -180,6 +186,8 @@ class _Dom(HTMLParser):
 
     def handle_endtag(self, tag):
         self._in_verdict = False
+        assert self.open and self.open[-1] == tag, f"</{tag}> closes <{self.open[-1] if self.open else None}>"
+        self.open.pop()
 
 
 def test_the_cli_writes_a_png_and_an_html_that_shows_the_jump_and_its_cause(tmp_path, capsys):
@@ -191,6 +199,7 @@ def test_the_cli_writes_a_png_and_an_html_that_shows_the_jump_and_its_cause(tmp_
     assert (out / "drift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     dom = _Dom()
     dom.feed((out / "drift.html").read_text())
+    assert dom.open == [], f"unclosed: {dom.open}"
     assert dom.jump_sections == [6] and dom.causes == ["weights"] and dom.jump_rows == [6]
     assert dom.step_rows == list(range(1, 8)) and "1 jump" in dom.verdict
     assert len(dom.images) == 1 and dom.images[0].startswith("data:image/png;base64,")
