@@ -3,14 +3,21 @@ the stale engine, and `python -m vlmrl.alignment.drift` finds the jump at the st
 
 from __future__ import annotations
 
+import doctest
 import json
 import logging
 
+import pytest
+import torch
+
 from tests.trainer.test_fit import base_args
 from vlmrl.actor import Actor
+from vlmrl.alignment import drift
 from vlmrl.alignment.drift import main as drift_main
 from vlmrl.alignment.drift_artifact import read_drift
-from vlmrl.config import load_config
+from vlmrl.config import ConfigError, load_config
+from vlmrl.trainer import drift as trainer_drift
+from vlmrl.trainer.drift import drift_rows
 from vlmrl.trainer.fit import fit
 from vlmrl.trainer.metrics import read_metrics
 
@@ -52,3 +59,25 @@ def test_a_dropped_weight_sync_is_a_jump_with_the_cause_weights(tiny_model_path,
     before = [s["metrics"]["mismatch/k3"] for s in report["steps"] if s["step"] <= DROPPED]
     assert jump["metrics"]["mismatch/k3"] > 100 * max(before), "a stale engine is far off a synced one"
     assert (report_dir / "drift.png").stat().st_size > 0 and (report_dir / "drift.html").exists()
+
+
+def test_drift_rows_are_seeded_by_step_skip_padding_and_keep_at_least_one():
+    padding = torch.tensor([False] * 60 + [True] * 4)
+    rows = drift_rows(padding, 0.05, seed=1, step=7)
+    assert rows == drift_rows(padding, 0.05, seed=1, step=7), "a rerun or a resumed run keeps the same rows"
+    assert len(rows) == 3 and all(row < 60 for row in rows)
+    assert drift_rows(padding, 0.05, seed=1, step=8) != rows or drift_rows(padding, 0.05, seed=2, step=7) != rows
+    assert len(drift_rows(torch.tensor([False] * 4), 0.05, 1, 1)) == 1
+    assert drift_rows(padding, 0.0, 1, 1) == [] and drift_rows(torch.tensor([True] * 4), 0.05, 1, 1) == []
+
+
+def test_a_drift_fraction_outside_0_1_is_refused_at_load():
+    with pytest.raises(ConfigError, match=r"trainer.drift_fraction=1.5 must be in \[0, 1\]"):
+        load_config(["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic",
+                     "trainer.drift_fraction=1.5"])
+
+
+def test_docstring_examples_hold():
+    for module in (drift, trainer_drift):
+        failures, tried = doctest.testmod(module)
+        assert tried > 0 and failures == 0, module.__name__
