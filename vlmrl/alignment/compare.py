@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m vlmrl.alignment.compare",
         description="Diff two backends' validation outputs at four levels (inputs, tokens, logprobs, rewards), "
         "bucket every differing sample by cause, and exit 0 when they agree within the thresholds.",
-        epilog="Exit status: 0 aligned, 1 not aligned, 2 bad usage, unreadable/incomparable artifacts or a failed "
-        f"backend run. With --backends each backend validates in its own `python -m vlmrl.train` process, which must "
+        epilog="Exit status: 0 aligned (with --gate: every gate passes), 1 not aligned (a gate fails), 2 bad usage, "
+        "unreadable/incomparable artifacts or a failed backend run. With --backends each backend validates in its "
+        "own `python -m vlmrl.train` process, which must "
         f"end within rollout.start_timeout_s + {RUN_CALLS_MARGIN} x rollout.timeout_s (x agent.max_turns with "
         f"agent.enable) + {RUN_SETUP_S:g} s.",
     )
