@@ -2,6 +2,7 @@
 
     python -m vlmrl.alignment.compare A.jsonl B.jsonl [--out DIR] [--max-real-divergence 0.02 ...]
     python -m vlmrl.alignment.compare --backends vllm,sglang config=FILE.yaml key=value ... [--out DIR]
+    python -m vlmrl.alignment.compare --gate all [--backend vllm] config=FILE.yaml key=value ... [--out DIR]
 
 The first form diffs two artifacts written by validate-only mode (`trainer.val_only=true`). The second runs that
 validation on both backends itself (same data, images and seeds; greedy by default), then diffs. Writes
@@ -14,8 +15,11 @@ output is shown as it comes and kept in DIR/val_a_X.log; its artifact becomes DI
 second side). A run must end within rollout.start_timeout_s + 4 x rollout.timeout_s (x agent.max_turns with
 agent.enable) + 10 minutes; every engine call inside it has its own deadline as well.
 
-Exit status: 0 aligned within the thresholds, 1 not aligned, 2 bad usage, unreadable / incomparable artifacts, or a
-backend's validation run that failed.
+`--gate NAME` judges one backend (rollout.name, or --backend) against itself instead: reproducibility, batch,
+cross-instance, diversity or all (`vlmrl.alignment.gates`); it writes DIR/gates.json.
+
+Exit status: 0 aligned within the thresholds (every gate passes), 1 not aligned (a gate fails), 2 bad usage,
+unreadable / incomparable artifacts, or a backend's run that failed.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from rich.text import Text
 
 from vlmrl.alignment.artifact import ArtifactError, ArtifactMeta, read_artifact
 from vlmrl.alignment.diff import NotComparableError, Thresholds, compare_artifacts
+from vlmrl.alignment.gates import DEFAULT_ALPHA, DEFAULT_LOGPROB_TOLERANCE, GATES, run_gates, summary_lines
+from vlmrl.alignment.gates import write_gate_report
 from vlmrl.alignment.html_report import write_html_report
 from vlmrl.alignment.report import print_summary, write_json_report
 from vlmrl.config import ROLLOUT_BACKENDS, Config, ConfigError, field_docs, load_config
@@ -64,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m vlmrl.alignment.compare",
         description="Diff two backends' validation outputs at four levels (inputs, tokens, logprobs, rewards), "
         "bucket every differing sample by cause, and exit 0 when they agree within the thresholds.",
-        epilog="Exit status: 0 aligned, 1 not aligned, 2 bad usage, unreadable/incomparable artifacts or a failed "
-        f"backend run. With --backends each backend validates in its own `python -m vlmrl.train` process, which must "
+        epilog="Exit status: 0 aligned (with --gate: every gate passes), 1 not aligned (a gate fails), 2 bad usage, "
+        "unreadable/incomparable artifacts or a failed backend run. With --backends each backend validates in its "
+        "own `python -m vlmrl.train` process, which must "
         f"end within rollout.start_timeout_s + {RUN_CALLS_MARGIN} x rollout.timeout_s (x agent.max_turns with "
         f"agent.enable) + {RUN_SETUP_S:g} s.",
     )
@@ -78,6 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"folder for report.json/report.html, and with --backends the artifacts and run logs "
                         f"(default {DEFAULT_OUT})")
     parser.add_argument("--no-html", action="store_true", help="skip the HTML report")
+    gates = parser.add_argument_group("gates (one backend against itself; key=value overrides as with --backends)")
+    gates.add_argument("--gate", choices=[*GATES, "all"],
+                       help="run a determinism / consistency gate instead of a comparison (see docs/alignment.md)")
+    gates.add_argument("--backend", help="the backend the gate runs on (default rollout.name)")
+    gates.add_argument("--gate-rows", type=int, default=8, metavar="N", help="data rows the gate generates for "
+                       "(rollout.n samples each; default 8)")
+    gates.add_argument("--gate-logprob-tolerance", type=float, default=DEFAULT_LOGPROB_TOLERANCE, metavar="X",
+                       help=f"per-token |logprob delta| two runs may differ by (default {DEFAULT_LOGPROB_TOLERANCE:g}"
+                       "; tokens must match)")
+    gates.add_argument("--gate-alpha", type=float, default=DEFAULT_ALPHA, metavar="X",
+                       help=f"the diversity gate's false-alarm chance over all groups (default {DEFAULT_ALPHA:g})")
     docs = field_docs(Thresholds)
     group = parser.add_argument_group("thresholds (when the two sides count as aligned)")
     for f in dataclasses.fields(Thresholds):
@@ -221,6 +239,34 @@ def _take_artifact(run_dir: Path, backend: str, path: Path) -> None:
     os.replace(found[0], path)
 
 
+def run_gate_mode(args: argparse.Namespace, out: Path, err: Console) -> int:
+    """--gate: the gates on one backend, in this process (the engine is started here, one instance at a time)."""
+    from vlmrl.rollout import RolloutError
+
+    bad = [item for item in args.inputs if "=" not in item]
+    if bad or args.backends:
+        err.print(Text("error: ", style="bold red") + Text(f"--gate takes config=FILE.yaml and key=value overrides "
+                                                           f"(and --backend NAME), not {bad or ['--backends']}"))
+        return EXIT_USAGE
+    try:
+        config = load_config(list(args.inputs))
+        backend = args.backend or config.rollout.name
+        if backend not in ROLLOUT_BACKENDS:
+            raise UsageError(f"unknown backend {backend!r}; choose one of {list(ROLLOUT_BACKENDS)}")
+        names = list(GATES) if args.gate == "all" else [args.gate]
+        results = run_gates(config, backend, names, rows=args.gate_rows, tolerance=args.gate_logprob_tolerance,
+                            alpha=args.gate_alpha)
+    except (ConfigError, UsageError, ValueError, RolloutError) as error:
+        err.print(Text("error: ", style="bold red") + Text(str(error)))
+        return EXIT_USAGE
+    path = write_gate_report(results, backend, out / "gates.json")
+    for line in summary_lines(results):
+        print(line)
+    ok = all(gate.ok for gate in results)
+    print(f"{backend}: {'every gate passes' if ok else 'GATE FAILED'} | report: {path}")
+    return EXIT_ALIGNED if ok else EXIT_NOT_ALIGNED
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -231,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     err = Console(stderr=True)
     out = Path(args.out)
+    if args.gate:
+        return run_gate_mode(args, out, err)
     try:
         path_a, path_b = _artifact_paths(args, out)
         meta_a, records_a = read_artifact(path_a)

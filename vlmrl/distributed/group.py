@@ -253,9 +253,11 @@ class DistributedActor:
 
     def sync_weights(self, backend: RolloutBackend) -> int:
         """Load the actor's current weights into every engine, gathered from the shards on the workers themselves:
-        nothing goes through the driver. `backend` (the run's `ColocatedEngines`) is unused: the engines live in the
-        workers. Returns the number of tensors each engine loaded."""
-        return max(self._each("sync_weights", [()] * self.dp_size, "weight sync"))
+        nothing goes through the driver. `backend` (the run's `ColocatedEngines`) only counts the load (the engines
+        live in the workers). Returns the number of tensors each engine loaded."""
+        loaded = max(self._each("sync_weights", [()] * self.dp_size, "weight sync"))
+        backend.weights_loaded()
+        return loaded
 
     def load_engine_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Load weights given here (the driver) into every engine: the generic path (see `sync_weights`)."""

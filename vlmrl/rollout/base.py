@@ -133,6 +133,9 @@ class RolloutBackend(abc.ABC):
         self.weights_dropped = False
         """A sleep discarded the weights (vLLM sleep level 2, SGLang's memory saver): a full weight sync must come
         before the next generate."""
+        self.weight_loads = 0
+        """How many weight updates (`update_weights`, `update_adapter`, or a sync that loads the engines directly)
+        returned: the fit loop compares it before and after each sync to tell a sync that never reached the engine."""
 
     # ---- what every backend implements
 
@@ -175,6 +178,11 @@ class RolloutBackend(abc.ABC):
         self.wake_up(("weights",))
         self._update_weights(named_tensors, names)
         self.weights_dropped = False
+        self.weights_loaded()
+
+    def weights_loaded(self) -> None:
+        """Count one weight update that reached the engine (`weight_loads`)."""
+        self.weight_loads += 1
 
     def takes_partial_weights(self) -> bool:
         """Whether `update_weights` may be given only the weights that changed: the backend loads by name
@@ -192,6 +200,7 @@ class RolloutBackend(abc.ABC):
             raise NotImplementedError(f"{self.name}: this backend does not serve LoRA adapters; sync merged weights")
         self.wake_up()
         self._update_adapter(folder)
+        self.weights_loaded()
 
     def _update_adapter(self, folder: str) -> None:
         raise NotImplementedError

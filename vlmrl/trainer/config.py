@@ -55,6 +55,10 @@ class TrainerConfig:
     """Peak FLOP/s of one training device, for throughput/mfu_actor: its dense bf16 tensor peak (989e12 for an H100
     SXM or H200). None = looked up by CUDA device name (vlmrl.trainer.throughput.DEVICE_PEAK_FLOPS); on a CPU or an
     unknown device no MFU is logged unless this is set."""
+    drift_fraction: float = 0.05
+    """Share of each step's samples (at least one; 0 = off) whose engine and trainer logprobs are kept in
+    OUTPUT_DIR/drift/step_<N>.jsonl, for `python -m vlmrl.alignment.drift` (mismatch per step, jumps and their
+    cause). Drawn by (seed, step), so a rerun or a resumed run keeps the same samples."""
     engine_placement: str = "worker"
     """With several devices, where the colocated rollout engines run: `worker` = one per training worker, `node` =
     one per node (on its first worker; the node's requests go to it)."""
@@ -82,6 +86,8 @@ class TrainerConfig:
         if self.device_peak_flops is not None and not self.device_peak_flops > 0:
             out.append(f"trainer.device_peak_flops={self.device_peak_flops} must be > 0 (e.g. 989e12 for an H100) or "
                        "null (from the device's name)")
+        if not 0.0 <= self.drift_fraction <= 1.0:
+            out.append(f"trainer.drift_fraction={self.drift_fraction} must be in [0, 1] (0 = no drift samples)")
         if self.engine_placement not in ENGINE_PLACEMENTS:
             out.append(f"trainer.engine_placement={self.engine_placement!r} is not one of {list(ENGINE_PLACEMENTS)}")
         return out

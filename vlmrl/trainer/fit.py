@@ -1,8 +1,8 @@
 """The GRPO fit loop: each step is a sequence of named, timed phases.
 
     rollout -> reward [-> more rollouts and rewards: dynamic sampling] -> old_logprobs (when the batch gets more
-            than one optimizer step, or rollout correction is on) -> ref_logprobs (KL only) -> advantages -> update
-            -> weight_sync -> [validate] -> [save]
+            than one optimizer step, or rollout correction is on) -> [drift: a few samples' logprobs kept] ->
+            ref_logprobs (KL only) -> advantages -> update -> weight_sync -> [validate] -> [save]
 
 A plain and a multi-turn (agent.enable) rollout differ only inside `collect_step`; both give a `StepBatch`. One
 `PhaseTimer` per step times every phase (timing/<phase>; timing/step is the whole step). Everything else (setup,
@@ -27,6 +27,7 @@ from vlmrl.actor import Actor, PolicyActor
 from vlmrl.algorithms.advantages import compute_advantages
 from vlmrl.algorithms.correction import rollout_correction
 from vlmrl.algorithms.dapo import groups_with_signal, mask_truncated, overlong_penalty, select_groups
+from vlmrl.alignment.drift_artifact import DRIFT_DIR, drop_steps_after, write_step
 from vlmrl.atomic import write_text_atomically
 from vlmrl.batch import batch_metrics, pad_results, required_batch_multiple, scored_batch
 from vlmrl.config import Config, to_dict, to_yaml
@@ -43,6 +44,7 @@ from vlmrl.trainer.checkpoint import (
     tidy_checkpoints,
 )
 from vlmrl.trainer.components import RunComponents, load_run_processor, start_agent, start_run_backend
+from vlmrl.trainer.drift import drift_records, drift_rows, trainer_logprobs
 from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_curves, truncate_after
 from vlmrl.trainer.throughput import throughput_metrics
 from vlmrl.trainer.validation import load_val_dataset, run_validation, validate_with
@@ -94,6 +96,8 @@ class Run:
     last_metrics: dict[str, float] = field(default_factory=dict)
     prompts: PromptQueue | None = None
     """Prompt indices for the agent loop, which may ask for more or fewer than a batch (partial rollout)."""
+    engine_version: int = 0
+    """The step whose weights the engine holds: set by each sync that reached it (`sync_engine`)."""
 
     def close(self) -> None:
         self.parts.close()
@@ -197,6 +201,9 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     if carries or cfg.algorithm.rollout_correction != "off" or run.actor.needs_old_logprobs(len(batch)):
         with timer("old_logprobs"):
             old_logprobs, _ = run.actor.compute_logprobs(batch)
+    if cfg.trainer.drift_fraction > 0 and batch.rollout_logprobs is not None:
+        with timer("drift"):
+            keep_drift_samples(run, batch, old_logprobs, step)
     ref_logprobs = None
     if cfg.actor.use_kl_loss:
         with timer("ref_logprobs"):
@@ -209,9 +216,33 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     with timer("update"):
         actor_metrics = run.actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights)
     with timer("weight_sync"):
-        run.actor.sync_weights(run.parts.backend)
+        sync_engine(run, step)
     return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
             **step_metrics(collected, run, timer)}
+
+
+def keep_drift_samples(run: Run, batch: TrainBatch, old_logprobs: torch.Tensor | None, step: int) -> None:
+    """OUTPUT_DIR/drift/step_<step>.jsonl: trainer.drift_fraction of the step's samples, with the engine's and the
+    trainer's pre-update logprobs of their loss tokens (one forward over those rows unless old_logprobs exist)."""
+    cfg, processor = run.config, run.parts.processor
+    rows = drift_rows(batch.is_padding, cfg.trainer.drift_fraction, cfg.trainer.seed, step)
+    trainer = trainer_logprobs(run.actor, batch, rows, old_logprobs, eos_token_id=processor.eos_token_ids[0],
+                               pad_token_id=processor.pad_token_id)
+    write_step(run.output_dir, step, drift_records(batch, rows, trainer, step=step, engine_version=run.engine_version,
+                                                   temperature=cfg.rollout.temperature))
+
+
+def sync_engine(run: Run, step: int) -> None:
+    """Step `step`'s weights into the engine. A sync that never reached it (the backend counted no weight load) is
+    said, and the engine keeps its version: the next step's drift samples then show the stale weights."""
+    backend = run.parts.backend
+    loads = backend.weight_loads
+    run.actor.sync_weights(backend)
+    if backend.weight_loads > loads:
+        run.engine_version = step
+    else:
+        logger.warning("step %d: the weight sync loaded nothing into the %s engine: it still holds step %d's weights",
+                       step, backend.name, run.engine_version)
 
 
 def loss_inputs(config: Config, batch: TrainBatch, old_logprobs: torch.Tensor | None
@@ -469,17 +500,22 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         step = int(info["step"])
         logger.info("resuming from %s (step %d of %d)", checkpoint, step, total_steps)
         truncate_after(output_dir / METRICS_FILE, step)
-    elif (output_dir / METRICS_FILE).exists():
-        kept = output_dir / f"{METRICS_FILE}.{time.strftime('%Y%m%d-%H%M%S')}"
-        os.replace(output_dir / METRICS_FILE, kept)
-        logger.warning("%s exists but there is no checkpoint to resume from: starting over (old lines kept in %s)",
-                       output_dir / METRICS_FILE, kept)
+        drop_steps_after(output_dir, step)
+    else:
+        stamp = time.strftime('%Y%m%d-%H%M%S')
+        for name in (METRICS_FILE, DRIFT_DIR):  # a run starting over keeps the old run's lines aside
+            if (output_dir / name).exists():
+                kept = output_dir / f"{name}.{stamp}"
+                os.replace(output_dir / name, kept)
+                logger.warning("%s exists but there is no checkpoint to resume from: starting over (old one kept "
+                               "in %s)", output_dir / name, kept)
     from tqdm import tqdm
 
     sink = MetricsLogger(output_dir, t.logger, to_dict(config), t.project_name, t.experiment_name, console=tqdm.write)
     opened.append(sink.close)
     parts = RunComponents(config, processor, reward_fn, backend, val_data)
-    run = Run(config, output_dir, parts, train_data, sampler, actor, sink, total_steps, dp_size, step)
+    run = Run(config, output_dir, parts, train_data, sampler, actor, sink, total_steps, dp_size, step,
+              engine_version=step)  # the engine starts on the checkpoint's weights (or synced them just above)
     if config.agent.enable:
         parts.agent, run.prompts = start_agent(config, backend, processor), PromptQueue(sampler)
         opened.append(parts.agent.close)
@@ -524,7 +560,7 @@ def start_of_training(run: Run) -> None:
     if t.format_warmup_steps > 0:
         with timer("format_warmup"):
             losses = format_warmup(run.actor, run.parts.processor, run.train_data, run.config)
-            run.actor.sync_weights(run.parts.backend)
+            sync_engine(run, 0)  # the warmed-up weights are step 0's
         metrics.update({"warmup/loss_first": losses[0], "warmup/loss_last": losses[-1]})
     if t.val_before_train and run.parts.val_data is not None:
         with timer("validate"):
