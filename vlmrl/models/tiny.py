@@ -324,9 +324,7 @@ def _build_qwen2_5_vl(out: Path, spec: TinySpec, tok, ids: dict[str, int]) -> No
 
 
 def _build_qwen3_vl(out: Path, spec: TinyQwen3Spec, tok, ids: dict[str, int]) -> None:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     assert sum(spec.mrope_section) == spec.head_dim // 2, "mrope sections must sum to head_dim / 2"
     config = Qwen3VLConfig(
@@ -350,8 +348,16 @@ def _build_qwen3_vl(out: Path, spec: TinyQwen3Spec, tok, ids: dict[str, int]) ->
         tie_word_embeddings=False,
     )
     _save_seeded(Qwen3VLForConditionalGeneration, config, out)
-    # the released Qwen3-VL processors normalise with mean = std = 0.5
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
+    _save_qwen3_vl_processor(out, spec.min_pixels, spec.max_pixels, tok)
+
+
+def _save_qwen3_vl_processor(out: Path, min_pixels: int, max_pixels: int, tok) -> None:
+    """Qwen3-VL's processor (Qwen3.5 ships the same): 16 px patches, mean = std = 0.5 as the released ones."""
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels,
                                                patch_size=16, temporal_patch_size=2, merge_size=2,
                                                image_mean=[0.5] * 3, image_std=[0.5] * 3)
     video_processor = Qwen3VLVideoProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
@@ -361,9 +367,7 @@ def _build_qwen3_vl(out: Path, spec: TinyQwen3Spec, tok, ids: dict[str, int]) ->
 
 
 def _build_qwen3_5(out: Path, spec: TinyQwen3_5Spec, tok, ids: dict[str, int]) -> None:
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from vlmrl.models.families import attention_interval
 
@@ -396,14 +400,7 @@ def _build_qwen3_5(out: Path, spec: TinyQwen3_5Spec, tok, ids: dict[str, int]) -
         tie_word_embeddings=False,
     )
     _save_seeded(Qwen3_5ForConditionalGeneration, config, out)
-    # the released Qwen3.5 processors are Qwen3-VL's: 16 px patches, mean = std = 0.5
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
-                                               patch_size=16, temporal_patch_size=2, merge_size=2,
-                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    video_processor = Qwen3VLVideoProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
-    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                                 chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(out)
+    _save_qwen3_vl_processor(out, spec.min_pixels, spec.max_pixels, tok)
 
 
 def main() -> None:
