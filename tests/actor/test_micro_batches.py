@@ -193,17 +193,22 @@ def test_the_budget_bounds_every_forward(tiny_model_path, batch):
 # ---- the packed forward on Qwen3-VL (interleaved mrope, deepstack) -----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def qwen3_batches(tiny_qwen3_vl_path, synthetic_rows):
-    """Like `batch` and `padded_batch`, built with the embedded Qwen3-VL's processor (its own 32-px image grids)."""
+def family_batches(model_path: str, synthetic_rows) -> dict:
+    """Like `batch` and `padded_batch`, built with that model's processor (its own image grids)."""
     from vlmrl.data.config import DataConfig
     from vlmrl.processors import load_processor
 
-    processor = load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=64))
+    processor = load_processor(model_path, DataConfig(max_prompt_length=64))
     plain = make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,), response_length=8)
     padded = upsample_to_multiple(plain, 12, eos_token_id=processor.eos_token_ids[0],
                                   pad_token_id=processor.pad_token_id)
     return {"plain": plain, "padding-rows": padded}
+
+
+@pytest.fixture(scope="module")
+def qwen3_batches(tiny_qwen3_vl_path, synthetic_rows):
+    """`family_batches` of the embedded Qwen3-VL (its own 32-px image grids)."""
+    return family_batches(tiny_qwen3_vl_path, synthetic_rows)
 
 
 @pytest.mark.parametrize("kind", ["plain", "padding-rows"])
@@ -255,15 +260,8 @@ def test_qwen3_vl_packed_update_equals_the_padded_update(tiny_qwen3_vl_path, qwe
 
 @pytest.fixture(scope="module")
 def qwen3_5_batches(tiny_qwen3_5_path, synthetic_rows):
-    """Like `qwen3_batches`, with the embedded Qwen3.5's processor."""
-    from vlmrl.data.config import DataConfig
-    from vlmrl.processors import load_processor
-
-    processor = load_processor(tiny_qwen3_5_path, DataConfig(max_prompt_length=64))
-    plain = make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,), response_length=8)
-    padded = upsample_to_multiple(plain, 12, eos_token_id=processor.eos_token_ids[0],
-                                  pad_token_id=processor.pad_token_id)
-    return {"plain": plain, "padding-rows": padded}
+    """`family_batches` of the embedded Qwen3.5."""
+    return family_batches(tiny_qwen3_5_path, synthetic_rows)
 
 
 @pytest.mark.parametrize("kind", ["plain", "padding-rows"])
