@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -46,10 +47,9 @@ def _image_bytes(size, colour) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_model_path):
-    """A small verl-schema parquet (6 image rows + 1 text row) and the overrides every side shares."""
-    root = tmp_path_factory.mktemp("alignment_engines")
+def write_colour_set(root: Path) -> Path:
+    """Into `root`: val.parquet (6 image rows of IMAGE_SIZES/COLOURS + 1 text row, verl's schema) and rewards.py
+    (REWARD_FILE); returns the parquet's path."""
     rows = [{"data_source": "synthetic/colour", "prompt": [{"role": "user", "content": "<image>Which colour is on top?"}],
              "images": [{"bytes": _image_bytes(size, colour), "path": None}], "ability": "vision",
              "reward_model": {"style": "rule", "ground_truth": colour}, "extra_info": {"index": i}}
@@ -60,6 +60,14 @@ def setup(tmp_path_factory, tiny_model_path):
     data = root / "val.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
     (root / "rewards.py").write_text(REWARD_FILE)
+    return data
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_path):
+    """A small verl-schema parquet (6 image rows + 1 text row) and the overrides every side shares."""
+    root = tmp_path_factory.mktemp("alignment_engines")
+    data = write_colour_set(root)
     overrides = [f"actor.model_path={tiny_model_path}", f"data.val_files={data}", "data.max_prompt_length=128",
                  "data.max_response_length=16", "data.min_pixels=3136", "data.max_pixels=12544",
                  "rollout.dtype=float32", "rollout.val_top_logprobs=5", f"trainer.output_dir={root / 'run'}",

@@ -15,11 +15,9 @@ import json
 import shutil
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from tests.alignment.test_compare_engines import COLOURS, IMAGE_SIZES, REWARD_FILE, _image_bytes
+from tests.alignment.test_compare_engines import write_colour_set
 from vlmrl.alignment.compare import main
 
 pytestmark = pytest.mark.vllm  # every test reuses the `compare --backends hf,vllm` run
@@ -32,16 +30,7 @@ def setup(tmp_path_factory):
     from vlmrl.models import ensure_built
 
     root = tmp_path_factory.mktemp("alignment_qwen3_vl")
-    rows = [{"data_source": "synthetic/colour", "prompt": [{"role": "user", "content": "<image>Which colour is on top?"}],
-             "images": [{"bytes": _image_bytes(size, colour), "path": None}], "ability": "vision",
-             "reward_model": {"style": "rule", "ground_truth": colour}, "extra_info": {"index": i}}
-            for i, (size, colour) in enumerate(zip(IMAGE_SIZES, COLOURS))]
-    rows.append({"data_source": "synthetic/text", "prompt": [{"role": "user", "content": "Name a colour."}],
-                 "images": [], "ability": "text", "reward_model": {"style": "rule", "ground_truth": "red"},
-                 "extra_info": {"index": 6}})
-    data = root / "val.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), data)
-    (root / "rewards.py").write_text(REWARD_FILE)
+    data = write_colour_set(root)
     model = ensure_built("tiny-qwen3-vl")
     overrides = [f"actor.model_path={model}", f"data.val_files={data}", "data.max_prompt_length=128",
                  "data.max_response_length=16", "rollout.dtype=float32", "rollout.val_top_logprobs=5",
