@@ -10,9 +10,6 @@ export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export SGLANG_USE_CPU_ENGINE ?= 1
 
-WORKERS ?= 2
-# two pytest-xdist workers (the machine's two cores): each receives whole units (tests/conftest.py, xdist_group)
-XDIST := -n $(WORKERS) --dist loadgroup
 FAST := not vllm and not sglang and not ray and not slow and not gpu and not full
 
 .PHONY: setup demo test test-all test-fast bench
@@ -23,10 +20,10 @@ demo: setup
 	PYTHON=$(PY) bash examples/qwen2_5_vl_grpo.sh
 
 test: setup
-	$(PY) -m pytest tests -m "not full" $(XDIST)
+	$(PY) -m pytest tests -m "not full"
 
 test-all: setup
-	$(PY) -m pytest tests $(XDIST)
+	$(PY) -m pytest tests
 
 test-fast: setup
 	$(PY) -m pytest tests -m "$(FAST)"

@@ -17,31 +17,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _ENGINE_MODULES = {"vllm": "vllm", "sglang": "sglang", "ray": "ray"}
 
 
-SHARED_PROCESS_GROUPS = {"tests/rollout/": "rollout", "tests/distributed/": "ray"}
-"""Folders whose tests share one process's state: tests/rollout its session engines (each closed after its last
-user, in collection order), tests/distributed one Ray cluster."""
-ONE_TEST_UNITS = ("tests/trainer/test_fit.py",)
-"""Modules whose tests share nothing costly (each is its own run): `make test`'s two workers split them test by test."""
-
-
-def xdist_group(item) -> str:
-    """The unit `make test`'s workers (pytest-xdist, --dist loadgroup) receive whole: a folder sharing process state
-    (SHARED_PROCESS_GROUPS), Ray's tests with them, the tests that start or look for SGLang servers by process
-    (one worker, so that none sees another's server), else the module (its module-scoped engines start once)."""
-    path = item.nodeid.split("::")[0]
-    for folder, group in SHARED_PROCESS_GROUPS.items():
-        if path.startswith(folder):
-            return group
-    if "ray" in item.keywords:
-        return "ray"
-    if "judge" in path or "sglang" in item.keywords:
-        return "sglang-processes"
-    return item.nodeid if path in ONE_TEST_UNITS else path
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
         for marker, module in _ENGINE_MODULES.items():
             if marker in item.keywords and importlib.util.find_spec(module) is None:
                 item.add_marker(pytest.mark.skip(reason=f"{module} is not installed (run `make test`, which installs it)"))
