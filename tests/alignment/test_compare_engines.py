@@ -156,12 +156,13 @@ def test_other_max_pixels_is_an_input_mismatch(setup, hf_vs_vllm):
     assert any("resized to" in d for d in mismatch["input_diffs"])
 
 
-def test_perturbed_weights_are_real_divergences(setup, hf_vs_vllm, tiny_model_path):
+@pytest.fixture(scope="module")
+def perturbed_model(setup, tiny_model_path):
+    """The tiny model with its language blocks' weights moved by 0.3 std: a model that computes differently."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    root, overrides = setup
-    _, out = hf_vs_vllm
+    root, _ = setup
     perturbed = root / "perturbed"
     shutil.copytree(tiny_model_path, perturbed)
     weights = load_file(perturbed / "model.safetensors")
@@ -170,11 +171,79 @@ def test_perturbed_weights_are_real_divergences(setup, hf_vs_vllm, tiny_model_pa
         if tensor.dim() >= 2 and "layers" in name and "visual" not in name:  # the language model's blocks
             weights[name] = tensor + torch.randn(tensor.shape, generator=generator) * tensor.std() * 0.3
     save_file(weights, perturbed / "model.safetensors", metadata={"format": "pt"})
-    other = _validate([*overrides, f"actor.model_path={perturbed}"], "hf", root / "val_hf_perturbed.jsonl")
+    return perturbed
+
+
+def test_perturbed_weights_are_named_and_are_real_divergences(setup, hf_vs_vllm, perturbed_model):
+    """Other weight files: every sample is put down to them (the headers' fingerprints differ), with what they did
+    (a real divergence); without fingerprints (artifacts of a run inside training) the divergences themselves."""
+    root, overrides = setup
+    _, out = hf_vs_vllm
+    other = _validate([*overrides, f"actor.model_path={perturbed_model}"], "hf", root / "val_hf_perturbed.jsonl")
     meta_a, rec_a = read_artifact(out / "val_a_hf.jsonl")
-    comparison = compare_artifacts(meta_a, rec_a, *read_artifact(other))
-    assert comparison.cause_counts == {Cause.REAL_DIVERGENCE: 7}
-    assert not comparison.ok
+    meta_b, rec_b = read_artifact(other)
+    comparison = compare_artifacts(meta_a, rec_a, meta_b, rec_b)
+    assert comparison.cause_counts == {Cause.WEIGHTS_DIFFER: 7} and not comparison.ok
+    assert all(s.explanation.startswith("the sides loaded other weights") and "top-k" in s.explanation
+               for s in comparison.samples)
+    meta_a.weights = meta_b.weights = ""
+    assert compare_artifacts(meta_a, rec_a, meta_b, rec_b).cause_counts == {Cause.REAL_DIVERGENCE: 7}
+
+
+def _trainer_scores(overrides, reference, out):
+    from vlmrl.alignment.trainer_side import score_reference
+    from vlmrl.config import load_config
+
+    return score_reference(load_config([*overrides, "trainer.val_only=true", "rollout.name=vllm"]), reference, out)
+
+
+def test_the_trainer_scores_vllms_samples_as_vllm_did(setup, hf_vs_vllm):
+    """The trainer side (the actor with padding-free packing, token-budget micro-batches and 3-token logprob chunks)
+    on vLLM's fp32 samples: the same inputs, and logprobs equal to float rounding on every token."""
+    from vlmrl.alignment.compare import FP32_THRESHOLDS
+
+    root, overrides = setup
+    _, out = hf_vs_vllm
+    packed = ["actor.padding_free=true", "actor.micro_batch_tokens=300", "actor.logprob_chunk_size=3"]
+    trainer = _trainer_scores([*overrides, *packed], out / "val_b_vllm.jsonl", root / "trainer_vllm.jsonl")
+    meta_t, rec_t = read_artifact(trainer)
+    assert meta_t.backend == "trainer" and meta_t.dtype == "float32" and meta_t.weights
+    comparison = compare_artifacts(*read_artifact(out / "val_b_vllm.jsonl"), meta_t, rec_t,
+                                   Thresholds(**FP32_THRESHOLDS))
+    assert comparison.ok and comparison.exact == comparison.total == 7, [s.explanation for s in comparison.samples]
+    assert comparison.max_abs_logprob_delta < 1e-4
+    assert sum(len(r.response_ids) for r in rec_t) > 7, "real responses were scored, not empty ones"
+
+
+def test_a_bfloat16_trainer_against_a_float32_engine_is_precision_within_the_band(setup, hf_vs_vllm):
+    """actor.dtype=bfloat16 scoring vLLM's float32 samples: logprobs off by more than float32 rounding, within the
+    bfloat16 band: bucketed precision (not drift), and aligned."""
+    root, overrides = setup
+    _, out = hf_vs_vllm
+    trainer = _trainer_scores([*overrides, "actor.dtype=bfloat16"], out / "val_b_vllm.jsonl", root / "trainer_bf16.jsonl")
+    meta_t, rec_t = read_artifact(trainer)
+    comparison = compare_artifacts(*read_artifact(out / "val_b_vllm.jsonl"), meta_t, rec_t)
+    assert meta_t.dtype == "bfloat16" and comparison.ok
+    assert comparison.cause_counts.get(Cause.PRECISION, 0) >= 4, [s.explanation for s in comparison.samples]
+    assert set(comparison.cause_counts) == {Cause.PRECISION}
+    assert "band of float32 vs bfloat16" in comparison.differing()[0].explanation
+
+
+def test_a_trainer_on_other_weights_or_other_pixels_is_named(setup, hf_vs_vllm, perturbed_model):
+    """What trainer-vs-engine failures look like: a trainer on other weights (the engine's tokens, its own logprobs:
+    every sample put down to the weights) and a trainer that resizes images otherwise (input mismatch on the 6
+    image rows, the text row exact)."""
+    root, overrides = setup
+    _, out = hf_vs_vllm
+    vllm = read_artifact(out / "val_b_vllm.jsonl")
+    stale = _trainer_scores([*overrides, f"actor.model_path={perturbed_model}"], out / "val_b_vllm.jsonl",
+                            root / "trainer_perturbed.jsonl")
+    comparison = compare_artifacts(*vllm, *read_artifact(stale))
+    assert comparison.cause_counts == {Cause.WEIGHTS_DIFFER: 7}
+    assert all(s.tokens_equal and "logprobs differ by up to" in s.explanation for s in comparison.samples)
+    small = _trainer_scores([*overrides, "data.max_pixels=6272"], out / "val_b_vllm.jsonl", root / "trainer_px.jsonl")
+    comparison = compare_artifacts(*vllm, *read_artifact(small))
+    assert comparison.cause_counts == {Cause.INPUT_MISMATCH: 6} and comparison.exact == 1
 
 
 def test_different_reward_function_is_a_reward_disagreement(setup, hf_vs_vllm):

@@ -36,7 +36,8 @@ THUMBNAIL_MAX_SIDE = 96
 """Thumbnails are downscaled so that a report of hundreds of samples stays a few MB."""
 
 # The Python package that carries each backend's engine (for its version in the header).
-_ENGINE_PACKAGES = {"hf": "transformers", "vllm": "vllm", "sglang": "sglang", "sglang-server": "sglang"}
+_ENGINE_PACKAGES = {"hf": "transformers", "vllm": "vllm", "sglang": "sglang", "sglang-server": "sglang",
+                    "trainer": "torch"}
 
 
 class ArtifactError(ValueError):
@@ -60,7 +61,7 @@ class ArtifactMeta:
     """Header of an artifact: who generated it, on what, with which settings."""
 
     backend: str
-    """Rollout backend name: hf | vllm | sglang | sglang-server."""
+    """Rollout backend name: hf | vllm | sglang | sglang-server, or `trainer` (`vlmrl.alignment.trainer_side`)."""
     engine: str
     """Engine package name (transformers, vllm, sglang)."""
     engine_version: str
@@ -75,6 +76,12 @@ class ArtifactMeta:
     vlmrl_version: str = VLMRL_VERSION
     created_at: str = ""
     """UTC ISO-8601 time of writing; filled in by `write_artifact` when empty."""
+    weights: str = ""
+    """sha256 over the weight files the side loaded (`weights_fingerprint`; empty when unknown): two sides with the
+    same model_path can still hold other weights (a `latest` link that moved, a file rewritten in place)."""
+    dtype: str = ""
+    """The precision the side computed in, when it is not rollout.dtype (the trainer side: the actor's compute dtype);
+    empty = rollout.dtype of `config`."""
 
 
 @dataclass
@@ -111,6 +118,10 @@ class ValidationRecord:
     """Per video, as sent to the engine: `hash` (frames + timing), `frame_hashes`, `num_frames`, `fps` (source),
     `sample_fps`, `frame_indices`, `size` [width, height] and `grid_thw`. Empty without videos (and in artifacts
     written before videos existed)."""
+    tempered_logprobs: list[float] | None = None
+    """The trainer side only, when validation sampled at a temperature T other than 0 and 1: its logprob of each
+    response token under softmax(logits / T). An engine whose `response_logprobs` match these returned processed
+    (temperature-adjusted) logprobs instead of raw ones (cause `processed_logprobs`)."""
 
 
 _RECORD_FIELDS = {f.name for f in fields(ValidationRecord)}
@@ -139,6 +150,19 @@ def file_fingerprint(paths: Sequence[str | os.PathLike]) -> str:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def weights_fingerprint(model_path: str | os.PathLike) -> str:
+    """sha256 over the bytes of a model folder's *.safetensors files in name order (about a second per GB), for an
+    embedded name its built folder; empty when the folder holds none (a hub id not downloaded, a bare adapter)."""
+    from vlmrl.models import resolve_model_path
+
+    try:
+        folder = Path(resolve_model_path(model_path))
+    except (FileNotFoundError, OSError, ValueError):
+        return ""
+    files = sorted(folder.glob("*.safetensors"))
+    return file_fingerprint(files) if files else ""
 
 
 def thumbnail_png_base64(image, max_side: int = THUMBNAIL_MAX_SIDE) -> str:

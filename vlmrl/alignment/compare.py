@@ -2,6 +2,7 @@
 
     python -m vlmrl.alignment.compare A.jsonl B.jsonl [--out DIR] [--max-real-divergence 0.02 ...]
     python -m vlmrl.alignment.compare --backends vllm,sglang config=FILE.yaml key=value ... [--out DIR]
+    python -m vlmrl.alignment.compare --backends trainer,vllm config=FILE.yaml key=value ... [--out DIR]
     python -m vlmrl.alignment.compare --gate all [--backend vllm] config=FILE.yaml key=value ... [--out DIR]
 
 The first form diffs two artifacts written by validate-only mode (`trainer.val_only=true`). The second runs that
@@ -14,6 +15,12 @@ validate-only CLI once per backend, each in its own process, one after the other
 output is shown as it comes and kept in DIR/val_a_X.log; its artifact becomes DIR/val_a_X.jsonl (val_b_Y for the
 second side). A run must end within rollout.start_timeout_s + 4 x rollout.timeout_s (x agent.max_turns with
 agent.enable) + 10 minutes; every engine call inside it has its own deadline as well.
+
+`--backends trainer,X` (either order) puts the trainer on one side: X validates first as above, then
+`python -m vlmrl.alignment.trainer_side` builds the actor from the same config (actor.model_path, actor.* settings:
+dtype, packing, micro-batches, chunked logprobs, LoRA) and scores X's samples teacher-forced through the update's
+logprob pass (`vlmrl.alignment.trainer_side`). The tokens then agree by construction, at any temperature, and the
+diff is about inputs (the trainer rebuilds every request), logprobs and their causes.
 
 `--gate NAME` judges one backend (rollout.name, or --backend) against itself instead: reproducibility, batch,
 cross-instance, diversity or all (`vlmrl.alignment.gates`); it writes DIR/gates.json.
@@ -38,7 +45,8 @@ from rich.console import Console
 from rich.text import Text
 
 from vlmrl.alignment.artifact import ArtifactError, ArtifactMeta, read_artifact
-from vlmrl.alignment.diff import NotComparableError, Thresholds, compare_artifacts
+from vlmrl.alignment.diff import FP32_THRESHOLDS, NotComparableError, Thresholds, compare_artifacts
+from vlmrl.alignment.diff import side_dtype
 from vlmrl.alignment.gates import DEFAULT_ALPHA, DEFAULT_LOGPROB_TOLERANCE, GATES, run_gates, summary_lines
 from vlmrl.alignment.gates import write_gate_report
 from vlmrl.alignment.html_report import write_html_report
@@ -80,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="two artifacts; with --backends: config=FILE.yaml and dotted key=value overrides")
     parser.add_argument("--backends", metavar="X,Y",
                         help="run validation on these two backends (of hf, vllm, sglang, sglang-server), each in its "
-                        "own process, and compare")
+                        "own process, and compare; one may be `trainer`: the actor, built with the run's actor.* "
+                        "settings, scores the other side's samples teacher-forced")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help=f"folder for report.json/report.html, and with --backends the artifacts and run logs "
                         f"(default {DEFAULT_OUT})")
@@ -106,19 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-FP32_THRESHOLDS = {"near_tie_margin": 0.01, "drift_tolerance": 0.001, "max_mean_logprob_delta": 0.0001}
-"""Defaults when both sides ran in float32 (rollout.dtype=float32 in both headers). The defaults above are sized for
-bf16, where two correct engines split on near-ties with margins up to ~0.03 nats; in float32 correct engines agree to
-~1e-5 nats (measured 2e-6..4e-6 on the tiny models, images and video), so:
-- a split with a 0.03-0.2 nat margin is a real difference: measured on Qwen3-VL with an engine left without mrope
-  interleaving, which the bf16 defaults would call 6 near-ties and aligned;
-- a token 1e-3 nats off is drift, and a mean of 1e-4 is not rounding: measured on SGLang's Qwen2.5-VL video tower
-  attending across temporal patches (1e-3..7e-3 nats per token, mean ~1e-3), which limits of 1e-2 / 1e-3 called
-  aligned on a 9-row video set."""
-
-
 def both_float32(meta_a: ArtifactMeta, meta_b: ArtifactMeta) -> bool:
-    return all((meta.config.get("rollout") or {}).get("dtype") == "float32" for meta in (meta_a, meta_b))
+    return all(side_dtype(meta) == "float32" for meta in (meta_a, meta_b))
 
 
 def thresholds_from(args: argparse.Namespace, float32: bool = False) -> Thresholds:
@@ -163,41 +161,63 @@ def run_backends(backends: list[str], overrides: list[str], out_dir: Path) -> li
 
     Both sides run what validate-only mode runs under the same config: the same rows, images resized by the same
     processor, the same prompt ids, sampling settings and seeds (greedy by default: `rollout.val_temperature=0`);
-    only `rollout.name` differs. Config problems raise UsageError; a failed run raises BackendRunError naming its log.
+    only `rollout.name` differs. One side may be `trainer` (`vlmrl.alignment.trainer_side`): the engine side runs
+    first, then the trainer scores its samples teacher-forced in its own process. Config problems raise UsageError;
+    a failed run raises BackendRunError naming its log.
     """
-    unknown = [name for name in backends if name not in ROLLOUT_BACKENDS]
+    from vlmrl.alignment.trainer_side import TRAINER, TrainerSideError, check_config
+
+    unknown = [name for name in backends if name not in (*ROLLOUT_BACKENDS, TRAINER)]
     if unknown:
-        raise UsageError(f"unknown backend(s) {unknown}; choose two of {list(ROLLOUT_BACKENDS)}")
+        raise UsageError(f"unknown backend(s) {unknown}; choose two of {[*ROLLOUT_BACKENDS, TRAINER]}")
+    if backends.count(TRAINER) == 2:
+        raise UsageError("--backends trainer,trainer: the trainer side scores an engine's samples; pair it with an "
+                         f"engine ({', '.join(ROLLOUT_BACKENDS)})")
+    engine = next(name for name in backends if name != TRAINER)
     sides = [(side, backend, out_dir / f"run_{side}_{backend}") for side, backend in zip("ab", backends)]
     configs = []
     for _, backend, run_dir in sides:  # check both configs before starting any engine
         try:
-            configs.append(load_config(_side_overrides(overrides, backend, run_dir)))
-        except ConfigError as err:
+            configs.append(load_config(_side_overrides(overrides, engine if backend == TRAINER else backend, run_dir)))
+            if backend == TRAINER:
+                check_config(configs[-1])
+        except (ConfigError, TrainerSideError) as err:
             raise UsageError(str(err)) from None
-    if configs[0].rollout.val_top_logprobs == 0:
+    if configs[0].rollout.val_top_logprobs == 0 and TRAINER not in backends:
         logger.warning("rollout.val_top_logprobs=0: divergences cannot be judged near-tie or real (set it to 5)")
-    paths = []
-    for (side, backend, run_dir), config in zip(sides, configs):
+    paths = {}
+    order = sorted(range(2), key=lambda i: backends[i] == TRAINER)  # the engine first: the trainer scores its samples
+    for i in order:
+        (side, backend, run_dir), config = sides[i], configs[i]
         path = out_dir / f"val_{side}_{backend}.jsonl"
         for stale in [path, *run_dir.glob(f"validation_{backend}_step*.jsonl")]:  # a failed run leaves none behind
             stale.unlink(missing_ok=True)
-        logger.info("side %s: validating %s with %s in its own process -> %s", side.upper(), config.actor.model_path,
-                    backend, path)
+        log = out_dir / f"val_{side}_{backend}.log"
         started = time.perf_counter()
-        _validate_in_subprocess(_side_overrides(overrides, backend, run_dir), f"{side.upper()} {backend}",
-                                out_dir / f"val_{side}_{backend}.log", run_timeout_s(config))
-        _take_artifact(run_dir, backend, path)
+        if backend == TRAINER:
+            reference = paths[1 - i]
+            logger.info("side %s: the trainer scores %s's samples teacher-forced in its own process -> %s",
+                        side.upper(), engine, path)
+            _validate_in_subprocess([*_side_overrides(overrides, engine, run_dir), "--reference", str(reference),
+                                     "--out", str(path)], f"{side.upper()} {backend}", log, run_timeout_s(config),
+                                    module="vlmrl.alignment.trainer_side")
+        else:
+            logger.info("side %s: validating %s with %s in its own process -> %s", side.upper(),
+                        config.actor.model_path, backend, path)
+            _validate_in_subprocess(_side_overrides(overrides, backend, run_dir), f"{side.upper()} {backend}", log,
+                                    run_timeout_s(config))
+            _take_artifact(run_dir, backend, path)
         logger.info("side %s: %s done in %.1f s", side.upper(), backend, time.perf_counter() - started)
-        paths.append(path)
-    return paths
+        paths[i] = path
+    return [paths[0], paths[1]]
 
 
-def _validate_in_subprocess(overrides: list[str], label: str, log_path: Path, timeout_s: float) -> None:
-    """Runs `python -m vlmrl.train <overrides>`; its output goes to stderr (each line prefixed `[label]`) and to
+def _validate_in_subprocess(overrides: list[str], label: str, log_path: Path, timeout_s: float,
+                            module: str = "vlmrl.train") -> None:
+    """Runs `python -m <module> <overrides>` (validate-only, or the trainer side); its output goes to stderr (each line prefixed `[label]`) and to
     log_path. Raises BackendRunError when it exits non-zero or runs past timeout_s (then it is killed)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "vlmrl.train", *overrides]
+    command = [sys.executable, "-m", module, *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w", encoding="utf-8") as log:
         log.write(" ".join(command) + "\n")

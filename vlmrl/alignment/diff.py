@@ -38,6 +38,9 @@ class Cause(str, Enum):
 
     INPUT_MISMATCH = "input_mismatch"
     """The model saw different inputs (prompt ids, image bytes/size/grid): fix preprocessing before anything else."""
+    WEIGHTS_DIFFER = "weights_differ"
+    """The two sides loaded other weight files (their headers' `weights` fingerprints differ) and this sample's
+    outputs or logprobs differ: load the same checkpoint on both sides before reading anything else."""
     NEAR_TIE = "near_tie"
     """Greedy outputs split where the top two tokens were within numerical noise: expected across kernels/dtypes."""
     REAL_DIVERGENCE = "real_divergence"
@@ -52,17 +55,49 @@ class Cause(str, Enum):
     LOGPROB_DRIFT = "logprob_drift"
     """Identical responses, but some token's logprob differs by more than `Thresholds.drift_tolerance`: the models
     compute differently even where they agree on every token (other weights, dtype, kernels)."""
+    PRECISION = "precision"
+    """Identical responses whose logprobs differ by more than float32 rounding but within the lower-precision band
+    (`Thresholds.drift_tolerance`), on sides that computed in different dtypes (a bfloat16 trainer against a
+    float32 engine): expected, and allowed by default."""
+    PROCESSED_LOGPROBS = "processed_logprobs"
+    """Identical responses whose logprobs on one side are the other side's (the trainer's) under the sampling
+    temperature, not the raw model's: that engine returned processed logprobs (vLLM's logprobs_mode=
+    processed_logprobs), so every importance ratio computed from them is off by the temperature."""
 
 
 CAUSE_LABELS = {
     Cause.INPUT_MISMATCH: "input mismatch",
+    Cause.WEIGHTS_DIFFER: "other weights",
     Cause.NEAR_TIE: "numerical near-tie",
     Cause.REAL_DIVERGENCE: "real divergence",
     Cause.UNCLASSIFIED_DIVERGENCE: "divergence (no top-k to judge)",
     Cause.LENGTH_OR_FINISH: "length / finish reason only",
     Cause.REWARD_DISAGREEMENT: "reward disagreement on equal text",
     Cause.LOGPROB_DRIFT: "logprob drift on equal tokens",
+    Cause.PROCESSED_LOGPROBS: "temperature-processed logprobs",
+    Cause.PRECISION: "precision (dtype band)",
 }
+
+FP32_THRESHOLDS = {"near_tie_margin": 0.01, "drift_tolerance": 0.001, "max_mean_logprob_delta": 0.0001}
+"""Defaults when both sides ran in float32 (`side_dtype`). The `Thresholds` defaults are sized for bf16, where two
+correct engines split on near-ties with margins up to ~0.03 nats; in float32 correct engines agree to ~1e-5 nats
+(measured 2e-6..4e-6 on the tiny models, images and video), so:
+- a split with a 0.03-0.2 nat margin is a real difference: measured on Qwen3-VL with an engine left without mrope
+  interleaving, which the bf16 defaults would call 6 near-ties and aligned;
+- a token 1e-3 nats off is drift, and a mean of 1e-4 is not rounding: measured on SGLang's Qwen2.5-VL video tower
+  attending across temporal patches (1e-3..7e-3 nats per token, mean ~1e-3), which limits of 1e-2 / 1e-3 called
+  aligned on a 9-row video set."""
+
+
+def side_dtype(meta: ArtifactMeta) -> str | None:
+    """The precision a side computed in: its header's dtype (the trainer side's), else its rollout.dtype."""
+    return meta.dtype or (meta.config.get("rollout") or {}).get("dtype")
+
+
+def dtype_difference(meta_a: ArtifactMeta, meta_b: ArtifactMeta) -> str:
+    """"float32 vs bfloat16" when the sides computed in different known dtypes, else ""."""
+    a, b = side_dtype(meta_a), side_dtype(meta_b)
+    return f"{a} vs {b}" if a and b and a != b and "auto" not in (a, b) else ""
 
 
 @dataclass
@@ -71,6 +106,8 @@ class Thresholds:
 
     max_input_mismatch: float = 0.0
     """Largest allowed fraction of samples whose inputs differ."""
+    max_weights_differ: float = 0.0
+    """Largest allowed fraction of differing samples on sides that loaded other weight files."""
     max_real_divergence: float = 0.0
     """Largest allowed fraction of real divergences."""
     max_unclassified_divergence: float = 0.0
@@ -83,6 +120,10 @@ class Thresholds:
     """Largest allowed fraction of equal responses scored differently."""
     max_logprob_drift: float = 1.0
     """Largest allowed fraction of equal responses with logprob drift (1.0 = the mean delta below gates instead)."""
+    max_precision: float = 1.0
+    """Largest allowed fraction of samples whose logprobs differ within the dtype band (1.0 = expected)."""
+    max_processed_logprobs: float = 0.0
+    """Largest allowed fraction of samples whose logprobs are temperature-processed on one side."""
     drift_tolerance: float = 0.1
     """Per-token |logprob delta| (nats) above which an otherwise identical sample counts as logprob drift."""
     max_mean_logprob_delta: float = 0.05
@@ -152,6 +193,9 @@ class SampleDiff:
     reward_extra_deltas: dict[str, float]
     divergence: Divergence | None = None
     text: TextWindow | None = None
+    tempered_max_delta: float | None = None
+    """max |logprob - the other side's tempered logprob| when a side recorded `tempered_logprobs` (the trainer side
+    at a sampling temperature other than 0 and 1); None otherwise."""
     cause: Cause | None = None
     explanation: str = ""
 
@@ -357,11 +401,26 @@ def _logprob_deltas(a: ValidationRecord, b: ValidationRecord, upto: int) -> np.n
     return np.where(np.isneginf(la) & np.isneginf(lb), 0.0, deltas)
 
 
+def _tempered_delta(a: ValidationRecord, b: ValidationRecord, upto: int) -> float | None:
+    """max |one side's logprobs - the other side's tempered logprobs| over the first `upto` positions, for the side
+    pair where one recorded `tempered_logprobs`; None when neither did (or nothing is compared)."""
+    for raw, side in ((a, b), (b, a)):
+        if side.tempered_logprobs is not None and upto:
+            other = np.asarray(raw.response_logprobs[:upto], dtype=np.float64)
+            return float(np.abs(other - np.asarray(side.tempered_logprobs[:upto], dtype=np.float64)).max())
+    return None
+
+
 def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool,
-              thresholds: Thresholds) -> tuple[Cause | None, str]:
-    """One cause per differing sample: the earliest level that explains the difference."""
+              thresholds: Thresholds, weights: str = "", dtypes: str = "") -> tuple[Cause | None, str]:
+    """One cause per differing sample: the earliest level that explains the difference. `weights`: how the sides'
+    weight fingerprints differ ("" when they agree or one is unknown); `dtypes`: how their dtypes differ."""
     if sample.input_diffs:
         return Cause.INPUT_MISMATCH, "; ".join(sample.input_diffs)
+    if weights:
+        cause, explanation = _classify(sample, greedy, rewards_differ, thresholds, dtypes=dtypes)
+        if cause is not None:
+            return Cause.WEIGHTS_DIFFER, f"{weights}; {explanation}"
     split = sample.divergence
     outputs_differ = not sample.tokens_equal or sample.finish_a != sample.finish_b
     if outputs_differ and not greedy:
@@ -389,9 +448,18 @@ def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool,
             f"identical response scored {sample.reward_a:.4g} vs {sample.reward_b:.4g}"
             + (f" ({parts})" if parts else ""))
     drift = sample.max_abs_logprob_delta
+    tempered = sample.tempered_max_delta
+    if drift is not None and not drift <= thresholds.drift_tolerance and tempered is not None and (
+            tempered <= thresholds.drift_tolerance):
+        return Cause.PROCESSED_LOGPROBS, (
+            f"same {sample.length_a} tokens; logprobs differ by up to {drift:.4g} nats from the raw model's but by "
+            f"at most {tempered:.4g} from its softmax(logits / temperature): that side returned processed logprobs")
     if drift is not None and not drift <= thresholds.drift_tolerance:  # `not <=` also catches NaN
         return Cause.LOGPROB_DRIFT, (f"same {sample.length_a} tokens, but logprobs differ by up to {drift:.4g} nats "
                                     f"(mean {sample.mean_abs_logprob_delta:.4g})")
+    if dtypes and drift is not None and drift > FP32_THRESHOLDS["drift_tolerance"]:
+        return Cause.PRECISION, (f"same {sample.length_a} tokens, logprobs up to {drift:.4g} nats apart: within the "
+                                 f"{thresholds.drift_tolerance:g}-nat band of {dtypes}")
     return None, ""
 
 
@@ -400,8 +468,10 @@ def _numeric_parts(extra: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in extra.items() if isinstance(v, (int, float))}
 
 
-def diff_sample(a: ValidationRecord, b: ValidationRecord, greedy: bool, thresholds: Thresholds) -> SampleDiff:
-    """All four levels for one pair of records (same row, same sample index)."""
+def diff_sample(a: ValidationRecord, b: ValidationRecord, greedy: bool, thresholds: Thresholds,
+                weights: str = "", dtypes: str = "") -> SampleDiff:
+    """All four levels for one pair of records (same row, same sample index); `weights`, `dtypes` as in
+    `_classify`."""
     split_at = _first_difference(a.response_ids, b.response_ids)
     common = split_at if split_at is not None else len(a.response_ids)
     deltas = _logprob_deltas(a, b, common)
@@ -419,10 +489,18 @@ def diff_sample(a: ValidationRecord, b: ValidationRecord, greedy: bool, threshol
     )
     if split_at is not None and split_at < min(len(a.response_ids), len(b.response_ids)):
         sample.divergence = judge_divergence(a, b, split_at)
+    sample.tempered_max_delta = _tempered_delta(a, b, common)
     rewards_differ = abs(sample.reward_delta) > thresholds.reward_tolerance or any(
         abs(v) > thresholds.reward_tolerance for v in extra_deltas.values()) or parts_a.keys() != parts_b.keys()
-    sample.cause, sample.explanation = _classify(sample, greedy, rewards_differ, thresholds)
+    sample.cause, sample.explanation = _classify(sample, greedy, rewards_differ, thresholds, weights, dtypes)
     return sample
+
+
+def weights_difference(meta_a: ArtifactMeta, meta_b: ArtifactMeta) -> str:
+    """In words, how the two sides' weight fingerprints differ; "" when they agree or a side did not record one."""
+    if meta_a.weights and meta_b.weights and meta_a.weights != meta_b.weights:
+        return f"the sides loaded other weights (sha256 {meta_a.weights[:12]} vs {meta_b.weights[:12]})"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------- aggregate
@@ -466,12 +544,15 @@ def evaluate_checks(comparison: Comparison, thresholds: Thresholds) -> list[Chec
     total = max(comparison.total, 1)
     limits = {
         Cause.INPUT_MISMATCH: thresholds.max_input_mismatch,
+        Cause.WEIGHTS_DIFFER: thresholds.max_weights_differ,
         Cause.REAL_DIVERGENCE: thresholds.max_real_divergence,
         Cause.UNCLASSIFIED_DIVERGENCE: thresholds.max_unclassified_divergence,
         Cause.NEAR_TIE: thresholds.max_near_tie,
         Cause.LENGTH_OR_FINISH: thresholds.max_length_or_finish,
         Cause.REWARD_DISAGREEMENT: thresholds.max_reward_disagreement,
         Cause.LOGPROB_DRIFT: thresholds.max_logprob_drift,
+        Cause.PROCESSED_LOGPROBS: thresholds.max_processed_logprobs,
+        Cause.PRECISION: thresholds.max_precision,
     }
     checks = []
     for cause, limit in limits.items():
@@ -505,7 +586,9 @@ def compare_artifacts(
     by_key_b = {(r.index, r.sample_index): r for r in records_b}
     pairs = sorted(((a, by_key_b[(a.index, a.sample_index)]) for a in records_a),
                    key=lambda pair: (pair[0].index, pair[0].sample_index))
-    samples = [diff_sample(a, b, greedy, thresholds) for a, b in pairs]
+    weights = weights_difference(meta_a, meta_b)
+    dtypes = dtype_difference(meta_a, meta_b)
+    samples = [diff_sample(a, b, greedy, thresholds, weights, dtypes) for a, b in pairs]
     compared = sum(s.compared_positions for s in samples)
     maxima = [s.max_abs_logprob_delta for s in samples if s.max_abs_logprob_delta is not None]
     label_a, label_b = labels or (meta_a.backend, meta_b.backend)

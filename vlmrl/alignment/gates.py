@@ -30,9 +30,12 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vlmrl.atomic import write_text_atomically
-from vlmrl.types import RolloutResult, SamplingParams
+
+if TYPE_CHECKING:  # the compare tool imports this module and must load without torch
+    from vlmrl.types import RolloutResult, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +150,8 @@ def diversity_gate(results: Sequence[RolloutResult], sampling: SamplingParams,
 
 def gate_sampling(config) -> SamplingParams:
     """The sampling every gate runs with (see the module docstring)."""
+    from vlmrl.types import SamplingParams
+
     r = config.rollout
     return SamplingParams(n=r.n, temperature=r.temperature or 1.0, top_p=r.top_p, top_k=r.top_k,
                           max_new_tokens=config.data.max_response_length, seed=config.trainer.seed)

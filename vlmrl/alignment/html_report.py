@@ -27,12 +27,15 @@ MAX_DIFFERING_SHOWN = 1000
 
 _CAUSE_COLOURS = {
     Cause.INPUT_MISMATCH: "#b00020",
+    Cause.WEIGHTS_DIFFER: "#9f1239",
     Cause.REAL_DIVERGENCE: "#c2410c",
     Cause.UNCLASSIFIED_DIVERGENCE: "#7c3aed",
     Cause.NEAR_TIE: "#a16207",
     Cause.LENGTH_OR_FINISH: "#0369a1",
     Cause.REWARD_DISAGREEMENT: "#be185d",
     Cause.LOGPROB_DRIFT: "#4d7c0f",
+    Cause.PROCESSED_LOGPROBS: "#0f766e",
+    Cause.PRECISION: "#64748b",
 }
 
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")

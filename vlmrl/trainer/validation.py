@@ -34,6 +34,7 @@ from vlmrl.alignment.artifact import (
     engine_info,
     file_fingerprint,
     records_from_rollout,
+    weights_fingerprint,
     write_artifact,
 )
 from vlmrl.config import Config, to_dict
@@ -144,7 +145,8 @@ def run_validation(parts: RunComponents, *, step: int = 0, artifact_path: str | 
             backend=running.name, engine=engine, engine_version=version, model_path=config.actor.model_path,
             dataset=DatasetIdentity(paths=[str(f) for f in dataset.files], rows=len(dataset),
                                     fingerprint=file_fingerprint(dataset.files)),
-            sampling=asdict(sampling), config=to_dict(config), step=step)
+            sampling=asdict(sampling), config=to_dict(config), step=step,
+            weights=weights_fingerprint(config.actor.model_path) if config.trainer.val_only else "")
         path = write_artifact(artifact_path, meta, records)
         logger.info("validation artifact: %s (%d samples)", path, len(records))
     return ValidationResult(metrics, path, records)

@@ -1,0 +1,74 @@
+"""`compare --backends X,trainer`: the trainer scores an engine's samples teacher-forced (vlmrl.alignment.trainer_side),
+on the HF backend as a user runs it (each side its own process). The real engines' case (vLLM's samples, packing,
+chunks, other weights, other pixels) is in test_compare_engines.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vlmrl.alignment.artifact import read_artifact, write_artifact
+from vlmrl.alignment.compare import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _overrides(tmp_path, *extra):
+    return [f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic.yaml'}", "data.synthetic_val_size=6",
+            f"trainer.output_dir={tmp_path / 'runs'}", *extra]
+
+
+@pytest.mark.slow
+def test_sampled_outputs_compare_token_for_token_and_processed_logprobs_are_named(tmp_path, capsys):
+    """At temperature 0.7 with 2 samples per row the two sides still share every token (the trainer scores the
+    engine's): aligned in float32. The trainer also keeps its softmax(logits / 0.7) logprobs; an engine artifact
+    carrying those instead of raw ones (what an engine with processed logprobs returns) is named on every sample."""
+    out = tmp_path / "out"
+    sampled = ["rollout.val_temperature=0.7", "rollout.val_n=2", "rollout.dtype=float32"]
+    assert main(["--backends", "hf,trainer", *_overrides(tmp_path, *sampled), "--out", str(out), "--no-html"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["summary"]["samples"] == 12 and report["summary"]["max_abs_logprob_delta"] < 1e-4
+    meta_e, engine = read_artifact(out / "val_a_hf.jsonl")
+    _, trainer = read_artifact(out / "val_b_trainer.jsonl")
+    assert [r.response_ids for r in engine] == [r.response_ids for r in trainer]
+    assert len({tuple(r.response_ids) for r in engine}) > 1, "sampling gave different responses"
+    assert all(r.tempered_logprobs is not None and r.tempered_logprobs != r.response_logprobs for r in trainer)
+    assert "val_temperature=0.7" in (out / "val_b_trainer.log").read_text().splitlines()[0]
+
+    for record, scored in zip(engine, trainer):
+        record.response_logprobs = list(scored.tempered_logprobs)
+    processed = write_artifact(tmp_path / "processed.jsonl", meta_e, engine)
+    assert main([str(processed), str(out / "val_b_trainer.jsonl"), "--out", str(tmp_path / "p"), "--no-html"]) == 1
+    report = json.loads((tmp_path / "p" / "report.json").read_text())
+    assert report["summary"]["causes"]["processed_logprobs"] == 12
+    assert "softmax(logits / temperature)" in report["samples"][0]["explanation"]
+
+
+def test_what_the_trainer_side_cannot_score_exits_2_before_any_engine(tmp_path, capsys):
+    assert main(["--backends", "trainer,trainer", *_overrides(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "pair it with an engine" in capsys.readouterr().err
+    assert main(["--backends", "vllm,trainer", *_overrides(tmp_path, "trainer.n_gpus_per_node=2", "trainer.format_warmup_steps=0"),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "runs on one device" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "val_a_vllm.log").exists(), "refused before the engine side ran"
+
+
+def test_a_reference_from_other_data_or_rows_is_refused_naming_them(tmp_path):
+    """An engine artifact of another validation set (6 rows against a config of 4), or of rows this config filters
+    (a shorter data.max_prompt_length), is refused naming the data or the rows, not scored against other prompts."""
+    from vlmrl.alignment.trainer_side import TrainerSideError, score_reference
+    from vlmrl.config import load_config
+    from vlmrl.trainer.validation import validate_with
+
+    config = load_config([*_overrides(tmp_path), "trainer.val_only=true", "rollout.name=hf"])
+    reference = validate_with(config, "hf", artifact_path=tmp_path / "six.jsonl").artifact_path
+    fewer = load_config([*_overrides(tmp_path), "data.synthetic_val_size=4"])
+    with pytest.raises(TrainerSideError, match=r"six.jsonl validated other data \(.*6 rows\) than this config's"):
+        score_reference(fewer, reference, tmp_path / "t.jsonl")
+    meta, records = read_artifact(reference)
+    records[0].index = 99  # a row this config's validation set does not have
+    write_artifact(tmp_path / "moved.jsonl", meta, records)
+    with pytest.raises(TrainerSideError, match=r"moved.jsonl: rows \[99\] are not in this config's validation set"):
+        score_reference(load_config(_overrides(tmp_path)), tmp_path / "moved.jsonl", tmp_path / "t.jsonl")
