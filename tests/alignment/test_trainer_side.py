@@ -72,3 +72,59 @@ def test_a_reference_from_other_data_or_rows_is_refused_naming_them(tmp_path):
     write_artifact(tmp_path / "moved.jsonl", meta, records)
     with pytest.raises(TrainerSideError, match=r"moved.jsonl: rows \[99\] are not in this config's validation set"):
         score_reference(load_config(_overrides(tmp_path)), tmp_path / "moved.jsonl", tmp_path / "t.jsonl")
+
+
+def _with_layer_perturbed(model_path: str, folder: Path, layer: int) -> Path:
+    """A copy of the model whose decoder layer `layer` (its weight matrices) moved by 0.05 std."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_path, folder)
+    weights = load_file(folder / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    moved = 0
+    for name, tensor in sorted(weights.items()):
+        if f"layers.{layer}." in name and "visual" not in name and tensor.dim() >= 2:
+            weights[name] = tensor + torch.randn(tensor.shape, generator=generator) * tensor.std() * 0.05
+            moved += 1
+    assert moved, f"no decoder layer {layer} tensors in {model_path}"
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny", "tiny-qwen3-vl"])
+def test_the_drill_down_names_the_decoder_layer_that_differs(tmp_path, model, capsys):
+    """The trainer on weights whose decoder layer 1 moved, against HF's samples of the original: the drill-down finds
+    the vision tower, its mergers (Qwen3-VL: the deepstack mergers) and layer 0 equal and names layer 1; the trainer
+    on the original weights, packed and chunked, finds every module within float32 tolerance."""
+    from vlmrl.alignment.trainer_side import score_reference
+    from vlmrl.config import load_config
+    from vlmrl.models import ensure_built
+    from vlmrl.trainer.validation import validate_with
+
+    original = str(ensure_built(model))
+    common = [*_overrides(tmp_path, f"actor.model_path={original}", "rollout.dtype=float32"), "trainer.val_only=true",
+              "rollout.name=hf"]
+    reference = validate_with(load_config(common), "hf", artifact_path=tmp_path / "hf.jsonl").artifact_path
+    moved = _with_layer_perturbed(original, tmp_path / "moved", layer=1)
+    path = score_reference(load_config([*common, f"actor.model_path={moved}"]), reference, tmp_path / "t.jsonl",
+                           drill=True)
+    drill = read_artifact(path)[0].drill_down
+    assert drill["first"] == "model.language_model.layers.1", drill
+    before = [m for m in drill["modules"] if m["name"] != "head"][: [m["name"] for m in drill["modules"]].index(
+        "model.language_model.layers.1")]
+    assert any("visual" in m["name"] for m in before) and not any(m["differs"] for m in before)
+    if model == "tiny-qwen3-vl":
+        assert any("deepstack_merger_list" in m["name"] for m in before)
+
+    out = tmp_path / "clean"
+    packed = ["actor.padding_free=true", "actor.logprob_chunk_size=2"]
+    assert main(["--backends", "hf,trainer", *common[:-2], *packed, "--drill-down", "--out", str(out),
+                 "--no-html"]) == 0
+    clean = read_artifact(out / "val_b_trainer.jsonl")[0].drill_down
+    assert clean["first"] is None and clean["modules"][-1]["name"] == "head"
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "drill-down on row" in printed and "modules within 0.0001 (relative) of transformers" in printed

@@ -79,6 +79,9 @@ class ArtifactMeta:
     weights: str = ""
     """sha256 over the weight files the side loaded (`weights_fingerprint`; empty when unknown): two sides with the
     same model_path can still hold other weights (a `latest` link that moved, a file rewritten in place)."""
+    drill_down: dict[str, Any] = field(default_factory=dict)
+    """The trainer side with --drill-down: the per-module comparison with transformers on the worst sample
+    (`vlmrl.alignment.drill_down.DrillDown`: index, sample_index, tolerance, modules, first); empty otherwise."""
     dtype: str = ""
     """The precision the side computed in, when it is not rollout.dtype (the trainer side: the actor's compute dtype);
     empty = rollout.dtype of `config`."""

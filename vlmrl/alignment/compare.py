@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run validation on these two backends (of hf, vllm, sglang, sglang-server), each in its "
                         "own process, and compare; one may be `trainer`: the actor, built with the run's actor.* "
                         "settings, scores the other side's samples teacher-forced")
+    parser.add_argument("--drill-down", action="store_true",
+                        help="with the trainer as a side: name the first module (vision merger/tower, decoder layer, "
+                        "final norm, head) whose output departs from transformers' on the worst sample")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help=f"folder for report.json/report.html, and with --backends the artifacts and run logs "
                         f"(default {DEFAULT_OUT})")
@@ -139,7 +142,10 @@ def _artifact_paths(args: argparse.Namespace, out: Path) -> list[Path]:
     bad = [item for item in args.inputs if "=" not in item]
     if bad:
         raise UsageError(f"with --backends, arguments must be config=FILE.yaml or key=value; got {bad}")
-    return run_backends(backends, list(args.inputs), out)
+    if args.drill_down and "trainer" not in backends:
+        raise UsageError("--drill-down needs the trainer as a side (--backends trainer,X): the engines expose no "
+                         "per-module outputs")
+    return run_backends(backends, list(args.inputs), out, drill=args.drill_down)
 
 
 # ---------------------------------------------------------------------------------------------------- --backends
@@ -155,14 +161,15 @@ def run_timeout_s(config: Config) -> float:
     return config.rollout.start_timeout_s + RUN_CALLS_MARGIN * turns * config.rollout.timeout_s + RUN_SETUP_S
 
 
-def run_backends(backends: list[str], overrides: list[str], out_dir: Path) -> list[Path]:
+def run_backends(backends: list[str], overrides: list[str], out_dir: Path, drill: bool = False) -> list[Path]:
     """Validate with each backend under the same config, each in its own `python -m vlmrl.train` process; returns
     the artifact paths (out_dir/val_a_<backend>.jsonl, out_dir/val_b_<backend>.jsonl).
 
     Both sides run what validate-only mode runs under the same config: the same rows, images resized by the same
     processor, the same prompt ids, sampling settings and seeds (greedy by default: `rollout.val_temperature=0`);
     only `rollout.name` differs. One side may be `trainer` (`vlmrl.alignment.trainer_side`): the engine side runs
-    first, then the trainer scores its samples teacher-forced in its own process. Config problems raise UsageError;
+    first, then the trainer scores its samples teacher-forced in its own process (`drill`: with the per-module
+    drill-down on the worst sample, `vlmrl.alignment.drill_down`). Config problems raise UsageError;
     a failed run raises BackendRunError naming its log.
     """
     from vlmrl.alignment.trainer_side import TRAINER, TrainerSideError, check_config
@@ -199,7 +206,7 @@ def run_backends(backends: list[str], overrides: list[str], out_dir: Path) -> li
             logger.info("side %s: the trainer scores %s's samples teacher-forced in its own process -> %s",
                         side.upper(), engine, path)
             _validate_in_subprocess([*_side_overrides(overrides, engine, run_dir), "--reference", str(reference),
-                                     "--out", str(path)], f"{side.upper()} {backend}", log, run_timeout_s(config),
+                                     "--out", str(path), *(["--drill-down"] if drill else [])], f"{side.upper()} {backend}", log, run_timeout_s(config),
                                     module="vlmrl.alignment.trainer_side")
         else:
             logger.info("side %s: validating %s with %s in its own process -> %s", side.upper(),

@@ -133,6 +133,23 @@ def _scores_table(comparison: Comparison) -> Table:
     return table
 
 
+def _decoding(comparison: Comparison) -> str:
+    if "trainer" in (comparison.meta_a.backend, comparison.meta_b.backend):
+        return "teacher-forced (the trainer scored the engine's tokens)"
+    return "greedy" if comparison.greedy else "SAMPLED: tokens not compared"
+
+
+def drill_down_line(drill: dict[str, Any]) -> str:
+    """One line for the trainer side's per-module comparison (`vlmrl.alignment.drill_down`)."""
+    where = f"row {drill['index']} #{drill['sample_index']}"
+    if drill.get("first") is None:
+        return (f"drill-down on {where}: every one of {len(drill['modules'])} modules within "
+                f"{drill['tolerance']:g} (relative) of transformers")
+    module = next(m for m in drill["modules"] if m["name"] == drill["first"])
+    return (f"drill-down on {where}: the divergence starts at {drill['first']} (max |d| {module['max_abs']:.3g}, "
+            f"{module['max_abs'] / max(module['scale'], 1e-12):.2g} of its scale; tolerance {drill['tolerance']:g})")
+
+
 def print_summary(comparison: Comparison, console: Console | None = None, report_paths: list[Path] = ()) -> None:
     """The one-screen summary: what was compared, settings that differ, outcomes, scores, examples, verdict."""
     console = console or Console()
@@ -140,7 +157,7 @@ def print_summary(comparison: Comparison, console: Console | None = None, report
     console.rule(f"vlmrl alignment: {_side(comparison, 'a')} vs {_side(comparison, 'b')}")
     data = ", ".join(_short_path(p) for p in meta.dataset.paths)
     console.print(f"model {_short_path(meta.model_path)} | data {data} ({meta.dataset.rows} rows) | "
-                  f"{comparison.total} samples | {'greedy' if comparison.greedy else 'SAMPLED: tokens not compared'}")
+                  f"{comparison.total} samples | {_decoding(comparison)}")
     # The backend's own name differs by design; show the settings that could explain a difference.
     settings = [d for d in comparison.setting_differences if d[0] not in _IDENTITY_KEYS]
     if settings:
@@ -155,6 +172,9 @@ def print_summary(comparison: Comparison, console: Console | None = None, report
     if comparison.reward_parts:
         console.print("reward parts (A vs B): " + ", ".join(
             f"{k} {_fmt(a)} vs {_fmt(b)}" for k, (a, b) in comparison.reward_parts.items()))
+    for meta in (comparison.meta_a, comparison.meta_b):
+        if meta.drill_down:
+            console.print(drill_down_line(meta.drill_down), markup=False)
     differing = comparison.differing()
     for sample in differing[:EXAMPLES_ON_SCREEN]:
         console.print(f"  row {sample.index} #{sample.sample_index} [{CAUSE_LABELS[sample.cause]}] "

@@ -79,9 +79,11 @@ def _reference_results(records: list[ValidationRecord], requests, n: int, path: 
     return results, rewards, parts
 
 
-def score_reference(config: Config, reference: str | Path, out: str | Path) -> Path:
+def score_reference(config: Config, reference: str | Path, out: str | Path, drill: bool = False) -> Path:
     """Score the reference artifact's samples with the trainer built from `config`; write the trainer side's
-    artifact to `out` and return its path."""
+    artifact to `out` and return its path. `drill`: also compare the trainer's policy module by module with
+    transformers on the engine side's weights, on the sample where the two sides' logprobs differ most
+    (`vlmrl.alignment.drill_down`), into the header's `drill_down`."""
     import torch
 
     from vlmrl.actor import Actor
@@ -115,6 +117,7 @@ def score_reference(config: Config, reference: str | Path, out: str | Path) -> P
     d = config.data
     scored: list[RolloutResult] = []
     tempered: list[list[float] | None] = []
+    batches = []  # (batch, first sample's position) per call, for the drill-down
     start = 0
     for call in calls:
         rows = results[start:start + len(call) * n]
@@ -131,6 +134,7 @@ def score_reference(config: Config, reference: str | Path, out: str | Path) -> P
             actor.temperature = temperature
             with torch.no_grad():
                 hot = actor.compute_logprobs(batch)[0]
+        batches.append((batch, start))
         for i, result in enumerate(rows):
             length = len(result.response_ids)
             scored.append(replace(result, response_logprobs=raw[i, :length].double().tolist()))
@@ -139,6 +143,10 @@ def score_reference(config: Config, reference: str | Path, out: str | Path) -> P
     out_records = records_from_rollout(requests, scored, rewards, processor, parts)
     for record, values in zip(out_records, tempered):
         record.tempered_logprobs = values
+    drilled = {}
+    if drill:
+        index_of = {request.uid: request.index for request in requests}
+        drilled = _drill_down(actor, meta, records, scored, batches, index_of).to_dict()
     engine, version = engine_info(TRAINER)
     # what the forward computes in: the lower of the weights' dtype and the autocast compute dtype
     lower = actor.compute_dtype if actor.compute_dtype in (torch.bfloat16, torch.float16) else actor.dtype
@@ -146,11 +154,38 @@ def score_reference(config: Config, reference: str | Path, out: str | Path) -> P
     out_meta = ArtifactMeta(backend=TRAINER, engine=engine, engine_version=version,
                             model_path=config.actor.model_path, dataset=identity, sampling=dict(meta.sampling),
                             config=to_dict(config), step=meta.step, dtype=dtype,
-                            weights=weights_fingerprint(config.actor.model_path))
+                            weights=weights_fingerprint(config.actor.model_path), drill_down=drilled)
     path = write_artifact(out, out_meta, out_records)
     logger.info("trainer side: %d samples of %s scored teacher-forced (%s) -> %s", len(out_records), reference,
                 dtype, path)
     return path
+
+
+def _drill_down(actor, meta: ArtifactMeta, records: list[ValidationRecord], scored, batches, index_of):
+    """The drill-down on the sample whose trainer and engine logprobs differ most (ties: the first). `scored`: the
+    trainer's results in batch order, `batches`: (batch, position of its first sample), `index_of`: uid -> row."""
+    import torch
+
+    from vlmrl.actor.policy import load_policy, resolve_dtype
+    from vlmrl.alignment.diff import side_dtype
+    from vlmrl.alignment.drill_down import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, drill_down
+    from vlmrl.models.families import family_of
+
+    engine = {(r.index, r.sample_index): r.response_logprobs for r in records}
+    gaps = [max((abs(a - b) for a, b in zip(s.response_logprobs, engine[(index_of[s.uid], s.sample_index)])),
+                default=0.0) for s in scored]
+    worst = max(range(len(scored)), key=lambda i: gaps[i])
+    batch, first = next((b, f) for b, f in reversed(batches) if f <= worst)
+    engine_dtype = resolve_dtype(side_dtype(meta) or "auto", actor.device)
+    reference = load_policy(meta.model_path, engine_dtype, actor.device).eval()
+    trainer_dtype = actor.compute_dtype if actor.compute_dtype in (torch.bfloat16, torch.float16) else actor.dtype
+    both32 = torch.float32 in (engine_dtype, torch.float64) and trainer_dtype in (torch.float32, torch.float64)
+    result = drill_down(actor, reference, batch, worst - first, family=family_of(reference.config),
+                        index=index_of[scored[worst].uid], sample_index=scored[worst].sample_index,
+                        tolerance=FLOAT32_TOLERANCE if both32 else BFLOAT16_TOLERANCE)
+    logger.info("drill-down on row %d #%d (max |dlogp| %.3g): first module beyond tolerance: %s", result.index,
+                result.sample_index, gaps[worst], result.first)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,13 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config=FILE.yaml and dotted overrides")
     parser.add_argument("--reference", required=True, help="the engine side's artifact whose samples are scored")
     parser.add_argument("--out", required=True, help="where the trainer side's artifact is written")
+    parser.add_argument("--drill-down", action="store_true", help="also name the first module whose output differs "
+                        "from transformers' (on the engine side's weights) on the worst sample")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:
         config = load_config(list(args.overrides))
         check_config(config)
-        score_reference(config, args.reference, args.out)
+        score_reference(config, args.reference, args.out, drill=args.drill_down)
     except (ConfigError, TrainerSideError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
