@@ -49,8 +49,10 @@ PNG_MODES = frozenset({"1", "L", "LA", "RGB", "RGBA"})
 
 TRAJECTORY_FIELDS = ("sample_index", "response_ids", "response_mask", "logprobs", "token_versions",
                      "tool_image_hashes", "expanded_length", "turns", "turn_start", "open_turn", "done",
-                     "finish_reason", "end_reason", "tool_rewards", "counters", "assistant_texts")
+                     "finish_reason", "end_reason", "tool_rewards", "counters", "assistant_texts", "tool_turns")
 """Trajectory fields stored as JSON as they are (its request, tool images and tool states are stored apart)."""
+ADDED_FIELDS = {"tool_turns": list}
+"""Fields checkpoints written before them lack: restored empty."""
 
 _TAG = "__vlmrl__"
 """Marks a JSON object that encodes a value JSON has no type for (bytes, a tuple, a numpy array, an odd dict)."""
@@ -164,7 +166,8 @@ def _request_from(record: dict[str, Any], tensors: dict[str, torch.Tensor], sour
 
 def _trajectory_from(record: dict[str, Any], request: RolloutRequest, tensors: dict[str, torch.Tensor],
                      source: Path) -> Trajectory:
-    traj = Trajectory(request, **{name: record[name] for name in TRAJECTORY_FIELDS})
+    traj = Trajectory(request, **{name: record[name] if name in record or name not in ADDED_FIELDS
+                                  else ADDED_FIELDS[name]() for name in TRAJECTORY_FIELDS})
     traj.tool_images = [_get_image(tensors, item, source) for item in record["tool_images"]]
     _check_hashes(traj.tool_images, traj.tool_image_hashes, f"trajectory {traj.key}", source)
     if not (len(traj.response_ids) == len(traj.response_mask) == len(traj.logprobs) == len(traj.token_versions)):

@@ -386,6 +386,7 @@ class AgentLoop:
             traj.count("tool/replies_over_budget")
             traj.finish("length", "max_response_tokens")
             return
+        traj.tool_turns.append([[self.renderer.neutralise(reply.text), len(reply.images)] for reply in replies])
         traj.add_tool_turn(ids, images, [image_hash(im) for im in images], expanded)
 
     async def _execute(self, traj: Trajectory, call: ToolCall | ToolCallError) -> ToolReply:

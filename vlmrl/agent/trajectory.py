@@ -58,6 +58,10 @@ class Trajectory:
     """Tool calls, errors, timeouts... summed into the step's metrics."""
     assistant_texts: list[str] = field(default_factory=list)
     """Decoded text of each finished assistant turn (the reward usually reads the last one)."""
+    tool_turns: list[list[list]] = field(default_factory=list)
+    """Each tool turn's replies as shown to the model: [text (special tokens neutralised), image count] per reply.
+    With the assistant turns they make the conversation the chat template would render
+    (`vlmrl.alignment.trajectory_check`)."""
 
     @property
     def key(self) -> str:
@@ -122,6 +126,12 @@ class AgentSample:
     assistant_texts: list[str]
     """Each assistant turn's text; a reward usually reads the last one (tool replies are not the model's answer)."""
     counters: dict[str, float]
+    turn_ids: list[int] = field(default_factory=list)
+    """The trajectory's response as built turn by turn: UNEXPANDED ids (one `<|image_pad|>` per tool image)."""
+    turn_mask: list[int] = field(default_factory=list)
+    """1 on `turn_ids` the policy generated, 0 on tool turns."""
+    tool_turns: list[list[list]] = field(default_factory=list)
+    """`Trajectory.tool_turns`: each tool turn's [text, image count] per reply."""
 
 
 def to_sample(
@@ -164,7 +174,8 @@ def to_sample(
     padded_versions = torch.full((response_length,), -2, dtype=torch.long)
     padded_versions[: versions.shape[0]] = versions
     return AgentSample(sample, padded_versions, traj.sample_index, traj.turns, traj.end_reason,
-                       list(traj.assistant_texts), dict(traj.counters))
+                       list(traj.assistant_texts), dict(traj.counters), list(traj.response_ids),
+                       list(traj.response_mask), [list(turn) for turn in traj.tool_turns])
 
 
 def _concat_mm(prompt_mm: dict[str, torch.Tensor], tool_mm: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

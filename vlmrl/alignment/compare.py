@@ -23,7 +23,8 @@ logprob pass (`vlmrl.alignment.trainer_side`). The tokens then agree by construc
 diff is about inputs (the trainer rebuilds every request), logprobs and their causes.
 
 `--gate NAME` judges one backend (rollout.name, or --backend) against itself instead: reproducibility, batch,
-cross-instance, diversity or all (`vlmrl.alignment.gates`); it writes DIR/gates.json.
+cross-instance, diversity, trajectory (agent.enable: the turn-by-turn ids against the chat template's rendering) or
+all (`vlmrl.alignment.gates`); it writes DIR/gates.json.
 
 Exit status: 0 aligned within the thresholds (every gate passes), 1 not aligned (a gate fails), 2 bad usage,
 unreadable / incomparable artifacts, or a backend's run that failed.
@@ -47,7 +48,8 @@ from rich.text import Text
 from vlmrl.alignment.artifact import ArtifactError, ArtifactMeta, read_artifact
 from vlmrl.alignment.diff import FP32_THRESHOLDS, NotComparableError, Thresholds, compare_artifacts
 from vlmrl.alignment.diff import side_dtype
-from vlmrl.alignment.gates import DEFAULT_ALPHA, DEFAULT_LOGPROB_TOLERANCE, GATES, run_gates, summary_lines
+from vlmrl.alignment.gates import AGENT_GATES, DEFAULT_ALPHA, DEFAULT_LOGPROB_TOLERANCE, GATES, run_gates
+from vlmrl.alignment.gates import summary_lines
 from vlmrl.alignment.gates import write_gate_report
 from vlmrl.alignment.html_report import write_html_report
 from vlmrl.alignment.report import print_summary, write_json_report
@@ -98,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_OUT})")
     parser.add_argument("--no-html", action="store_true", help="skip the HTML report")
     gates = parser.add_argument_group("gates (one backend against itself; key=value overrides as with --backends)")
-    gates.add_argument("--gate", choices=[*GATES, "all"],
+    gates.add_argument("--gate", choices=[*GATES, *AGENT_GATES, "all"],
                        help="run a determinism / consistency gate instead of a comparison (see docs/alignment.md)")
     gates.add_argument("--backend", help="the backend the gate runs on (default rollout.name)")
     gates.add_argument("--gate-rows", type=int, default=8, metavar="N", help="data rows the gate generates for "
@@ -280,7 +282,7 @@ def run_gate_mode(args: argparse.Namespace, out: Path, err: Console) -> int:
         backend = args.backend or config.rollout.name
         if backend not in ROLLOUT_BACKENDS:
             raise UsageError(f"unknown backend {backend!r}; choose one of {list(ROLLOUT_BACKENDS)}")
-        names = list(GATES) if args.gate == "all" else [args.gate]
+        names = [*GATES, *(AGENT_GATES if config.agent.enable else ())] if args.gate == "all" else [args.gate]
         results = run_gates(config, backend, names, rows=args.gate_rows, tolerance=args.gate_logprob_tolerance,
                             alpha=args.gate_alpha)
     except (ConfigError, UsageError, ValueError, RolloutError) as error:

@@ -4,7 +4,10 @@
     batch            each request alone (with the seed it gets at its batch position) vs all in one batch
     cross-instance   two engine instances, started one after the other on the same config: the same results
     diversity        at temperature > 0, the n samples of a prompt are not clones of each other
-    all              the four (one instance for the first three, a second for cross-instance)
+    trajectory       with agent.enable: each multi-turn trajectory's ids, built turn by turn, are the chat template's
+                     rendering of its final conversation (`vlmrl.alignment.trajectory_check`)
+    all              the four (one instance for the first three, a second for cross-instance), and trajectory with
+                     agent.enable
 
 The gate logic is pure functions over RolloutResult lists (`equal_results`, `diversity_gate`); `run_gates` produces
 the results on a real backend (`vlmrl.rollout.start_backend`, i.e. `get_backend`). Sampling: rollout.n samples per
@@ -40,6 +43,8 @@ if TYPE_CHECKING:  # the compare tool imports this module and must load without 
 logger = logging.getLogger(__name__)
 
 GATES = ("reproducibility", "batch", "cross-instance", "diversity")
+AGENT_GATES = ("trajectory",)
+"""Gates that run the agent loop (agent.enable)."""
 DEFAULT_LOGPROB_TOLERANCE = 1e-4
 """Largest |logprob delta| per token between two runs that must agree (fp32 engines agree to ~1e-5 across batch
 shapes; the tokens must match exactly)."""
@@ -160,6 +165,11 @@ def gate_sampling(config) -> SamplingParams:
 def gate_requests(config, rows: int) -> list:
     """The requests of the first `rows` rows of data.val_files (else data.train_files), built by the run's
     processor."""
+    return gate_inputs(config, rows)[2]
+
+
+def gate_inputs(config, rows: int) -> tuple:
+    """(processor, dataset, requests) of `gate_requests`."""
     from vlmrl.data import build_requests, load_dataset
     from vlmrl.processors import load_processor
 
@@ -169,7 +179,7 @@ def gate_requests(config, rows: int) -> list:
                            synthetic_train_size=d.synthetic_train_size, synthetic_val_size=d.synthetic_val_size,
                            synthetic_seed=config.trainer.seed)
     processor = load_processor(config.actor.model_path, d)
-    return build_requests(processor, dataset, list(range(min(rows, len(dataset))))).requests
+    return processor, dataset, build_requests(processor, dataset, list(range(min(rows, len(dataset))))).requests
 
 
 def _start(config, backend: str):
@@ -185,7 +195,10 @@ def run_gates(config, backend: str, gates: Sequence[str], rows: int = 8,
     diversity; cross-instance closes it and starts a second (never two at once: they would share memory)."""
     from vlmrl.rollout.requests import sample_seed
 
-    requests = gate_requests(config, rows)
+    if set(gates) & set(AGENT_GATES) and not config.agent.enable:
+        raise ValueError("--gate trajectory checks multi-turn trajectories: set agent.enable=true and the agent's "
+                         "tools (agent.tools), as for an agent run")
+    processor, dataset, requests = gate_inputs(config, rows)
     if not requests:
         raise ValueError("no request to run the gates on (every row filtered?)")
     sampling = gate_sampling(config)
@@ -202,11 +215,37 @@ def run_gates(config, backend: str, gates: Sequence[str], rows: int = 8,
             out.append(batch_invariance_gate(alone, first, tolerance))
         if "diversity" in gates:
             out.append(diversity_gate(first, sampling, alpha))
+        if "trajectory" in gates:
+            out.append(trajectory_gate(config, engine, processor, dataset, requests, sampling))
     if "cross-instance" in gates:
         with _start(config, backend) as engine:
             out.append(cross_instance_gate(first, engine.generate(requests, sampling), tolerance))
-    order = {name: i for i, name in enumerate(GATES)}
+    order = {name: i for i, name in enumerate((*GATES, *AGENT_GATES))}
     return sorted(out, key=lambda g: order[g.name])
+
+
+def trajectory_gate(config, engine, processor, dataset, requests, sampling) -> GateResult:
+    """The agent loop on `requests` over `engine`; every trajectory checked by `check_trajectory`."""
+    from vlmrl.alignment.trajectory_check import check_trajectory
+    from vlmrl.trainer.components import start_agent
+
+    with start_agent(config, engine, processor) as agent:
+        batch = agent.run(requests, sampling)
+    n = len(batch.samples) // max(len(batch.requests), 1)
+    findings, kinds, tool_turns = [], Counter(), 0
+    for k, sample in enumerate(batch.samples):
+        request = batch.requests[k // n]
+        tool_turns += len(sample.tool_turns)
+        found = check_trajectory(processor, processor.prompt_messages(dataset[request.index], request.index),
+                                 request.prompt_ids, sample.turn_ids, sample.turn_mask, sample.tool_turns,
+                                 config.agent.tool_turn_format, index=request.index, sample_index=sample.sample_index)
+        if found is not None:
+            findings.append(found.line())
+            kinds[found.kind] += 1
+    note = f"{tool_turns} tool turns over {len(batch.samples)} trajectories"
+    if kinds:
+        note += "; " + ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items()))
+    return GateResult("trajectory", not findings, len(batch.samples), findings, note)
 
 
 def write_gate_report(results: Sequence[GateResult], backend: str, path: Path) -> Path:

@@ -105,6 +105,10 @@ class Processor:
 
     # ---------------------------------------------------------------- rows -> requests
 
+    def prompt_messages(self, row: dict[str, Any], index: int = -1) -> list[dict[str, Any]]:
+        """The chat messages `build_request` renders for a row (content parts for its images and videos)."""
+        return _normalise_messages(row.get("prompt"), index)[0]
+
     def build_request(self, row: dict[str, Any], index: int = -1) -> RolloutRequest:
         """A verl/EasyR1 dataset row -> RolloutRequest (unexpanded ids, resized images, a fresh uid, metadata).
 
