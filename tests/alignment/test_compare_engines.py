@@ -123,13 +123,20 @@ def _fp32_margins(overrides, splits):
     return margins
 
 
+@pytest.fixture(scope="module")
+def bf16_sides(setup):
+    """vLLM's and SGLang's bfloat16 validation artifacts (each validated in this process)."""
+    root, overrides = setup
+    bf16 = [*overrides, "rollout.dtype=bfloat16"]
+    return [_validate(bf16, backend, root / f"val_{backend}_bf16.jsonl") for backend in ("vllm", "sglang")]
+
+
 @pytest.mark.sglang
-def test_vllm_vs_sglang_bf16_near_ties_are_near_ties_in_fp32(setup):
+def test_vllm_vs_sglang_bf16_near_ties_are_near_ties_in_fp32(setup, bf16_sides):
     """In bf16 (the production dtype) the engines split on some tokens (in fp32 they agree exactly, measured).
     Whatever they do is bucketed truthfully: every near-tie is a near-tie of the fp32 reference model too."""
     root, overrides = setup
-    bf16 = [*overrides, "rollout.dtype=bfloat16"]
-    sides = [_validate(bf16, backend, root / f"val_{backend}_bf16.jsonl") for backend in ("vllm", "sglang")]
+    sides = bf16_sides
     status = main([*map(str, sides), "--out", str(root / "vllm_vs_sglang"), "--no-html"])
     (meta_a, rec_a), (meta_b, rec_b) = map(read_artifact, sides)
     comparison = compare_artifacts(meta_a, rec_a, meta_b, rec_b)
@@ -141,6 +148,20 @@ def test_vllm_vs_sglang_bf16_near_ties_are_near_ties_in_fp32(setup):
     ids_b = {r.index: r.response_ids for r in rec_b}
     margins = _fp32_margins(overrides, [(s.index, s.divergence.position, ids_a[s.index], ids_b[s.index]) for s in ties])
     assert all(m < Thresholds().near_tie_margin for m in margins), list(zip([s.explanation for s in ties], margins))
+
+
+@pytest.mark.sglang
+def test_a_float32_trainer_on_each_bfloat16_engines_samples_is_within_the_band(setup, bf16_sides):
+    """The float32 trainer scoring vLLM's and SGLang's bfloat16 samples: the same inputs, every difference bucketed
+    precision (within the bfloat16 band), aligned; the gap is the engines' rounding, so it is larger than float32's."""
+    root, overrides = setup
+    for side in bf16_sides:
+        engine = read_artifact(side)
+        trainer = _trainer_scores(overrides, side, root / f"trainer_{engine[0].backend}_bf16.jsonl")
+        comparison = compare_artifacts(*engine, *read_artifact(trainer))
+        assert comparison.ok and set(comparison.cause_counts) <= {Cause.PRECISION}, engine[0].backend
+        assert comparison.cause_counts.get(Cause.PRECISION, 0) >= 4
+        assert 1e-3 < comparison.max_abs_logprob_delta < Thresholds().drift_tolerance
 
 
 def test_other_max_pixels_is_an_input_mismatch(setup, hf_vs_vllm):
