@@ -3,7 +3,7 @@
 #   make test   set up the CPU environment and run the test suite (what CI runs): every test but the `full` variants
 #   make test-all   the same and the `full` variants (second seeds, second families and recipes of a learning run,
 #                   the rest of the kill -9 resume matrix); run it before a change that touches what they cover
-#   make test-fast   every test that needs no engine, no Ray, no GPU and is not slow (1195 tests, about two minutes)
+#   make test-fast   every test that needs no engine, no Ray, no GPU and is not slow (a few minutes)
 VENV ?= .venv
 PY   := $(VENV)/bin/python
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
