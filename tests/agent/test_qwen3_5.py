@@ -1,0 +1,43 @@
+"""The agent loop on the embedded Qwen3.5: a conversation with a text tool and an image tool gives the trainer exactly
+what the Qwen3.5 processor makes of the whole final conversation (ids, masks, pixel values, grids, position ids), and
+the hybrid model's forward runs on it. The turns are played by the scripted backend (the loop and the processor, not
+an engine's numbers; the engines' Qwen3.5 contract is in tests/rollout/qwen3_5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.agent import scripted
+from tests.agent.helpers import GREEDY, EchoTool, Lifecycle, P, R, check_long_sample
+from vlmrl.agent import AgentConfig, AgentLoop, ToolRegistry
+from vlmrl.agent.builtin import ImageZoomTool
+from vlmrl.processors.images import resize_image
+
+
+def test_a_tool_conversation_reaches_the_trainer_as_the_processor_renders_it(tiny_qwen3_5_path):
+    from transformers import AutoModelForImageTextToText
+
+    from tests.fakes import ScriptedBackend
+    from vlmrl.processors import load_processor
+
+    processor = load_processor(tiny_qwen3_5_path)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_5_path, dtype=torch.float32).eval()
+    with ScriptedBackend(tiny_qwen3_5_path, scripted.ScriptedModel(processor), max_model_len=1024) as backend:
+        with AgentLoop(backend, processor, AgentConfig(), prompt_length=P, response_length=R,
+                       tools=ToolRegistry([EchoTool(Lifecycle()), ImageZoomTool()])) as loop:
+            batch = loop.run([processor.build_request(scripted.row(scripted.LONG_QUESTION))], GREEDY)
+    assert processor.family.name == "Qwen3.5" and batch.samples
+    for agent_sample in batch.samples:
+        assert agent_sample.num_turns == 3 and agent_sample.assistant_texts[-1] == scripted.FINAL_ANSWER
+        assert agent_sample.sample.multi_modal_inputs["image_grid_thw"].shape[0] == 2  # the prompt image + the crop
+        shown = processor.build_request(scripted.row(scripted.LONG_QUESTION)).images[0]
+        crop = resize_image(shown.crop(tuple(scripted.ZOOM_BOX)), processor.min_pixels, processor.max_pixels,
+                            processor.image_factor)
+        check_long_sample(agent_sample, processor, model, rollout_logprobs=False, images=[shown, crop])
+        s = agent_sample.sample
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([s.prompt_ids, s.response_ids])[None],
+                           attention_mask=s.attention_mask[None], position_ids=s.position_ids[:, None],
+                           **s.multi_modal_inputs, use_cache=False).logits
+        assert torch.isfinite(logits).all()
