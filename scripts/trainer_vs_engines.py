@@ -30,7 +30,8 @@ def main() -> int:
     args = parser.parse_args()
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "SGLANG_USE_CPU_ENGINE": "1"}
-    rows = ["| engine | engine dtype | samples | exact | precision (band) | other causes | max abs dlogp | mean abs dlogp | verdict |",
+    rows = ["| engine | engine dtype | samples | exact | precision (band) | other causes | max abs dlogp "
+            "| mean abs dlogp | verdict |",
             "|---|---|---|---|---|---|---|---|---|"]
     for engine in args.engines.split(","):
         for dtype in ("float32", "bfloat16"):

@@ -24,7 +24,11 @@ def _short_run(model_path: str, output_dir: Path) -> subprocess.CompletedProcess
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
 
 
+# A variant (marker `full`, make test-all): a stress smoke test of the exit path. make test keeps every other test of
+# `python -m vlmrl.train` as a process (each checks its exit status), and the exit-time teardown it guards runs in
+# every one of them.
 @pytest.mark.slow
+@pytest.mark.full
 def test_many_short_runs_in_parallel_all_exit_0(tiny_model_path, tmp_path):
     # Under load a finished run sometimes died in native teardown at exit (status 134, "terminate called without
     # an active exception", after `done: 2 steps`): 6 runs, 3 at a time, keep the machine busy while they exit.

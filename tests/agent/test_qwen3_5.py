@@ -5,7 +5,6 @@ an engine's numbers; the engines' Qwen3.5 contract is in tests/rollout/qwen3_5).
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.agent import scripted

@@ -212,7 +212,7 @@ def test_perturbed_weights_are_named_and_are_real_divergences(setup, hf_vs_vllm,
 
 
 def _trainer_scores(overrides, reference, out):
-    from vlmrl.alignment.trainer_side import score_reference
+    from vlmrl.trainer.trainer_side import score_reference
     from vlmrl.config import load_config
 
     return score_reference(load_config([*overrides, "trainer.val_only=true", "rollout.name=vllm"]), reference, out)
@@ -241,7 +241,8 @@ def test_a_bfloat16_trainer_against_a_float32_engine_is_precision_within_the_ban
     bfloat16 band: bucketed precision (not drift), and aligned."""
     root, overrides = setup
     _, out = hf_vs_vllm
-    trainer = _trainer_scores([*overrides, "actor.dtype=bfloat16"], out / "val_b_vllm.jsonl", root / "trainer_bf16.jsonl")
+    trainer = _trainer_scores([*overrides, "actor.dtype=bfloat16"], out / "val_b_vllm.jsonl",
+                              root / "trainer_bf16.jsonl")
     meta_t, rec_t = read_artifact(trainer)
     comparison = compare_artifacts(*read_artifact(out / "val_b_vllm.jsonl"), meta_t, rec_t)
     assert meta_t.dtype == "bfloat16" and comparison.ok

@@ -1,4 +1,4 @@
-"""`compare --backends X,trainer`: the trainer scores an engine's samples teacher-forced (vlmrl.alignment.trainer_side),
+"""`compare --backends X,trainer`: the trainer scores an engine's samples teacher-forced (vlmrl.trainer.trainer_side),
 on the HF backend as a user runs it (each side its own process). The real engines' case (vLLM's samples, packing,
 chunks, other weights, other pixels) is in test_compare_engines.py."""
 
@@ -49,7 +49,8 @@ def test_sampled_outputs_compare_token_for_token_and_processed_logprobs_are_name
 def test_what_the_trainer_side_cannot_score_exits_2_before_any_engine(tmp_path, capsys):
     assert main(["--backends", "trainer,trainer", *_overrides(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "pair it with an engine" in capsys.readouterr().err
-    assert main(["--backends", "vllm,trainer", *_overrides(tmp_path, "trainer.n_gpus_per_node=2", "trainer.format_warmup_steps=0"),
+    dp2 = _overrides(tmp_path, "trainer.n_gpus_per_node=2", "trainer.format_warmup_steps=0")
+    assert main(["--backends", "vllm,trainer", *dp2,
                  "--out", str(tmp_path / "o")]) == 2
     assert "runs on one device" in capsys.readouterr().err
     assert not (tmp_path / "o" / "val_a_vllm.log").exists(), "refused before the engine side ran"
@@ -58,7 +59,8 @@ def test_what_the_trainer_side_cannot_score_exits_2_before_any_engine(tmp_path, 
 def test_a_reference_from_other_data_or_rows_is_refused_naming_them(tmp_path):
     """An engine artifact of another validation set (6 rows against a config of 4), or of rows this config filters
     (a shorter data.max_prompt_length), is refused naming the data or the rows, not scored against other prompts."""
-    from vlmrl.alignment.trainer_side import TrainerSideError, score_reference
+    from vlmrl.alignment.trainer_side import TrainerSideError
+    from vlmrl.trainer.trainer_side import score_reference
     from vlmrl.config import load_config
     from vlmrl.trainer.validation import validate_with
 
@@ -100,7 +102,7 @@ def test_the_drill_down_names_the_decoder_layer_that_differs(tmp_path, model, ca
     """The trainer on weights whose decoder layer 1 moved, against HF's samples of the original: the drill-down finds
     the vision tower, its mergers (Qwen3-VL: the deepstack mergers) and layer 0 equal and names layer 1; the trainer
     on the original weights, packed and chunked, finds every module within float32 tolerance."""
-    from vlmrl.alignment.trainer_side import score_reference
+    from vlmrl.trainer.trainer_side import score_reference
     from vlmrl.config import load_config
     from vlmrl.models import ensure_built
     from vlmrl.trainer.validation import validate_with

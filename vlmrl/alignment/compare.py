@@ -17,9 +17,9 @@ second side). A run must end within rollout.start_timeout_s + 4 x rollout.timeou
 agent.enable) + 10 minutes; every engine call inside it has its own deadline as well.
 
 `--backends trainer,X` (either order) puts the trainer on one side: X validates first as above, then
-`python -m vlmrl.alignment.trainer_side` builds the actor from the same config (actor.model_path, actor.* settings:
+`python -m vlmrl.trainer.trainer_side` builds the actor from the same config (actor.model_path, actor.* settings:
 dtype, packing, micro-batches, chunked logprobs, LoRA) and scores X's samples teacher-forced through the update's
-logprob pass (`vlmrl.alignment.trainer_side`). The tokens then agree by construction, at any temperature, and the
+logprob pass (`vlmrl.trainer.trainer_side`). The tokens then agree by construction, at any temperature, and the
 diff is about inputs (the trainer rebuilds every request), logprobs and their causes.
 
 `--gate NAME` judges one backend (rollout.name, or --backend) against itself instead: reproducibility, batch,
@@ -169,12 +169,12 @@ def run_backends(backends: list[str], overrides: list[str], out_dir: Path, drill
 
     Both sides run what validate-only mode runs under the same config: the same rows, images resized by the same
     processor, the same prompt ids, sampling settings and seeds (greedy by default: `rollout.val_temperature=0`);
-    only `rollout.name` differs. One side may be `trainer` (`vlmrl.alignment.trainer_side`): the engine side runs
+    only `rollout.name` differs. One side may be `trainer` (`vlmrl.trainer.trainer_side`): the engine side runs
     first, then the trainer scores its samples teacher-forced in its own process (`drill`: with the per-module
     drill-down on the worst sample, `vlmrl.alignment.drill_down`). Config problems raise UsageError;
     a failed run raises BackendRunError naming its log.
     """
-    from vlmrl.alignment.trainer_side import TRAINER, TrainerSideError, check_config
+    from vlmrl.alignment.trainer_side import SIDE_MODULE, TRAINER, TrainerSideError, check_config
 
     unknown = [name for name in backends if name not in (*ROLLOUT_BACKENDS, TRAINER)]
     if unknown:
@@ -207,9 +207,10 @@ def run_backends(backends: list[str], overrides: list[str], out_dir: Path, drill
             reference = paths[1 - i]
             logger.info("side %s: the trainer scores %s's samples teacher-forced in its own process -> %s",
                         side.upper(), engine, path)
-            _validate_in_subprocess([*_side_overrides(overrides, engine, run_dir), "--reference", str(reference),
-                                     "--out", str(path), *(["--drill-down"] if drill else [])], f"{side.upper()} {backend}", log, run_timeout_s(config),
-                                    module="vlmrl.alignment.trainer_side")
+            arguments = [*_side_overrides(overrides, engine, run_dir), "--reference", str(reference), "--out",
+                         str(path), *(["--drill-down"] if drill else [])]
+            _validate_in_subprocess(arguments, f"{side.upper()} {backend}", log, run_timeout_s(config),
+                                    module=SIDE_MODULE)
         else:
             logger.info("side %s: validating %s with %s in its own process -> %s", side.upper(),
                         config.actor.model_path, backend, path)
@@ -223,8 +224,9 @@ def run_backends(backends: list[str], overrides: list[str], out_dir: Path, drill
 
 def _validate_in_subprocess(overrides: list[str], label: str, log_path: Path, timeout_s: float,
                             module: str = "vlmrl.train") -> None:
-    """Runs `python -m <module> <overrides>` (validate-only, or the trainer side); its output goes to stderr (each line prefixed `[label]`) and to
-    log_path. Raises BackendRunError when it exits non-zero or runs past timeout_s (then it is killed)."""
+    """Runs `python -m <module> <overrides>` (validate-only, or the trainer side); its output goes to stderr (each
+    line prefixed `[label]`) and to log_path. Raises BackendRunError when it exits non-zero or runs past timeout_s
+    (then it is killed)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", module, *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}

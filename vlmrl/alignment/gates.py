@@ -226,10 +226,11 @@ def run_gates(config, backend: str, gates: Sequence[str], rows: int = 8,
 
 def trajectory_gate(config, engine, processor, dataset, requests, sampling) -> GateResult:
     """The agent loop on `requests` over `engine`; every trajectory checked by `check_trajectory`."""
+    from vlmrl.agent import AgentLoop
     from vlmrl.alignment.trajectory_check import check_trajectory
-    from vlmrl.trainer.components import start_agent
 
-    with start_agent(config, engine, processor) as agent:
+    with AgentLoop(engine, processor, config.agent, prompt_length=config.data.max_prompt_length,
+                   response_length=config.data.max_response_length) as agent:
         batch = agent.run(requests, sampling)
     n = len(batch.samples) // max(len(batch.requests), 1)
     findings, kinds, tool_turns = [], Counter(), 0

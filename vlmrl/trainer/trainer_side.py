@@ -1,0 +1,197 @@
+"""The trainer as a side of `python -m vlmrl.alignment.compare`: the policy, built the way a run builds it, scores
+another side's sampled tokens teacher-forced, through the code path the update uses.
+
+    python -m vlmrl.trainer.trainer_side config=FILE.yaml key=value ... --reference A.jsonl --out B.jsonl
+
+`compare --backends trainer,vllm` (any engine, either order) runs the engine's validate-only pass first, then this
+on its artifact, then the usual four-level diff. What the trainer side does, per validation request:
+- rebuilds the request from the data with the run's processor (data.*, the same rows in the same order) and keeps its
+  own prompt ids, image hashes, sizes and grids in its records: inputs that differ from the engine's are the diff's
+  first level (`input_mismatch`);
+- takes the engine's response tokens, finish reasons and rewards as they are (so the tokens level agrees by
+  construction), pads them per sample and stacks them with padding rows as a training step does
+  (`vlmrl.batch.pad_results`, `scored_batch`), and computes their logprobs with `Actor.compute_logprobs`: the
+  actor's dtype and compute dtype, padding-free packing, token-budget micro-batches, chunked logprobs and LoRA
+  adapters are the run's settings (`actor.*`);
+- writes raw logprobs (temperature 1, what every engine returns) and, when the validation sampled at a temperature
+  T other than 0 and 1, also the logprobs under softmax(logits / T) (`tempered_logprobs`): an engine whose logprobs
+  match those returned processed logprobs, which the diff names (`processed_logprobs`).
+
+One process, one device: trainer.n_gpus_per_node x trainer.nnodes must be 1 and agent.enable false (a multi-turn
+trajectory's inputs are rebuilt turn by turn, which this side does not do yet); both are refused before anything
+loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from vlmrl.alignment.artifact import ArtifactError, ArtifactMeta, DatasetIdentity, ValidationRecord, engine_info
+from vlmrl.alignment.artifact import file_fingerprint, read_artifact, records_from_rollout, weights_fingerprint
+from vlmrl.alignment.artifact import write_artifact
+from vlmrl.alignment.trainer_side import TRAINER, TrainerSideError, check_config
+from vlmrl.config import Config, ConfigError, load_config, to_dict
+
+logger = logging.getLogger(__name__)
+
+
+def _reference_results(records: list[ValidationRecord], requests, n: int, path: Path):
+    """The engine's samples as RolloutResults, request-major in the trainer's request order, with their rewards."""
+    from vlmrl.types import RolloutResult
+
+    by_key = {(r.index, r.sample_index): r for r in records}
+    wanted = {(request.index, k) for request in requests for k in range(n)}
+    extra = sorted(set(by_key) - wanted)
+    if extra:
+        raise TrainerSideError(f"{path}: rows {sorted({i for i, _ in extra})[:8]} are not in this config's validation "
+                               "set (other data, max_prompt_length or rollout.val_n than the reference run)")
+    results, rewards, parts = [], [], []
+    for request in requests:
+        for k in range(n):
+            record = by_key.get((request.index, k))
+            if record is None:
+                raise TrainerSideError(f"{path}: no sample {k} of validation row {request.index} (the reference run "
+                                       "validated other rows or fewer samples per row)")
+            results.append(RolloutResult(request.uid, k, list(record.response_ids), list(record.response_logprobs),
+                                         record.finish_reason))
+            rewards.append(record.reward)
+            parts.append(dict(record.reward_extra))
+    return results, rewards, parts
+
+
+def score_reference(config: Config, reference: str | Path, out: str | Path, drill: bool = False) -> Path:
+    """Score the reference artifact's samples with the trainer built from `config`; write the trainer side's
+    artifact to `out` and return its path. `drill`: also compare the trainer's policy module by module with
+    transformers on the engine side's weights, on the sample where the two sides' logprobs differ most
+    (`vlmrl.alignment.drill_down`), into the header's `drill_down`."""
+    import torch
+
+    from vlmrl.actor import Actor
+    from vlmrl.batch import pad_results, scored_batch
+    from vlmrl.trainer.components import load_run_processor
+    from vlmrl.trainer.validation import build_validation_requests, load_val_dataset
+    from vlmrl.types import RolloutResult
+
+    check_config(config)
+    reference = Path(reference)
+    try:
+        meta, records = read_artifact(reference)
+    except ArtifactError as err:
+        raise TrainerSideError(str(err)) from None
+    if meta.backend == TRAINER:
+        raise TrainerSideError(f"{reference} is a trainer side's artifact: score an engine's")
+    n = int(meta.sampling.get("n", 1))
+    processor = load_run_processor(config)
+    dataset = load_val_dataset(config)
+    identity = DatasetIdentity(paths=[str(f) for f in dataset.files], rows=len(dataset),
+                               fingerprint=file_fingerprint(dataset.files))
+    if (identity.fingerprint, identity.rows) != (meta.dataset.fingerprint, meta.dataset.rows):
+        raise TrainerSideError(f"{reference} validated other data ({meta.dataset.paths}, {meta.dataset.rows} rows) "
+                               f"than this config's ({identity.paths}, {identity.rows} rows): give the trainer side "
+                               "the engine side's data.* settings")
+    calls = build_validation_requests(config, processor, dataset).calls
+    requests = [request for call in calls for request in call]
+    results, rewards, parts = _reference_results(records, requests, n, reference)
+    temperature = float(meta.sampling.get("temperature", 0.0))
+    actor = Actor(config.actor, total_steps=1, mini_batch_samples=config.derived.mini_batch_samples, temperature=1.0)
+    d = config.data
+    scored: list[RolloutResult] = []
+    tempered: list[list[float] | None] = []
+    batches = []  # (batch, first sample's position) per call, for the drill-down
+    start = 0
+    for call in calls:
+        rows = results[start:start + len(call) * n]
+        samples = pad_results([processor.prompt_inputs(r) for r in call], rows, prompt_length=d.max_prompt_length,
+                              response_length=d.max_response_length, pad_token_id=processor.pad_token_id,
+                              policy_version=0)
+        batch = scored_batch(samples, rewards[start:start + len(rows)], parts[start:start + len(rows)], multiple=1,
+                             eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
+        actor.temperature = 1.0
+        with torch.no_grad():
+            raw = actor.compute_logprobs(batch)[0]
+        hot = None
+        if temperature not in (0.0, 1.0):
+            actor.temperature = temperature
+            with torch.no_grad():
+                hot = actor.compute_logprobs(batch)[0]
+        batches.append((batch, start))
+        for i, result in enumerate(rows):
+            length = len(result.response_ids)
+            scored.append(replace(result, response_logprobs=raw[i, :length].double().tolist()))
+            tempered.append(None if hot is None else hot[i, :length].double().tolist())
+        start += len(rows)
+    out_records = records_from_rollout(requests, scored, rewards, processor, parts)
+    for record, values in zip(out_records, tempered):
+        record.tempered_logprobs = values
+    drilled = {}
+    if drill:
+        index_of = {request.uid: request.index for request in requests}
+        drilled = _drill_down(actor, meta, records, scored, batches, index_of).to_dict()
+    engine, version = engine_info(TRAINER)
+    # what the forward computes in: the lower of the weights' dtype and the autocast compute dtype
+    lower = actor.compute_dtype if actor.compute_dtype in (torch.bfloat16, torch.float16) else actor.dtype
+    dtype = str(lower).removeprefix("torch.")
+    out_meta = ArtifactMeta(backend=TRAINER, engine=engine, engine_version=version,
+                            model_path=config.actor.model_path, dataset=identity, sampling=dict(meta.sampling),
+                            config=to_dict(config), step=meta.step, dtype=dtype,
+                            weights=weights_fingerprint(config.actor.model_path), drill_down=drilled)
+    path = write_artifact(out, out_meta, out_records)
+    logger.info("trainer side: %d samples of %s scored teacher-forced (%s) -> %s", len(out_records), reference,
+                dtype, path)
+    return path
+
+
+def _drill_down(actor, meta: ArtifactMeta, records: list[ValidationRecord], scored, batches, index_of):
+    """The drill-down on the sample whose trainer and engine logprobs differ most (ties: the first). `scored`: the
+    trainer's results in batch order, `batches`: (batch, position of its first sample), `index_of`: uid -> row."""
+    import torch
+
+    from vlmrl.actor.policy import load_policy, resolve_dtype
+    from vlmrl.alignment.diff import side_dtype
+    from vlmrl.alignment.drill_down import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, drill_down
+    from vlmrl.models.families import family_of
+
+    engine = {(r.index, r.sample_index): r.response_logprobs for r in records}
+    gaps = [max((abs(a - b) for a, b in zip(s.response_logprobs, engine[(index_of[s.uid], s.sample_index)])),
+                default=0.0) for s in scored]
+    worst = max(range(len(scored)), key=lambda i: gaps[i])
+    batch, first = next((b, f) for b, f in reversed(batches) if f <= worst)
+    engine_dtype = resolve_dtype(side_dtype(meta) or "auto", actor.device)
+    reference = load_policy(meta.model_path, engine_dtype, actor.device).eval()
+    trainer_dtype = actor.compute_dtype if actor.compute_dtype in (torch.bfloat16, torch.float16) else actor.dtype
+    both32 = torch.float32 in (engine_dtype, torch.float64) and trainer_dtype in (torch.float32, torch.float64)
+    result = drill_down(actor, reference, batch, worst - first, family=family_of(reference.config),
+                        index=index_of[scored[worst].uid], sample_index=scored[worst].sample_index,
+                        tolerance=FLOAT32_TOLERANCE if both32 else BFLOAT16_TOLERANCE)
+    logger.info("drill-down on row %d #%d (max |dlogp| %.3g): first module beyond tolerance: %s", result.index,
+                result.sample_index, gaps[worst], result.first)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vlmrl.trainer.trainer_side", description=__doc__.split("\n")[0])
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config=FILE.yaml and dotted overrides")
+    parser.add_argument("--reference", required=True, help="the engine side's artifact whose samples are scored")
+    parser.add_argument("--out", required=True, help="where the trainer side's artifact is written")
+    parser.add_argument("--drill-down", action="store_true", help="also name the first module whose output differs "
+                        "from transformers' (on the engine side's weights) on the worst sample")
+    args = parser.parse_intermixed_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        config = load_config(list(args.overrides))
+        check_config(config)
+        score_reference(config, args.reference, args.out, drill=args.drill_down)
+    except (ConfigError, TrainerSideError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
