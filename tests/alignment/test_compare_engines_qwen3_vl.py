@@ -93,6 +93,30 @@ def test_vllm_vs_sglang_and_hf_vs_sglang_fp32_are_exact(setup, hf_vs_vllm):
     assert _report(root / "hf_vs_sglang")["summary"]["exact"] == 7
 
 
+@pytest.mark.sglang
+def test_the_trainer_scores_each_engines_samples_as_it_did(setup, hf_vs_vllm):
+    """The trainer side on Qwen3-VL (packed, token-budget micro-batches, 3-token logprob chunks) against vLLM's and
+    SGLang's float32 samples: every sample exact under the float32 thresholds (deepstack and interleaved mrope
+    included)."""
+    from vlmrl.alignment.artifact import read_artifact
+    from vlmrl.alignment.diff import FP32_THRESHOLDS, Thresholds, compare_artifacts
+    from vlmrl.config import load_config
+    from vlmrl.trainer.trainer_side import score_reference
+
+    root, overrides, _ = setup
+    _, first = hf_vs_vllm
+    packed = ["actor.padding_free=true", "actor.micro_batch_tokens=300", "actor.logprob_chunk_size=3"]
+    sglang = root / "val_sglang.jsonl"
+    if not sglang.exists():
+        sglang = _validate(overrides, "sglang", sglang)
+    for engine in (first / "val_b_vllm.jsonl", sglang):
+        config = load_config([*overrides, *packed, "trainer.val_only=true", "rollout.name=vllm"])
+        trainer = score_reference(config, engine, root / f"trainer_{engine.stem}.jsonl")
+        comparison = compare_artifacts(*read_artifact(engine), *read_artifact(trainer), Thresholds(**FP32_THRESHOLDS))
+        assert comparison.ok and comparison.exact == comparison.total == 7, engine
+        assert comparison.max_abs_logprob_delta < 1e-4
+
+
 def test_engine_without_mrope_interleaving_is_not_aligned(setup, hf_vs_vllm, flagless):
     """vLLM started on the flagless config as it is computes other rope angles than transformers: the tool exits 1
     and names divergences (or logprob drift) on the image rows; the text row (1-D positions: all three sections

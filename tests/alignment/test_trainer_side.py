@@ -130,3 +130,33 @@ def test_the_drill_down_names_the_decoder_layer_that_differs(tmp_path, model, ca
     assert clean["first"] is None and clean["modules"][-1]["name"] == "head"
     printed = " ".join(capsys.readouterr().out.split())
     assert "drill-down on row" in printed and "modules within 0.0001 (relative) of transformers" in printed
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_is_scored_as_its_base_with_the_trained_adapters(tmp_path, tiny_model_path):
+    """A LoRA run's checkpoint (merged weights for the engines, adapter/ beside them): the trainer side builds what
+    the run trained, the base model with the checkpoint's adapters, and on HF's samples of the merged weights agrees
+    to float32 rounding (adapter vs merged); the adapters moved the logprobs (the base alone is far off)."""
+    from tests.trainer.test_fit import base_args
+    from tests.trainer.test_lora_fit import LORA
+    from vlmrl.alignment.diff import FP32_THRESHOLDS, Thresholds, compare_artifacts
+    from vlmrl.config import load_config
+    from vlmrl.trainer.fit import fit
+    from vlmrl.trainer.trainer_side import score_reference
+    from vlmrl.trainer.validation import validate_with
+
+    run = tmp_path / "run"
+    fit(load_config(base_args(tiny_model_path, run, *LORA, "trainer.total_steps=2", "trainer.save_freq=2",
+                              "trainer.val_before_train=false")))
+    checkpoint = run / "checkpoints" / "latest"
+    assert (checkpoint / "adapter").is_dir()
+    common = base_args(str(checkpoint), tmp_path / "val", "trainer.val_only=true", "data.train_files=",
+                       "rollout.dtype=float32")
+    merged = validate_with(load_config(common), "hf", artifact_path=tmp_path / "merged.jsonl").artifact_path
+    scored = score_reference(load_config([*common, *LORA[:3]]), merged, tmp_path / "adapter.jsonl")
+    meta, records = read_artifact(scored)
+    comparison = compare_artifacts(*read_artifact(merged), meta, records, Thresholds(**FP32_THRESHOLDS))
+    assert comparison.ok and comparison.max_abs_logprob_delta < 1e-4, [s.explanation for s in comparison.samples]
+    base = score_reference(load_config([*common, f"actor.model_path={tiny_model_path}"]), merged,
+                           tmp_path / "base.jsonl")
+    assert compare_artifacts(*read_artifact(merged), *read_artifact(base)).max_abs_logprob_delta > 1e-3

@@ -12,7 +12,8 @@ on its artifact, then the usual four-level diff. What the trainer side does, per
   construction), pads them per sample and stacks them with padding rows as a training step does
   (`vlmrl.batch.pad_results`, `scored_batch`), and computes their logprobs with `Actor.compute_logprobs`: the
   actor's dtype and compute dtype, padding-free packing, token-budget micro-batches, chunked logprobs and LoRA
-  adapters are the run's settings (`actor.*`);
+  adapters are the run's settings (`actor.*`); a LoRA run's checkpoint is scored as that run trained it, its base
+  model with the checkpoint's adapters (`lora_checkpoint`), against the merged weights the engines serve;
 - writes raw logprobs (temperature 1, what every engine returns) and, when the validation sampled at a temperature
   T other than 0 and 1, also the logprobs under softmax(logits / T) (`tempered_logprobs`): an engine whose logprobs
   match those returned processed logprobs, which the diff names (`processed_logprobs`).
@@ -97,7 +98,9 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
     requests = [request for call in calls for request in call]
     results, rewards, parts = _reference_results(records, requests, n, reference)
     temperature = float(meta.sampling.get("temperature", 0.0))
-    actor = Actor(config.actor, total_steps=1, mini_batch_samples=config.derived.mini_batch_samples, temperature=1.0)
+    actor_config, init_path = lora_checkpoint(config)
+    actor = Actor(actor_config, total_steps=1, mini_batch_samples=config.derived.mini_batch_samples, temperature=1.0,
+                  init_path=init_path)
     d = config.data
     scored: list[RolloutResult] = []
     tempered: list[list[float] | None] = []
@@ -143,6 +146,27 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
     logger.info("trainer side: %d samples of %s scored teacher-forced (%s) -> %s", len(out_records), reference,
                 dtype, path)
     return path
+
+
+def lora_checkpoint(config: Config):
+    """(actor config, init_path) the trainer side builds the actor with. With actor.lora on and actor.model_path a
+    LoRA run's checkpoint (its merged weights beside an adapter/ folder), the policy is what that run trained: its
+    base model (the run's actor.model_path, from trainer_state.json) with the checkpoint's adapters, not the merged
+    weights the engines load; so the diff compares adapter against merged. Otherwise the config's actor as it is."""
+    import json
+
+    from vlmrl.actor.lora import ADAPTER_DIR
+
+    folder = Path(config.actor.model_path)
+    if not (config.actor.lora.enabled and (folder / ADAPTER_DIR).is_dir()):
+        return config.actor, None
+    try:
+        base = json.loads((folder / "trainer_state.json").read_text())["config"]["actor"]["model_path"]
+    except (OSError, KeyError, ValueError) as err:
+        raise TrainerSideError(f"{folder} holds a LoRA adapter but no readable trainer_state.json naming its base "
+                               f"model ({err}); set actor.lora.rank=0 to score the merged weights") from None
+    logger.info("trainer side: LoRA checkpoint %s: base %s with the checkpoint's adapters", folder, base)
+    return replace(config.actor, model_path=base), str(folder)
 
 
 def _drill_down(actor, meta: ArtifactMeta, records: list[ValidationRecord], scored, batches, index_of):
