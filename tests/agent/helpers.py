@@ -231,3 +231,12 @@ def assert_same_groups(restored, original) -> None:
         assert sorted(got.samples) == sorted(want.samples)
         for index, sample in want.samples.items():
             assert_same_sample(got.samples[index], sample, f"group {uid} sample {index}")
+
+
+def assert_forward_finite(model, agent_sample) -> None:
+    """The model's forward on a padded agent sample (explicit position ids, all its images) gives finite logits."""
+    s = agent_sample.sample
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([s.prompt_ids, s.response_ids])[None], attention_mask=s.attention_mask[None],
+                       position_ids=s.position_ids[:, None], **s.multi_modal_inputs, use_cache=False).logits
+    assert torch.isfinite(logits).all()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tests.agent import scripted
-from tests.agent.helpers import GREEDY, EchoTool, Lifecycle, P, R, check_long_sample
+from tests.agent.helpers import GREEDY, EchoTool, Lifecycle, P, R, assert_forward_finite, check_long_sample
 from vlmrl.agent import AgentConfig, AgentLoop, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
 from vlmrl.processors.images import resize_image
@@ -34,9 +34,4 @@ def test_a_tool_conversation_reaches_the_trainer_as_the_processor_renders_it(tin
         crop = resize_image(shown.crop(tuple(scripted.ZOOM_BOX)), processor.min_pixels, processor.max_pixels,
                             processor.image_factor)
         check_long_sample(agent_sample, processor, model, rollout_logprobs=False, images=[shown, crop])
-        s = agent_sample.sample
-        with torch.no_grad():
-            logits = model(input_ids=torch.cat([s.prompt_ids, s.response_ids])[None],
-                           attention_mask=s.attention_mask[None], position_ids=s.position_ids[:, None],
-                           **s.multi_modal_inputs, use_cache=False).logits
-        assert torch.isfinite(logits).all()
+        assert_forward_finite(model, agent_sample)

@@ -5,27 +5,17 @@ sync into them, are tests/rollout/qwen3_5's.)"""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from tests.trainer.test_fit import base_args
+from tests.trainer.test_qwen3_vl import _digests, _names
 from vlmrl.alignment.artifact import read_artifact
 from vlmrl.config import load_config
 from vlmrl.trainer.fit import fit
 from vlmrl.trainer.metrics import read_metrics
-
-
-def _digests(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
-
-
-def _names(folder: Path) -> set[str]:
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        return set(f.keys())
 
 
 def test_train_checkpoint_and_validate_only(tiny_qwen3_5_path, tmp_path):
