@@ -236,6 +236,31 @@ def test_the_trainer_scores_vllms_samples_as_vllm_did(setup, hf_vs_vllm):
     assert sum(len(r.response_ids) for r in rec_t) > 7, "real responses were scored, not empty ones"
 
 
+@pytest.mark.ray
+def test_the_sharded_trainer_at_dp2_scores_vllms_samples_as_one_device_does(setup, hf_vs_vllm):
+    """trainer.n_gpus_per_node=2: the run's FSDP2 actor on two Ray workers (packing, token budget and chunks on),
+    each rank scoring its slice of the 7 samples and a padding row: every sample exact against vLLM, and equal to
+    the single-device trainer's logprobs to float rounding."""
+    from vlmrl.alignment.compare import FP32_THRESHOLDS
+    from tests.ray_helpers import local_ray
+
+    root, overrides = setup
+    _, out = hf_vs_vllm
+    packed = ["actor.padding_free=true", "actor.micro_batch_tokens=300", "actor.logprob_chunk_size=3"]
+    one = _trainer_scores([*overrides, *packed], out / "val_b_vllm.jsonl", root / "trainer_dp1.jsonl")
+    with local_ray(num_cpus=2):
+        two = _trainer_scores([*overrides, *packed, "trainer.n_gpus_per_node=2"], out / "val_b_vllm.jsonl",
+                              root / "trainer_dp2.jsonl")
+    meta_2, rec_2 = read_artifact(two)
+    assert meta_2.dtype == "float32" and meta_2.config["trainer"]["n_gpus_per_node"] == 2
+    comparison = compare_artifacts(*read_artifact(out / "val_b_vllm.jsonl"), meta_2, rec_2,
+                                   Thresholds(**FP32_THRESHOLDS))
+    assert comparison.ok and comparison.exact == comparison.total == 7, [s.explanation for s in comparison.samples]
+    _, rec_1 = read_artifact(one)
+    deltas = [abs(a - b) for r1, r2 in zip(rec_1, rec_2) for a, b in zip(r1.response_logprobs, r2.response_logprobs)]
+    assert len(deltas) == sum(len(r.response_ids) for r in rec_1) > 7 and max(deltas) < 1e-5
+
+
 def test_a_bfloat16_trainer_against_a_float32_engine_is_precision_within_the_band(setup, hf_vs_vllm):
     """actor.dtype=bfloat16 scoring vLLM's float32 samples: logprobs off by more than float32 rounding, within the
     bfloat16 band: bucketed precision (not drift), and aligned."""

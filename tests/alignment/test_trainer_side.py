@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ray_helpers import local_ray
 from vlmrl.alignment.artifact import read_artifact, write_artifact
 from vlmrl.alignment.compare import main
 
@@ -50,9 +51,11 @@ def test_what_the_trainer_side_cannot_score_exits_2_before_any_engine(tmp_path, 
     assert main(["--backends", "trainer,trainer", *_overrides(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "pair it with an engine" in capsys.readouterr().err
     dp2 = _overrides(tmp_path, "trainer.n_gpus_per_node=2", "trainer.format_warmup_steps=0")
-    assert main(["--backends", "vllm,trainer", *dp2,
-                 "--out", str(tmp_path / "o")]) == 2
-    assert "runs on one device" in capsys.readouterr().err
+    assert main(["--backends", "vllm,trainer", *dp2, "--drill-down", "--out", str(tmp_path / "o")]) == 2
+    assert "--drill-down hooks the modules of one unsharded model" in capsys.readouterr().err
+    agent = _overrides(tmp_path, "agent.enable=true", "agent.max_response_tokens=6")
+    assert main(["--backends", "vllm,trainer", *agent, "--out", str(tmp_path / "o")]) == 2
+    assert "agent.enable=true" in capsys.readouterr().err
     assert not (tmp_path / "o" / "val_a_vllm.log").exists(), "refused before the engine side ran"
 
 
@@ -133,10 +136,12 @@ def test_the_drill_down_names_the_decoder_layer_that_differs(tmp_path, model, ca
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_a_lora_checkpoint_is_scored_as_its_base_with_the_trained_adapters(tmp_path, tiny_model_path):
     """A LoRA run's checkpoint (merged weights for the engines, adapter/ beside them): the trainer side builds what
     the run trained, the base model with the checkpoint's adapters, and on HF's samples of the merged weights agrees
-    to float32 rounding (adapter vs merged); the adapters moved the logprobs (the base alone is far off)."""
+    to float32 rounding (adapter vs merged), on one device and sharded over two; the adapters moved the logprobs (the
+    base alone is far off)."""
     from tests.trainer.test_fit import base_args
     from tests.trainer.test_lora_fit import LORA
     from vlmrl.alignment.diff import FP32_THRESHOLDS, Thresholds, compare_artifacts
@@ -156,6 +161,11 @@ def test_a_lora_checkpoint_is_scored_as_its_base_with_the_trained_adapters(tmp_p
     scored = score_reference(load_config([*common, *LORA[:3]]), merged, tmp_path / "adapter.jsonl")
     meta, records = read_artifact(scored)
     comparison = compare_artifacts(*read_artifact(merged), meta, records, Thresholds(**FP32_THRESHOLDS))
+    assert comparison.ok and comparison.max_abs_logprob_delta < 1e-4, [s.explanation for s in comparison.samples]
+    with local_ray(num_cpus=2):  # the same adapters on the sharded actor (two ranks, FSDP2 over the PeftModel)
+        sharded = score_reference(load_config([*common, *LORA[:3], "trainer.n_gpus_per_node=2"]), merged,
+                                  tmp_path / "adapter_dp2.jsonl")
+    comparison = compare_artifacts(*read_artifact(merged), *read_artifact(sharded), Thresholds(**FP32_THRESHOLDS))
     assert comparison.ok and comparison.max_abs_logprob_delta < 1e-4, [s.explanation for s in comparison.samples]
     base = score_reference(load_config([*common, f"actor.model_path={tiny_model_path}"]), merged,
                            tmp_path / "base.jsonl")

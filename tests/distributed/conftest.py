@@ -4,13 +4,10 @@ closes the workers it started, so the next one finds the cluster's two CPUs free
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import pytest
 
 from tests.batches import synthetic_rows as write_synthetic_rows
+from tests.ray_helpers import local_ray
 
 
 @pytest.fixture(scope="session")
@@ -20,15 +17,6 @@ def synthetic_rows(tmp_path_factory):
 
 @pytest.fixture(scope="package")
 def ray_cluster():
-    """A local 2-CPU Ray cluster for the tests of this folder, started once, in its own short temp folder (Unix
-    socket paths are limited to ~107 characters, so not under pytest's deep tmp_path)."""
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp_dir = tempfile.mkdtemp(prefix="vlmrl-ray-")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=True)
-    try:
+    """A local 2-CPU Ray cluster for the tests of this folder, started once."""
+    with local_ray(num_cpus=2) as temp_dir:
         yield temp_dir
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -189,7 +189,7 @@ def run_backends(backends: list[str], overrides: list[str], out_dir: Path, drill
         try:
             configs.append(load_config(_side_overrides(overrides, engine if backend == TRAINER else backend, run_dir)))
             if backend == TRAINER:
-                check_config(configs[-1])
+                check_config(configs[-1], drill=drill)
         except (ConfigError, TrainerSideError) as err:
             raise UsageError(str(err)) from None
     if configs[0].rollout.val_top_logprobs == 0 and TRAINER not in backends:

@@ -16,11 +16,12 @@ class TrainerSideError(ValueError):
     """A config or reference artifact the trainer side cannot score (compare exits 2)."""
 
 
-def check_config(config: Config) -> None:
-    """Refuses what the trainer side cannot reproduce, before anything loads."""
-    if config.derived.world_size != 1:
-        raise TrainerSideError(f"the trainer side runs on one device; trainer.n_gpus_per_node x trainer.nnodes = "
-                               f"{config.derived.world_size} (set both to 1: the sharded actor computes the same "
-                               "logprobs, tests/distributed checks dp=2 == dp=1)")
+def check_config(config: Config, drill: bool = False) -> None:
+    """Refuses what the trainer side cannot reproduce, before anything loads. `drill`: the per-module drill-down is
+    asked for."""
+    if drill and config.derived.world_size != 1:
+        raise TrainerSideError(f"--drill-down hooks the modules of one unsharded model; trainer.n_gpus_per_node x "
+                               f"trainer.nnodes = {config.derived.world_size}: drill down with both set to 1 (the "
+                               "sharded actor's logprobs equal the single device's, tests/distributed)")
     if config.agent.enable:
         raise TrainerSideError("agent.enable=true: the trainer side scores single-turn validation samples only")

@@ -179,6 +179,15 @@ class DistributedActor:
             entropy[order] = torch.cat([ent for _, ent in parts])
         return logprobs, entropy
 
+    def set_temperature(self, temperature: float) -> None:
+        """Every rank's logprobs from here on are of softmax(logits / temperature)."""
+        self._each("set_temperature", [(temperature,)] * self.dp_size, "setting the temperature")
+
+    def precision(self) -> tuple[torch.dtype, torch.dtype]:
+        """(weights' dtype, autocast compute dtype) the ranks resolved on their devices (rank 0's)."""
+        dtype, compute = self._get([self.workers[0].precision.remote()], "reading the actor's precision")[0]
+        return getattr(torch, dtype), getattr(torch, compute)
+
     def needs_old_logprobs(self, batch_rows: int) -> bool:
         """False when the batch gets exactly one optimizer step: the update forward's own logprobs are the old ones
         (the single-process actor's rule, `vlmrl.actor.needs_old_logprobs`)."""

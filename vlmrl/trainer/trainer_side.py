@@ -18,9 +18,11 @@ on its artifact, then the usual four-level diff. What the trainer side does, per
   T other than 0 and 1, also the logprobs under softmax(logits / T) (`tempered_logprobs`): an engine whose logprobs
   match those returned processed logprobs, which the diff names (`processed_logprobs`).
 
-One process, one device: trainer.n_gpus_per_node x trainer.nnodes must be 1 and agent.enable false (a multi-turn
-trajectory's inputs are rebuilt turn by turn, which this side does not do yet); both are refused before anything
-loads.
+At trainer.n_gpus_per_node x trainer.nnodes > 1 the scorer is the run's FSDP2-sharded actor on that many Ray
+workers (`scoring_actor`): each rank scores its slice of every batch's rows (padding rows up to a multiple of the
+world size, as a step pads) and the driver gathers them, the path a sharded run's old logprobs take. The
+drill-down hooks one unsharded model, so it needs one device. agent.enable must be false (a multi-turn trajectory's
+inputs are rebuilt turn by turn, which this side does not do yet). Both are refused before anything loads.
 """
 
 from __future__ import annotations
@@ -71,13 +73,10 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
     (`vlmrl.alignment.drill_down`), into the header's `drill_down`."""
     import torch
 
-    from vlmrl.actor import Actor
-    from vlmrl.batch import pad_results, scored_batch
     from vlmrl.trainer.components import load_run_processor
     from vlmrl.trainer.validation import build_validation_requests, load_val_dataset
-    from vlmrl.types import RolloutResult
 
-    check_config(config)
+    check_config(config, drill=drill)
     reference = Path(reference)
     try:
         meta, records = read_artifact(reference)
@@ -99,9 +98,67 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
     results, rewards, parts = _reference_results(records, requests, n, reference)
     temperature = float(meta.sampling.get("temperature", 0.0))
     actor_config, init_path = lora_checkpoint(config)
-    actor = Actor(actor_config, total_steps=1, mini_batch_samples=config.derived.mini_batch_samples, temperature=1.0,
-                  init_path=init_path)
+    world = config.derived.world_size
+    actor = scoring_actor(config, actor_config, init_path)
+    try:
+        out_records, batches, scored, (dtype, compute) = _score(actor, config, processor, calls, requests, results,
+                                                                rewards, parts, n, temperature)
+        drilled = {}
+        if drill:
+            index_of = {request.uid: request.index for request in requests}
+            drilled = _drill_down(actor, meta, records, scored, batches, index_of).to_dict()
+    finally:
+        if world > 1:
+            actor.close()
+    engine, version = engine_info(TRAINER)
+    # what the forward computes in: the lower of the weights' dtype and the autocast compute dtype
+    dtype = str(compute if compute in (torch.bfloat16, torch.float16) else dtype).removeprefix("torch.")
+    out_meta = ArtifactMeta(backend=TRAINER, engine=engine, engine_version=version,
+                            model_path=config.actor.model_path, dataset=identity, sampling=dict(meta.sampling),
+                            config=to_dict(config), step=meta.step, dtype=dtype,
+                            weights=weights_fingerprint(config.actor.model_path), drill_down=drilled)
+    path = write_artifact(out, out_meta, out_records)
+    logger.info("trainer side: %d samples of %s scored teacher-forced (%s, %d rank%s) -> %s", len(out_records),
+                reference, dtype, world, "" if world == 1 else "s", path)
+    return path
+
+
+def scoring_actor(config: Config, actor_config, init_path: str | None):
+    """The actor a run of `config` trains with: the single-process `Actor` on one device, else the FSDP2-sharded
+    `DistributedActor` over trainer.n_gpus_per_node x trainer.nnodes Ray workers (without engines), whose
+    compute_logprobs splits the batch's rows over the ranks and gathers them back, as the update's does."""
+    from vlmrl.actor import Actor
+
+    if config.derived.world_size == 1:
+        return Actor(actor_config, total_steps=1, mini_batch_samples=config.derived.mini_batch_samples,
+                     temperature=1.0, init_path=init_path)
+    from vlmrl.distributed.group import DistributedActor
+    from vlmrl.distributed.worker import WorkerSpec
+
+    spec = WorkerSpec(actor=actor_config, temperature=1.0, init_path=init_path, total_steps=1, engine=None,
+                      torch_threads=config.trainer.torch_threads, timeout_s=config.rollout.timeout_s)
+    return DistributedActor(config.trainer, spec, mini_batch_samples=config.derived.mini_batch_samples,
+                            timeout_s=config.rollout.timeout_s, startup_timeout_s=config.rollout.start_timeout_s)
+
+
+def _set_temperature(actor, temperature: float) -> None:
+    if hasattr(actor, "set_temperature"):  # the sharded actor: every rank
+        actor.set_temperature(temperature)
+    else:
+        actor.temperature = temperature
+
+
+def _score(actor, config: Config, processor, calls, requests, results, rewards, parts, n: int, temperature: float):
+    """Each validation call's samples padded and stacked as a training step does (padding rows up to a multiple of
+    the world size), scored at temperature 1 (and at `temperature` when 0 < T != 1). Returns (records, (batch,
+    first sample's position) per call, the scored results, (weights' dtype, compute dtype))."""
+    import torch
+
+    from vlmrl.batch import pad_results, scored_batch
+    from vlmrl.types import RolloutResult
+
     d = config.data
+    world = config.derived.world_size
     scored: list[RolloutResult] = []
     tempered: list[list[float] | None] = []
     batches = []  # (batch, first sample's position) per call, for the drill-down
@@ -111,14 +168,15 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
         samples = pad_results([processor.prompt_inputs(r) for r in call], rows, prompt_length=d.max_prompt_length,
                               response_length=d.max_response_length, pad_token_id=processor.pad_token_id,
                               policy_version=0)
-        batch = scored_batch(samples, rewards[start:start + len(rows)], parts[start:start + len(rows)], multiple=1,
-                             eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
-        actor.temperature = 1.0
+        batch = scored_batch(samples, rewards[start:start + len(rows)], parts[start:start + len(rows)],
+                             multiple=world, eos_token_id=processor.eos_token_ids[0],
+                             pad_token_id=processor.pad_token_id)
+        _set_temperature(actor, 1.0)
         with torch.no_grad():
             raw = actor.compute_logprobs(batch)[0]
         hot = None
         if temperature not in (0.0, 1.0):
-            actor.temperature = temperature
+            _set_temperature(actor, temperature)
             with torch.no_grad():
                 hot = actor.compute_logprobs(batch)[0]
         batches.append((batch, start))
@@ -130,22 +188,8 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
     out_records = records_from_rollout(requests, scored, rewards, processor, parts)
     for record, values in zip(out_records, tempered):
         record.tempered_logprobs = values
-    drilled = {}
-    if drill:
-        index_of = {request.uid: request.index for request in requests}
-        drilled = _drill_down(actor, meta, records, scored, batches, index_of).to_dict()
-    engine, version = engine_info(TRAINER)
-    # what the forward computes in: the lower of the weights' dtype and the autocast compute dtype
-    lower = actor.compute_dtype if actor.compute_dtype in (torch.bfloat16, torch.float16) else actor.dtype
-    dtype = str(lower).removeprefix("torch.")
-    out_meta = ArtifactMeta(backend=TRAINER, engine=engine, engine_version=version,
-                            model_path=config.actor.model_path, dataset=identity, sampling=dict(meta.sampling),
-                            config=to_dict(config), step=meta.step, dtype=dtype,
-                            weights=weights_fingerprint(config.actor.model_path), drill_down=drilled)
-    path = write_artifact(out, out_meta, out_records)
-    logger.info("trainer side: %d samples of %s scored teacher-forced (%s) -> %s", len(out_records), reference,
-                dtype, path)
-    return path
+    precision = actor.precision() if world > 1 else (actor.dtype, actor.compute_dtype)
+    return out_records, batches, scored, precision
 
 
 def lora_checkpoint(config: Config):
@@ -208,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     try:
         config = load_config(list(args.overrides))
-        check_config(config)
+        check_config(config, drill=args.drill_down)
         score_reference(config, args.reference, args.out, drill=args.drill_down)
     except (ConfigError, TrainerSideError) as err:
         print(f"error: {err}", file=sys.stderr)
