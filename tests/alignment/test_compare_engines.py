@@ -92,6 +92,18 @@ def _validate(overrides, backend, path):
     return validate_with(config, backend, artifact_path=path).artifact_path
 
 
+def compare_in_process(backends: str, overrides: list[str], out: Path, *options: str) -> int:
+    """What `compare --backends A,B ...` computes, with each side validated in this process (`validate_with`, the
+    pass each side's own process runs) into out/val_a_A.jsonl and out/val_b_B.jsonl, then the CLI on the two
+    artifacts; returns its exit status. The other family's modules use it: the one-process-per-side path (logs,
+    artifacts moved into place) is this module's `hf_vs_vllm`, and two more interpreters importing the engines
+    cost about 25 s a module."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [_validate([*overrides, f"trainer.output_dir={out / f'run_{side}_{backend}'}"], backend,
+                       out / f"val_{side}_{backend}.jsonl") for side, backend in zip("ab", backends.split(","))]
+    return main([*map(str, paths), "--out", str(out), *options])
+
+
 def test_hf_vs_vllm_fp32_is_aligned_and_exact(hf_vs_vllm):
     status, out = hf_vs_vllm
     report = json.loads((out / "report.json").read_text())

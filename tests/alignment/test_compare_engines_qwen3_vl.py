@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.alignment.test_compare_engines import write_colour_set
+from tests.alignment.test_compare_engines import compare_in_process, write_colour_set
 from vlmrl.alignment.compare import main
 
 pytestmark = pytest.mark.vllm  # every test reuses the `compare --backends hf,vllm` run
@@ -43,7 +43,7 @@ def setup(tmp_path_factory):
 def hf_vs_vllm(setup):
     root, overrides, _ = setup
     out = root / "hf_vs_vllm"
-    return main(["--backends", "hf,vllm", *overrides, "--out", str(out)]), out
+    return compare_in_process("hf,vllm", overrides, out), out
 
 
 @pytest.fixture(scope="module")

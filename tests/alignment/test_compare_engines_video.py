@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from tests.alignment.test_compare_engines import REWARD_FILE, _image_bytes
+from tests.alignment.test_compare_engines import REWARD_FILE, _image_bytes, compare_in_process
 from vlmrl.alignment.artifact import read_artifact
 from vlmrl.alignment.compare import main
 from vlmrl.data.synthetic import generate_rows, write_rows
@@ -43,7 +43,7 @@ def setup(tmp_path_factory, tiny_model_path):
 def _compare(setup, backends: str):
     root, overrides = setup
     out = root / backends.replace(",", "_vs_")
-    status = main(["--backends", backends, *overrides, "--out", str(out), "--no-html"])
+    status = compare_in_process(backends, overrides, out, "--no-html")
     return status, out, json.loads((out / "report.json").read_text())
 
 

@@ -53,6 +53,40 @@ def base_args(model_path: str, output_dir: Path, *extra: str) -> list[str]:
             "trainer.torch_threads=1", f"trainer.output_dir={output_dir}", *extra]
 
 
+class RisenBy:
+    """The learning runs' stop condition (`fit(config, stop=...)`): true once val/accuracy is `delta` above the
+    run's first validation (step 0, after the format warm-up). The run has then shown what the test asserts; the
+    steps left would only repeat it."""
+
+    def __init__(self, delta: float = 0.3):
+        self.delta, self.start = delta, None
+
+    def __call__(self, step: int, metrics: dict) -> bool:
+        accuracy = metrics.get("val/accuracy")
+        if accuracy is None:
+            return False
+        if self.start is None:
+            self.start = accuracy
+            return False
+        return accuracy >= self.start + self.delta
+
+
+def test_a_run_the_caller_stops_ends_at_that_step_saved_as_a_last_step(tiny_model_path, tmp_path):
+    """fit's `stop` sees every logged line (step 0's validation first); the run ends after the step it returns
+    True for, with a checkpoint of that step that `latest` points at, although save_freq would not save it."""
+    out = tmp_path / "run"
+    seen = []
+
+    def stop(step, metrics):
+        seen.append((step, "val/accuracy" in metrics))
+        return step == 2
+
+    fit(load_config(base_args(tiny_model_path, out, "trainer.total_steps=6", "trainer.save_freq=5")), stop=stop)
+    assert seen == [(0, True), (1, False), (2, True)]
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+    assert (out / "checkpoints" / "latest").resolve() == (out / "checkpoints" / "global_step_2").resolve()
+
+
 def test_short_run_writes_documented_metrics_checkpoint_and_plot(tiny_model_path, tmp_path):
     out = tmp_path / "run"
     fit(load_config(base_args(tiny_model_path, out, "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01",
@@ -252,7 +286,7 @@ def test_demo_config_learns_the_synthetic_task(tmp_path, model):
     out = tmp_path / "demo"
     fit(load_config(["config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic.yaml"), f"actor.model_path={model}",
                      f"rollout.name={backend}", f"trainer.total_steps={STEPS[model]}",
-                     f"trainer.output_dir={out}"]))
+                     f"trainer.output_dir={out}"]), stop=RisenBy(0.3))
     curve = [(row["step"], row["val/accuracy"]) for row in read_metrics(out / "metrics.jsonl") if "val/accuracy" in row]
     start = curve[0][1]
     assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"
@@ -271,7 +305,7 @@ def test_demo_recipe_learns_the_video_task(tmp_path):
     fit(load_config(["config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic.yaml"),
                      "config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic_video.yaml"),
                      f"rollout.name={backend}", "trainer.total_steps=100", "data.synthetic_val_size=64",
-                     f"trainer.output_dir={out}"]))
+                     f"trainer.output_dir={out}"]), stop=RisenBy(0.3))
     curve = [(row["step"], row["val/accuracy"]) for row in read_metrics(out / "metrics.jsonl") if "val/accuracy" in row]
     start = curve[0][1]
     assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"

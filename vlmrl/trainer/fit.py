@@ -108,8 +108,12 @@ class Run:
 # ---------------------------------------------------------------------------------------------------- the loop
 
 
-def fit(config: Config) -> dict[str, float]:
-    """Train (or, with trainer.val_only, only validate). Returns the last logged metrics."""
+def fit(config: Config, stop: Callable[[int, dict[str, float]], bool] | None = None) -> dict[str, float]:
+    """Train (or, with trainer.val_only, only validate). Returns the last logged metrics.
+
+    `stop` (for a program driving the run, as an early-stopping callback does): called with (step, metrics) for
+    every logged line, step 0's included; the run ends after the first step it returns True for, with that step
+    saved as a run's last step is (a checkpoint, `latest` pointing at it)."""
     setup_process(config)
     if config.trainer.val_only:
         return validate_only(config)
@@ -121,12 +125,18 @@ def fit(config: Config) -> dict[str, float]:
 
         progress = tqdm(total=run.total_steps, initial=run.step, desc="GRPO", unit="step", file=sys.stderr,
                         dynamic_ncols=True, disable=None)
-        while run.step < run.total_steps:
+        stopped = stop is not None and run.step == 0 and bool(run.last_metrics) and stop(0, run.last_metrics)
+        while run.step < run.total_steps and not stopped:
             metrics = run_step(run)
             progress.update(1)
             progress.set_postfix({short: round(metrics[key], 3) for key, short in
                                   (("reward/mean", "reward"), ("val/accuracy", "val_acc")) if key in metrics})
+            stopped = stop is not None and stop(run.step, metrics)
+            if stopped and "timing/save" not in metrics and run.step > 0:
+                save(run)
         progress.close()
+        if stopped:
+            logger.info("stopped after step %d of %d: the caller's stop condition held", run.step, run.total_steps)
         plot = plot_curves(run.output_dir / METRICS_FILE, run.output_dir / PLOT_FILE)
         logger.info("done: %d steps; metrics %s; curves %s", run.step, run.output_dir / METRICS_FILE, plot)
         return run.last_metrics
