@@ -294,6 +294,14 @@ class ActorCore:
         # lives there anyway: the optimizer steps on the CPU)
         self.offload_optimizer = config.offload.optimizer and not config.offload.params
 
+    def set_temperature(self, temperature: float) -> None:
+        """Logprobs from here on are of softmax(logits / temperature)."""
+        self.temperature = temperature
+
+    def forward_dtype(self) -> torch.dtype:
+        """What the forward computes in: the lower of the weights' dtype and the autocast compute dtype."""
+        return self.compute_dtype if self.compute_dtype in (torch.bfloat16, torch.float16) else self.dtype
+
     def autocast(self):
         """Mixed precision for a forward (and its backward) when compute and weight dtypes differ."""
         lower = self.compute_dtype in (torch.bfloat16, torch.float16)  # autocast only casts down

@@ -183,10 +183,9 @@ class DistributedActor:
         """Every rank's logprobs from here on are of softmax(logits / temperature)."""
         self._each("set_temperature", [(temperature,)] * self.dp_size, "setting the temperature")
 
-    def precision(self) -> tuple[torch.dtype, torch.dtype]:
-        """(weights' dtype, autocast compute dtype) the ranks resolved on their devices (rank 0's)."""
-        dtype, compute = self._get([self.workers[0].precision.remote()], "reading the actor's precision")[0]
-        return getattr(torch, dtype), getattr(torch, compute)
+    def forward_dtype(self) -> torch.dtype:
+        """What the ranks' forward computes in, as they resolved it on their devices (rank 0's)."""
+        return self._get([self.workers[0].forward_dtype.remote()], "reading the actor's dtype")[0]
 
     def needs_old_logprobs(self, batch_rows: int) -> bool:
         """False when the batch gets exactly one optimizer step: the update forward's own logprobs are the old ones

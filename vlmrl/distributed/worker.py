@@ -125,12 +125,10 @@ class TrainWorker:
         return self.actor.update_shard(shard)
 
     def set_temperature(self, temperature: float) -> None:
-        """Logprobs from here on are of softmax(logits / temperature) (the trainer side scores at two)."""
-        self.actor.temperature = temperature
+        self.actor.set_temperature(temperature)
 
-    def precision(self) -> tuple[str, str]:
-        """(weights' dtype, autocast compute dtype) as this rank resolved them on its device."""
-        return str(self.actor.dtype).removeprefix("torch."), str(self.actor.compute_dtype).removeprefix("torch.")
+    def forward_dtype(self) -> torch.dtype:
+        return self.actor.forward_dtype()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights (HF names) on rank 0, None elsewhere; every rank must call it."""

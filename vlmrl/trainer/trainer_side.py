@@ -71,8 +71,6 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
     artifact to `out` and return its path. `drill`: also compare the trainer's policy module by module with
     transformers on the engine side's weights, on the sample where the two sides' logprobs differ most
     (`vlmrl.alignment.drill_down`), into the header's `drill_down`."""
-    import torch
-
     from vlmrl.trainer.components import load_run_processor
     from vlmrl.trainer.validation import build_validation_requests, load_val_dataset
 
@@ -101,8 +99,9 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
     world = config.derived.world_size
     actor = scoring_actor(config, actor_config, init_path)
     try:
-        out_records, batches, scored, (dtype, compute) = _score(actor, config, processor, calls, requests, results,
-                                                                rewards, parts, n, temperature)
+        out_records, batches, scored = _score(actor, config, processor, calls, requests, results, rewards, parts, n,
+                                              temperature)
+        dtype = str(actor.forward_dtype()).removeprefix("torch.")
         drilled = {}
         if drill:
             index_of = {request.uid: request.index for request in requests}
@@ -111,8 +110,6 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
         if world > 1:
             actor.close()
     engine, version = engine_info(TRAINER)
-    # what the forward computes in: the lower of the weights' dtype and the autocast compute dtype
-    dtype = str(compute if compute in (torch.bfloat16, torch.float16) else dtype).removeprefix("torch.")
     out_meta = ArtifactMeta(backend=TRAINER, engine=engine, engine_version=version,
                             model_path=config.actor.model_path, dataset=identity, sampling=dict(meta.sampling),
                             config=to_dict(config), step=meta.step, dtype=dtype,
@@ -141,17 +138,10 @@ def scoring_actor(config: Config, actor_config, init_path: str | None):
                             timeout_s=config.rollout.timeout_s, startup_timeout_s=config.rollout.start_timeout_s)
 
 
-def _set_temperature(actor, temperature: float) -> None:
-    if hasattr(actor, "set_temperature"):  # the sharded actor: every rank
-        actor.set_temperature(temperature)
-    else:
-        actor.temperature = temperature
-
-
 def _score(actor, config: Config, processor, calls, requests, results, rewards, parts, n: int, temperature: float):
     """Each validation call's samples padded and stacked as a training step does (padding rows up to a multiple of
     the world size), scored at temperature 1 (and at `temperature` when 0 < T != 1). Returns (records, (batch,
-    first sample's position) per call, the scored results, (weights' dtype, compute dtype))."""
+    first sample's position) per call, the scored results)."""
     import torch
 
     from vlmrl.batch import pad_results, scored_batch
@@ -171,12 +161,12 @@ def _score(actor, config: Config, processor, calls, requests, results, rewards, 
         batch = scored_batch(samples, rewards[start:start + len(rows)], parts[start:start + len(rows)],
                              multiple=world, eos_token_id=processor.eos_token_ids[0],
                              pad_token_id=processor.pad_token_id)
-        _set_temperature(actor, 1.0)
+        actor.set_temperature(1.0)
         with torch.no_grad():
             raw = actor.compute_logprobs(batch)[0]
         hot = None
         if temperature not in (0.0, 1.0):
-            _set_temperature(actor, temperature)
+            actor.set_temperature(temperature)
             with torch.no_grad():
                 hot = actor.compute_logprobs(batch)[0]
         batches.append((batch, start))
@@ -188,8 +178,7 @@ def _score(actor, config: Config, processor, calls, requests, results, rewards, 
     out_records = records_from_rollout(requests, scored, rewards, processor, parts)
     for record, values in zip(out_records, tempered):
         record.tempered_logprobs = values
-    precision = actor.precision() if world > 1 else (actor.dtype, actor.compute_dtype)
-    return out_records, batches, scored, precision
+    return out_records, batches, scored
 
 
 def lora_checkpoint(config: Config):
@@ -230,7 +219,7 @@ def _drill_down(actor, meta: ArtifactMeta, records: list[ValidationRecord], scor
     batch, first = next((b, f) for b, f in reversed(batches) if f <= worst)
     engine_dtype = resolve_dtype(side_dtype(meta) or "auto", actor.device)
     reference = load_policy(meta.model_path, engine_dtype, actor.device).eval()
-    trainer_dtype = actor.compute_dtype if actor.compute_dtype in (torch.bfloat16, torch.float16) else actor.dtype
+    trainer_dtype = actor.forward_dtype()
     both32 = torch.float32 in (engine_dtype, torch.float64) and trainer_dtype in (torch.float32, torch.float64)
     result = drill_down(actor, reference, batch, worst - first, family=family_of(reference.config),
                         index=index_of[scored[worst].uid], sample_index=scored[worst].sample_index,
