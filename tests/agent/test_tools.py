@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 
@@ -32,6 +33,31 @@ def test_plain_and_async_methods_run_under_a_timeout():
                     await call_tool_method(method, timeout_s=0.2, executor=None)
         finally:
             release.set()  # before asyncio.run waits for its default executor's threads
+
+    asyncio.run(main())
+
+
+def test_lifecycle_methods_a_tool_does_not_override_never_wait_on_the_tool_threads():
+    """A tool that overrides only async methods runs entirely on the event loop, so the turns are batched in the same
+    order in every run (a resumed run's step equals the uninterrupted one): the defaults must not hop to a thread."""
+
+    class NoThreads(concurrent.futures.Executor):
+        def submit(self, fn, *args, **kwargs):
+            raise AssertionError(f"{fn} was sent to the tool threads")
+
+    class OnlyExecute(Tool):
+        name = "only_execute"
+
+        def release(self, state):  # a plain override still runs in the tool threads
+            return "released"
+
+    tool, no_threads = OnlyExecute(), NoThreads()
+
+    async def main():
+        assert await call_tool_method(tool.create, None, timeout_s=5, executor=no_threads) is None
+        assert await call_tool_method(tool.reward, None, timeout_s=5, executor=no_threads) is None
+        with pytest.raises(AssertionError, match="sent to the tool threads"):
+            await call_tool_method(tool.release, None, timeout_s=5, executor=no_threads)
 
     asyncio.run(main())
 

@@ -98,6 +98,10 @@ class Tool:
                 "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
 
 
+_DEFAULTS = frozenset({Tool.create, Tool.reward, Tool.release, Tool.save_state})
+"""Lifecycle methods a tool did not override: they return None at once, so they run inline."""
+
+
 class ToolTimeout(Exception):
     """A tool method ran past `agent.tool_timeout_s`."""
 
@@ -108,6 +112,8 @@ async def call_tool_method(method: Callable[..., Any], *args: Any, timeout_s: fl
     A plain method that overruns keeps its thread until it returns (Python cannot kill a thread); the caller moves on
     (give a `vlmrl.utils.executor.DaemonExecutor`, so such a thread cannot hold up the interpreter's exit).
     """
+    if getattr(method, "__func__", None) in _DEFAULTS:
+        return method(*args)  # Tool's own no-op: no thread hop, so the turns' order cannot depend on thread timing
     if inspect.iscoroutinefunction(method):
         work = method(*args)
     else:
