@@ -46,8 +46,9 @@ def test_restored_groups_are_equal_and_the_next_step_matches_the_uninterrupted_l
     with make_loop(backend, processor, log) as original:
         original.step(requests(processor, *[scripted.SHORT_QUESTION] * 2, *[scripted.LONG_QUESTION] * 2), GREEDY,
                       batch_size=2, policy_version=0)
-        original.step(requests(processor, scripted.LONG_QUESTION, scripted.SHORT_QUESTION), GREEDY, batch_size=2,
-                      policy_version=1)
+        # Step 2's first call answers the three SHORT groups (two fill the batch, the third waits finished) and gives
+        # the two carried LONG groups their zoom call; they park after the zoom's image comes back.
+        original.step(requests(processor, *[scripted.SHORT_QUESTION] * 3), GREEDY, batch_size=2, policy_version=1)
         carried = original.carried
         # What this test relies on: a finished group waiting for a batch (padded again on load) and a group parked
         # mid-conversation after the zoom tool returned an image.
