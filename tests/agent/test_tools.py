@@ -45,13 +45,13 @@ def test_lifecycle_methods_a_tool_does_not_override_never_wait_on_the_tool_threa
         def submit(self, fn, *args, **kwargs):
             raise AssertionError(f"{fn} was sent to the tool threads")
 
-    class OnlyExecute(Tool):
-        name = "only_execute"
+    class PlainRelease(Tool):
+        name = "plain_release"
 
         def release(self, state):  # a plain override still runs in the tool threads
             return "released"
 
-    tool, no_threads = OnlyExecute(), NoThreads()
+    tool, no_threads = PlainRelease(), NoThreads()
 
     async def main():
         assert await call_tool_method(tool.create, None, timeout_s=5, executor=no_threads) is None
