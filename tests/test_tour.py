@@ -55,3 +55,9 @@ def test_the_tour_runs_as_written(tmp_path):
          VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", SGLANG_USE_CPU_ENGINE="1")
     assert (report / "report.html").stat().st_size > 0
     assert json.loads((report / "report.json").read_text())
+    # each side ran as its own validate-only process: its log is kept, its artifact was moved into place
+    for side, backend in (("a", "vllm"), ("b", "sglang")):
+        log = (report / f"val_{side}_{backend}.log").read_text().splitlines()
+        assert f"trainer.val_only=true rollout.name={backend}" in log[0], log[:2]
+        assert (report / f"val_{side}_{backend}.jsonl").exists()
+        assert not list((report / f"run_{side}_{backend}").glob("validation_*.jsonl"))

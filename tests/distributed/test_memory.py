@@ -33,12 +33,14 @@ def batch(processor, synthetic_rows):
     return upsample_to_multiple(real, 8, eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
 
 
+# "token-budget" and "packed" alone are variants (marker `full`, make test-all): make test keeps the two together
+# ("token-budget-packed") and offload; each alone against one process is in tests/actor/test_micro_batches.py.
 @pytest.mark.parametrize("dp2_options", [
-    dict(micro_batch_tokens=120, padding_free=True),
-    dict(micro_batch_tokens=120),  # budget only: padded packs
-    dict(micro=2, padding_free=True),  # fixed rows, each micro-batch 2 rows packed
-    dict(offload=OffloadConfig(params=True, optimizer=True, reference=True)),
-], ids=["token-budget-packed", "token-budget", "packed", "offload"])
+    pytest.param(dict(micro_batch_tokens=120, padding_free=True), id="token-budget-packed"),
+    pytest.param(dict(micro_batch_tokens=120), id="token-budget", marks=pytest.mark.full),  # budget only: padded packs
+    pytest.param(dict(micro=2, padding_free=True), id="packed", marks=pytest.mark.full),  # fixed rows, 2 rows packed
+    pytest.param(dict(offload=OffloadConfig(params=True, optimizer=True, reference=True)), id="offload"),
+])
 def test_dp2_with_memory_options_matches_dp1_fixed_rows(ray_cluster, tiny_model_path, batch, dp2_options):
     extra = dict(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
     reference = single_process(actor_config(tiny_model_path, micro=3, **extra), mini_batch_samples=4)

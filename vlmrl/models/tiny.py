@@ -29,10 +29,12 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from vlmrl.utils.paths import cache_root
+
+if TYPE_CHECKING:  # torch is imported where a model is built: the launcher resolves names without it
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +144,7 @@ VARIANTS: dict[str, TinySpec | TinyQwen3Spec | TinyQwen3_5Spec] = {
 
 
 def _fingerprint(variant: str) -> str:
+    import torch
     import transformers
 
     h = hashlib.sha256()
@@ -257,6 +260,8 @@ def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
 def _seeded_init(model: torch.nn.Module) -> None:
     """Every parameter from one seeded generator (independent of module init order); a wider init than default
     so the untrained model's outputs are not near-uniform (greedy comparisons need clear argmaxes)."""
+    import torch
+
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -280,6 +285,8 @@ def _vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
 
 def _save_seeded(model_class, config, out: Path) -> None:
     """The model built from `config` with `_seeded_init`'s weights, saved (float32 safetensors) into `out`."""
+    import torch
+
     config.architectures = [model_class.__name__]
     torch.manual_seed(SEED)
     model = model_class(config).to(torch.float32)
