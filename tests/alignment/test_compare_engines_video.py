@@ -68,7 +68,10 @@ def test_hf_vs_vllm_on_videos_is_aligned_and_exact(hf_vs_vllm):
     assert sum(len(r.image_hashes) for r in records) == 1, "and the mixed row its image"
 
 
+# A variant (marker `full`, make test-all): the compare tool on videos is shown on vLLM above; SGLang's video outputs
+# equal HF's through the same per-temporal-patch grids on both video families in tests/rollout/test_video_sglang.py.
 @pytest.mark.sglang
+@pytest.mark.full
 def test_hf_vs_sglang_on_videos_is_aligned_and_exact(setup, hf_vs_vllm):
     """Without vlmrl's per-temporal-patch grids SGLang's video features differ from HF's on every row here (1e-3 to
     7e-3 nats per token, over the fp32 mean threshold of 1e-3)."""

@@ -47,6 +47,11 @@ def weights(run) -> dict[str, torch.Tensor]:
     return dict(run.actor.named_tensors())
 
 
+# A variant (marker `full`, make test-all): the resume matrix at dp=2. make test keeps the same run's resume at dp=1
+# (tests/trainer/test_agent_resume.py: the carried groups, prompt queue and sampler), a dp=2 resume of the optimizer
+# state gathered and broadcast back into the shards (tests/distributed/test_group.py, the batch that does not divide)
+# and a dp=2 fit whose checkpoint is one full HF folder (tests/trainer/test_fit.py, the two-device run).
+@pytest.mark.full
 def test_dp2_resumed_run_continues_the_carried_groups_like_the_uninterrupted_run(ray_cluster, taught_model, tmp_path):
     config = make_config(taught_model, tmp_path, tmp_path / "run", *DP2)
     setup_process(config)

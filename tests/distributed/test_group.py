@@ -173,6 +173,10 @@ def test_dp2_matches_dp1_in_every_mode_with_padding_rows_and_correction_weights(
     assert_same_weights(dict(reference.named_tensors()), weights_dp2, start)
 
 
+# Qwen3.5 is a variant (marker `full`, make test-all): the third family of the same step; its text-only forward runs
+# the tower and gives every vision tensor a gradient in tests/distributed/test_vision.py (in make test).
+@pytest.mark.parametrize("tiny_family", ["tiny", "tiny-qwen3-vl", pytest.param("tiny-qwen3.5", marks=pytest.mark.full)],
+                         indirect=True)
 def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray_cluster, tiny_family, synthetic_rows):
     # rank 0: prompts 0-1 with images; rank 1: prompts 2-3 without; one mini-batch. Without the dummy vision forward
     # on rank 1 its workers abort in the first sharded forward (gloo collective mismatch). Both families: Qwen3-VL's

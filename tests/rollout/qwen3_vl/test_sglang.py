@@ -19,6 +19,11 @@ class TestSGLangQwen3VL(Qwen3VLContract):
     pass
 
 
+# A variant (marker `full`, make test-all): the second family of the same setting. make test keeps SGLang on Qwen3.5's
+# config without the keys SGLang reads (tests/rollout/qwen3_5/test_sglang.py, mrope_interleaved among them, through
+# the same family overrides), vLLM on this flag-less config (tests/rollout/qwen3_vl/test_vllm.py) and the server flag
+# built for it (tests/rollout/test_options.py).
+@pytest.mark.full
 def test_config_without_interleaving_gets_the_setting_and_matches_hf(flagless_model_path, hf, batch, hf_greedy):
     """On a config without `mrope_interleaved` vlmrl starts SGLang with it: HF's outputs, token for token."""
     from vlmrl.rollout import get_backend
