@@ -179,6 +179,10 @@ class EngineContract:
     """Buckets of 0.25 MiB the shifted model must fill (a dozen for a 3.4 MB float32 model)."""
     favour_strength = 3.0
     """How far lm_head's pad-token row is pushed along the prompts' mean hidden state (`favouring`)."""
+    probe_scale = 0.02
+    """How far (in each tensor's std) the weight-probe test moves every weight of the trainer."""
+    partial_verdicts = ("partial",)
+    """What the weight probe may call a sync that held the first decoder layer back."""
 
     def assert_like_hf(self, refs, gots, backend_name: str, what: str = "") -> None:
         problems = greedy_problems(refs, gots, backend_name, self.logprob_tol, self.tie_tol, self.ties_allowed)
@@ -302,6 +306,47 @@ class EngineContract:
         restored = backend.generate(batch, GREEDY)
         assert [r.response_ids for r in restored] == [r.response_ids for r in first]
 
+    def test_the_weight_probe_tells_a_stale_a_partial_and_a_landed_sync(self, backend, batch):
+        """The trainer (an Actor on the engine's model, float32) moves every weight; the probe (an image request,
+        greedy, the trainer teacher-forced through its logprob pass) then tells the three syncs apart: none (stale,
+        the engine made none of the trainer's movement), one that holds the first decoder layer's tensors back
+        (landed partly, though every tensor name arrived), and the whole one (in sync). The engine gets its first
+        weights back after."""
+        from vlmrl.actor import Actor
+        from vlmrl.alignment.weight_probe import IN_SYNC, STALE
+        from vlmrl.config import load_config
+        from vlmrl.trainer.weight_probe import WeightProbe
+
+        config = load_config([f"actor.model_path={backend.model_path}", "data.train_files=synthetic",
+                              "data.val_files=synthetic", "actor.dtype=float32"])
+        actor = Actor(config.actor, total_steps=1, mini_batch_samples=4)
+        original = {name: t.detach().clone() for name, t in actor.named_tensors()}
+        gen = torch.Generator().manual_seed(11)
+        moved = {name: t + self.probe_scale * t.std() * torch.randn(t.shape, generator=gen)
+                 for name, t in original.items()}
+        assert set(moved) <= set(actor.model.state_dict()), "the sync's names are the model's"
+        probe = WeightProbe(batch[3], backend.processor, tokens=12, prompt_length=512, temperature=1.0)
+        probe(actor, backend, 0, 0)
+        assert probe.last.verdict == IN_SYNC, probe.last.explanation
+        actor.model.load_state_dict(moved, strict=False)
+        held = "language_model.layers.0."
+        assert any(held in name for name in moved)
+        try:
+            records = [probe.last]
+            for step, sync in enumerate([[], [(n, original[n] if held in n else t) for n, t in moved.items()],
+                                         list(moved.items())], 1):
+                if sync:
+                    backend.update_weights(sync)
+                probe(actor, backend, step, step)
+                records.append(probe.last)
+        finally:
+            backend.update_weights(original.items())
+        _, stale, partial, landed = records
+        assert stale.verdict == STALE and abs(stale.landed_fraction) < 0.05, stale.explanation
+        assert partial.verdict in self.partial_verdicts, partial.explanation
+        assert landed.verdict == IN_SYNC and landed.reference_step == 0, landed.explanation
+
+
 def perturbed_mergers(state: dict[str, torch.Tensor], module: str, scale: float = 0.2) -> dict[str, torch.Tensor]:
     """The full state with only the parameters under `module` (a name fragment, e.g. Qwen3-VL's
     `.deepstack_merger_list.`) shifted (seeded)."""
@@ -390,6 +435,11 @@ class Qwen3_5Contract(EngineContract):
     ties_allowed = True
     min_equal = 4
     min_buckets = 8  # the bfloat16 tiny Qwen3.5 is 2.4 MB
+    probe_scale = 0.3
+    """A bfloat16 engine sits ~0.1 nats from a float32 trainer on the probe, so the trainer must move ~10x that
+    before the probe resolves how much of a sync landed (0.02 moves it 0.5 nats)."""
+    partial_verdicts = ("partial", "differs")
+    """A move that large changes the greedy tokens, and with them gone the probe judges the gap alone (`differs`)."""
     favour_strength = 4.0  # the pad token the top pick on 6 of the 9 prompts at 3.0, on all 9 from 4.0
 
     def test_sampled_logprobs_drift_like_bfloat16_on_average(self, backend, hf, batch):

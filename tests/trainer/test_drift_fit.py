@@ -1,5 +1,6 @@
-"""A real short run on the tiny model (hf backend) with one weight sync dropped on purpose: the drift artifact shows
-the stale engine, and `python -m vlmrl.alignment.drift` finds the jump at the step after and names `weights`."""
+"""Real short runs on the tiny model (hf backend) with one weight sync dropped, or landed partly, on purpose: the
+drift artifact and the weights probe show the engine off the trainer's weights, and `python -m vlmrl.alignment.drift`
+finds the jump at the step after and names `weights`."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import torch
 
 from tests.trainer.test_fit import base_args
 from vlmrl.actor import Actor
-from vlmrl.alignment import drift
+from vlmrl.alignment import drift, weight_probe
 from vlmrl.alignment.drift import main as drift_main
 from vlmrl.alignment.drift_artifact import read_drift
+from vlmrl.alignment.weight_probe import IN_SYNC, PARTIAL, STALE, read_probes
 from vlmrl.config import ConfigError, load_config
 from vlmrl.trainer import drift as trainer_drift
 from vlmrl.trainer.drift import drift_rows
 from vlmrl.trainer.fit import fit
 from vlmrl.trainer.metrics import read_metrics
+from vlmrl.trainer.weight_probe import WeightProbeError
 
 STEPS = 24
 DROPPED = 12
@@ -60,6 +63,79 @@ def test_a_dropped_weight_sync_is_a_jump_with_the_cause_weights(tiny_model_path,
     assert jump["metrics"]["mismatch/k3"] > 100 * max(before), "a stale engine is far off a synced one"
     assert (report_dir / "drift.png").stat().st_size > 0 and (report_dir / "drift.html").exists()
 
+    # the weights probe read the engine itself: stale right after the dropped sync, in sync again after the next
+    probes = read_probes(out)
+    assert [p.step for p in probes] == list(range(STEPS + 1))
+    assert [p.step for p in probes if p.verdict != IN_SYNC] == [DROPPED]
+    assert probes[DROPPED].verdict == STALE and abs(probes[DROPPED].landed_fraction) < 0.05
+    assert probes[DROPPED + 1].reference_step == DROPPED - 1, "judged from the last probe in sync"
+    assert all(0.9 < p.landed_fraction < 1.1 for p in probes[1:] if p.step != DROPPED), "every other sync landed"
+    assert [p["step"] for p in report["failed_probes"]] == [DROPPED]
+    assert all("weight_probe/landed_fraction" in row for row in rows)
+
+
+def _holding_back(step: int, fragment: str):
+    """Actor.sync_weights that, at the `step`-th sync, sends `fragment`'s tensors as the sync before sent them: the
+    engine counts a weight load and every name arrives, but that part of the update does not land."""
+    real_sync = Actor.sync_weights
+    calls, sent = [], {}
+
+    def sync(self, backend):
+        calls.append(len(calls) + 1)
+        state = list(self.named_tensors())
+        if len(calls) == step:
+            backend.update_weights([(name, sent.get(name, t)) for name, t in state])
+            return
+        sent.update({name: t.detach().clone() for name, t in state if fragment in name})
+        real_sync(self, backend)
+
+    return sync
+
+
+def test_a_sync_that_landed_partly_is_named_by_the_probe_where_the_load_count_sees_none(tiny_model_path, tmp_path,
+                                                                                     monkeypatch, caplog):
+    """The sync after step PARTLY sends the first decoder layer's tensors from before training: the backend counts
+    the load (every drift record says the engine was on the trainer's step), yet the probe after it says partial,
+    and the drift tool puts the next step's jump down to the weights through that probe."""
+    partly = 8
+    monkeypatch.setattr(Actor, "sync_weights", _holding_back(partly, "language_model.layers.0."))
+    out = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="vlmrl"):
+        fit(load_config(base_args(tiny_model_path, out, "trainer.total_steps=12", "trainer.test_freq=-1",
+                                  "trainer.val_before_train=false", "rollout.temperature=1.0")))
+    assert "the weight sync loaded nothing" not in caplog.text
+    assert f"step {partly}: weight probe partial" in caplog.text
+    assert all(not r.weights_stale for r in read_drift(out)), "the load count saw every sync land"
+    probes = read_probes(out)
+    assert [p.step for p in probes if p.failed] == [partly] and probes[partly].verdict == PARTIAL
+    assert 0.25 < probes[partly].landed_fraction < 0.9 and probes[partly + 1].verdict == IN_SYNC
+    report_dir = tmp_path / "report"
+    assert drift_main([str(out), "--out", str(report_dir)]) == 1
+    report = json.loads((report_dir / "drift.json").read_text())
+    assert [p["step"] for p in report["failed_probes"]] == [partly]
+    assert report["jump_steps"] == [partly + 1]
+    worst = next(s for s in report["steps"] if s["step"] == partly + 1)["worst"]
+    assert {w["cause"] for w in worst} == {"weights"}
+    assert all(f"weights probe after step {partly}'s sync: partial" in w["explanation"] for w in worst)
+
+
+def test_weight_probe_action_error_stops_the_run_at_the_step_whose_sync_did_not_land(tiny_model_path, tmp_path,
+                                                                                    monkeypatch):
+    real_sync = Actor.sync_weights
+    calls = []
+
+    def sync_dropping_the_second(self, backend):
+        calls.append(1)
+        if len(calls) != 2:
+            real_sync(self, backend)
+
+    monkeypatch.setattr(Actor, "sync_weights", sync_dropping_the_second)
+    out = tmp_path / "run"
+    with pytest.raises(WeightProbeError, match=r"step 2: weight probe stale: .*the sync did not land"):
+        fit(load_config(base_args(tiny_model_path, out, "trainer.total_steps=4", "trainer.test_freq=-1",
+                                  "trainer.val_before_train=false", "trainer.weight_probe_action=error")))
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1], "no step trained on after it"
+
 
 def test_drift_rows_are_seeded_by_step_skip_padding_and_keep_at_least_one():
     padding = torch.tensor([False] * 60 + [True] * 4)
@@ -71,13 +147,16 @@ def test_drift_rows_are_seeded_by_step_skip_padding_and_keep_at_least_one():
     assert drift_rows(padding, 0.0, 1, 1) == [] and drift_rows(torch.tensor([True] * 4), 0.05, 1, 1) == []
 
 
-def test_a_drift_fraction_outside_0_1_is_refused_at_load():
-    with pytest.raises(ConfigError, match=r"trainer.drift_fraction=1.5 must be in \[0, 1\]"):
-        load_config(["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic",
-                     "trainer.drift_fraction=1.5"])
+@pytest.mark.parametrize(("setting", "says"), [
+    ("trainer.drift_fraction=1.5", r"trainer.drift_fraction=1.5 must be in \[0, 1\]"),
+    ("trainer.weight_probe_tokens=-1", r"trainer.weight_probe_tokens=-1 must be >= 0"),
+    ("trainer.weight_probe_action=abort", r"trainer.weight_probe_action='abort' is not one of \['warn', 'error'\]")])
+def test_a_drift_or_probe_setting_out_of_range_is_refused_at_load(setting, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config(["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic", setting])
 
 
 def test_docstring_examples_hold():
-    for module in (drift, trainer_drift):
+    for module in (drift, trainer_drift, weight_probe):
         failures, tried = doctest.testmod(module)
         assert tried > 0 and failures == 0, module.__name__

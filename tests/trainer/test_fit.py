@@ -30,7 +30,7 @@ TRAIN_KEYS = ("step", "reward/mean", "reward/failures", "actor/pg_loss", "actor/
               "timing/rollout", "timing/reward", "timing/old_logprobs", "timing/advantages", "timing/update",
               "timing/weight_sync", "timing/step")
 VAL_KEYS = ("val/accuracy", "val/reward", "val/synthetic/colour/accuracy", "val/num_samples", "val/reward_failures")
-STEP_PHASES = ("rollout", "reward", "old_logprobs", "advantages", "update", "weight_sync")
+STEP_PHASES = ("rollout", "reward", "old_logprobs", "advantages", "update", "weight_sync", "weight_probe")
 """Phases every training step times, plain or multi-turn (old_logprobs: with more than one mini-batch, or carried
 partial-rollout tokens)."""
 

@@ -14,11 +14,14 @@ history a jump is at least a factor 10^(k * min_spread) = 10 above the recent me
 history needs more, and a lasting shift stops being a jump once it fills half the window.
 
 For each jump step its worst samples (largest k3) get a cause: `weights` when the engine sampled with another
-step's weights than the trainer scored with (a weight sync that did not land), else `vision_inputs` when only
+step's weights than the trainer scored with (a weight sync that did not reach it), or when the weights probe after
+the previous step's sync found the engine off the trainer's weights (OUTPUT_DIR/drift/probe_<N>.json,
+`vlmrl.alignment.weight_probe`: a sync that reached the engine and landed partly); else `vision_inputs` when only
 image/video samples of the step are off, else the compare tool's `logprob_drift` (the same tokens, logprobs apart
-beyond its drift tolerance).
+beyond its drift tolerance). Every failed probe is listed too, jump or not.
 
-Exit status: 0 no jump, 1 jumps found, 2 bad input (the error names the file).
+Exit status: 0 no jump and no failed probe, 1 jumps or failed probes found, 2 bad input (the error names the
+file).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import numpy as np
 
 from vlmrl.alignment.diff import CAUSE_LABELS, Cause, Thresholds
 from vlmrl.alignment.drift_artifact import DriftError, DriftRecord, read_drift
+from vlmrl.alignment.weight_probe import ProbeError, ProbeRecord, read_probes
 from vlmrl.atomic import write_text_atomically
 
 logger = logging.getLogger(__name__)
@@ -53,7 +57,8 @@ MAD_TO_SIGMA = 1.4826
 """MAD x this estimates the standard deviation of normal data."""
 WEIGHTS = "weights"
 VISION = "vision_inputs"
-CAUSES = {WEIGHTS: "weights: the engine sampled with other weights than the trainer's (a sync that did not land)",
+CAUSES = {WEIGHTS: "weights: the engine sampled with other weights than the trainer's (a sync that did not land, "
+                   "or landed partly)",
           VISION: "vision inputs: only the image/video samples of the step are off",
           Cause.LOGPROB_DRIFT.value: CAUSE_LABELS[Cause.LOGPROB_DRIFT],
           "within_tolerance": "within the drift tolerance"}
@@ -150,6 +155,9 @@ class StepView:
     engine_weight_versions: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
     """metrics.jsonl's mismatch/* of this step (empty when not logged)."""
+    probe_verdict: str = ""
+    """The weights probe after this step's sync (empty without one): in_sync, stale, partial or differs."""
+    probe_explanation: str = ""
     jump: bool = False
     worst: list[SampleView] = field(default_factory=list)
     """The jump step's worst samples, with their cause."""
@@ -163,6 +171,8 @@ class DriftReport:
     rule: JumpRule
     steps: list[StepView]
     drift_tolerance: float
+    failed_probes: list[ProbeRecord] = field(default_factory=list)
+    """The run's weight probes that found the engine off the trainer's weights (step 0's included)."""
 
     @property
     def jumps(self) -> list[StepView]:
@@ -178,12 +188,16 @@ def _view(record: DriftRecord) -> SampleView:
                       trainer_weight_version=record.trainer_weight_version)
 
 
-def sample_cause(sample: SampleView, step_samples: list[SampleView], tolerance: float) -> tuple[str, str]:
-    """The cause of one sample of a jump step (see the module docstring) and a sentence saying why."""
+def sample_cause(sample: SampleView, step_samples: list[SampleView], tolerance: float,
+                 probe: ProbeRecord | None = None) -> tuple[str, str]:
+    """The cause of one sample of a jump step (see the module docstring) and a sentence saying why. `probe`: the
+    weights probe after the sync the step's rollout sampled behind (the previous step's), when the run has one."""
     if sample.engine_weight_version != sample.trainer_weight_version:
         return WEIGHTS, (f"the engine sampled with step {sample.engine_weight_version}'s weights, the trainer scored "
                          f"with step {sample.trainer_weight_version}'s: the sync after step "
                          f"{sample.trainer_weight_version} did not reach the engine")
+    if probe is not None and probe.failed:
+        return WEIGHTS, f"the weights probe after step {probe.step}'s sync: {probe.verdict}: {probe.explanation}"
     if sample.max_abs_dlogp <= tolerance:
         return "within_tolerance", f"max |dlogp| {sample.max_abs_dlogp:.3g} <= {tolerance:g}"
     text = [s for s in step_samples if s.modality == "text"]
@@ -219,6 +233,10 @@ def analyse(output_dir: str | Path, rule: JumpRule | None = None, tolerance: flo
     tolerance = Thresholds().drift_tolerance if tolerance is None else tolerance
     output_dir = Path(output_dir)
     records = read_drift(output_dir)
+    try:
+        probes = {p.step: p for p in read_probes(output_dir)}
+    except ProbeError as err:
+        raise DriftError(str(err)) from None
     metrics = read_metrics_mismatch(output_dir / METRICS_FILE)
     by_step: dict[int, list[SampleView]] = defaultdict(list)
     for record in records:
@@ -233,7 +251,9 @@ def analyse(output_dir: str | Path, rule: JumpRule | None = None, tolerance: flo
             max_abs_dlogp=float(np.abs(r).max()) if r.size else 0.0,
             stale_samples=sum(v.engine_weight_version != v.trainer_weight_version for v in views),
             engine_weight_versions=sorted({v.engine_weight_version for v in views}),
-            metrics=metrics.get(step, {})))
+            metrics=metrics.get(step, {}),
+            probe_verdict=probes[step].verdict if step in probes else "",
+            probe_explanation=probes[step].explanation if step in probes else ""))
     whole_batch = all("mismatch/k3" in s.metrics for s in steps)
     series = "mismatch/k3" if whole_batch else "sampled k3"
     values = [s.metrics["mismatch/k3"] if whole_batch else s.k3 for s in steps]
@@ -243,8 +263,9 @@ def analyse(output_dir: str | Path, rule: JumpRule | None = None, tolerance: flo
         views = by_step[step.step]
         step.worst = sorted(views, key=lambda v: -v.k3)[:WORST_SHOWN]
         for view in step.worst:
-            view.cause, view.explanation = sample_cause(view, views, tolerance)
-    return DriftReport(str(output_dir), series, rule, steps, tolerance)
+            view.cause, view.explanation = sample_cause(view, views, tolerance, probes.get(step.step - 1))
+    failed = [probes[k] for k in sorted(probes) if probes[k].failed]
+    return DriftReport(str(output_dir), series, rule, steps, tolerance, failed)
 
 
 # ---------------------------------------------------------------------------------------------------- outputs
@@ -289,7 +310,10 @@ def plot_png(report: DriftReport) -> bytes:
 def report_dict(report: DriftReport) -> dict:
     return {"kind": "vlmrl.drift_report", "format_version": 1, "output_dir": report.output_dir,
             "series": report.series, "rule": asdict(report.rule), "drift_tolerance": report.drift_tolerance,
-            "jump_steps": [s.step for s in report.jumps], "steps": [asdict(s) for s in report.steps]}
+            "jump_steps": [s.step for s in report.jumps], "steps": [asdict(s) for s in report.steps],
+            "failed_probes": [{k: getattr(p, k) for k in ("step", "verdict", "explanation", "max_abs_dlogp",
+                                                          "landed_fraction", "engine_version")}
+                              for p in report.failed_probes]}
 
 
 def render_html(report: DriftReport, png: bytes) -> str:
@@ -317,8 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vlmrl.alignment.drift",
         description="Mismatch between trainer and engine over a run: a plot, an HTML report, the steps where it "
-        "jumps and the cause of their worst samples.",
-        epilog="Exit status: 0 no jump, 1 jumps found, 2 bad input.")
+        "jumps, the cause of their worst samples, and the weight probes that found the engine off the trainer's "
+        "weights.",
+        epilog="Exit status: 0 no jump and no failed probe, 1 jumps or failed probes found, 2 bad input.")
     parser.add_argument("output_dir", help="the run's trainer.output_dir (holds drift/ and metrics.jsonl)")
     parser.add_argument("--out", help=f"where drift.png/html/json go (default OUTPUT_DIR/{REPORT_DIR})")
     defaults = JumpRule()
@@ -354,8 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         causes = sorted({v.cause for v in step.worst})
         value = step.metrics.get("mismatch/k3", step.k3) if report.series == "mismatch/k3" else step.k3
         print(f"  step {step.step}: k3 {value:.3g} - worst samples' cause: {', '.join(causes)}")
+    for probe in report.failed_probes:
+        print(f"  weight probe after step {probe.step}'s sync: {probe.verdict}: {probe.explanation}")
     print("reports: " + ", ".join(map(str, written)))
-    return EXIT_JUMPS if report.jumps else EXIT_OK
+    return EXIT_JUMPS if report.jumps or report.failed_probes else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -75,8 +75,11 @@ def write_step(output_dir: str | os.PathLike, step: int, records: list[DriftReco
 
 
 def drop_steps_after(output_dir: str | os.PathLike, step: int) -> None:
-    """Delete the step files after `step`: what a run resumed from checkpoint `step` writes again."""
-    for path, found in _step_files(Path(output_dir) / DRIFT_DIR):
+    """Delete the step files and weight probes (`vlmrl.alignment.weight_probe`) after `step`: what a run resumed
+    from checkpoint `step` writes again."""
+    from vlmrl.alignment.weight_probe import probe_files
+
+    for path, found in [*_step_files(Path(output_dir) / DRIFT_DIR), *probe_files(output_dir)]:
         if found > step:
             path.unlink()
 

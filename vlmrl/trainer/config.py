@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 LOGGERS = ("console", "tensorboard", "wandb")
 ENGINE_PLACEMENTS = ("worker", "node")
+PROBE_ACTIONS = ("warn", "error")
 
 
 @dataclass
@@ -59,6 +60,14 @@ class TrainerConfig:
     """Share of each step's samples (at least one; 0 = off) whose engine and trainer logprobs are kept in
     OUTPUT_DIR/drift/step_<N>.jsonl, for `python -m vlmrl.alignment.drift` (mismatch per step, jumps and their
     cause). Drawn by (seed, step), so a rerun or a resumed run keeps the same samples."""
+    weight_probe_tokens: int = 16
+    """After every weight sync (and before the first step) the engine answers the first training row greedily for
+    this many tokens and the trainer scores them: whether the engine holds the trainer's weights, a sync that did not
+    land or landed partly (`vlmrl.alignment.weight_probe`; OUTPUT_DIR/drift/probe_<N>.json, weight_probe/* metrics).
+    0 = off."""
+    weight_probe_action: str = "warn"
+    """What a failed probe does: `warn` (a warning; the drift tool shows it) or `error` (the run stops, naming the
+    step)."""
     engine_placement: str = "worker"
     """With several devices, where the colocated rollout engines run: `worker` = one per training worker, `node` =
     one per node (on its first worker; the node's requests go to it)."""
@@ -88,6 +97,10 @@ class TrainerConfig:
                        "null (from the device's name)")
         if not 0.0 <= self.drift_fraction <= 1.0:
             out.append(f"trainer.drift_fraction={self.drift_fraction} must be in [0, 1] (0 = no drift samples)")
+        if self.weight_probe_tokens < 0:
+            out.append(f"trainer.weight_probe_tokens={self.weight_probe_tokens} must be >= 0 (0 = no weight probe)")
+        if self.weight_probe_action not in PROBE_ACTIONS:
+            out.append(f"trainer.weight_probe_action={self.weight_probe_action!r} is not one of {list(PROBE_ACTIONS)}")
         if self.engine_placement not in ENGINE_PLACEMENTS:
             out.append(f"trainer.engine_placement={self.engine_placement!r} is not one of {list(ENGINE_PLACEMENTS)}")
         return out

@@ -2,7 +2,7 @@
 
     rollout -> reward [-> more rollouts and rewards: dynamic sampling] -> old_logprobs (when the batch gets more
             than one optimizer step, or rollout correction is on) -> [drift: a few samples' logprobs kept] ->
-            ref_logprobs (KL only) -> advantages -> update -> weight_sync -> [validate] -> [save]
+            ref_logprobs (KL only) -> advantages -> update -> weight_sync -> [weight_probe] -> [validate] -> [save]
 
 A plain and a multi-turn (agent.enable) rollout differ only inside `collect_step`; both give a `StepBatch`. One
 `PhaseTimer` per step times every phase (timing/<phase>; timing/step is the whole step). Everything else (setup,
@@ -49,6 +49,7 @@ from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_c
 from vlmrl.trainer.throughput import throughput_metrics
 from vlmrl.trainer.validation import load_val_dataset, run_validation, validate_with
 from vlmrl.trainer.warmup import format_warmup
+from vlmrl.trainer.weight_probe import WeightProbe
 from vlmrl.types import RolloutRequest, Sample, SamplingParams, TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class Run:
     """Prompt indices for the agent loop, which may ask for more or fewer than a batch (partial rollout)."""
     engine_version: int = 0
     """The step whose weights the engine holds: set by each sync that reached it (`sync_engine`)."""
+    probe: WeightProbe | None = None
+    """The weights probe after every sync (trainer.weight_probe_tokens > 0)."""
 
     def close(self) -> None:
         self.parts.close()
@@ -227,8 +230,12 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
         actor_metrics = run.actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights)
     with timer("weight_sync"):
         sync_engine(run, step)
-    return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
-            **step_metrics(collected, run, timer)}
+    metrics = {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
+               **step_metrics(collected, run, timer)}  # throughput over rollout -> weight sync, as EasyR1's
+    if run.probe is not None:
+        with timer("weight_probe"):
+            metrics.update(run.probe(run.actor, backend, step, run.engine_version))
+    return metrics
 
 
 def keep_drift_samples(run: Run, batch: TrainBatch, old_logprobs: torch.Tensor | None, step: int) -> None:
@@ -526,6 +533,8 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     parts = RunComponents(config, processor, reward_fn, backend, val_data)
     run = Run(config, output_dir, parts, train_data, sampler, actor, sink, total_steps, dp_size, step,
               engine_version=step)  # the engine starts on the checkpoint's weights (or synced them just above)
+    if t.weight_probe_tokens > 0:
+        run.probe = WeightProbe.for_run(config, processor, train_data, output_dir, step)
     if config.agent.enable:
         parts.agent, run.prompts = start_agent(config, backend, processor), PromptQueue(sampler)
         opened.append(parts.agent.close)
@@ -572,6 +581,11 @@ def start_of_training(run: Run) -> None:
             losses = format_warmup(run.actor, run.parts.processor, run.train_data, run.config)
             sync_engine(run, 0)  # the warmed-up weights are step 0's
         metrics.update({"warmup/loss_first": losses[0], "warmup/loss_last": losses[-1]})
+    if run.probe is not None:  # the engine's starting weights against the trainer's: what later probes start from
+        with timer("weight_probe"):
+            probed = run.probe(run.actor, run.parts.backend, 0, run.engine_version)
+        if metrics or (t.val_before_train and run.parts.val_data is not None):  # where step 0 logs a line anyway
+            metrics.update(probed)
     if t.val_before_train and run.parts.val_data is not None:
         with timer("validate"):
             metrics.update(validate(run))

@@ -1,0 +1,119 @@
+"""The fit loop's share of the weights probe (`vlmrl.alignment.weight_probe`): after every weight sync, and once
+before the first step, the engine answers one fixed request greedily and the trainer scores its tokens.
+
+The request is the first training row that builds (with its image or video when the data has them, so the vision
+tower's weights are probed too), the same for the whole run. At trainer.n_gpus_per_node x trainer.nnodes > 1 it goes
+to the engine the colocated group sends a one-request call to, and the sharded actor scores it (padding rows up to a
+multiple of the ranks). The record goes to OUTPUT_DIR/drift/probe_<step>.json, its numbers into the step's metrics
+(weight_probe/*). A failed probe is logged as a warning, or (trainer.weight_probe_action=error) stops the run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vlmrl.alignment.weight_probe import IN_SYNC, ProbeRecord, judge, read_probes, tolerance_for, write_probe
+from vlmrl.batch import pad_results, scored_batch
+from vlmrl.data import build_requests
+from vlmrl.types import RolloutRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ROWS_TRIED = 16
+"""The probe takes the first of this many training rows that builds (the others are filtered)."""
+
+
+class WeightProbeError(RuntimeError):
+    """trainer.weight_probe_action=error and a probe found the engine off the trainer's weights."""
+
+
+def probe_request(processor, train_data) -> RolloutRequest | None:
+    """The run's probe request: the first training row (of the first ROWS_TRIED) the processor does not filter."""
+    for index in range(min(len(train_data), ROWS_TRIED)):
+        built = build_requests(processor, train_data, [index])
+        if built.requests:
+            request = built.requests[0]
+            request.uid = f"weight-probe-{index}"
+            return request
+    return None
+
+
+class WeightProbe:
+    """A run's probe: its request and the records so far. `output_dir`: where each record is written (None: kept
+    in memory only)."""
+
+    def __init__(self, request: RolloutRequest | None, processor, *, tokens: int, prompt_length: int,
+                 temperature: float, action: str = "warn", output_dir=None, history: list[ProbeRecord] | None = None):
+        self.request, self.processor, self.tokens, self.prompt_length = request, processor, tokens, prompt_length
+        self.temperature, self.action, self.output_dir = temperature, action, output_dir
+        self.history: list[ProbeRecord] = list(history or [])
+
+    @classmethod
+    def for_run(cls, config, processor, train_data, output_dir, step: int) -> WeightProbe:
+        """The probe of a run of `config`, its earlier records read back from `output_dir` up to `step` (a resumed
+        run judges against the probes before its checkpoint)."""
+        request = probe_request(processor, train_data)
+        if request is None:
+            logger.warning("weight probe off: none of the first %d training rows builds a request", ROWS_TRIED)
+        # never longer than a response: the engine holds prompt + data.max_response_length tokens
+        return cls(request, processor, tokens=min(config.trainer.weight_probe_tokens, config.data.max_response_length),
+                   prompt_length=config.data.max_prompt_length, temperature=config.rollout.temperature,
+                   action=config.trainer.weight_probe_action, output_dir=output_dir,
+                   history=read_probes(output_dir, upto=step))
+
+    @property
+    def last(self) -> ProbeRecord | None:
+        return self.history[-1] if self.history else None
+
+    def __call__(self, actor, backend, step: int, engine_version: int) -> dict[str, float]:
+        """Probe the engine after step `step`'s sync (its record is `last`); returns the weight_probe/* metrics ({}
+        when the probe is off or the engine returned no logprobs)."""
+        if self.request is None:
+            return {}
+        sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.tokens, seed=0)
+        result = backend.generate([self.request], sampling)[0]
+        if not result.response_ids or len(result.response_logprobs) != len(result.response_ids):
+            logger.warning("step %d: the weight probe got %d tokens and %d logprobs from %s: not judged", step,
+                           len(result.response_ids), len(result.response_logprobs), backend.name)
+            return {}
+        trainer = self._trainer_logprobs(actor, result)
+        engine_dtype = backend.options.resolved_dtype(backend.processor.family)
+        trainer_dtype = str(actor.forward_dtype()).removeprefix("torch.")
+        tolerance, noise_floor = tolerance_for(engine_dtype, trainer_dtype)
+        record = judge(step, engine_version, list(result.response_ids), list(result.response_logprobs), trainer,
+                       tolerance, self.history, noise_floor)
+        self.history.append(record)
+        if self.output_dir is not None:
+            write_probe(self.output_dir, record)
+        if record.failed:
+            message = (f"step {step}: weight probe {record.verdict}: {record.explanation} ({backend.name} engine, "
+                       f"{engine_dtype}; trainer {trainer_dtype})")
+            if self.action == "error":
+                raise WeightProbeError(message + "; trainer.weight_probe_action=warn keeps training")
+            logger.warning(message)
+        metrics = {"weight_probe/max_abs_dlogp": record.max_abs_dlogp,
+                   "weight_probe/in_sync": float(record.verdict == IN_SYNC)}
+        if record.trainer_moved is not None:
+            metrics["weight_probe/trainer_moved"] = record.trainer_moved
+        if record.landed_fraction is not None:
+            metrics["weight_probe/landed_fraction"] = record.landed_fraction
+        return metrics
+
+    def _trainer_logprobs(self, actor, result) -> list[float]:
+        """The trainer's temperature-1 logprobs of the engine's probe tokens (one row, padding rows up to the dp
+        ranks), through the update's logprob pass."""
+        processor = self.processor
+        samples = pad_results([processor.prompt_inputs(self.request)], [result],
+                              prompt_length=self.prompt_length, response_length=self.tokens,
+                              pad_token_id=processor.pad_token_id, policy_version=0)
+        batch = scored_batch(samples, [0.0], [{}], multiple=actor.dp_size, eos_token_id=processor.eos_token_ids[0],
+                             pad_token_id=processor.pad_token_id)
+        actor.set_temperature(1.0)
+        try:
+            with torch.no_grad():
+                logprobs = actor.compute_logprobs(batch)[0]
+        finally:
+            actor.set_temperature(self.temperature)
+        return logprobs[0, :len(result.response_ids)].double().tolist()
