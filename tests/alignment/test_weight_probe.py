@@ -19,6 +19,7 @@ from vlmrl.alignment.weight_probe import (
     PARTIAL,
     STALE,
     ProbeError,
+    ProbeState,
     judge,
     probe_path,
     read_probes,
@@ -39,12 +40,12 @@ def first(gap: float = 1e-6):
     return judge(0, 0, TOKENS, [b + gap for b in BASE], BASE, 1e-3, noise_floor=FLOAT32_NOISE)
 
 
-def again(engine_share: float, *, extra_gap: float = 0.0, history=None, tokens=TOKENS, size: float = 1.0):
+def again(engine_share: float, *, extra_gap: float = 0.0, reference=None, tokens=TOKENS, size: float = 1.0):
     """The next probe: the trainer moved by `size` x MOVE, the engine by `engine_share` of it (plus `extra_gap` on
     token 0)."""
     engine = moved(engine_share, size)
     engine[0] += extra_gap
-    return judge(1, 1, tokens, engine, moved(1.0, size), 1e-3, history or [first()], FLOAT32_NOISE)
+    return judge(1, 1, tokens, engine, moved(1.0, size), 1e-3, reference or first(), FLOAT32_NOISE)
 
 
 def test_a_sync_that_landed_is_in_sync_with_a_landed_fraction_of_one():
@@ -83,7 +84,7 @@ def test_a_first_probe_beyond_the_tolerance_differs():
 def test_an_update_below_the_resolution_is_in_sync_and_says_it_is_not_judged():
     """The trainer moved 2e-5 nats, less than 10x the float32 noise floor: what landed is not judged, and the record
     says a sync that did not land would look the same."""
-    tiny = judge(1, 1, TOKENS, BASE, [b + 0.001 * m for b, m in zip(BASE, MOVE)], 1e-3, [first()], FLOAT32_NOISE)
+    tiny = judge(1, 1, TOKENS, BASE, [b + 0.001 * m for b, m in zip(BASE, MOVE)], 1e-3, first(), FLOAT32_NOISE)
     assert tiny.verdict == IN_SYNC and not tiny.resolved and tiny.landed_fraction is None
     assert "a sync that did not land would look the same" in tiny.explanation
 
@@ -96,17 +97,24 @@ def test_greedy_tokens_that_changed_leave_nothing_to_compare():
 def test_a_lucky_first_probe_does_not_make_normal_float32_noise_look_off():
     """A first probe exactly equal to the trainer (gap 0) is below the float32 floor: a later in-sync probe 3e-6
     off is still in sync."""
-    record = again(1.0, extra_gap=3e-6, history=[first(gap=0.0)])
+    record = again(1.0, extra_gap=3e-6, reference=first(gap=0.0))
     assert record.verdict == IN_SYNC and record.noise >= FLOAT32_NOISE
 
 
-def test_the_reference_is_the_last_probe_in_sync_so_the_sync_after_a_stale_one_is_judged_whole():
-    one = first()
-    stale = judge(1, 1, TOKENS, BASE, moved(1.0), 1e-3, [one], FLOAT32_NOISE)
-    assert stale.verdict == STALE
-    caught_up = judge(2, 2, TOKENS, moved(2.0), moved(2.0), 1e-3, [one, stale], FLOAT32_NOISE)
+def test_the_state_judges_from_the_last_probe_in_sync_and_a_checkpoint_of_it_judges_alike():
+    """After a stale probe the reference stays the last one in sync, so the sync that catches up is judged whole
+    (f ~ 1 over two updates); a state loaded from state_dict judges the next probe exactly as the original."""
+    state = ProbeState(FLOAT32_NOISE)
+    assert state.judge(0, 0, TOKENS, BASE, BASE, 1e-3).verdict == IN_SYNC
+    assert state.judge(1, 1, TOKENS, BASE, moved(1.0), 1e-3).verdict == STALE
+    assert state.reference.step == 0
+    copy = ProbeState(FLOAT32_NOISE)
+    copy.load_state_dict(json.loads(json.dumps(state.state_dict())))  # as trainer_state.json holds it
+    caught_up = state.judge(2, 2, TOKENS, moved(2.0), moved(2.0), 1e-3)
     assert caught_up.reference_step == 0 and caught_up.verdict == IN_SYNC
     assert caught_up.landed_fraction == pytest.approx(1.0, abs=1e-3)
+    assert copy.judge(2, 2, TOKENS, moved(2.0), moved(2.0), 1e-3) == caught_up
+    assert state.reference.step == 2
 
 
 def test_uneven_tokens_and_logprobs_are_refused():
@@ -118,13 +126,12 @@ def test_uneven_tokens_and_logprobs_are_refused():
 
 
 def test_probes_round_trip_and_a_resume_drops_the_later_ones(tmp_path):
-    history = [first()]
-    for step in (1, 2, 3):
-        history.append(judge(step, step, TOKENS, moved(step), moved(step), 1e-3, history, FLOAT32_NOISE))
-    for probe in history:
+    state = ProbeState(FLOAT32_NOISE)
+    written = [state.judge(step, step, TOKENS, moved(step), moved(step), 1e-3) for step in range(4)]
+    for probe in written:
         write_probe(tmp_path, probe)
-    assert read_probes(tmp_path) == history
-    assert read_probes(tmp_path, upto=1) == history[:2]
+    assert read_probes(tmp_path) == written
+    assert read_probes(tmp_path, upto=1) == written[:2]
     drop_steps_after(tmp_path, 2)
     assert [p.step for p in read_probes(tmp_path)] == [0, 1, 2]
 
@@ -147,13 +154,10 @@ def test_a_corrupt_probe_file_is_refused_naming_it_and_the_drift_tool_exits_2(tm
 
 def _partial_probe_history(tmp_path, failed_step: int) -> None:
     """Probes after every sync of a 7-step run, in sync but for the one after `failed_step` (half of it landed)."""
-    history = [first()]
-    for step in range(1, 8):
+    state = ProbeState(FLOAT32_NOISE)
+    for step in range(8):
         share = 0.5 if step == failed_step else 1.0
-        history.append(judge(step, step, TOKENS, moved(step - 1 + share), moved(step), 1e-3, history,
-                             FLOAT32_NOISE))
-    for probe in history:
-        write_probe(tmp_path, probe)
+        write_probe(tmp_path, state.judge(step, step, TOKENS, moved(max(step - 1 + share, 0)), moved(step), 1e-3))
 
 
 class _FailedProbes(HTMLParser):

@@ -83,8 +83,8 @@ class ProbeRecord:
     max_abs_dlogp: float
     """The gap: max |engine - trainer| over the tokens."""
     noise: float
-    """The sides' disagreement when in sync: the largest gap of this run's in-sync probes so far (this one's
-    included when it is in sync)."""
+    """The sides' disagreement when in sync: the largest gap of this run's in-sync probes up to this one (this one's
+    included when it is in sync), at least the noise floor."""
     reference_step: int | None
     """The last earlier probe that was in sync, which dE and dT are measured from; None for the first probe."""
     compared_tokens: int
@@ -125,35 +125,33 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def judge(step: int, engine_version: int, token_ids: list[int], engine_logprobs: list[float],
-          trainer_logprobs: list[float], tolerance: float, history: list[ProbeRecord] | None = None,
+          trainer_logprobs: list[float], tolerance: float, reference: ProbeRecord | None = None,
           noise_floor: float = MIN_NOISE) -> ProbeRecord:
-    """This probe's record, judged against the run's earlier probes (`history`, oldest first); the noise is never
-    taken below `noise_floor` (`tolerance_for`).
+    """This probe's record, judged against `reference`, the run's last earlier probe that was in sync (its `noise`
+    is the run's noise so far; `ProbeState` keeps both); the noise is never taken below `noise_floor`
+    (`tolerance_for`).
 
     A first probe is judged on its gap alone; here the trainer moved 0.01 nats and the engine with it:
 
     >>> first = judge(0, 0, [5, 6], [-1.0, -2.0], [-1.0, -2.0], 1e-3)
     >>> first.verdict, first.landed_fraction
     ('in_sync', None)
-    >>> judge(1, 1, [5, 6], [-1.01, -2.01], [-1.01, -2.01], 1e-3, [first]).verdict
+    >>> judge(1, 1, [5, 6], [-1.01, -2.01], [-1.01, -2.01], 1e-3, first).verdict
     'in_sync'
 
     An engine that did not move while the trainer did is stale, though the gap is within tolerance:
 
-    >>> stale = judge(1, 1, [5, 6], [-1.0, -2.0], [-1.0005, -2.0005], 1e-3, [first])
+    >>> stale = judge(1, 1, [5, 6], [-1.0, -2.0], [-1.0005, -2.0005], 1e-3, first)
     >>> stale.verdict, stale.landed_fraction
     ('stale', 0.0)
     """
-    history = history or []
     engine = np.asarray(engine_logprobs, dtype=np.float64)
     trainer = np.asarray(trainer_logprobs, dtype=np.float64)
     if engine.shape != trainer.shape or len(token_ids) != engine.size:
         raise ValueError(f"probe of step {step}: {len(token_ids)} tokens, {engine.size} engine and {trainer.size} "
                          "trainer logprobs")
     gap = float(np.abs(engine - trainer).max()) if engine.size else 0.0
-    in_sync_before = [r for r in history if r.verdict == IN_SYNC]
-    reference = in_sync_before[-1] if in_sync_before else None
-    noise = max(r.max_abs_dlogp for r in in_sync_before) if in_sync_before else gap
+    noise = reference.noise if reference is not None else gap
     noise = max(noise, noise_floor, MIN_NOISE)
     compared, trainer_moved, engine_moved, fraction = 0, None, None, None
     if reference is not None:
@@ -205,6 +203,31 @@ def judge(step: int, engine_version: int, token_ids: list[int], engine_logprobs:
                        max_abs_dlogp=gap, noise=noise, reference_step=None if reference is None else reference.step,
                        compared_tokens=compared, trainer_moved=trainer_moved, engine_moved=engine_moved,
                        landed_fraction=fraction, resolved=resolved, verdict=verdict, explanation=explanation)
+
+
+class ProbeState:
+    """A run's probes so far as the next one is judged against them: the last probe that was in sync (the
+    reference; its `noise` is the run's). `state_dict` goes into a checkpoint, so a resumed run judges its first probe
+    as the uninterrupted run would."""
+
+    def __init__(self, noise_floor: float = MIN_NOISE):
+        self.reference: ProbeRecord | None = None
+        self.noise_floor = noise_floor
+
+    def judge(self, step: int, engine_version: int, token_ids: list[int], engine_logprobs: list[float],
+              trainer_logprobs: list[float], tolerance: float) -> ProbeRecord:
+        record = judge(step, engine_version, token_ids, engine_logprobs, trainer_logprobs, tolerance,
+                       self.reference, self.noise_floor)
+        if record.verdict == IN_SYNC:
+            self.reference = record
+        return record
+
+    def state_dict(self) -> dict:
+        return {"reference": None if self.reference is None else asdict(self.reference)}
+
+    def load_state_dict(self, state: dict) -> None:
+        found = state.get("reference")
+        self.reference = None if found is None else ProbeRecord(**{k: found[k] for k in _FIELDS})
 
 
 # ---------------------------------------------------------------------------------------------------- files

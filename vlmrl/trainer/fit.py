@@ -534,7 +534,9 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     run = Run(config, output_dir, parts, train_data, sampler, actor, sink, total_steps, dp_size, step,
               engine_version=step)  # the engine starts on the checkpoint's weights (or synced them just above)
     if t.weight_probe_tokens > 0:
-        run.probe = WeightProbe.for_run(config, processor, train_data, output_dir, step)
+        run.probe = WeightProbe.for_run(config, processor, train_data, output_dir)
+        if checkpoint is not None and "weight_probe" in info:  # judge the next probe as the uninterrupted run does
+            run.probe.load_state_dict(info["weight_probe"])
     if config.agent.enable:
         parts.agent, run.prompts = start_agent(config, backend, processor), PromptQueue(sampler)
         opened.append(parts.agent.close)
@@ -601,6 +603,8 @@ def save(run: Run) -> Path:
     if run.parts.agent is not None:
         # Prompts taken from the sampler but not started yet; the carried groups go into files of their own.
         info.update(prompt_queue=list(run.prompts.pending), agent_carried_groups=len(run.parts.agent.carried))
+    if run.probe is not None:  # the last probe in sync: what the next probe is judged against
+        info["weight_probe"] = run.probe.state_dict()
     agent = run.parts.agent
 
     def write_extra(folder: Path) -> None:  # the LoRA adapter (with LoRA) and the agent's carried groups

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from vlmrl.alignment.weight_probe import IN_SYNC, ProbeRecord, judge, read_probes, tolerance_for, write_probe
+from vlmrl.alignment.weight_probe import IN_SYNC, ProbeRecord, ProbeState, tolerance_for, write_probe
 from vlmrl.batch import pad_results, scored_batch
 from vlmrl.data import build_requests
 from vlmrl.types import RolloutRequest, SamplingParams
@@ -41,31 +41,32 @@ def probe_request(processor, train_data) -> RolloutRequest | None:
 
 
 class WeightProbe:
-    """A run's probe: its request and the records so far. `output_dir`: where each record is written (None: kept
-    in memory only)."""
+    """A run's probe: its request, what the next probe is judged against (`ProbeState`: a checkpoint keeps it,
+    `state_dict`) and the last record. `output_dir`: where each record is written (None: not written)."""
 
     def __init__(self, request: RolloutRequest | None, processor, *, tokens: int, prompt_length: int,
-                 temperature: float, action: str = "warn", output_dir=None, history: list[ProbeRecord] | None = None):
+                 temperature: float, action: str = "warn", output_dir=None):
         self.request, self.processor, self.tokens, self.prompt_length = request, processor, tokens, prompt_length
         self.temperature, self.action, self.output_dir = temperature, action, output_dir
-        self.history: list[ProbeRecord] = list(history or [])
+        self.state = ProbeState()
+        self.last: ProbeRecord | None = None
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
 
     @classmethod
-    def for_run(cls, config, processor, train_data, output_dir, step: int) -> WeightProbe:
-        """The probe of a run of `config`, its earlier records read back from `output_dir` up to `step` (a resumed
-        run judges against the probes before its checkpoint)."""
+    def for_run(cls, config, processor, train_data, output_dir) -> WeightProbe:
+        """The probe of a run of `config`."""
         request = probe_request(processor, train_data)
         if request is None:
             logger.warning("weight probe off: none of the first %d training rows builds a request", ROWS_TRIED)
         # never longer than a response: the engine holds prompt + data.max_response_length tokens
         return cls(request, processor, tokens=min(config.trainer.weight_probe_tokens, config.data.max_response_length),
                    prompt_length=config.data.max_prompt_length, temperature=config.rollout.temperature,
-                   action=config.trainer.weight_probe_action, output_dir=output_dir,
-                   history=read_probes(output_dir, upto=step))
-
-    @property
-    def last(self) -> ProbeRecord | None:
-        return self.history[-1] if self.history else None
+                   action=config.trainer.weight_probe_action, output_dir=output_dir)
 
     def __call__(self, actor, backend, step: int, engine_version: int) -> dict[str, float]:
         """Probe the engine after step `step`'s sync (its record is `last`); returns the weight_probe/* metrics ({}
@@ -81,10 +82,9 @@ class WeightProbe:
         trainer = self._trainer_logprobs(actor, result)
         engine_dtype = backend.options.resolved_dtype(backend.processor.family)
         trainer_dtype = str(actor.forward_dtype()).removeprefix("torch.")
-        tolerance, noise_floor = tolerance_for(engine_dtype, trainer_dtype)
-        record = judge(step, engine_version, list(result.response_ids), list(result.response_logprobs), trainer,
-                       tolerance, self.history, noise_floor)
-        self.history.append(record)
+        tolerance, self.state.noise_floor = tolerance_for(engine_dtype, trainer_dtype)
+        record = self.last = self.state.judge(step, engine_version, list(result.response_ids),
+                                              list(result.response_logprobs), trainer, tolerance)
         if self.output_dir is not None:
             write_probe(self.output_dir, record)
         if record.failed:
