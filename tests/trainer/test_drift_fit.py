@@ -1,6 +1,6 @@
-"""Real short runs on the tiny model (hf backend) with one weight sync dropped, or landed partly, on purpose: the
-drift artifact and the weights probe show the engine off the trainer's weights, and `python -m vlmrl.alignment.drift`
-finds the jump at the step after and names `weights`."""
+"""Real short runs with one weight sync dropped, or landed partly, on purpose: the demo (30 steps on vLLM) and the
+tiny model on the hf backend. The drift artifact and the weights probe show the engine off the trainer's weights, and
+`python -m vlmrl.alignment.drift` finds the jump at the step after and names `weights`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from tests.trainer.test_fit import base_args
+from tests.trainer.test_fit import ROOT, base_args
 from vlmrl.actor import Actor
 from vlmrl.alignment import drift, weight_probe
 from vlmrl.alignment.drift import main as drift_main
@@ -24,33 +24,39 @@ from vlmrl.trainer.fit import fit
 from vlmrl.trainer.metrics import read_metrics
 from vlmrl.trainer.weight_probe import WeightProbeError
 
-STEPS = 24
-DROPPED = 12
+STEPS = 30
+DROPPED = 15
 """The sync after this step's update is dropped: step DROPPED + 1 samples with step DROPPED - 1's weights."""
 
 
-def test_a_dropped_weight_sync_is_a_jump_with_the_cause_weights(tiny_model_path, tmp_path, monkeypatch, caplog):
+@pytest.mark.vllm
+def test_a_dropped_weight_sync_in_the_demo_is_a_jump_with_the_cause_weights(tmp_path, monkeypatch, caplog):
+    """The demo as `make demo` runs it (vLLM, its format warm-up, 16 prompts x 8 samples), for 30 steps, with the sync
+    after step 15 falling on the floor without an error."""
     real_sync = Actor.sync_weights
     calls = []
 
-    def sync_dropping_one(self, backend):  # the fault: one sync falls on the floor without an error
+    def sync_dropping_one(self, backend):  # call 1 is the format warm-up's sync (step 0), call k + 1 step k's
         calls.append(len(calls) + 1)
-        if len(calls) != DROPPED:
+        if len(calls) != DROPPED + 1:
             real_sync(self, backend)
 
     monkeypatch.setattr(Actor, "sync_weights", sync_dropping_one)
     out = tmp_path / "run"
     with caplog.at_level(logging.WARNING, logger="vlmrl.trainer.fit"):
-        fit(load_config(base_args(tiny_model_path, out, f"trainer.total_steps={STEPS}", "trainer.test_freq=-1",
-                                  "trainer.val_before_train=false", "rollout.temperature=1.0")))
+        fit(load_config([f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic.yaml'}",
+                         f"trainer.total_steps={STEPS}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                         "trainer.save_freq=-1", f"trainer.output_dir={out}"]))
     assert f"step {DROPPED}: the weight sync loaded nothing" in caplog.text
 
     records = read_drift(out)
     assert sorted({r.step for r in records}) == list(range(1, STEPS + 1))
-    assert all(len([r for r in records if r.step == s]) == 1 for s in range(1, STEPS + 1)), "5% of 16, at least 1"
+    assert all(len([r for r in records if r.step == s]) == 6 for s in range(1, STEPS + 1)), "5% of 128"
     stale = {r.step for r in records if r.engine_weight_version != r.trainer_weight_version}
     assert stale == {DROPPED + 1}, "only the rollout right after the dropped sync ran on old weights"
     rows = read_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(STEPS + 1)), "step 0: the format warm-up's line"
+    rows = rows[1:]
     assert all("mismatch/k3" in row and "timing/drift" in row for row in rows)
 
     report_dir = tmp_path / "report"
@@ -58,7 +64,7 @@ def test_a_dropped_weight_sync_is_a_jump_with_the_cause_weights(tiny_model_path,
     report = json.loads((report_dir / "drift.json").read_text())
     assert report["series"] == "mismatch/k3" and report["jump_steps"] == [DROPPED + 1]
     jump = next(s for s in report["steps"] if s["step"] == DROPPED + 1)
-    assert [w["cause"] for w in jump["worst"]] == ["weights"]
+    assert {w["cause"] for w in jump["worst"]} == {"weights"} and len(jump["worst"]) == 5
     before = [s["metrics"]["mismatch/k3"] for s in report["steps"] if s["step"] <= DROPPED]
     assert jump["metrics"]["mismatch/k3"] > 100 * max(before), "a stale engine is far off a synced one"
     assert (report_dir / "drift.png").stat().st_size > 0 and (report_dir / "drift.html").exists()
@@ -69,9 +75,11 @@ def test_a_dropped_weight_sync_is_a_jump_with_the_cause_weights(tiny_model_path,
     assert [p.step for p in probes if p.verdict != IN_SYNC] == [DROPPED]
     assert probes[DROPPED].verdict == STALE and abs(probes[DROPPED].landed_fraction) < 0.05
     assert probes[DROPPED + 1].reference_step == DROPPED - 1, "judged from the last probe in sync"
-    assert all(0.9 < p.landed_fraction < 1.1 for p in probes[1:] if p.step != DROPPED), "every other sync landed"
+    judged = [p for p in probes[1:] if p.resolved and p.step != DROPPED]
+    assert len(judged) >= STEPS // 2, "most syncs are judged (the others changed the probe's greedy tokens)"
+    assert all(0.9 < p.landed_fraction < 1.1 for p in judged), "every other sync landed"
     assert [p["step"] for p in report["failed_probes"]] == [DROPPED]
-    assert all("weight_probe/landed_fraction" in row for row in rows)
+    assert all("weight_probe/max_abs_dlogp" in row for row in rows)
 
 
 def _holding_back(step: int, fragment: str):
