@@ -265,8 +265,35 @@ def cross_section_problems(config: Config) -> list[str]:
     need(not (al.dynamic_sampling and config.agent.enable),
          "algorithm.dynamic_sampling needs the plain rollout: the agent loop takes its prompts from a queue and carries "
          "partial groups between steps. Set algorithm.dynamic_sampling=false or agent.enable=false")
+    if t.async_rollout.enable:
+        problems += async_problems(config)
     if config.agent.enable:
         problems += agent_problems(config)
+    return problems
+
+
+def async_problems(config: Config) -> list[str]:
+    """What the asynchronous placement (trainer.async_rollout) does not run with yet, and what it needs."""
+    problems: list[str] = []
+    t, r, al = config.trainer, config.rollout, config.algorithm
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    need(config.derived.world_size == 1, "trainer.async_rollout runs on one training device for now: set "
+         "trainer.n_gpus_per_node=1 and trainer.nnodes=1, or async_rollout.enable=false")
+    need(not config.agent.enable, "trainer.async_rollout takes the plain rollout: agent.enable=true keeps its own "
+         "partial rollout (agent.partial); set one of them off")
+    need(not al.dynamic_sampling, "trainer.async_rollout draws one batch per step: algorithm.dynamic_sampling's "
+         "extra draws need the synchronous loop")
+    need(t.async_rollout.max_staleness == 0 or al.rollout_correction != "off",
+         f"trainer.async_rollout.max_staleness={t.async_rollout.max_staleness}: batches sampled with older weights "
+         "need the rollout importance-sampling correction against them; set algorithm.rollout_correction (e.g. "
+         "token_tis) or max_staleness=0")
+    need(r.vllm.enable_sleep_mode is not True and r.sglang.enable_memory_saver is not True,
+         "trainer.async_rollout keeps the engine generating while the trainer updates, so it never frees its memory "
+         "in between: leave rollout.vllm.enable_sleep_mode and rollout.sglang.enable_memory_saver unset")
     return problems
 
 

@@ -14,7 +14,8 @@ history a jump is at least a factor 10^(k * min_spread) = 10 above the recent me
 history needs more, and a lasting shift stops being a jump once it fills half the window.
 
 For each jump step its worst samples (largest k3) get a cause: `weights` when the engine sampled with another
-step's weights than the trainer scored with (a weight sync that did not reach it), or when the weights probe after
+step's weights than the trainer scored with (a weight sync that did not reach it; in the asynchronous placement, older
+than its max_staleness), or when the weights probe after
 the previous step's sync found the engine off the trainer's weights (OUTPUT_DIR/drift/probe_<N>.json,
 `vlmrl.alignment.weight_probe`: a sync that reached the engine and landed partly); else `vision_inputs` when only
 image/video samples of the step are off, else the compare tool's `logprob_drift` (the same tokens, logprobs apart
@@ -135,6 +136,8 @@ class SampleView:
     max_abs_dlogp: float
     engine_weight_version: int
     trainer_weight_version: int
+    weights_stale: bool = False
+    """Older engine weights than the placement allows (`DriftRecord.weights_stale`)."""
     cause: str = ""
     explanation: str = ""
 
@@ -185,14 +188,14 @@ def _view(record: DriftRecord) -> SampleView:
                       modality=record.modality, tokens=int(r.size), k3=k3(r),
                       max_abs_dlogp=float(np.abs(r).max()) if r.size else 0.0,
                       engine_weight_version=record.engine_weight_version,
-                      trainer_weight_version=record.trainer_weight_version)
+                      trainer_weight_version=record.trainer_weight_version, weights_stale=record.weights_stale)
 
 
 def sample_cause(sample: SampleView, step_samples: list[SampleView], tolerance: float,
                  probe: ProbeRecord | None = None) -> tuple[str, str]:
     """The cause of one sample of a jump step (see the module docstring) and a sentence saying why. `probe`: the
     weights probe after the sync the step's rollout sampled behind (the previous step's), when the run has one."""
-    if sample.engine_weight_version != sample.trainer_weight_version:
+    if sample.weights_stale:
         return WEIGHTS, (f"the engine sampled with step {sample.engine_weight_version}'s weights, the trainer scored "
                          f"with step {sample.trainer_weight_version}'s: the sync after step "
                          f"{sample.trainer_weight_version} did not reach the engine")
@@ -249,7 +252,7 @@ def analyse(output_dir: str | Path, rule: JumpRule | None = None, tolerance: flo
             step=step, samples=len(views), tokens=int(r.size), k3=k3(r),
             mean_abs_dlogp=float(np.abs(r).mean()) if r.size else 0.0,
             max_abs_dlogp=float(np.abs(r).max()) if r.size else 0.0,
-            stale_samples=sum(v.engine_weight_version != v.trainer_weight_version for v in views),
+            stale_samples=sum(v.weights_stale for v in views),
             engine_weight_versions=sorted({v.engine_weight_version for v in views}),
             metrics=metrics.get(step, {}),
             probe_verdict=probes[step].verdict if step in probes else "",

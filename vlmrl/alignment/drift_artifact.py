@@ -52,11 +52,16 @@ class DriftRecord:
     """The trainer's logprob of each (pre-update weights, at rollout.temperature)."""
     temperature: float = 1.0
     """rollout.temperature: the two sides compare only at 1 (the engine's logprobs are raw)."""
+    max_staleness: int = 0
+    """How many steps older than the trainer's the engine's weights may be by design: the asynchronous placement's
+    trainer.async_rollout.max_staleness (0 in the synchronous loop)."""
 
     @property
     def weights_stale(self) -> bool:
-        """The engine sampled with other weights than the trainer's that scored the tokens."""
-        return self.engine_weight_version != self.trainer_weight_version
+        """The engine sampled with other weights than the ones it should have: older than the trainer's by more
+        than the placement allows (the synchronous loop: any other)."""
+        lag = self.trainer_weight_version - self.engine_weight_version
+        return lag != 0 if self.max_staleness == 0 else not 0 <= lag <= self.max_staleness
 
 
 _FIELDS = {f.name for f in fields(DriftRecord)}

@@ -12,6 +12,30 @@ PROBE_ACTIONS = ("warn", "error")
 
 
 @dataclass
+class AsyncRolloutConfig:
+    """The asynchronous placement (`vlmrl.trainer.async_rollout`): the engine generates the next steps' batches on
+    a rollout thread of its own while the trainer updates on the last one."""
+
+    enable: bool = False
+    """False: the synchronous loop (rollout, then update, then sync, one after another). True: the asynchronous
+    placement."""
+    max_staleness: int = 1
+    """How many optimizer steps older than the trainer's weights the weights a consumed batch was sampled with may be:
+    a batch for step s starts only once the engine holds step s - 1 - max_staleness's weights or newer. 0 = each
+    batch from the weights just synced: the synchronous run's schedule, and its metrics exactly."""
+    buffer_steps: int = 2
+    """Batches the rollout thread may hold ready ahead of the trainer."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.max_staleness < 0:
+            out.append(f"trainer.async_rollout.max_staleness={self.max_staleness} must be >= 0")
+        if self.buffer_steps < 1:
+            out.append(f"trainer.async_rollout.buffer_steps={self.buffer_steps} must be >= 1")
+        return out
+
+
+@dataclass
 class TrainerConfig:
     total_epochs: int = 1
     """Passes over the training data (ignored when total_steps is set)."""
@@ -68,6 +92,8 @@ class TrainerConfig:
     weight_probe_action: str = "warn"
     """What a failed probe does: `warn` (a warning; the drift tool shows it) or `error` (the run stops, naming the
     step)."""
+    async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
+    """The asynchronous placement: rollout and update at the same time, within a staleness bound."""
     engine_placement: str = "worker"
     """With several devices, where the colocated rollout engines run: `worker` = one per training worker, `node` =
     one per node (on its first worker; the node's requests go to it)."""
@@ -101,6 +127,7 @@ class TrainerConfig:
             out.append(f"trainer.weight_probe_tokens={self.weight_probe_tokens} must be >= 0 (0 = no weight probe)")
         if self.weight_probe_action not in PROBE_ACTIONS:
             out.append(f"trainer.weight_probe_action={self.weight_probe_action!r} is not one of {list(PROBE_ACTIONS)}")
+        out += self.async_rollout.problems()
         if self.engine_placement not in ENGINE_PLACEMENTS:
             out.append(f"trainer.engine_placement={self.engine_placement!r} is not one of {list(ENGINE_PLACEMENTS)}")
         return out

@@ -65,7 +65,7 @@ def trainer_logprobs(actor, batch: TrainBatch, rows: list[int], old_logprobs: to
 
 
 def drift_records(batch: TrainBatch, rows: list[int], trainer: torch.Tensor, *, step: int, engine_version: int,
-                  temperature: float) -> list[DriftRecord]:
+                  temperature: float, max_staleness: int = 0) -> list[DriftRecord]:
     """One record per row: its loss tokens and both sides' logprobs of them. `trainer`: (len(rows), R)."""
     out = []
     for k, i in enumerate(rows):
@@ -76,5 +76,6 @@ def drift_records(batch: TrainBatch, rows: list[int], trainer: torch.Tensor, *, 
             modality=modality(batch.multi_modal_inputs[i]), engine_weight_version=engine_version,
             trainer_weight_version=step - 1, token_ids=batch.response_ids[i][keep].tolist(),
             engine_logprobs=batch.rollout_logprobs[i][keep].double().tolist(),
-            trainer_logprobs=trainer[k][keep].double().tolist(), temperature=temperature))
+            trainer_logprobs=trainer[k][keep].double().tolist(), temperature=temperature,
+            max_staleness=max_staleness))
     return out

@@ -49,6 +49,7 @@ from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_c
 from vlmrl.trainer.throughput import throughput_metrics
 from vlmrl.trainer.validation import load_val_dataset, run_validation, validate_with
 from vlmrl.trainer.warmup import format_warmup
+from vlmrl.trainer.async_rollout import CONSUMED_FILE, AsyncRollout, append_consumed
 from vlmrl.trainer.weight_probe import WeightProbe
 from vlmrl.types import RolloutRequest, Sample, SamplingParams, TrainBatch
 
@@ -101,8 +102,24 @@ class Run:
     """The step whose weights the engine holds: set by each sync that reached it (`sync_engine`)."""
     probe: WeightProbe | None = None
     """The weights probe after every sync (trainer.weight_probe_tokens > 0)."""
+    async_rollout: AsyncRollout | None = None
+    """The rollout thread of the asynchronous placement (trainer.async_rollout.enable), started at step 1's rollout."""
+
+    def engine(self):
+        """The engine to itself while the block runs: the rollout thread's lock in the asynchronous placement (a
+        batch in flight finishes first), nothing to wait for otherwise."""
+        return self.async_rollout.engine if self.async_rollout is not None else contextlib.nullcontext()
+
+    def data_state(self) -> dict:
+        """The data position a checkpoint keeps: after the last batch trained on (the rollout thread may have drawn
+        further)."""
+        if self.async_rollout is not None and self.async_rollout.consumed_data_state is not None:
+            return dict(self.async_rollout.consumed_data_state)
+        return self.sampler.state_dict()
 
     def close(self) -> None:
+        if self.async_rollout is not None:
+            self.async_rollout.close()
         self.parts.close()
         self.sink.close()
         close_reward_workers()
@@ -154,7 +171,7 @@ def run_step(run: Run) -> dict[str, float]:
     metrics = train_step(run, timer)
     run.step += 1
     if _due(t.test_freq, run.step, run.total_steps) and run.parts.val_data is not None:
-        with timer("validate"):
+        with timer("validate"), run.engine():  # on one fixed version of the weights
             metrics.update(validate(run))
     metrics.update(timer.metrics())
     run.sink.log(run.step, metrics)  # before the checkpoint: a run resumed from it finds the line of its step
@@ -181,6 +198,8 @@ class StepBatch:
     """Samples whose reward function failed or overran reward.timeout_s (they score 0)."""
     filtered_prompts: int
     """Prompts of the step skipped by the processor (over data.max_prompt_length, bad images)."""
+    engine_version: int = 0
+    """The step whose weights the engine held when it generated the batch (its last draw's)."""
 
 
 @dataclass
@@ -194,6 +213,8 @@ class Rollout:
     """What the reward function reads of each sample: the decoded response, or a trajectory's last assistant turn."""
     metrics: dict[str, float]
     filtered: int
+    engine_version: int = 0
+    """The step whose weights the engine held when it generated the batch."""
 
 
 def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
@@ -216,7 +237,7 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
             old_logprobs, _ = run.actor.compute_logprobs(batch)
     if cfg.trainer.drift_fraction > 0 and batch.rollout_logprobs is not None:
         with timer("drift"):
-            keep_drift_samples(run, batch, old_logprobs, step)
+            keep_drift_samples(run, batch, old_logprobs, step, collected.engine_version)
     ref_logprobs = None
     if cfg.actor.use_kl_loss:
         with timer("ref_logprobs"):
@@ -228,24 +249,34 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
         loss_batch, loss_weights, loss_metrics = loss_inputs(cfg, batch, old_logprobs)
     with timer("update"):
         actor_metrics = run.actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights)
-    with timer("weight_sync"):
-        sync_engine(run, step)
-    metrics = {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
-               **step_metrics(collected, run, timer)}  # throughput over rollout -> weight sync, as EasyR1's
-    if run.probe is not None:
-        with timer("weight_probe"):
-            metrics.update(run.probe(run.actor, backend, step, run.engine_version))
+    waiting = time.perf_counter()
+    with run.engine():  # the sync and the probe of what it left, with no batch of the rollout thread in between
+        waited = time.perf_counter() - waiting  # for the batch in flight (asynchronous placement)
+        with timer("weight_sync"):
+            sync_engine(run, step)
+        metrics = {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
+                   **step_metrics(collected, run, timer)}  # throughput over rollout -> weight sync, as EasyR1's
+        if run.probe is not None:
+            with timer("weight_probe"):
+                metrics.update(run.probe(run.actor, backend, step, run.engine_version))
+        if run.async_rollout is not None:
+            metrics["async/sync_wait_s"] = waited
+            run.async_rollout.synced(run.engine_version)
     return metrics
 
 
-def keep_drift_samples(run: Run, batch: TrainBatch, old_logprobs: torch.Tensor | None, step: int) -> None:
+def keep_drift_samples(run: Run, batch: TrainBatch, old_logprobs: torch.Tensor | None, step: int,
+                       engine_version: int) -> None:
     """OUTPUT_DIR/drift/step_<step>.jsonl: trainer.drift_fraction of the step's samples, with the engine's and the
-    trainer's pre-update logprobs of their loss tokens (one forward over those rows unless old_logprobs exist)."""
+    trainer's pre-update logprobs of their loss tokens (one forward over those rows unless old_logprobs exist).
+    `engine_version`: the step whose weights the engine sampled the batch with."""
     cfg, processor = run.config, run.parts.processor
     rows = drift_rows(batch.is_padding, cfg.trainer.drift_fraction, cfg.trainer.seed, step)
     trainer = trainer_logprobs(run.actor, batch, rows, old_logprobs, eos_token_id=processor.eos_token_ids[0],
                                pad_token_id=processor.pad_token_id)
-    write_step(run.output_dir, step, drift_records(batch, rows, trainer, step=step, engine_version=run.engine_version,
+    a = cfg.trainer.async_rollout
+    write_step(run.output_dir, step, drift_records(batch, rows, trainer, step=step, engine_version=engine_version,
+                                                   max_staleness=a.max_staleness if a.enable else 0,
                                                    temperature=cfg.rollout.temperature))
 
 
@@ -302,8 +333,12 @@ def collect_step(run: Run, step: int, timer: PhaseTimer) -> StepBatch:
     while True:
         sampling = training_sampling(cfg, step, draw)
         with timer("rollout"):
-            plain = run.parts.agent is None
-            rollout = plain_rollout(run, step, sampling) if plain else agent_rollout(run, step, sampling)
+            if cfg.trainer.async_rollout.enable:  # made on the rollout thread, maybe while the last update ran
+                rollout = async_rollout(run, step)
+            elif run.parts.agent is None:
+                rollout = plain_rollout(run, step, sampling)
+            else:
+                rollout = agent_rollout(run, step, sampling)
         with timer("reward"):
             scored, draw_failures = score_rollout(run, rollout, sampling)
         failures, filtered = failures + draw_failures, filtered + rollout.filtered
@@ -337,7 +372,7 @@ def collect_step(run: Run, step: int, timer: PhaseTimer) -> StepBatch:
         batch = scored_batch(kept.samples, kept.rewards, kept.parts,
                              multiple=required_batch_multiple(run.dp_size, cfg.actor.ppo_mini_batch_size, cfg.rollout.n),
                              eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
-    return StepBatch(batch, metrics, failures, filtered)
+    return StepBatch(batch, metrics, failures, filtered, rollout.engine_version)
 
 
 @dataclass
@@ -373,18 +408,37 @@ def score_rollout(run: Run, rollout: Rollout, sampling: SamplingParams) -> tuple
     return Scored(list(rollout.samples), values.tolist(), list(scores.parts), penalty.tolist()), scores.failures
 
 
-def plain_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
-    """The next batch of prompts, generated in one backend call and padded per sample."""
+def async_rollout(run: Run, step: int) -> Rollout:
+    """Step `step`'s batch from the asynchronous placement's rollout thread (started here at the first step, once
+    the format warm-up and step 0's validation are done), with its async/* metrics."""
+    if run.async_rollout is None:
+        a = run.config.trainer.async_rollout
+        run.async_rollout = AsyncRollout(
+            produce=lambda s, version: plain_rollout(run, s, training_sampling(run.config, s), policy_version=version),
+            data_state=run.sampler.state_dict, max_staleness=a.max_staleness, buffer_steps=a.buffer_steps,
+            timeout_s=run.config.rollout.timeout_s, first_step=step, engine_version=run.engine_version,
+            last_step=run.total_steps)
+    produced, metrics = run.async_rollout.take(step)
+    produced.rollout.metrics.update(metrics)
+    append_consumed(run.output_dir, step, produced.version, [r.index for r in produced.rollout.requests])
+    return produced.rollout
+
+
+def plain_rollout(run: Run, step: int, sampling: SamplingParams, policy_version: int | None = None) -> Rollout:
+    """The next batch of prompts, generated in one backend call and padded per sample. `policy_version`: the step
+    whose weights the engine holds (default step - 1: the synchronous loop's)."""
     built = build_requests(run.parts.processor, run.train_data, next(run.sampler))
     if not built.requests:
         raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
+    version = run.engine_version
     results = run.parts.backend.generate(built.requests, sampling)
     d = run.config.data
     samples = pad_results([run.parts.processor.prompt_inputs(r) for r in built.requests], results,
                           prompt_length=d.max_prompt_length, response_length=d.max_response_length,
-                          pad_token_id=run.parts.processor.pad_token_id, policy_version=step - 1)
+                          pad_token_id=run.parts.processor.pad_token_id,
+                          policy_version=step - 1 if policy_version is None else policy_version)
     texts = response_texts(run.parts.processor.tokenizer, results)
-    return Rollout(built.requests, samples, texts, {}, built.num_skipped)
+    return Rollout(built.requests, samples, texts, {}, built.num_skipped, version)
 
 
 def agent_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
@@ -397,7 +451,8 @@ def agent_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
     rolled = run.parts.agent.step(built.requests, sampling, batch_size=size, policy_version=step - 1)
     if not rolled.samples:
         raise RuntimeError(f"step {step}: the agent loop finished no group (see the partial rollout warning)")
-    return Rollout(rolled.requests, rolled.train_samples, rolled.final_answers, rolled.metrics, built.num_skipped)
+    return Rollout(rolled.requests, rolled.train_samples, rolled.final_answers, rolled.metrics, built.num_skipped,
+                   run.engine_version)
 
 
 def step_metrics(collected: StepBatch, run: Run, timer: PhaseTimer) -> dict[str, float]:
@@ -412,7 +467,7 @@ def step_metrics(collected: StepBatch, run: Run, timer: PhaseTimer) -> dict[str,
         "reward/timeouts": float(sum(extra.get(TIMEOUT_KEY, 0.0) for extra in batch.reward_extra)),  # padding rows: {}
         "batch/filtered_prompts": float(collected.filtered_prompts),
         "batch/groups_with_signal": _share_of_groups_with_signal(batch),
-        "epoch": float(run.sampler.epoch),
+        "epoch": float(run.data_state()["epoch"]),
         "throughput/response_tokens_per_s": tokens / max(timer.elapsed(), 1e-9),
         **throughput_metrics(run.config, batch, timer.elapsed(), timer.seconds["update"]),
     }
@@ -505,8 +560,9 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
                       temperature=config.rollout.temperature, init_path=init_path)
         # A resumed backend starts from the checkpoint folder (HF format): weights already in sync. With LoRA it
         # starts on the base model (an adapter applies to the base) and gets the policy's weights below.
+        # asynchronous: the engine generates while the actor trains, so it never gives its memory back to it
         backend = start_run_backend(config, model_path=None if config.actor.lora.enabled else init_path,
-                                    colocated=True)
+                                    colocated=not t.async_rollout.enable)
         opened.append(backend.close)
     if checkpoint is not None and config.actor.lora.enabled:
         actor.sync_weights(backend)
@@ -517,10 +573,11 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         step = int(info["step"])
         logger.info("resuming from %s (step %d of %d)", checkpoint, step, total_steps)
         truncate_after(output_dir / METRICS_FILE, step)
+        truncate_after(output_dir / CONSUMED_FILE, step)
         drop_steps_after(output_dir, step)
     else:
         stamp = time.strftime('%Y%m%d-%H%M%S')
-        for name in (METRICS_FILE, DRIFT_DIR):  # a run starting over keeps the old run's lines aside
+        for name in (METRICS_FILE, DRIFT_DIR, CONSUMED_FILE):  # a run starting over keeps the old run's aside
             if (output_dir / name).exists():
                 kept = output_dir / f"{name}.{stamp}"
                 os.replace(output_dir / name, kept)
@@ -599,7 +656,7 @@ def start_of_training(run: Run) -> None:
 
 def save(run: Run) -> Path:
     model = run.actor.full_model()  # at dp > 1 gathered from the shards
-    info = {"data": run.sampler.state_dict(), "total_steps": run.total_steps, "config": to_dict(run.config)}
+    info = {"data": run.data_state(), "total_steps": run.total_steps, "config": to_dict(run.config)}
     if run.parts.agent is not None:
         # Prompts taken from the sampler but not started yet; the carried groups go into files of their own.
         info.update(prompt_queue=list(run.prompts.pending), agent_carried_groups=len(run.parts.agent.carried))

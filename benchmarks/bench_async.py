@@ -1,0 +1,112 @@
+"""Samples trained on per second: the asynchronous placement (trainer.async_rollout) vs the synchronous loop, side
+by side on the demo (examples/configs/tiny_synthetic.yaml: vLLM, 16 prompts x 8 samples).
+
+    .venv/bin/python benchmarks/bench_async.py [--steps 30] [--backend vllm] [--max-staleness 1] [--long-tail]
+
+Both runs do the demo's format warm-up (seeded: the same in both) and use the same seeds and settings; only the
+placement differs. The rate is samples trained on per second over steps 3..N
+(engine start, warm-up and the first batches left out), timed at each step's log line. --long-tail: responses up to
+48 tokens instead of the demo's 6, with no format warm-up, so a step's rollout is longer than its update (the
+random-init model ends a response at a random point: long-tailed lengths). The async run's staleness histogram and
+the mismatch it trains with are printed next to the ratio. The trainer runs at `trainer.torch_threads=1`, so on 2
+CPU cores the engine's thread can take the other core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+
+def run(overrides: list[str], out: Path, first_timed: int) -> dict:
+    from vlmrl.config import load_config
+    from vlmrl.trainer.fit import fit
+    from vlmrl.trainer.metrics import read_metrics
+
+    stamps: dict[int, float] = {}
+
+    def stamp(step: int, metrics: dict) -> bool:
+        stamps[step] = time.perf_counter()
+        return False
+
+    fit(load_config([*overrides, f"trainer.output_dir={out}"]), stop=stamp)
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+    last = max(stamps)
+    samples = sum(r["batch/real_rows"] for r in rows if first_timed < r["step"] <= last)
+    seconds = stamps[last] - stamps[first_timed]
+    staleness = collections.Counter(int(r.get("async/staleness", 0)) for r in rows)
+    return {"samples_per_s": samples / seconds, "seconds": seconds, "samples": samples,
+            "staleness": dict(sorted(staleness.items())),
+            "k3_mean": sum(r.get("mismatch/k3", 0.0) for r in rows) / len(rows),
+            "rollout_s": sum(r["timing/rollout"] for r in rows) / len(rows),
+            "update_s": sum(r["timing/update"] for r in rows) / len(rows)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--backend", default="vllm")
+    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--long-tail", action="store_true")
+    parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--pin", action="store_true", help="trainer on core 0, the engine's threads on core 1 "
+                        "(VLLM_CPU_OMP_THREADS_BIND=1; needs VLLM_ENABLE_V1_MULTIPROCESSING=1)")
+    args = parser.parse_args()
+    if args.pin:  # every thread of the engine's processes on core 1, the trainer's on core 0
+        import psutil
+
+        import vlmrl.trainer.fit as fit_module
+
+        start = fit_module.start_run_backend
+
+        def start_then_pin(*a, **k):
+            backend = start(*a, **k)
+            engines = [psutil.Process(pid) for pid in backend.engine_pids]
+            engines += [child for p in engines for child in p.children(recursive=True)]
+            if not engines:
+                raise SystemExit("--pin needs the engine in processes of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1, "
+                                 "or --backend sglang-server)")
+            for process in engines:
+                for thread in process.threads():
+                    os.sched_setaffinity(thread.id, {1})
+            os.sched_setaffinity(0, {0})  # this thread (the trainer) and the threads it starts later: core 0
+            return backend
+
+        fit_module.start_run_backend = start_then_pin
+    config = ROOT / "examples" / "configs" / "tiny_synthetic.yaml"
+    common = [f"config={config}", f"rollout.name={args.backend}", f"trainer.total_steps={args.steps}",
+              "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
+              "algorithm.rollout_correction=token_tis", "trainer.torch_threads=1"]
+    if args.long_tail:
+        common += ["data.max_response_length=48", "trainer.format_warmup_steps=0"]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="vlmrl-bench-async-") as tmp:
+        for name, extra in (("sync", []), ("async", ["trainer.async_rollout.enable=true",
+                                                      f"trainer.async_rollout.max_staleness={args.max_staleness}"])):
+            results[name] = run([*common, *extra], Path(tmp) / name, first_timed=2)
+            r = results[name]
+            print(f"{name:5s}: {r['samples_per_s']:.1f} samples/s ({r['samples']} samples in {r['seconds']:.1f} s; "
+                  f"rollout {r['rollout_s']:.3f} s, update {r['update_s']:.3f} s a step); staleness {r['staleness']}; "
+                  f"mean mismatch/k3 {r['k3_mean']:.3g}", flush=True)
+    ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    print(f"async / sync: {ratio:.2f}x samples trained on per second ({args.backend}, {args.steps} steps, "
+          f"max_staleness {args.max_staleness}{', long-tailed responses' if args.long_tail else ''})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ratio": ratio, **results, "args": vars(args)}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The asynchronous placement (trainer.async_rollout) in real runs on the tiny model: max_staleness=0 is the
+synchronous run exactly; with max_staleness=1 the rollout thread runs ahead and no consumed batch is older than the
+bound; a run killed with SIGKILL and resumed trains on every prompt once; a failing rollout thread stops the run
+with its error; what the placement does not run with is refused at load."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from tests.trainer.test_fit import _comparable, _straight_and_killed_then_resumed, base_args
+from vlmrl.alignment.drift_artifact import read_drift
+from vlmrl.config import ConfigError, load_config
+from vlmrl.rollout.base import RolloutBackend
+from vlmrl.trainer.async_rollout import CONSUMED_FILE, RolloutWorkerError
+from vlmrl.trainer.fit import fit
+from vlmrl.trainer.metrics import read_metrics
+
+ASYNC = "trainer.async_rollout.enable=true"
+CORRECTED = ("algorithm.rollout_correction=token_tis", "rollout.temperature=1.0")
+
+
+def _consumed(out) -> list[dict]:
+    return [json.loads(line) for line in (out / CONSUMED_FILE).read_text().splitlines()]
+
+
+def _weights(out, step: int) -> str:
+    return hashlib.sha256((out / "checkpoints" / f"global_step_{step}" / "model.safetensors").read_bytes()).hexdigest()
+
+
+def _without_async(row: dict) -> dict:
+    return {k: v for k, v in _comparable(row).items() if not k.startswith("async/")}
+
+
+def test_max_staleness_0_gives_the_synchronous_runs_metrics_and_weights_exactly(tiny_model_path, tmp_path):
+    common = ["trainer.total_steps=4", "trainer.save_freq=4", *CORRECTED]
+    fit(load_config(base_args(tiny_model_path, tmp_path / "sync", *common)))
+    fit(load_config(base_args(tiny_model_path, tmp_path / "async", *common, ASYNC,
+                              "trainer.async_rollout.max_staleness=0")))
+    sync = read_metrics(tmp_path / "sync" / "metrics.jsonl")
+    run = read_metrics(tmp_path / "async" / "metrics.jsonl")
+    assert [_without_async(r) for r in run] == [_without_async(r) for r in sync]
+    assert all(r["async/staleness"] == 0 for r in run[1:])
+    assert _weights(tmp_path / "async", 4) == _weights(tmp_path / "sync", 4)
+    assert [c["staleness"] for c in _consumed(tmp_path / "async")] == [0, 0, 0, 0]
+
+
+def test_the_rollout_thread_runs_ahead_within_the_staleness_bound(tiny_model_path, tmp_path):
+    """max_staleness=1: from step 2 on every batch was sampled while the update before it ran, with the weights one
+    step older than the trainer's, never older; the drift samples say the same, and the update corrects for it."""
+    out = tmp_path / "run"
+    fit(load_config(base_args(tiny_model_path, out, "trainer.total_steps=6", "trainer.test_freq=3", *CORRECTED,
+                              ASYNC, "trainer.async_rollout.max_staleness=1")))
+    consumed = _consumed(out)
+    assert [c["step"] for c in consumed] == [1, 2, 3, 4, 5, 6]
+    assert all(0 <= c["staleness"] <= 1 for c in consumed)
+    assert consumed[0]["staleness"] == 0 and sum(c["staleness"] for c in consumed) >= 3, consumed
+    drift = read_drift(out)
+    lag = {r.step: r.trainer_weight_version - r.engine_weight_version for r in drift}
+    assert lag == {c["step"]: c["staleness"] for c in consumed} and not any(r.weights_stale for r in drift)
+    rows = read_metrics(out / "metrics.jsonl")
+    train = [r for r in rows if r["step"] > 0]
+    assert all("rollout_correction/weight_mean" in r and r["async/staleness"] <= 1 for r in train)
+    assert all(r["weight_probe/in_sync"] == 1.0 for r in train), "every sync landed, between the thread's batches"
+    assert [r["step"] for r in rows if "val/accuracy" in r] == [0, 3, 6]
+
+
+@pytest.mark.slow
+def test_kill_9_during_an_async_run_and_resume_trains_on_every_prompt_once(tiny_model_path, tmp_path):
+    """Killed after the step-2 checkpoint while the rollout thread had drawn further: the resumed run draws the
+    unconsumed batches again, so steps 1-5 train on the uninterrupted run's prompts, each batch once."""
+    common = ["trainer.total_steps=5", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
+              *CORRECTED, ASYNC, "trainer.async_rollout.max_staleness=1"]
+    expected, got = _straight_and_killed_then_resumed(tiny_model_path, tmp_path, *common)
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == [1, 2, 3, 4, 5]
+    straight, resumed = _consumed(tmp_path / "straight"), _consumed(tmp_path / "killed")
+    assert [c["step"] for c in resumed] == [1, 2, 3, 4, 5]
+    assert [c["rows"] for c in resumed] == [c["rows"] for c in straight]
+    rows = [row for c in resumed for row in c["rows"]]
+    assert len(rows) == len(set(rows)) == 5 * 4, "20 distinct prompts: none lost, none twice"
+
+
+def test_a_failing_rollout_thread_stops_the_run_with_its_error(tiny_model_path, tmp_path, monkeypatch):
+    """The engine call of step 3's batch raises on the rollout thread: the trainer stops at its next take with the
+    error named (never a hang), and the run's engine and thread are closed."""
+    real = RolloutBackend.generate
+    calls = []
+
+    def generate(self, requests, sampling):
+        if sampling.n > 1:  # the training batches (not the weights probe or validation)
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("the engine fell over")
+        return real(self, requests, sampling)
+
+    monkeypatch.setattr(RolloutBackend, "generate", generate)
+    with pytest.raises(RolloutWorkerError, match="failed making step 3's batch: RuntimeError: the engine fell over"):
+        fit(load_config(base_args(tiny_model_path, tmp_path / "run", "trainer.total_steps=5", "trainer.test_freq=-1",
+                                  *CORRECTED, ASYNC, "trainer.async_rollout.max_staleness=1")))
+    steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert steps[-1] == 2, steps
+
+
+@pytest.mark.parametrize(("settings", "says"), [
+    (["trainer.n_gpus_per_node=2"], "runs on one training device for now"),
+    (["agent.enable=true"], "takes the plain rollout"),
+    (["algorithm.dynamic_sampling=true"], "dynamic_sampling's extra draws"),
+    (["algorithm.rollout_correction=off"], "need the rollout importance-sampling correction"),
+    (["rollout.vllm.enable_sleep_mode=true"], "never frees its memory"),
+    (["trainer.async_rollout.max_staleness=-1"], "max_staleness=-1 must be >= 0"),
+    (["trainer.async_rollout.buffer_steps=0"], "buffer_steps=0 must be >= 1")])
+def test_what_the_async_placement_cannot_run_with_is_refused_at_load(settings, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config(["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic", ASYNC,
+                     "algorithm.rollout_correction=token_tis", *settings])
+
+
+# Variants (marker `full`, make test-all): the demo's learning run in the asynchronous placement on each engine. make
+# test keeps the synchronous demo's learning run (tests/trainer/test_fit.py) and, here, the placement's own tests on
+# real runs: max_staleness=0 equal to the synchronous run, the bound, the kill -9 resume and the failing thread.
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("backend", [pytest.param("vllm", marks=pytest.mark.vllm),
+                                     pytest.param("sglang", marks=pytest.mark.sglang)])
+def test_the_demo_learns_in_the_async_placement(tmp_path, backend):
+    """The demo's recipe with the rollout one step ahead (max_staleness=1, token_tis correction): validation
+    accuracy rises >= 0.3 above its step-0 value within the demo's 150 steps, every batch within the bound."""
+    from tests.trainer.test_fit import ROOT, RisenBy
+
+    out = tmp_path / "demo"
+    fit(load_config([f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic.yaml'}", f"rollout.name={backend}",
+                     ASYNC, "trainer.async_rollout.max_staleness=1", "algorithm.rollout_correction=token_tis",
+                     f"trainer.output_dir={out}"]), stop=RisenBy(0.3))
+    curve = [(row["step"], row["val/accuracy"]) for row in read_metrics(out / "metrics.jsonl") if "val/accuracy" in row]
+    assert max(acc for _, acc in curve) >= curve[0][1] + 0.3, f"validation accuracy did not rise by 0.3: {curve}"
+    consumed = _consumed(out)
+    assert all(c["staleness"] <= 1 for c in consumed) and sum(c["staleness"] for c in consumed) > len(consumed) // 2

@@ -1,0 +1,184 @@
+"""The asynchronous placement (trainer.async_rollout.enable): the engine generates the next steps' batches on a
+rollout thread of its own while the trainer updates on the last one.
+
+    rollout thread:  [batch s+1 (weights v)] [batch s+2 (weights v+1)] ...      -> bounded buffer (buffer_steps)
+    trainer:          take s -> old logprobs -> update -> sync (v+1) -> probe -> take s+1 ...
+
+- **Staleness.** Every batch carries the version of the weights it was sampled with (the step whose update the
+  engine held; `policy_version` of its samples). The batch for step s starts only once the engine holds step
+  s - 1 - max_staleness's weights or newer, so the trainer (at step s - 1's weights when it takes it) never consumes
+  a batch more than max_staleness steps old. At max_staleness = 0 every batch starts after the sync before it: the
+  synchronous loop's schedule, and its numbers exactly.
+- **The engine is shared.** One lock (`engine`) orders the rollout thread's generate calls with the trainer's weight
+  sync, weights probe and validation: a sync waits for the batch in flight, which finishes on the old weights (its
+  version says so) and is counted (`async/sync_wait_s`); validation runs on one fixed version.
+- **Data position.** The rollout thread draws the prompts; a checkpoint saves the data position after the last
+  batch the trainer consumed (`consumed_data_state`), so a resumed run draws the unconsumed batches again, each
+  prompt once: none lost, none twice. What was generated but not consumed is discarded and generated again from the
+  resumed weights.
+- **Failures.** An error on the rollout thread reaches the trainer at its next take, with the thread's traceback
+  as its cause; a batch that does not come within rollout.timeout_s is an error too. Never a hang.
+
+The engine runs in this process on its own thread (the backend's calls already run on an engine thread under a
+deadline); on a 2-core CPU the rollout then takes one core and the trainer the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout thread failed, or gave no batch within the deadline."""
+
+
+@dataclass
+class Produced:
+    """One batch the rollout thread made for training step `step`."""
+
+    step: int
+    version: int
+    """The step whose weights the engine held when it generated the batch."""
+    rollout: Any
+    data_state: dict
+    """The data position after drawing this batch's prompts (what a checkpoint after `step` saves)."""
+    generate_s: float
+    waited_s: float
+    """How long the rollout thread waited (for newer weights or buffer room) before starting this batch."""
+
+
+@dataclass
+class _Failed:
+    step: int
+    error: BaseException
+
+
+@dataclass
+class AsyncRollout:
+    """The rollout thread and its buffer. `produce(step, version)` makes step `step`'s batch on the engine (called on
+    the rollout thread, under `engine`); `data_state()` reads the data position after it."""
+
+    produce: Callable[[int, int], Any]
+    data_state: Callable[[], dict]
+    max_staleness: int
+    buffer_steps: int
+    timeout_s: float
+    first_step: int
+    """The first step the thread makes a batch for (the run's step + 1)."""
+    engine_version: int
+    """The step whose weights the engine holds (moved by `synced`)."""
+    last_step: int
+    engine: threading.RLock = field(default_factory=threading.RLock)
+    consumed_data_state: dict | None = None
+    """The data position after the last consumed batch (None before the first)."""
+
+    def __post_init__(self) -> None:
+        self._buffer: queue.Queue = queue.Queue(maxsize=self.buffer_steps)
+        self._version = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vlmrl-rollout", daemon=True)
+        self._thread.start()
+
+    # ---- the rollout thread
+
+    def _run(self) -> None:
+        step = self.first_step
+        try:
+            while step <= self.last_step and not self._stop.is_set():
+                begin = time.perf_counter()
+                with self._version:  # the weights this batch may be sampled with at the oldest
+                    while self.engine_version < step - 1 - self.max_staleness and not self._stop.is_set():
+                        self._version.wait(0.2)
+                if self._stop.is_set():
+                    return
+                waited = time.perf_counter() - begin
+                with self.engine:
+                    version = self.engine_version
+                    start = time.perf_counter()
+                    rollout = self.produce(step, version)
+                    made = Produced(step, version, rollout, self.data_state(), time.perf_counter() - start, waited)
+                if not self._put(made):
+                    return
+                step += 1
+        except BaseException as error:  # noqa: BLE001 - handed to the trainer, which raises it
+            self._put(_Failed(step, error))
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._buffer.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # ---- the trainer's side
+
+    def take(self, step: int) -> tuple[Produced, dict[str, float]]:
+        """Step `step`'s batch and the async/* metrics of taking it. Raises RolloutWorkerError when the rollout
+        thread failed or gave nothing within timeout_s."""
+        depth = self._buffer.qsize()
+        begin = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                item = self._buffer.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._buffer.empty():
+                    raise RolloutWorkerError(f"step {step}: the rollout thread ended without a batch") from None
+                if time.monotonic() > deadline:
+                    raise RolloutWorkerError(f"step {step}: no batch from the rollout thread within rollout.timeout_s="
+                                             f"{self.timeout_s:g} s") from None
+        if isinstance(item, _Failed):
+            raise RolloutWorkerError(f"the rollout thread failed making step {item.step}'s batch: "
+                                     f"{type(item.error).__name__}: {item.error}") from item.error
+        if item.step != step:
+            raise RolloutWorkerError(f"the rollout thread made step {item.step}'s batch where step {step}'s was due")
+        staleness = step - 1 - item.version
+        if not 0 <= staleness <= self.max_staleness:  # the gate above makes this impossible: a bug if it happens
+            raise RolloutWorkerError(f"step {step}: a batch sampled with step {item.version}'s weights is {staleness} "
+                                     f"steps stale, beyond trainer.async_rollout.max_staleness={self.max_staleness}")
+        self.consumed_data_state = item.data_state
+        return item, {"async/staleness": float(staleness), "async/buffer_depth": float(depth),
+                      "async/trainer_wait_s": time.perf_counter() - begin,
+                      "async/rollout_wait_s": item.waited_s, "async/generate_s": item.generate_s}
+
+    def synced(self, version: int) -> None:
+        """The engine now holds step `version`'s weights: the rollout thread may start the batches they allow."""
+        with self._version:
+            self.engine_version = version
+            self._version.notify_all()
+
+    def close(self) -> None:
+        """Stop the rollout thread (a batch in flight finishes first, within rollout.timeout_s)."""
+        self._stop.set()
+        with self._version:
+            self._version.notify_all()
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            logger.warning("the rollout thread did not stop within %.0f s; leaving it (a daemon thread)",
+                           self.timeout_s)
+
+
+CONSUMED_FILE = "async_consumed.jsonl"
+"""OUTPUT_DIR/async_consumed.jsonl: one line per step the trainer trained on in the asynchronous placement: the step,
+the version of the weights its batch was sampled with, its staleness and its prompts' dataset rows."""
+
+
+def append_consumed(output_dir, step: int, version: int, rows: list[int]) -> None:
+    """One line of CONSUMED_FILE (a resumed run truncates it to its checkpoint, as metrics.jsonl)."""
+    import json
+    from pathlib import Path
+
+    line = json.dumps({"step": step, "engine_version": version, "staleness": step - 1 - version, "rows": rows})
+    with open(Path(output_dir) / CONSUMED_FILE, "a") as handle:
+        handle.write(line + "\n")
