@@ -33,15 +33,8 @@ DROPPED = 15
 def test_a_dropped_weight_sync_in_the_demo_is_a_jump_with_the_cause_weights(tmp_path, monkeypatch, caplog):
     """The demo as `make demo` runs it (vLLM, its format warm-up, 16 prompts x 8 samples), for 30 steps, with the sync
     after step 15 falling on the floor without an error."""
-    real_sync = Actor.sync_weights
-    calls = []
-
-    def sync_dropping_one(self, backend):  # call 1 is the format warm-up's sync (step 0), call k + 1 step k's
-        calls.append(len(calls) + 1)
-        if len(calls) != DROPPED + 1:
-            real_sync(self, backend)
-
-    monkeypatch.setattr(Actor, "sync_weights", sync_dropping_one)
+    # call 1 is the format warm-up's sync (step 0), call k + 1 step k's
+    monkeypatch.setattr(Actor, "sync_weights", _dropping(DROPPED + 1))
     out = tmp_path / "run"
     with caplog.at_level(logging.WARNING, logger="vlmrl.trainer.fit"):
         fit(load_config([f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic.yaml'}",
@@ -80,6 +73,19 @@ def test_a_dropped_weight_sync_in_the_demo_is_a_jump_with_the_cause_weights(tmp_
     assert all(0.9 < p.landed_fraction < 1.1 for p in judged), "every other sync landed"
     assert [p["step"] for p in report["failed_probes"]] == [DROPPED]
     assert all("weight_probe/max_abs_dlogp" in row for row in rows)
+
+
+def _dropping(call: int):
+    """Actor.sync_weights whose `call`-th call falls on the floor without an error (the others sync)."""
+    real_sync = Actor.sync_weights
+    calls = []
+
+    def sync(self, backend):
+        calls.append(1)
+        if len(calls) != call:
+            real_sync(self, backend)
+
+    return sync
 
 
 def _holding_back(step: int, fragment: str):
@@ -129,15 +135,7 @@ def test_a_sync_that_landed_partly_is_named_by_the_probe_where_the_load_count_se
 
 def test_weight_probe_action_error_stops_the_run_at_the_step_whose_sync_did_not_land(tiny_model_path, tmp_path,
                                                                                     monkeypatch):
-    real_sync = Actor.sync_weights
-    calls = []
-
-    def sync_dropping_the_second(self, backend):
-        calls.append(1)
-        if len(calls) != 2:
-            real_sync(self, backend)
-
-    monkeypatch.setattr(Actor, "sync_weights", sync_dropping_the_second)
+    monkeypatch.setattr(Actor, "sync_weights", _dropping(2))
     out = tmp_path / "run"
     with pytest.raises(WeightProbeError, match=r"step 2: weight probe stale: .*the sync did not land"):
         fit(load_config(base_args(tiny_model_path, out, "trainer.total_steps=4", "trainer.test_freq=-1",

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmrl.alignment.diff import _first_difference
 from vlmrl.atomic import write_text_atomically
 
 PROBE_KIND = "vlmrl.weight_probe"
@@ -115,15 +116,6 @@ def tolerance_for(engine_dtype: str, trainer_dtype: str) -> tuple[float, float]:
     return BAND_TOLERANCE, BAND_NOISE
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def judge(step: int, engine_version: int, token_ids: list[int], engine_logprobs: list[float],
           trainer_logprobs: list[float], tolerance: float, reference: ProbeRecord | None = None,
           noise_floor: float = MIN_NOISE) -> ProbeRecord:
@@ -155,7 +147,8 @@ def judge(step: int, engine_version: int, token_ids: list[int], engine_logprobs:
     noise = max(noise, noise_floor, MIN_NOISE)
     compared, trainer_moved, engine_moved, fraction = 0, None, None, None
     if reference is not None:
-        compared = _common_prefix(token_ids, reference.token_ids)
+        split = _first_difference(token_ids, reference.token_ids)
+        compared = len(token_ids) if split is None else split
         if compared:
             d_trainer = trainer[:compared] - np.asarray(reference.trainer_logprobs[:compared], dtype=np.float64)
             d_engine = engine[:compared] - np.asarray(reference.engine_logprobs[:compared], dtype=np.float64)

@@ -25,12 +25,14 @@ deadline); on a 2-core CPU the rollout then takes one core and the trainer the o
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -176,9 +178,6 @@ the version of the weights its batch was sampled with, its staleness and its pro
 
 def append_consumed(output_dir, step: int, version: int, rows: list[int]) -> None:
     """One line of CONSUMED_FILE (a resumed run truncates it to its checkpoint, as metrics.jsonl)."""
-    import json
-    from pathlib import Path
-
     line = json.dumps({"step": step, "engine_version": version, "staleness": step - 1 - version, "rows": rows})
     with open(Path(output_dir) / CONSUMED_FILE, "a") as handle:
         handle.write(line + "\n")

@@ -50,6 +50,8 @@ class WeightProbe:
         self.temperature, self.action, self.output_dir = temperature, action, output_dir
         self.state = ProbeState()
         self.last: ProbeRecord | None = None
+        self._prompt = None  # the request's prompt inputs, built once
+        self._dtypes: tuple[str, str, float] | None = None  # (engine, trainer, tolerance): fixed for the run
 
     def state_dict(self) -> dict:
         return self.state.state_dict()
@@ -80,9 +82,12 @@ class WeightProbe:
                            len(result.response_ids), len(result.response_logprobs), backend.name)
             return {}
         trainer = self._trainer_logprobs(actor, result)
-        engine_dtype = backend.options.resolved_dtype(backend.processor.family)
-        trainer_dtype = str(actor.forward_dtype()).removeprefix("torch.")
-        tolerance, self.state.noise_floor = tolerance_for(engine_dtype, trainer_dtype)
+        if self._dtypes is None:  # read once: at dp > 1 the actor's dtype is a call to a worker
+            engine_dtype = backend.options.resolved_dtype(backend.processor.family)
+            trainer_dtype = str(actor.forward_dtype()).removeprefix("torch.")
+            tolerance, self.state.noise_floor = tolerance_for(engine_dtype, trainer_dtype)
+            self._dtypes = engine_dtype, trainer_dtype, tolerance
+        engine_dtype, trainer_dtype, tolerance = self._dtypes
         record = self.last = self.state.judge(step, engine_version, list(result.response_ids),
                                               list(result.response_logprobs), trainer, tolerance)
         if self.output_dir is not None:
@@ -105,15 +110,20 @@ class WeightProbe:
         """The trainer's temperature-1 logprobs of the engine's probe tokens (one row, padding rows up to the dp
         ranks), through the update's logprob pass."""
         processor = self.processor
-        samples = pad_results([processor.prompt_inputs(self.request)], [result],
+        if self._prompt is None:
+            self._prompt = processor.prompt_inputs(self.request)
+        samples = pad_results([self._prompt], [result],
                               prompt_length=self.prompt_length, response_length=self.tokens,
                               pad_token_id=processor.pad_token_id, policy_version=0)
         batch = scored_batch(samples, [0.0], [{}], multiple=actor.dp_size, eos_token_id=processor.eos_token_ids[0],
                              pad_token_id=processor.pad_token_id)
-        actor.set_temperature(1.0)
+        tempered = self.temperature != 1.0  # the actor scores at rollout.temperature; the probe at 1
+        if tempered:
+            actor.set_temperature(1.0)
         try:
             with torch.no_grad():
                 logprobs = actor.compute_logprobs(batch)[0]
         finally:
-            actor.set_temperature(self.temperature)
+            if tempered:
+                actor.set_temperature(self.temperature)
         return logprobs[0, :len(result.response_ids)].double().tolist()
