@@ -392,6 +392,12 @@ class Qwen3VLContract(EngineContract):
     """What an engine must also show on Qwen3-VL: the deepstack mergers' weights reach it (seen images re-encode),
     and a config without `mrope_interleaved` still gives HF's outputs because vlmrl passes the setting."""
 
+    # A variant (marker `full`, make test-all): the weights probe on the second family. make test keeps it on
+    # Qwen2.5-VL (every engine) and Qwen3.5 (bfloat16, vLLM and SGLang): the same probe, the same sync paths.
+    @pytest.mark.full
+    def test_the_weight_probe_tells_a_stale_a_partial_and_a_landed_sync(self, backend, batch):
+        super().test_the_weight_probe_tells_a_stale_a_partial_and_a_landed_sync(backend, batch)
+
     def test_deepstack_merger_sync_reencodes_seen_images(self, backend, hf, batch):
         state = perturbed_mergers(clone_state(hf.model), ".deepstack_merger_list.")
         assert_sync_changes_seen_images_like_hf(backend, hf, batch, state, "perturbed deepstack mergers")

@@ -225,7 +225,11 @@ def test_dynamic_sampling_trains_only_groups_with_signal_and_resumes_bit_exactly
     assert sum(r["batch/groups_dropped"] for r in got[1:]) > 0
 
 
+# A variant (marker `full`, make test-all): a short vLLM run whose checkpoint vLLM validates. make test keeps the demo's
+# vLLM runs (test_demo_config_learns_the_synthetic_task, and tests/trainer/test_drift_fit.py, which checks the
+# trainer/engine mismatch of every step) and vLLM loading a run's checkpoint (tests/trainer/test_lora_fit.py).
 @pytest.mark.vllm
+@pytest.mark.full
 def test_short_run_on_vllm_and_its_checkpoint_loads_in_vllm(tiny_model_path, tmp_path):
     out = tmp_path / "vllm"
     fit(load_config(base_args(tiny_model_path, out, "rollout.name=vllm", "trainer.total_steps=2",

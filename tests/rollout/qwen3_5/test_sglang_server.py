@@ -20,7 +20,11 @@ def backend(sglang_server_qwen3_5):
 
 
 class TestSGLangServerQwen3_5(Qwen3_5Contract):
-    pass
+    # A variant (marker `full`, make test-all): the weights probe through a launched server on Qwen3.5. make test keeps
+    # it on Qwen3.5's vLLM and in-process SGLang engines, and through a launched server on Qwen2.5-VL.
+    @pytest.mark.full
+    def test_the_weight_probe_tells_a_stale_a_partial_and_a_landed_sync(self, backend, batch):
+        super().test_the_weight_probe_tells_a_stale_a_partial_and_a_landed_sync(backend, batch)
 
 
 def test_the_server_runs_with_the_familys_flags(backend):
