@@ -2,6 +2,7 @@
 by side on the demo (examples/configs/tiny_synthetic.yaml: vLLM, 16 prompts x 8 samples).
 
     .venv/bin/python benchmarks/bench_async.py [--steps 30] [--backend vllm] [--max-staleness 1] [--long-tail]
+                                               [--pin] [--workers N]
 
 Both runs do the demo's format warm-up (seeded: the same in both) and use the same seeds and settings; only the
 placement differs. The rate is samples trained on per second over steps 3..N
@@ -9,7 +10,9 @@ placement differs. The rate is samples trained on per second over steps 3..N
 48 tokens instead of the demo's 6, with no format warm-up, so a step's rollout is longer than its update (the
 random-init model ends a response at a random point: long-tailed lengths). The async run's staleness histogram and
 the mismatch it trains with are printed next to the ratio. The trainer runs at `trainer.torch_threads=1`, so on 2
-CPU cores the engine's thread can take the other core.
+CPU cores the engine's thread can take the other core. --workers N: the async run's engine in N rollout workers
+(trainer.async_rollout.rollout_workers, Ray actors: processes of their own); with --pin their processes go on core
+1, the trainer on core 0.
 """
 
 from __future__ import annotations
@@ -63,28 +66,39 @@ def main() -> int:
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--pin", action="store_true", help="trainer on core 0, the engine's threads on core 1 "
                         "(VLLM_CPU_OMP_THREADS_BIND=1; needs VLLM_ENABLE_V1_MULTIPROCESSING=1)")
+    parser.add_argument("--workers", type=int, default=0, help="the async run's engine in this many rollout workers")
     args = parser.parse_args()
     if args.pin:  # every thread of the engine's processes on core 1, the trainer's on core 0
         import psutil
 
+        import vlmrl.distributed.rollout_workers as workers_module
         import vlmrl.trainer.fit as fit_module
+
+        def pin(pids: list[int]) -> None:
+            engines = [psutil.Process(pid) for pid in pids]
+            engines += [child for p in engines for child in p.children(recursive=True)]
+            if not engines:
+                raise SystemExit("--pin needs the engine in processes of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1, "
+                                 "--backend sglang-server, or --workers 1)")
+            for process in engines:
+                for thread in process.threads():
+                    os.sched_setaffinity(thread.id, {1})
+            os.sched_setaffinity(0, {0})  # this thread (the trainer) and the threads it starts later: core 0
 
         start = fit_module.start_run_backend
 
         def start_then_pin(*a, **k):
             backend = start(*a, **k)
-            engines = [psutil.Process(pid) for pid in backend.engine_pids]
-            engines += [child for p in engines for child in p.children(recursive=True)]
-            if not engines:
-                raise SystemExit("--pin needs the engine in processes of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1, "
-                                 "or --backend sglang-server)")
-            for process in engines:
-                for thread in process.threads():
-                    os.sched_setaffinity(thread.id, {1})
-            os.sched_setaffinity(0, {0})  # this thread (the trainer) and the threads it starts later: core 0
+            pin(backend.engine_pids)
             return backend
 
+        class PinnedWorkers(workers_module.RemoteEngines):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                pin(self.worker_pids)
+
         fit_module.start_run_backend = start_then_pin
+        workers_module.RemoteEngines = PinnedWorkers
     config = ROOT / "examples" / "configs" / "tiny_synthetic.yaml"
     common = [f"config={config}", f"rollout.name={args.backend}", f"trainer.total_steps={args.steps}",
               "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
@@ -93,8 +107,9 @@ def main() -> int:
         common += ["data.max_response_length=48", "trainer.format_warmup_steps=0"]
     results = {}
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-async-") as tmp:
-        for name, extra in (("sync", []), ("async", ["trainer.async_rollout.enable=true",
-                                                      f"trainer.async_rollout.max_staleness={args.max_staleness}"])):
+        placement = ["trainer.async_rollout.enable=true", f"trainer.async_rollout.max_staleness={args.max_staleness}",
+                     f"trainer.async_rollout.rollout_workers={args.workers}"]
+        for name, extra in (("sync", []), ("async", placement)):
             results[name] = run([*common, *extra], Path(tmp) / name, first_timed=2)
             r = results[name]
             print(f"{name:5s}: {r['samples_per_s']:.1f} samples/s ({r['samples']} samples in {r['seconds']:.1f} s; "
@@ -102,7 +117,8 @@ def main() -> int:
                   f"mean mismatch/k3 {r['k3_mean']:.3g}", flush=True)
     ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     print(f"async / sync: {ratio:.2f}x samples trained on per second ({args.backend}, {args.steps} steps, "
-          f"max_staleness {args.max_staleness}{', long-tailed responses' if args.long_tail else ''})")
+          f"max_staleness {args.max_staleness}{', long-tailed responses' if args.long_tail else ''}"
+          f"{f', {args.workers} rollout worker(s)' if args.workers else ''})")
     if args.json:
         Path(args.json).write_text(json.dumps({"ratio": ratio, **results, "args": vars(args)}, indent=1) + "\n")
     return 0

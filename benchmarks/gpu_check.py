@@ -106,7 +106,13 @@ class GpuMemory:
             self._thread.join()
 
 
-def run_backend(name: str, model_dir: Path, out: Path, args) -> dict:
+ASYNC = ["trainer.async_rollout.enable=true", "trainer.async_rollout.max_staleness=1",
+         "trainer.async_rollout.rollout_workers=1", "algorithm.rollout_correction=token_tis"]
+"""--async: the asynchronous placement beside each colocated run, its engine a rollout worker on GPU 1 (on a one-GPU
+machine both share GPU 0)."""
+
+
+def run_backend(name: str, model_dir: Path, out: Path, args, placement: list[str] | None = None) -> dict:
     overrides = [
         "config=examples/configs/tiny_synthetic.yaml", f"actor.model_path={model_dir}", f"rollout.name={name}",
         f"trainer.total_steps={args.steps}", "trainer.format_warmup_steps=0", "trainer.val_before_train=false",
@@ -116,6 +122,7 @@ def run_backend(name: str, model_dir: Path, out: Path, args) -> dict:
         f"actor.ppo_micro_batch_size_per_gpu={args.micro}", "rollout.dtype=auto", "actor.compute_dtype=auto",
         f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}", "rollout.timeout_s=1800",
         f"actor.gradient_checkpointing={str(not args.tiny).lower()}", f"actor.padding_free={str(args.padding_free).lower()}",
+        *(placement or []),
     ]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     start = time.perf_counter()
@@ -124,7 +131,7 @@ def run_backend(name: str, model_dir: Path, out: Path, args) -> dict:
         code = proc.wait()
     wall = time.perf_counter() - start
     if code != 0:
-        return {"backend": name, "error": f"exit code {code} (see {out})"}
+        return {"backend": name + (" async" if placement else ""), "error": f"exit code {code} (see {out})"}
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [m for m in lines if "timing/step" in m and "timing/update" in m]
     last = steps[1:] or steps  # the first step pays compilation / CUDA-graph capture
@@ -132,7 +139,9 @@ def run_backend(name: str, model_dir: Path, out: Path, args) -> dict:
     mfu = [m["throughput/mfu_actor"] for m in last if m.get("throughput/mfu_actor") is not None]
     train_mib = memory.peaks.get(proc.pid, 0)
     rollout_mib = sum(v for pid, v in memory.peaks.items() if pid != proc.pid)
-    return {"backend": name, "steps": len(steps), "step_s": mean("timing/step"), "rollout_s": mean("timing/rollout"),
+    return {"backend": name + (" async" if placement else ""), "steps": len(steps),
+            "samples_per_s": sum(m["batch/real_rows"] for m in last) / sum(m["timing/step"] for m in last),
+            "step_s": mean("timing/step"), "rollout_s": mean("timing/rollout"),
             "update_s": mean("timing/update"), "sync_s": mean("timing/weight_sync"),
             "tokens_per_s_per_gpu": mean("throughput/tokens_per_s_per_gpu"),
             "mfu_actor": sum(mfu) / len(mfu) if mfu else None,
@@ -154,6 +163,8 @@ def main() -> None:
     parser.add_argument("--padding-free", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--out", default="")
+    parser.add_argument("--async", dest="async_placement", action="store_true",
+                        help="also the asynchronous placement (a rollout worker on its own GPU) after each backend")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="vlmrl-gpu-check-"))
     start = time.perf_counter()
@@ -168,6 +179,12 @@ def main() -> None:
             continue
         results.append(run_backend(name, model_dir, out / name, args))
         print(json.dumps(results[-1]), flush=True)
+        if args.async_placement:
+            results.append(run_backend(name, model_dir, out / f"{name}-async", args, ASYNC))
+            print(json.dumps(results[-1]), flush=True)
+            if "error" not in results[-1] and "error" not in results[-2]:
+                print(f"{name}: async / colocated samples per second "
+                      f"{results[-1]['samples_per_s'] / results[-2]['samples_per_s']:.2f}x", flush=True)
     print(f"\n{args.prompts} prompts x n={args.n}, responses up to {args.response} tokens, {args.steps} steps "
           "(means over the steps after the first)")
     print("| backend | tokens/s/GPU (prompt+response) | MFU (update) | update TFLOP/s/GPU | response tokens/s | step | "

@@ -267,6 +267,9 @@ def cross_section_problems(config: Config) -> list[str]:
          "partial groups between steps. Set algorithm.dynamic_sampling=false or agent.enable=false")
     if t.async_rollout.enable:
         problems += async_problems(config)
+    elif t.async_rollout.rollout_workers > 0:
+        problems.append(f"trainer.async_rollout.rollout_workers={t.async_rollout.rollout_workers} places the engines "
+                        "of the asynchronous placement: set trainer.async_rollout.enable=true")
     if config.agent.enable:
         problems += agent_problems(config)
     return problems
@@ -281,8 +284,13 @@ def async_problems(config: Config) -> list[str]:
         if not ok:
             problems.append(message)
 
-    need(config.derived.world_size == 1, "trainer.async_rollout runs on one training device for now: set "
-         "trainer.n_gpus_per_node=1 and trainer.nnodes=1, or async_rollout.enable=false")
+    need(config.derived.world_size == 1 or t.async_rollout.rollout_workers > 0,
+         "trainer.async_rollout at dp > 1 needs rollout workers of their own (the training workers' colocated "
+         "engines would wait on the update): set trainer.async_rollout.rollout_workers >= 1, or "
+         "trainer.n_gpus_per_node=1 and trainer.nnodes=1")
+    need(not (config.derived.world_size > 1 and t.async_rollout.rollout_workers > 0 and config.actor.lora.enabled),
+         "trainer.async_rollout with rollout workers at dp > 1 syncs full weights: actor.lora is not supported there "
+         "yet")
     need(not config.agent.enable, "trainer.async_rollout takes the plain rollout: agent.enable=true keeps its own "
          "partial rollout (agent.partial); set one of them off")
     need(not al.dynamic_sampling, "trainer.async_rollout draws one batch per step: algorithm.dynamic_sampling's "

@@ -14,7 +14,7 @@ from tests.trainer.test_fit import _comparable, _straight_and_killed_then_resume
 from vlmrl.alignment.drift_artifact import read_drift
 from vlmrl.config import ConfigError, load_config
 from vlmrl.rollout.base import RolloutBackend
-from vlmrl.trainer.async_rollout import CONSUMED_FILE, RolloutWorkerError
+from vlmrl.trainer.async_rollout import CONSUMED_FILE, RolloutWorkerError, read_buffer, responses_digest
 from vlmrl.trainer.fit import fit
 from vlmrl.trainer.metrics import read_metrics
 
@@ -69,10 +69,11 @@ def test_the_rollout_thread_runs_ahead_within_the_staleness_bound(tiny_model_pat
 
 @pytest.mark.slow
 def test_kill_9_during_an_async_run_and_resume_trains_on_every_prompt_once(tiny_model_path, tmp_path):
-    """Killed after the step-2 checkpoint while the rollout thread had drawn further: the resumed run draws the
-    unconsumed batches again, so steps 1-5 train on the uninterrupted run's prompts, each batch once."""
+    """Killed after the step-2 checkpoint while the rollout thread had drawn further: the resumed run trains first on
+    the batches the checkpoint kept (their samples and versions as made), then draws on after them, so steps 1-5
+    train on the uninterrupted run's prompts, each batch once."""
     common = ["trainer.total_steps=5", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
-              *CORRECTED, ASYNC, "trainer.async_rollout.max_staleness=1"]
+              "trainer.max_ckpt_to_keep=3", *CORRECTED, ASYNC, "trainer.async_rollout.max_staleness=1"]
     expected, got = _straight_and_killed_then_resumed(tiny_model_path, tmp_path, *common)
     assert [r["step"] for r in got] == [r["step"] for r in expected] == [1, 2, 3, 4, 5]
     straight, resumed = _consumed(tmp_path / "straight"), _consumed(tmp_path / "killed")
@@ -80,6 +81,13 @@ def test_kill_9_during_an_async_run_and_resume_trains_on_every_prompt_once(tiny_
     assert [c["rows"] for c in resumed] == [c["rows"] for c in straight]
     rows = [row for c in resumed for row in c["rows"]]
     assert len(rows) == len(set(rows)) == 5 * 4, "20 distinct prompts: none lost, none twice"
+    # The batches the step-2 checkpoint kept are trained on as they were sampled: same version, same tokens.
+    kept = read_buffer(tmp_path / "killed" / "checkpoints" / "global_step_2")
+    assert kept and [b["step"] for b in kept] == list(range(3, 3 + len(kept))), "the rollout thread was ahead"
+    by_step = {c["step"]: c for c in resumed}
+    for batch in kept:
+        assert by_step[batch["step"]]["engine_version"] == batch["version"]
+        assert by_step[batch["step"]]["responses"] == responses_digest(batch["results"])
 
 
 def test_a_failing_rollout_thread_stops_the_run_with_its_error(tiny_model_path, tmp_path, monkeypatch):
@@ -104,7 +112,7 @@ def test_a_failing_rollout_thread_stops_the_run_with_its_error(tiny_model_path, 
 
 
 @pytest.mark.parametrize(("settings", "says"), [
-    (["trainer.n_gpus_per_node=2"], "runs on one training device for now"),
+    (["trainer.n_gpus_per_node=2"], "at dp > 1 needs rollout workers of their own"),
     (["agent.enable=true"], "takes the plain rollout"),
     (["algorithm.dynamic_sampling=true"], "dynamic_sampling's extra draws"),
     (["algorithm.rollout_correction=off"], "need the rollout importance-sampling correction"),

@@ -44,14 +44,14 @@ from vlmrl.utils.sequences import split_evenly
 logger = logging.getLogger(__name__)
 
 # Workers of a `ray start` cluster do not inherit the driver's environment: engine and collective settings travel along.
-_FORWARDED_ENV = ("VLLM_", "SGLANG_", "VLMRL_", "TOKENIZERS_", "OMP_", "HF_", "TRANSFORMERS_", "NCCL_", "GLOO_",
+FORWARDED_ENV = ("VLLM_", "SGLANG_", "VLMRL_", "TOKENIZERS_", "OMP_", "HF_", "TRANSFORMERS_", "NCCL_", "GLOO_",
                   "TORCH_NCCL_", "CUDA_LAUNCH")
 CPUS_PER_WORKER = 1  # the CPUs each worker's bundle reserves
 
 
-def ensure_ray(cluster: TrainerConfig) -> None:
+def ensure_ray(workers: int) -> None:
     """Connect to (or start) Ray once per process: the cluster at $RAY_ADDRESS (`auto` = the one started on this
-    node with `ray start`), else a local one with a CPU per worker."""
+    node with `ray start`), else a local one with a CPU per worker (`workers` of them)."""
     import ray
 
     if ray.is_initialized():
@@ -61,7 +61,7 @@ def ensure_ray(cluster: TrainerConfig) -> None:
         ray.init(address=address, log_to_driver=True)
         logger.info("joined the Ray cluster at %s: %s", address, ray.cluster_resources())
     else:
-        ray.init(num_cpus=cluster.world_size * CPUS_PER_WORKER, include_dashboard=False, log_to_driver=True)
+        ray.init(num_cpus=workers * CPUS_PER_WORKER, include_dashboard=False, log_to_driver=True)
         logger.info("started a local Ray cluster: %s", ray.cluster_resources())
 
 
@@ -89,7 +89,7 @@ class DistributedActor:
         self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
         self.closed = False
         self.workers: list = []
-        ensure_ray(cluster)
+        ensure_ray(cluster.world_size)
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         bundle = {"CPU": CPUS_PER_WORKER, **({"GPU": 1} if use_gpu else {})}
         self.placement = placement_group([dict(bundle) for _ in range(cluster.world_size)], strategy="PACK")
@@ -110,7 +110,7 @@ class DistributedActor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cluster = self.cluster
-        env = {key: value for key, value in os.environ.items() if key.startswith(_FORWARDED_ENV)}
+        env = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_ENV)}
         remote_cls = ray.remote(TrainWorker)
         workers = [
             remote_cls.options(
@@ -262,7 +262,15 @@ class DistributedActor:
     def sync_weights(self, backend: RolloutBackend) -> int:
         """Load the actor's current weights into every engine, gathered from the shards on the workers themselves:
         nothing goes through the driver. `backend` (the run's `ColocatedEngines`) only counts the load (the engines
-        live in the workers). Returns the number of tensors each engine loaded."""
+        live in the workers). Returns the number of tensors each engine loaded.
+
+        A group built without engines (its rollout engines are rollout workers of their own,
+        `vlmrl.distributed.rollout_workers.RemoteEngines`) gathers the full weights to the driver and loads them
+        through `backend.update_weights`, bucketed as every backend's sync is."""
+        if self.spec.engine is None:
+            named = list(self.named_tensors())
+            backend.update_weights(named)
+            return len(named)
         loaded = max(self._each("sync_weights", [()] * self.dp_size, "weight sync"))
         backend.weights_loaded()
         return loaded

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from vlmrl.config import Config, TrainerConfig
 from vlmrl.distributed.engines import ColocatedEngines
 from vlmrl.distributed.group import DistributedActor
@@ -32,12 +34,18 @@ def worker_spec(config: Config, total_steps: int, init_path: str | None = None) 
 
 
 def start_distributed(config: Config, total_steps: int, init_path: str | None = None,
-                      cluster: TrainerConfig | None = None) -> tuple[DistributedActor, ColocatedEngines]:
+                      cluster: TrainerConfig | None = None, engines: bool = True
+                      ) -> tuple[DistributedActor, ColocatedEngines | None]:
     """Start trainer.n_gpus_per_node x trainer.nnodes workers (joining the Ray cluster at $RAY_ADDRESS when set)
-    and return the actor and its engines as a rollout backend. Close the backend to stop everything."""
-    actor = DistributedActor(cluster or config.trainer, worker_spec(config, total_steps, init_path),
+    and return the actor and its engines as a rollout backend. Close the backend to stop everything. `engines=False`:
+    the workers only train (the run's engines are rollout workers of their own); the backend is then None and the
+    actor is closed by itself."""
+    spec = worker_spec(config, total_steps, init_path)
+    if not engines:
+        spec = replace(spec, engine=None)
+    actor = DistributedActor(cluster or config.trainer, spec,
                              mini_batch_samples=config.derived.mini_batch_samples,
                              timeout_s=config.rollout.timeout_s,
                              # worker setup starts the engine too: its deadline plus the actor's loading
                              startup_timeout_s=config.rollout.start_timeout_s + 300.0)
-    return actor, ColocatedEngines(actor)
+    return actor, ColocatedEngines(actor) if engines else None

@@ -12,10 +12,11 @@ rollout thread of its own while the trainer updates on the last one.
 - **The engine is shared.** One lock (`engine`) orders the rollout thread's generate calls with the trainer's weight
   sync, weights probe and validation: a sync waits for the batch in flight, which finishes on the old weights (its
   version says so) and is counted (`async/sync_wait_s`); validation runs on one fixed version.
-- **Data position.** The rollout thread draws the prompts; a checkpoint saves the data position after the last
-  batch the trainer consumed (`consumed_data_state`), so a resumed run draws the unconsumed batches again, each
-  prompt once: none lost, none twice. What was generated but not consumed is discarded and generated again from the
-  resumed weights.
+- **Checkpoints.** The rollout thread draws the prompts. A checkpoint keeps the batches made and not yet taken
+  (`pending`, BUFFER_FILE: their samples and the versions that sampled them) and the data position after the last
+  of them; a resumed run trains on those first, as the uninterrupted run would have, and the thread draws on after
+  them. A batch in flight at the checkpoint is not kept: its prompts are drawn again (the data position is the one
+  after the last kept batch). None lost, none twice.
 - **Failures.** An error on the rollout thread reaches the trainer at its next take, with the thread's traceback
   as its cause; a batch that does not come within rollout.timeout_s is an error too. Never a hang.
 
@@ -25,6 +26,7 @@ deadline); on a 2-core CPU the rollout then takes one core and the trainer the o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import queue
@@ -34,6 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from vlmrl.atomic import write_text_atomically
+from vlmrl.types import RolloutResult
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +86,13 @@ class AsyncRollout:
     engine: threading.RLock = field(default_factory=threading.RLock)
     consumed_data_state: dict | None = None
     """The data position after the last consumed batch (None before the first)."""
+    preload: list[Produced] = field(default_factory=list)
+    """Batches a checkpoint kept (steps first_step - len(preload) ..): taken before the thread's own."""
 
     def __post_init__(self) -> None:
-        self._buffer: queue.Queue = queue.Queue(maxsize=self.buffer_steps)
+        self._buffer: queue.Queue = queue.Queue(maxsize=max(self.buffer_steps, len(self.preload)))
+        for item in self.preload:
+            self._buffer.put(item)
         self._version = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vlmrl-rollout", daemon=True)
@@ -154,6 +163,17 @@ class AsyncRollout:
                       "async/trainer_wait_s": time.perf_counter() - begin,
                       "async/rollout_wait_s": item.waited_s, "async/generate_s": item.generate_s}
 
+    def pending(self) -> list[Produced]:
+        """The batches made and not taken yet, in step order (what a checkpoint keeps); the thread goes on."""
+        with self._buffer.mutex:
+            items = list(self._buffer.queue)
+        out = []
+        for item in items:
+            if not isinstance(item, Produced):
+                break  # a failure: the trainer raises it at its next take
+            out.append(item)
+        return out
+
     def synced(self, version: int) -> None:
         """The engine now holds step `version`'s weights: the rollout thread may start the batches they allow."""
         with self._version:
@@ -176,8 +196,52 @@ CONSUMED_FILE = "async_consumed.jsonl"
 the version of the weights its batch was sampled with, its staleness and its prompts' dataset rows."""
 
 
-def append_consumed(output_dir, step: int, version: int, rows: list[int]) -> None:
-    """One line of CONSUMED_FILE (a resumed run truncates it to its checkpoint, as metrics.jsonl)."""
-    line = json.dumps({"step": step, "engine_version": version, "staleness": step - 1 - version, "rows": rows})
+def append_consumed(output_dir, step: int, version: int, rows: list[int], results: list[RolloutResult]) -> None:
+    """One line of CONSUMED_FILE (a resumed run truncates it to its checkpoint, as metrics.jsonl); `responses` is a
+    digest of the batch's sampled tokens (`responses_digest`)."""
+    line = json.dumps({"step": step, "engine_version": version, "staleness": step - 1 - version, "rows": rows,
+                       "responses": responses_digest(results)})
     with open(Path(output_dir) / CONSUMED_FILE, "a") as handle:
         handle.write(line + "\n")
+
+
+def responses_digest(results: list[RolloutResult]) -> str:
+    """sha256 of a batch's sampled token ids and their logprobs, request-major: two batches with the same digest
+    trained on the same samples."""
+    payload = json.dumps([[r.response_ids, r.response_logprobs, r.finish_reason] for r in results])
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+BUFFER_FILE = "async_buffer.json"
+"""In a checkpoint: the batches the rollout thread had made and the trainer not yet taken, each with its step, the
+version of the weights that sampled it, its dataset rows, the data position after it and the engine's results
+(token ids, logprobs, finish reasons; JSON, no pickle). A resumed run trains on them first."""
+BUFFER_FORMAT = 1
+
+
+def buffer_records(items: list[Produced]) -> list[dict]:
+    """What `write_buffer` keeps of each buffered batch."""
+    return [{"step": p.step, "version": p.version, "rows": list(p.rollout.rows), "data_state": p.data_state,
+             "generate_s": p.generate_s,
+             "results": [{"uid": r.uid, "sample_index": r.sample_index, "response_ids": list(r.response_ids),
+                          "response_logprobs": list(r.response_logprobs), "finish_reason": r.finish_reason}
+                         for r in p.rollout.results]}
+            for p in items]
+
+
+def write_buffer(folder: Path, records: list[dict]) -> None:
+    write_text_atomically(Path(folder) / BUFFER_FILE, json.dumps({"format": BUFFER_FORMAT, "batches": records}))
+
+
+def read_buffer(folder: Path) -> list[dict] | None:
+    """The buffered batches of a checkpoint (results as RolloutResults), or None when it kept none (a synchronous
+    run's, or one written before checkpoints kept the buffer)."""
+    path = Path(folder) / BUFFER_FILE
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    if saved.get("format") != BUFFER_FORMAT:
+        raise ValueError(f"{path}: format {saved.get('format')!r}; this vlmrl reads format {BUFFER_FORMAT}")
+    for record in saved["batches"]:
+        record["results"] = [RolloutResult(**r) for r in record["results"]]
+    return saved["batches"]

@@ -25,6 +25,13 @@ class AsyncRolloutConfig:
     batch from the weights just synced: the synchronous run's schedule, and its metrics exactly."""
     buffer_steps: int = 2
     """Batches the rollout thread may hold ready ahead of the trainer."""
+    rollout_workers: int = 0
+    """0: the engine runs in the trainer's process (its rollout thread calls it there). N >= 1: N rollout workers,
+    each an engine in a Ray actor of its own (its own process; on a GPU node its own device, GPU k + 1, the trainer
+    keeping GPU 0), the batch's requests split between them (`vlmrl.distributed.rollout_workers`)."""
+    worker_restarts: int = 1
+    """How many times in a run a rollout worker that died is started again (given the last synced weights, its
+    requests generated again); after that a worker's death stops the run with an error naming it."""
 
     def problems(self) -> list[str]:
         out = []
@@ -32,6 +39,9 @@ class AsyncRolloutConfig:
             out.append(f"trainer.async_rollout.max_staleness={self.max_staleness} must be >= 0")
         if self.buffer_steps < 1:
             out.append(f"trainer.async_rollout.buffer_steps={self.buffer_steps} must be >= 1")
+        if self.rollout_workers < 0 or self.worker_restarts < 0:
+            out.append(f"trainer.async_rollout.rollout_workers={self.rollout_workers} and worker_restarts="
+                       f"{self.worker_restarts} must be >= 0")
         return out
 
 

@@ -49,9 +49,18 @@ from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_c
 from vlmrl.trainer.throughput import throughput_metrics
 from vlmrl.trainer.validation import load_val_dataset, run_validation, validate_with
 from vlmrl.trainer.warmup import format_warmup
-from vlmrl.trainer.async_rollout import CONSUMED_FILE, AsyncRollout, append_consumed
+from vlmrl.trainer.async_rollout import (
+    BUFFER_FILE,
+    CONSUMED_FILE,
+    AsyncRollout,
+    Produced,
+    append_consumed,
+    buffer_records,
+    read_buffer,
+    write_buffer,
+)
 from vlmrl.trainer.weight_probe import WeightProbe
-from vlmrl.types import RolloutRequest, Sample, SamplingParams, TrainBatch
+from vlmrl.types import RolloutRequest, RolloutResult, Sample, SamplingParams, TrainBatch
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +113,9 @@ class Run:
     """The weights probe after every sync (trainer.weight_probe_tokens > 0)."""
     async_rollout: AsyncRollout | None = None
     """The rollout thread of the asynchronous placement (trainer.async_rollout.enable), started at step 1's rollout."""
+    restored_batches: list = field(default_factory=list)
+    """The asynchronous placement's batches a checkpoint kept (`restore_buffer`): the resumed thread's buffer
+    starts with them."""
 
     def engine(self):
         """The engine to itself while the block runs: the rollout thread's lock in the asynchronous placement (a
@@ -215,6 +227,10 @@ class Rollout:
     filtered: int
     engine_version: int = 0
     """The step whose weights the engine held when it generated the batch."""
+    rows: list[int] = field(default_factory=list)
+    """The dataset rows drawn for it (a plain rollout's; the filtered ones included)."""
+    results: list[RolloutResult] = field(default_factory=list)
+    """The engine's results, request-major (a plain rollout's): what a checkpoint of the async buffer keeps."""
 
 
 def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
@@ -413,32 +429,72 @@ def async_rollout(run: Run, step: int) -> Rollout:
     the format warm-up and step 0's validation are done), with its async/* metrics."""
     if run.async_rollout is None:
         a = run.config.trainer.async_rollout
+        preload, run.restored_batches = run.restored_batches, []
+        if preload:  # the thread draws on after the batches a checkpoint kept
+            run.sampler.load_state_dict(preload[-1].data_state)
         run.async_rollout = AsyncRollout(
             produce=lambda s, version: plain_rollout(run, s, training_sampling(run.config, s), policy_version=version),
             data_state=run.sampler.state_dict, max_staleness=a.max_staleness, buffer_steps=a.buffer_steps,
-            timeout_s=run.config.rollout.timeout_s, first_step=step, engine_version=run.engine_version,
-            last_step=run.total_steps)
+            timeout_s=run.config.rollout.timeout_s, first_step=step + len(preload), engine_version=run.engine_version,
+            last_step=run.total_steps, preload=preload)
     produced, metrics = run.async_rollout.take(step)
+    if run.config.trainer.async_rollout.rollout_workers > 0:  # RemoteEngines: workers started again after dying
+        metrics["async/worker_restarts"] = float(run.parts.backend.restarts)
     produced.rollout.metrics.update(metrics)
-    append_consumed(run.output_dir, step, produced.version, [r.index for r in produced.rollout.requests])
+    append_consumed(run.output_dir, step, produced.version, [r.index for r in produced.rollout.requests],
+                    produced.rollout.results)
     return produced.rollout
 
 
 def plain_rollout(run: Run, step: int, sampling: SamplingParams, policy_version: int | None = None) -> Rollout:
     """The next batch of prompts, generated in one backend call and padded per sample. `policy_version`: the step
     whose weights the engine holds (default step - 1: the synchronous loop's)."""
-    built = build_requests(run.parts.processor, run.train_data, next(run.sampler))
+    rows = list(next(run.sampler))
+    built = build_requests(run.parts.processor, run.train_data, rows)
     if not built.requests:
         raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
     version = run.engine_version
     results = run.parts.backend.generate(built.requests, sampling)
+    return finish_rollout(run, built, rows, results, version, step - 1 if policy_version is None else policy_version)
+
+
+def finish_rollout(run: Run, built, rows: list[int], results: list[RolloutResult], engine_version: int,
+                   policy_version: int) -> Rollout:
+    """A plain rollout from its requests (`build_requests` of `rows`) and the engine's results: padded per sample,
+    the responses decoded."""
     d = run.config.data
     samples = pad_results([run.parts.processor.prompt_inputs(r) for r in built.requests], results,
                           prompt_length=d.max_prompt_length, response_length=d.max_response_length,
-                          pad_token_id=run.parts.processor.pad_token_id,
-                          policy_version=step - 1 if policy_version is None else policy_version)
+                          pad_token_id=run.parts.processor.pad_token_id, policy_version=policy_version)
     texts = response_texts(run.parts.processor.tokenizer, results)
-    return Rollout(built.requests, samples, texts, {}, built.num_skipped, version)
+    return Rollout(built.requests, samples, texts, {}, built.num_skipped, engine_version, rows, results)
+
+
+def restore_buffer(run: Run, records: list[dict], checkpoint: Path) -> list[Produced]:
+    """The batches a checkpoint kept of the asynchronous placement's buffer (`write_buffer`), rebuilt from their
+    rows and results: the resumed run trains on them with the versions that sampled them, as the uninterrupted run
+    would have. A batch the resumed settings no longer allow (older than max_staleness) and every one after it are
+    dropped, counted in the log, and drawn again."""
+    kept: list[Produced] = []
+    bound = run.config.trainer.async_rollout.max_staleness
+    for record in records:
+        step = run.step + 1 + len(kept)
+        if record["step"] != step or step - 1 - record["version"] > bound:
+            logger.warning("%s: %d of the %d buffered batches are dropped (step %d's, sampled with step %d's weights, "
+                           "is beyond trainer.async_rollout.max_staleness=%d or out of order): drawn again",
+                           checkpoint, len(records) - len(kept), len(records), record["step"], record["version"],
+                           bound)
+            break
+        built = build_requests(run.parts.processor, run.train_data, record["rows"])
+        results = record["results"]
+        n = len(results) // max(1, len(built.requests))
+        if not built.requests or n * len(built.requests) != len(results):
+            raise ValueError(f"{checkpoint / BUFFER_FILE}: step {step}'s batch has {len(results)} results for "
+                             f"{len(built.requests)} requests of rows {record['rows']}: the data changed since")
+        results = [replace(r, uid=built.requests[i // n].uid) for i, r in enumerate(results)]  # uids are per run
+        rollout = finish_rollout(run, built, record["rows"], results, record["version"], record["version"])
+        kept.append(Produced(step, record["version"], rollout, record["data_state"], record["generate_s"], 0.0))
+    return kept
 
 
 def agent_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
@@ -550,7 +606,18 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     reward_fn = load_reward_fn(config.reward, sources)
     dp_size = config.derived.world_size
     actor: PolicyActor
-    if dp_size > 1:  # Ray workers with FSDP2-sharded actors and colocated engines; the loop stays the same
+    workers = t.async_rollout.rollout_workers if t.async_rollout.enable else 0
+    if dp_size > 1 and workers > 0:  # Ray workers that only train, beside rollout workers of their own
+        from vlmrl.distributed.group import ensure_ray
+        from vlmrl.distributed.launch import start_distributed
+
+        ensure_ray(dp_size + workers)  # a local cluster: a CPU for each
+        actor, _ = start_distributed(config, total_steps, init_path, engines=False)
+        opened.append(actor.close)
+        backend = start_rollout_workers(config, None if config.actor.lora.enabled else init_path)
+        backend.close_after.append(actor.close)  # the run closes its backend: the training workers go with it
+        opened.append(backend.close)
+    elif dp_size > 1:  # Ray workers with FSDP2-sharded actors and colocated engines; the loop stays the same
         from vlmrl.distributed.launch import start_distributed
 
         actor, backend = start_distributed(config, total_steps, init_path)
@@ -561,8 +628,11 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         # A resumed backend starts from the checkpoint folder (HF format): weights already in sync. With LoRA it
         # starts on the base model (an adapter applies to the base) and gets the policy's weights below.
         # asynchronous: the engine generates while the actor trains, so it never gives its memory back to it
-        backend = start_run_backend(config, model_path=None if config.actor.lora.enabled else init_path,
-                                    colocated=not t.async_rollout.enable)
+        start_path = None if config.actor.lora.enabled else init_path
+        if workers > 0:  # engines in processes of their own
+            backend = start_rollout_workers(config, start_path)
+        else:
+            backend = start_run_backend(config, model_path=start_path, colocated=not t.async_rollout.enable)
         opened.append(backend.close)
     if checkpoint is not None and config.actor.lora.enabled:
         actor.sync_weights(backend)
@@ -594,12 +664,28 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         run.probe = WeightProbe.for_run(config, processor, train_data, output_dir)
         if checkpoint is not None and "weight_probe" in info:  # judge the next probe as the uninterrupted run does
             run.probe.load_state_dict(info["weight_probe"])
+    if checkpoint is not None and t.async_rollout.enable:
+        records = read_buffer(checkpoint)
+        if records is not None:
+            run.restored_batches = restore_buffer(run, records, checkpoint)
     if config.agent.enable:
         parts.agent, run.prompts = start_agent(config, backend, processor), PromptQueue(sampler)
         opened.append(parts.agent.close)
         if checkpoint is not None:
             resume_agent(run, checkpoint, info)
     return run
+
+
+def start_rollout_workers(config: Config, start_path: str | None):
+    """The asynchronous placement's rollout workers (trainer.async_rollout.rollout_workers), their engines started
+    on `start_path` (a checkpoint) or the actor's model."""
+    from vlmrl.distributed.rollout_workers import RemoteEngines, WorkerSpec
+
+    t = config.trainer
+    spec = WorkerSpec(config.rollout, start_path or config.actor.model_path, max_model_len=config.derived.max_model_len,
+                      seed=t.seed, lora=config.actor.lora, torch_threads=t.torch_threads)
+    return RemoteEngines(spec, workers=t.async_rollout.rollout_workers, restarts=t.async_rollout.worker_restarts,
+                         first_device=config.derived.world_size)
 
 
 def check_requests(config: Config, processor: Processor, train_data: RLDataset, first_batch: list[int],
@@ -664,10 +750,14 @@ def save(run: Run) -> Path:
         info["weight_probe"] = run.probe.state_dict()
     agent = run.parts.agent
 
-    def write_extra(folder: Path) -> None:  # the LoRA adapter (with LoRA) and the agent's carried groups
+    buffered = buffer_records(run.async_rollout.pending()) if run.async_rollout is not None else None
+
+    def write_extra(folder: Path) -> None:  # the LoRA adapter, the agent's carried groups, the async buffer
         run.actor.save_adapter(folder)
         if agent is not None:
             agent.save_carried(folder)
+        if buffered is not None:
+            write_buffer(folder, buffered)
 
     path = save_checkpoint(
         run.output_dir, run.step, model, run.config.actor.model_path,
