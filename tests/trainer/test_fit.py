@@ -299,7 +299,12 @@ def test_demo_config_learns_the_synthetic_task(tmp_path, model):
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
 
 
+# A variant (marker `full`, make test-all; 100 s on 2 cores): the video task's learning run. make test keeps the
+# image demo's learning run above, the video task through fit (tests/trainer/test_qwen3_vl.py::
+# test_the_video_task_runs_through_fit) and the video contract on every engine (tests/rollout/test_video_*.py: the
+# engines see the frames and timing HF sees, greedy equal to HF).
 @pytest.mark.slow
+@pytest.mark.full
 def test_demo_recipe_learns_the_video_task(tmp_path):
     """The demo's recipe on the synthetic last_colour video task (the shape changes colour halfway; both colours are
     in the video, so the frames' order decides): validation accuracy rises >= 0.3 above its step-0 value (chance,
