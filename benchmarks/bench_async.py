@@ -54,7 +54,9 @@ def run(overrides: list[str], out: Path, first_timed: int) -> dict:
             "staleness": dict(sorted(staleness.items())),
             "k3_mean": sum(r.get("mismatch/k3", 0.0) for r in rows) / len(rows),
             "rollout_s": sum(r["timing/rollout"] for r in rows) / len(rows),
-            "update_s": sum(r["timing/update"] for r in rows) / len(rows)}
+            "update_s": sum(r["timing/update"] for r in rows) / len(rows),
+            **{f"{key.split('/')[-1]}_s": sum(r.get(key, 0.0) for r in rows) / len(rows)
+               for key in ("timing/weight_sync", "timing/weight_probe", "async/trainer_wait_s", "timing/step")}}
 
 
 def main() -> int:
@@ -113,7 +115,8 @@ def main() -> int:
             results[name] = run([*common, *extra], Path(tmp) / name, first_timed=2)
             r = results[name]
             print(f"{name:5s}: {r['samples_per_s']:.1f} samples/s ({r['samples']} samples in {r['seconds']:.1f} s; "
-                  f"rollout {r['rollout_s']:.3f} s, update {r['update_s']:.3f} s a step); staleness {r['staleness']}; "
+                  f"rollout {r['rollout_s']:.3f} s, update {r['update_s']:.3f} s, sync {r['weight_sync_s']:.3f} s, probe "
+                  f"{r['weight_probe_s']:.3f} s, step {r['step_s']:.3f} s); staleness {r['staleness']}; "
                   f"mean mismatch/k3 {r['k3_mean']:.3g}", flush=True)
     ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     print(f"async / sync: {ratio:.2f}x samples trained on per second ({args.backend}, {args.steps} steps, "
