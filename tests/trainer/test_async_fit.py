@@ -68,6 +68,24 @@ def test_the_rollout_thread_runs_ahead_within_the_staleness_bound(tiny_model_pat
     assert [r["step"] for r in rows if "val/accuracy" in r] == [0, 3, 6]
 
 
+def test_a_sync_interrupts_the_batch_in_flight_at_its_next_segment(tiny_model_path, tmp_path):
+    """interrupt_tokens=2 with responses of 16 tokens (a batch takes longer than an update): the sync after each
+    update finds the next batch in flight and goes in at its next 2-token boundary; that batch's open samples go on
+    with the new weights. Every probe is still in sync (it runs before the batch goes on), and no batch is older
+    than the bound by its first segment's version."""
+    out = tmp_path / "run"
+    fit(load_config(base_args(tiny_model_path, out, "trainer.total_steps=5", "trainer.test_freq=-1",
+                              "trainer.val_before_train=false", "data.max_response_length=16", *CORRECTED, ASYNC,
+                              "trainer.async_rollout.max_staleness=1", "trainer.async_rollout.interrupt_tokens=2")))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["weight_probe/in_sync"] == 1.0 and r["async/staleness"] <= 1 for r in rows)
+    found = [r["async/sync_found_in_flight"] for r in rows]
+    interrupts = [r["async/interrupts"] for r in rows]
+    assert sum(found) >= 2 and interrupts[-1] >= 2 and interrupts == sorted(interrupts), (found, interrupts)
+    assert sum(r["async/mixed_version_samples"] for r in rows) > 0, "an interrupted batch has samples of two versions"
+
+
 @pytest.mark.slow
 def test_kill_9_during_an_async_run_and_resume_trains_on_every_prompt_once(tiny_model_path, tmp_path):
     """Killed after the step-2 checkpoint while the rollout thread had drawn further: the resumed run trains first on
@@ -119,7 +137,8 @@ def test_a_failing_rollout_thread_stops_the_run_with_its_error(tiny_model_path, 
     (["algorithm.rollout_correction=off"], "need the rollout importance-sampling correction"),
     (["rollout.vllm.enable_sleep_mode=true"], "never frees its memory"),
     (["trainer.async_rollout.max_staleness=-1"], "max_staleness=-1 must be >= 0"),
-    (["trainer.async_rollout.buffer_steps=0"], "buffer_steps=0 must be >= 1")])
+    (["trainer.async_rollout.buffer_steps=0"], "buffer_steps=0 must be >= 1"),
+    (["trainer.async_rollout.interrupt_tokens=-1"], "interrupt_tokens=-1 must be >= 0")])
 def test_what_the_async_placement_cannot_run_with_is_refused_at_load(settings, says):
     with pytest.raises(ConfigError, match=says):
         load_config(["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic", ASYNC,

@@ -26,6 +26,7 @@ deadline); on a 2-core CPU the rollout then takes one core and the trainer the o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -90,6 +91,12 @@ class AsyncRollout:
     """Batches a checkpoint kept (steps first_step - len(preload) ..): taken before the thread's own."""
 
     def __post_init__(self) -> None:
+        self.in_flight = False
+        """A batch is being generated (read by the trainer before it takes the engine)."""
+        self.interrupts = 0
+        """Trainer calls (syncs, probes, validations) let in between two segments of a batch in flight."""
+        self._waiting = 0  # trainer calls waiting for the engine (`exclusive`)
+        self._waiting_lock = threading.Lock()
         self._buffer: queue.Queue = queue.Queue(maxsize=max(self.buffer_steps, len(self.preload)))
         for item in self.preload:
             self._buffer.put(item)
@@ -114,7 +121,11 @@ class AsyncRollout:
                 with self.engine:
                     version = self.engine_version
                     start = time.perf_counter()
-                    rollout = self.produce(step, version)
+                    self.in_flight = True
+                    try:
+                        rollout = self.produce(step, version)
+                    finally:
+                        self.in_flight = False
                     made = Produced(step, version, rollout, self.data_state(), time.perf_counter() - start, waited)
                 if not self._put(made):
                     return
@@ -162,6 +173,32 @@ class AsyncRollout:
         return item, {"async/staleness": float(staleness), "async/buffer_depth": float(depth),
                       "async/trainer_wait_s": time.perf_counter() - begin,
                       "async/rollout_wait_s": item.waited_s, "async/generate_s": item.generate_s}
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """The engine to the trainer while the block runs: after the batch in flight, or (interrupt_tokens) at its
+        next segment boundary, where the rollout thread lets waiting calls in (`let_in`)."""
+        with self._waiting_lock:
+            self._waiting += 1
+        try:
+            with self.engine:
+                yield
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+
+    def let_in(self) -> int:
+        """Called by the rollout thread between two segments of a batch (holding the engine): lets the trainer's
+        waiting calls run first, then returns the version of the weights the engine holds."""
+        if self._waiting > 0:
+            self.engine.release()
+            try:
+                while self._waiting > 0 and not self._stop.is_set():
+                    time.sleep(0.002)
+            finally:
+                self.engine.acquire()
+            self.interrupts += 1
+        return self.engine_version
 
     def pending(self) -> list[Produced]:
         """The batches made and not taken yet, in step order (what a checkpoint keeps); the thread goes on."""

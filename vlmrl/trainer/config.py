@@ -29,6 +29,11 @@ class AsyncRolloutConfig:
     """0: the engine runs in the trainer's process (its rollout thread calls it there). N >= 1: N rollout workers,
     each an engine in a Ray actor of its own (its own process; on a GPU node its own device, GPU k + 1, the trainer
     keeping GPU 0), the batch's requests split between them (`vlmrl.distributed.rollout_workers`)."""
+    interrupt_tokens: int = 0
+    """0: a batch in flight when a weight sync comes finishes on the old weights first (its version says so). N > 0:
+    the rollout generates in segments of N tokens and a sync (or probe, or validation) interrupts the batch in
+    flight at its next segment boundary; its unfinished samples go on with the new weights, each token's logprob
+    the one its weights gave (`vlmrl.rollout.segments`). A sample's version is its first segment's."""
     worker_restarts: int = 1
     """How many times in a run a rollout worker that died is started again (given the last synced weights, its
     requests generated again); after that a worker's death stops the run with an error naming it."""
@@ -39,9 +44,9 @@ class AsyncRolloutConfig:
             out.append(f"trainer.async_rollout.max_staleness={self.max_staleness} must be >= 0")
         if self.buffer_steps < 1:
             out.append(f"trainer.async_rollout.buffer_steps={self.buffer_steps} must be >= 1")
-        if self.rollout_workers < 0 or self.worker_restarts < 0:
-            out.append(f"trainer.async_rollout.rollout_workers={self.rollout_workers} and worker_restarts="
-                       f"{self.worker_restarts} must be >= 0")
+        if self.rollout_workers < 0 or self.worker_restarts < 0 or self.interrupt_tokens < 0:
+            out.append(f"trainer.async_rollout.rollout_workers={self.rollout_workers}, worker_restarts="
+                       f"{self.worker_restarts} and interrupt_tokens={self.interrupt_tokens} must be >= 0")
         return out
 
 

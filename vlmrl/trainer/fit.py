@@ -34,6 +34,7 @@ from vlmrl.config import Config, to_dict, to_yaml
 from vlmrl.data import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset, sequential_batches
 from vlmrl.processors import Processor
 from vlmrl.rewards import TIMEOUT_KEY, close_reward_workers, load_reward_fn, response_texts, score_texts
+from vlmrl.rollout.segments import generate_in_segments
 from vlmrl.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint_state,
@@ -113,14 +114,18 @@ class Run:
     """The weights probe after every sync (trainer.weight_probe_tokens > 0)."""
     async_rollout: AsyncRollout | None = None
     """The rollout thread of the asynchronous placement (trainer.async_rollout.enable), started at step 1's rollout."""
+    dropped_batches: int = 0
+    """Batches a checkpoint kept that the resumed settings do not allow (`restore_buffer`), for the next step's
+    async/dropped_batches."""
     restored_batches: list = field(default_factory=list)
     """The asynchronous placement's batches a checkpoint kept (`restore_buffer`): the resumed thread's buffer
     starts with them."""
 
     def engine(self):
-        """The engine to itself while the block runs: the rollout thread's lock in the asynchronous placement (a
-        batch in flight finishes first), nothing to wait for otherwise."""
-        return self.async_rollout.engine if self.async_rollout is not None else contextlib.nullcontext()
+        """The engine to itself while the block runs: in the asynchronous placement after the rollout thread's batch
+        in flight (or at its next segment boundary, trainer.async_rollout.interrupt_tokens), nothing to wait for
+        otherwise."""
+        return self.async_rollout.exclusive() if self.async_rollout is not None else contextlib.nullcontext()
 
     def data_state(self) -> dict:
         """The data position a checkpoint keeps: after the last batch trained on (the rollout thread may have drawn
@@ -266,6 +271,7 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     with timer("update"):
         actor_metrics = run.actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights)
     waiting = time.perf_counter()
+    in_flight = run.async_rollout is not None and run.async_rollout.in_flight
     with run.engine():  # the sync and the probe of what it left, with no batch of the rollout thread in between
         waited = time.perf_counter() - waiting  # for the batch in flight (asynchronous placement)
         with timer("weight_sync"):
@@ -276,7 +282,8 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
             with timer("weight_probe"):
                 metrics.update(run.probe(run.actor, backend, step, run.engine_version))
         if run.async_rollout is not None:
-            metrics["async/sync_wait_s"] = waited
+            # a batch in flight finished on the old weights first, or (interrupt_tokens) goes on with the new ones
+            metrics.update({"async/sync_wait_s": waited, "async/sync_found_in_flight": float(in_flight)})
             run.async_rollout.synced(run.engine_version)
     return metrics
 
@@ -433,29 +440,46 @@ def async_rollout(run: Run, step: int) -> Rollout:
         if preload:  # the thread draws on after the batches a checkpoint kept
             run.sampler.load_state_dict(preload[-1].data_state)
         run.async_rollout = AsyncRollout(
-            produce=lambda s, version: plain_rollout(run, s, training_sampling(run.config, s), policy_version=version),
+            produce=lambda s, version: plain_rollout(run, s, training_sampling(run.config, s), policy_version=version,
+                                                     segment_tokens=a.interrupt_tokens),
             data_state=run.sampler.state_dict, max_staleness=a.max_staleness, buffer_steps=a.buffer_steps,
             timeout_s=run.config.rollout.timeout_s, first_step=step + len(preload), engine_version=run.engine_version,
             last_step=run.total_steps, preload=preload)
     produced, metrics = run.async_rollout.take(step)
     if run.config.trainer.async_rollout.rollout_workers > 0:  # RemoteEngines: workers started again after dying
         metrics["async/worker_restarts"] = float(run.parts.backend.restarts)
+    if run.config.trainer.async_rollout.interrupt_tokens > 0:
+        metrics["async/interrupts"] = float(run.async_rollout.interrupts)  # over the run
+    if run.dropped_batches:  # kept by the checkpoint, beyond the resumed bound: drawn again
+        metrics["async/dropped_batches"], run.dropped_batches = float(run.dropped_batches), 0
     produced.rollout.metrics.update(metrics)
     append_consumed(run.output_dir, step, produced.version, [r.index for r in produced.rollout.requests],
                     produced.rollout.results)
     return produced.rollout
 
 
-def plain_rollout(run: Run, step: int, sampling: SamplingParams, policy_version: int | None = None) -> Rollout:
+def plain_rollout(run: Run, step: int, sampling: SamplingParams, policy_version: int | None = None,
+                  segment_tokens: int = 0) -> Rollout:
     """The next batch of prompts, generated in one backend call and padded per sample. `policy_version`: the step
-    whose weights the engine holds (default step - 1: the synchronous loop's)."""
+    whose weights the engine holds (default step - 1: the synchronous loop's). `segment_tokens` > 0 (the
+    asynchronous placement's interrupt_tokens): generated in segments, the trainer's waiting calls let in between
+    them (`vlmrl.rollout.segments`); its samples whose segments had different weights are counted
+    (async/mixed_version_samples)."""
     rows = list(next(run.sampler))
     built = build_requests(run.parts.processor, run.train_data, rows)
     if not built.requests:
         raise ValueError(f"step {step}: every prompt of the batch was filtered (over data.max_prompt_length?)")
     version = run.engine_version
-    results = run.parts.backend.generate(built.requests, sampling)
-    return finish_rollout(run, built, rows, results, version, step - 1 if policy_version is None else policy_version)
+    if segment_tokens > 0:
+        results, versions = generate_in_segments(run.parts.backend, built.requests, sampling, segment_tokens,
+                                                 version, between=run.async_rollout.let_in)
+    else:
+        results = run.parts.backend.generate(built.requests, sampling)
+    rollout = finish_rollout(run, built, rows, results, version,
+                             step - 1 if policy_version is None else policy_version)
+    if segment_tokens > 0:
+        rollout.metrics["async/mixed_version_samples"] = float(sum(first != last for first, last in versions))
+    return rollout
 
 
 def finish_rollout(run: Run, built, rows: list[int], results: list[RolloutResult], engine_version: int,
@@ -477,6 +501,7 @@ def restore_buffer(run: Run, records: list[dict], checkpoint: Path) -> list[Prod
     dropped, counted in the log, and drawn again."""
     kept: list[Produced] = []
     bound = run.config.trainer.async_rollout.max_staleness
+    run.dropped_batches = 0
     for record in records:
         step = run.step + 1 + len(kept)
         if record["step"] != step or step - 1 - record["version"] > bound:
@@ -484,6 +509,7 @@ def restore_buffer(run: Run, records: list[dict], checkpoint: Path) -> list[Prod
                            "is beyond trainer.async_rollout.max_staleness=%d or out of order): drawn again",
                            checkpoint, len(records) - len(kept), len(records), record["step"], record["version"],
                            bound)
+            run.dropped_batches = len(records) - len(kept)
             break
         built = build_requests(run.parts.processor, run.train_data, record["rows"])
         results = record["results"]
