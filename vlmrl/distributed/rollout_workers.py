@@ -17,7 +17,7 @@ while the trainer updates in its own, with no interpreter shared between the two
   (trainer.async_rollout.worker_restarts times in a run), given the last synced weights, and its run of requests is
   generated again with the same seeds; once the restarts are used up, the call fails with EngineDeadError naming the
   worker. A call that overruns rollout.timeout_s fails with EngineTimeoutError. Never a hang.
-- **Devices.** On a node with GPUs the trainer's come first (GPU 0 at dp = 1, in the driver; 0..dp-1 at dp > 1) and
+- **Devices.** The workers run on the driver's node. On a node with GPUs the trainer's come first (GPU 0 at dp = 1, in the driver; 0..dp-1 at dp > 1) and
   worker k gets the next, GPU dp + k (`CUDA_VISIBLE_DEVICES`, set for it; Ray does not assign it), modulo the node's
   GPUs: on one GPU the worker shares it with the trainer. On CPU each worker reserves one Ray CPU.
 """
@@ -145,13 +145,16 @@ class RemoteEngines(RolloutBackend):
 
     def _spawn(self, index: int):
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         env = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_ENV)}
         if self.use_gpu:  # the trainer's GPUs come first; on a node with too few GPUs some share one
             device = (self.first_device + index) % max(1, torch.cuda.device_count())
             env.update({"CUDA_VISIBLE_DEVICES": str(device), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
+        # on the driver's node: the GPUs counted above are its own, and an adapter folder it writes is readable
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         remote = ray.remote(RolloutWorker).options(num_cpus=1, num_gpus=0, max_restarts=0, max_concurrency=1,
-                                                   runtime_env={"env_vars": env})
+                                                   scheduling_strategy=here, runtime_env={"env_vars": env})
         return remote.remote(self.spec, index)
 
     def _wait_started(self, indices: Iterable[int]) -> None:

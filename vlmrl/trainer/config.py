@@ -26,9 +26,10 @@ class AsyncRolloutConfig:
     buffer_steps: int = 2
     """Batches the rollout thread may hold ready ahead of the trainer."""
     rollout_workers: int = 0
-    """0: the engine runs in the trainer's process (its rollout thread calls it there). N >= 1: N rollout workers,
-    each an engine in a Ray actor of its own (its own process; on a GPU node its own device, GPU k + 1, the trainer
-    keeping GPU 0), the batch's requests split between them (`vlmrl.distributed.rollout_workers`)."""
+    """0: the engine runs in the trainer's process (its rollout thread calls it there). N >= 1: N rollout workers on
+    the driver's node, each an engine in a Ray actor of its own (its own process; on a GPU node its own device, the
+    one after the trainer's: GPU dp + k), the batch's requests split between them
+    (`vlmrl.distributed.rollout_workers`)."""
     interrupt_tokens: int = 0
     """0: a batch in flight when a weight sync comes finishes on the old weights first (its version says so). N > 0:
     the rollout generates in segments of N tokens and a sync (or probe, or validation) interrupts the batch in
