@@ -2,7 +2,8 @@
 by side on the demo (examples/configs/tiny_synthetic.yaml: vLLM, 16 prompts x 8 samples).
 
     .venv/bin/python benchmarks/bench_async.py [--steps 30] [--backend vllm] [--max-staleness 1] [--long-tail]
-                                               [--pin] [--workers N]
+                                               [--pin] [--workers N] [--correction token_tis]
+                                               [--sync-correction off]
 
 Both runs do the demo's format warm-up (seeded: the same in both) and use the same seeds and settings; only the
 placement differs. The rate is samples trained on per second over steps 3..N
@@ -12,7 +13,10 @@ random-init model ends a response at a random point: long-tailed lengths). The a
 the mismatch it trains with are printed next to the ratio. The trainer runs at `trainer.torch_threads=1`, so on 2
 CPU cores the engine's thread can take the other core. --workers N: the async run's engine in N rollout workers
 (trainer.async_rollout.rollout_workers, Ray actors: processes of their own); with --pin their processes go on core
-1, the trainer on core 0.
+1, the trainer on core 0. --correction: the algorithm.rollout_correction of both runs (default token_tis, which
+recomputes the old logprobs: one forward pass more a step); --sync-correction: another one for the synchronous run
+(the demo's own is off). `bypass` (verl's bypass mode) anchors the update on the engine's logprobs with no
+recomputing pass.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ def main() -> int:
     parser.add_argument("--pin", action="store_true", help="trainer on core 0, the engine's threads on core 1 "
                         "(VLLM_CPU_OMP_THREADS_BIND=1; needs VLLM_ENABLE_V1_MULTIPROCESSING=1)")
     parser.add_argument("--workers", type=int, default=0, help="the async run's engine in this many rollout workers")
+    parser.add_argument("--correction", default="token_tis", help="algorithm.rollout_correction of both runs")
+    parser.add_argument("--sync-correction", help="algorithm.rollout_correction of the synchronous run")
     args = parser.parse_args()
     if args.pin:  # every thread of the engine's processes on core 1, the trainer's on core 0
         import psutil
@@ -104,14 +110,16 @@ def main() -> int:
     config = ROOT / "examples" / "configs" / "tiny_synthetic.yaml"
     common = [f"config={config}", f"rollout.name={args.backend}", f"trainer.total_steps={args.steps}",
               "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
-              "algorithm.rollout_correction=token_tis", "trainer.torch_threads=1"]
+              "trainer.torch_threads=1"]
     if args.long_tail:
         common += ["data.max_response_length=48", "trainer.format_warmup_steps=0"]
     results = {}
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-async-") as tmp:
         placement = ["trainer.async_rollout.enable=true", f"trainer.async_rollout.max_staleness={args.max_staleness}",
-                     f"trainer.async_rollout.rollout_workers={args.workers}"]
-        for name, extra in (("sync", []), ("async", placement)):
+                     f"trainer.async_rollout.rollout_workers={args.workers}",
+                     f"algorithm.rollout_correction={args.correction}"]
+        synchronous = [f"algorithm.rollout_correction={args.sync_correction or args.correction}"]
+        for name, extra in (("sync", synchronous), ("async", placement)):
             results[name] = run([*common, *extra], Path(tmp) / name, first_timed=2)
             r = results[name]
             print(f"{name:5s}: {r['samples_per_s']:.1f} samples/s ({r['samples']} samples in {r['seconds']:.1f} s; "
@@ -121,7 +129,8 @@ def main() -> int:
     ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     print(f"async / sync: {ratio:.2f}x samples trained on per second ({args.backend}, {args.steps} steps, "
           f"max_staleness {args.max_staleness}{', long-tailed responses' if args.long_tail else ''}"
-          f"{f', {args.workers} rollout worker(s)' if args.workers else ''})")
+          f"{f', {args.workers} rollout worker(s)' if args.workers else ''}; correction {args.correction}"
+          f"{f', synchronous {args.sync_correction}' if args.sync_correction else ''})")
     if args.json:
         Path(args.json).write_text(json.dumps({"ratio": ratio, **results, "args": vars(args)}, indent=1) + "\n")
     return 0

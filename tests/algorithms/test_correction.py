@@ -107,7 +107,9 @@ def test_rejects_unknown_modes_and_bad_bands():
         rollout_correction(*args, "token_icepop", token_low=0.5, token_high=0.9)
     with pytest.raises(ValueError, match="use mode seq_rs"):
         rollout_correction(*args, "seq_mis", seq_ratio="geometric")
-    assert ROLLOUT_CORRECTIONS == ("off", "token_tis", "token_icepop", "seq_mis", "seq_rs")
+    assert ROLLOUT_CORRECTIONS == ("off", "token_tis", "token_icepop", "seq_mis", "seq_rs", "bypass")
+    bypass = rollout_correction(*args, "bypass")  # the ratio itself corrects (fit.py anchors it): no weights here
+    assert torch.equal(bypass.weights, (args[2] != 0).to(bypass.weights.dtype)) and bypass.mask is args[2]
 
 
 def test_verl_mask_mode_case():

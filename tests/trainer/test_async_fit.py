@@ -86,6 +86,28 @@ def test_a_sync_interrupts_the_batch_in_flight_at_its_next_segment(tiny_model_pa
     assert sum(r["async/mixed_version_samples"] for r in rows) > 0, "an interrupted batch has samples of two versions"
 
 
+def test_bypass_anchors_the_update_on_the_engines_logprobs_without_a_recomputing_pass(tiny_model_path, tmp_path):
+    """algorithm.rollout_correction=bypass (verl's bypass mode): no old-logprob pass. Synchronous on the fp32 hf
+    engine (its logprobs are the trainer's to ~1e-6) it trains as token_tis does, its PPO ratio 1 to 1e-5; in the
+    asynchronous placement the same, every batch within the bound and every probe in sync."""
+    common = ["trainer.total_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+              "rollout.temperature=1.0"]
+    fit(load_config(base_args(tiny_model_path, tmp_path / "tis", *common, "algorithm.rollout_correction=token_tis")))
+    fit(load_config(base_args(tiny_model_path, tmp_path / "bypass", *common, "algorithm.rollout_correction=bypass")))
+    tis, bypass = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("tis", "bypass"))
+    assert all("timing/old_logprobs" in r for r in tis) and not any("timing/old_logprobs" in r for r in bypass)
+    assert not any(key.startswith("rollout_correction/") for r in bypass for key in r)
+    for a, b in zip(tis, bypass):
+        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], abs=1e-5)
+        assert abs(b["actor/ratio_mean"] - 1) < 1e-5
+    stale = tmp_path / "stale"
+    fit(load_config(base_args(tiny_model_path, stale, "trainer.total_steps=4", *common[1:],
+                              "algorithm.rollout_correction=bypass", ASYNC, "trainer.async_rollout.max_staleness=1")))
+    rows = read_metrics(stale / "metrics.jsonl")
+    assert sum(r["async/staleness"] for r in rows) >= 2 and all(r["async/staleness"] <= 1 for r in rows)
+    assert all(r["weight_probe/in_sync"] == 1.0 and "timing/old_logprobs" not in r for r in rows)
+
+
 @pytest.mark.slow
 def test_kill_9_during_an_async_run_and_resume_trains_on_every_prompt_once(tiny_model_path, tmp_path):
     """Killed after the step-2 checkpoint while the rollout thread had drawn further: the resumed run trains first on

@@ -16,7 +16,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 """Loss aggregation modes of `vlmrl.algorithms.aggregation` (actor.loss_agg_mode)."""
 POLICY_LOSSES = ("ppo-clip", "gspo", "cispo", "sapo")
 """Policy losses of `vlmrl.algorithms.policy_loss` (actor.policy_loss)."""
-ROLLOUT_CORRECTIONS = ("off", "token_tis", "token_icepop", "seq_mis", "seq_rs")
+ROLLOUT_CORRECTIONS = ("off", "token_tis", "token_icepop", "seq_mis", "seq_rs", "bypass")
 """Rollout corrections of `vlmrl.algorithms.correction` (algorithm.rollout_correction)."""
 SEQ_RATIOS = ("product", "geometric")
 """How seq_rs forms a sequence's ratio (algorithm.rollout_correction_seq_ratio); seq_mis takes the product."""
@@ -32,8 +32,11 @@ class AlgorithmConfig:
     """Correct for the gap between the engine's and the trainer's logprobs (ratio = trainer / engine probability):
     off, token_tis (token weights, truncated at a cap), token_icepop (IcePop: token weights, 0 outside a band),
     seq_mis (Seq-MIS: sequences whose ratio leaves a band are taken out of the loss, the rest weighted by their
-    ratio) or seq_rs (the same rejection, kept sequences weigh 1; or on the geometric mean: Geo-RS). Turn it on when
-    rollout/logprob_abs_diff is not small (bf16 or quantised engine, long responses). Needs rollout.temperature=1."""
+    ratio) or seq_rs (the same rejection, kept sequences weigh 1; or on the geometric mean: Geo-RS); bypass (verl's
+    bypass mode, its ppo_is_bypass preset: the engine's logprobs are the PPO anchor, old = behaviour policy, so the
+    clipped ratio itself corrects, with no recomputed old logprobs and no extra weights: one forward pass fewer a
+    step). Turn it on when rollout/logprob_abs_diff is not small (bf16 or quantised engine, long responses) or the
+    batches are stale (trainer.async_rollout). Needs rollout.temperature=1."""
     rollout_correction_token_cap: float = 2.0
     """token_tis: the largest importance weight (verl's 2.0)."""
     rollout_correction_token_low: float = 0.5

@@ -7,7 +7,8 @@ sequence's. Modes (ROLLOUT_CORRECTIONS): off; token_tis (weight min(rho_t, token
 token_truncate); token_icepop (weight rho_t inside [token_low, token_high], 0 outside: verl's decoupled_token_icepop,
 TRL's token_mask); seq_mis (a sequence whose rho leaves [seq_low, seq_high] is masked out, a kept one weighted by rho:
 verl's Seq-MIS preset, TRL's sequence_mask); seq_rs (the same rejection with weight 1; seq_ratio="geometric" is verl's
-Geo-RS). Bands are inclusive and bound the ratio itself, as verl's rollout_corr_math.md and TRL do (verl's code bounds
+Geo-RS); bypass (no weights here: the fit loop makes the engine's logprobs the update's old logprobs, verl's bypass
+mode, so the PPO ratio pi_theta / pi_rollout is clipped directly). Bands are inclusive and bound the ratio itself, as verl's rollout_corr_math.md and TRL do (verl's code bounds
 1 / rho: the same for symmetric bands). Compared in log space, so no exp() overflows on a long sequence. Apply:
 multiply the policy loss matrix by `weights` and aggregate with `mask`. In full: docs/algorithms.md, "Rollout
 correction".

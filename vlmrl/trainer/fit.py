@@ -253,12 +253,18 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     # so the trainer recomputes old logprobs with the weights about to be updated (verl's recompute).
     carries = cfg.agent.enable and cfg.agent.partial.enable
     # rollout correction compares the engine's logprobs with the trainer's before the update: it needs the pass
-    if carries or cfg.algorithm.rollout_correction != "off" or run.actor.needs_old_logprobs(len(batch)):
+    bypass = cfg.algorithm.rollout_correction == "bypass"
+    if bypass:  # verl's bypass mode: the engine's logprobs anchor the PPO ratio; no recomputing pass
+        if batch.rollout_logprobs is None:
+            raise ValueError(f"algorithm.rollout_correction=bypass needs the engine's logprobs, which backend "
+                             f"{cfg.rollout.name} did not return")
+        old_logprobs = batch.rollout_logprobs
+    elif carries or cfg.algorithm.rollout_correction != "off" or run.actor.needs_old_logprobs(len(batch)):
         with timer("old_logprobs"):
             old_logprobs, _ = run.actor.compute_logprobs(batch)
     if cfg.trainer.drift_fraction > 0 and batch.rollout_logprobs is not None:
-        with timer("drift"):
-            keep_drift_samples(run, batch, old_logprobs, step, collected.engine_version)
+        with timer("drift"):  # bypass: the engine's own logprobs are no trainer measurement; the drift rows get one
+            keep_drift_samples(run, batch, None if bypass else old_logprobs, step, collected.engine_version)
     ref_logprobs = None
     if cfg.actor.use_kl_loss:
         with timer("ref_logprobs"):
@@ -323,7 +329,7 @@ def loss_inputs(config: Config, batch: TrainBatch, old_logprobs: torch.Tensor | 
     (batch, (B, R) weights or None, their metrics: rollout_correction/*, batch/truncated_masked)."""
     al = config.algorithm
     mask, weights, metrics = batch.response_mask, None, {}
-    if al.rollout_correction != "off":
+    if al.rollout_correction not in ("off", "bypass"):  # bypass: old_logprobs are the engine's; the ratio corrects
         if batch.rollout_logprobs is None:
             raise ValueError(f"algorithm.rollout_correction={al.rollout_correction} needs the engine's logprobs, "
                              f"which backend {config.rollout.name} did not return")
