@@ -100,6 +100,10 @@ def test_bypass_anchors_the_update_on_the_engines_logprobs_without_a_recomputing
     for a, b in zip(tis, bypass):
         assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], abs=1e-5)
         assert abs(b["actor/ratio_mean"] - 1) < 1e-5
+        # the trainer/engine gap is still measured (by the update's own forward: the second mini-batch's after the
+        # first optimizer step, so above token_tis's pre-update figure), not old - engine = 0 by construction
+        assert a["rollout/logprob_abs_diff"] < 1e-5 and 0 < b["rollout/logprob_abs_diff"] < 1e-3
+        assert b["mismatch/abs_dlogp_max"] > 0
     stale = tmp_path / "stale"
     fit(load_config(base_args(tiny_model_path, stale, "trainer.total_steps=4", *common[1:],
                               "algorithm.rollout_correction=bypass", ASYNC, "trainer.async_rollout.max_staleness=1")))

@@ -36,10 +36,12 @@ class PolicyActor(Protocol):
         ...
 
     def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-               ref_logprobs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None
-               ) -> dict[str, float]:
+               ref_logprobs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None,
+               old_from_engine: bool = False) -> dict[str, float]:
         """The policy-loss update over the batch (B rows, a multiple of the mini-batch; its response_mask is the
-        loss mask), the loss matrix times `loss_weights` (B, R) when given (rollout correction); returns its
+        loss mask), the loss matrix times `loss_weights` (B, R) when given (rollout correction); `old_from_engine`:
+        old_logprobs are the engine's (algorithm.rollout_correction=bypass), so the trainer/engine comparisons take
+        the update's own forward instead; returns its
         metrics."""
         ...
 

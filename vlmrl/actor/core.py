@@ -384,7 +384,7 @@ class ActorCore:
     def ppo_update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                    ref_logprobs: torch.Tensor | None, mini_batch_rows: int, normalisers: Sequence[torch.Tensor],
                    token_counts: Sequence[torch.Tensor], keep_empty_micro_batches: bool,
-                   loss_weights: torch.Tensor | None = None) -> dict[str, float]:
+                   loss_weights: torch.Tensor | None = None, old_from_engine: bool = False) -> dict[str, float]:
         """Policy-loss updates: ppo_epochs x len(normalisers) optimizer steps, each accumulating micro-batch
         gradients; then one lr-scheduler step (one per training step).
 
@@ -430,7 +430,7 @@ class ActorCore:
                     continue
                 parts = self._accumulate(batch, mini_rows, normaliser, num_tokens, old_logprobs, token_adv,
                                          ref_logprobs, loss_weights, keep_empty_micro_batches,
-                                         mismatch if epoch == 0 else None)
+                                         mismatch if epoch == 0 else None, old_from_engine)
                 empty_micro_batches += int(parts.pop("actor/empty_micro_batches"))
                 grad_norm = self.clip_gradients()
                 if math.isfinite(grad_norm):  # sharded: the same global norm on every rank, so all step or none
@@ -454,7 +454,8 @@ class ActorCore:
     def _accumulate(self, batch: TrainBatch, mini_rows: list[int], normaliser: torch.Tensor, num_tokens: torch.Tensor,
                     old_logprobs: torch.Tensor | None, token_adv: torch.Tensor, ref_logprobs: torch.Tensor | None,
                     loss_weights: torch.Tensor | None, keep_empty_micro_batches: bool,
-                    mismatch: MismatchAccumulator | None = None) -> dict[str, float]:
+                    mismatch: MismatchAccumulator | None = None, old_from_engine: bool = False
+                    ) -> dict[str, float]:
         """Forward/backward every micro-batch of one mini-batch; returns the mini-batch's loss parts (losses divided
         by `normaliser`, token-mean metrics weighted by the micro-batch's share of `num_tokens`: on FSDP ranks the
         average over ranks is then the global mini-batch value; ratio_min / _max are extremes; and
@@ -530,9 +531,10 @@ class ActorCore:
                 parts["actor/ratio_max"] = torch.maximum(parts["actor/ratio_max"], scalar(m["ratio_max"]))
             if compare_rollout:  # engine vs trainer: how off-policy the samples really are
                 engine = batch.rollout_logprobs[rows, :width].to(self.device)
-                parts["rollout/logprob_abs_diff"] += scalar(token_mean((old - engine).abs(), mask, num_tokens))
+                trainer = logprobs.detach() if old_from_engine else old  # bypass: old IS the engine's
+                parts["rollout/logprob_abs_diff"] += scalar(token_mean((trainer - engine).abs(), mask, num_tokens))
                 if mismatch is not None:
-                    mismatch.add(old, engine, mask, [batch.data_sources[i] if batch.data_sources else "unknown"
+                    mismatch.add(trainer, engine, mask, [batch.data_sources[i] if batch.data_sources else "unknown"
                                                      for i in rows],
                                  [modality(batch.multi_modal_inputs[i]) for i in rows])
         return {**dict(zip(parts, torch.stack(list(parts.values())).tolist())),  # the one host sync

@@ -48,8 +48,8 @@ class Actor(ActorCore):
         return needs_old_logprobs(self.config, batch_rows, self.mini_batch_samples)
 
     def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-               ref_logprobs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None
-               ) -> dict[str, float]:
+               ref_logprobs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None,
+               old_from_engine: bool = False) -> dict[str, float]:
         """Policy-loss updates over the batch: ppo_epochs x (len(batch) / mini_batch_samples) optimizer steps, each
         accumulating micro-batch gradients; then one lr-scheduler step (one per training step).
 
@@ -61,6 +61,9 @@ class Actor(ActorCore):
             advantages: (B,) sequence advantages (0 on padding rows).
             ref_logprobs: (B, R) reference logprobs; required when the KL loss is on.
             loss_weights: (B, R) rollout-correction weights multiplying the loss matrix; None = 1.
+            old_from_engine: old_logprobs are the engine's (the bypass correction): rollout/logprob_abs_diff and
+                mismatch/* then compare the engine with the update's own forward (the pre-update weights in the
+                first mini-batch, the update so far in later ones), not with old_logprobs.
 
         Returns:
             metrics averaged over optimizer steps: actor/pg_loss, actor/pg_clipfrac (= _low + _high: tokens clipped
@@ -76,7 +79,8 @@ class Actor(ActorCore):
                              f"({self.mini_batch_samples}); upsample it with padding rows first")
         normalisers, tokens = mini_batch_scales(batch.response_mask, self.mini_batch_samples, self.config.loss_agg_mode)
         return self.ppo_update(batch, old_logprobs, advantages, ref_logprobs, self.mini_batch_samples, normalisers,
-                               tokens, keep_empty_micro_batches=False, loss_weights=loss_weights)
+                               tokens, keep_empty_micro_batches=False, loss_weights=loss_weights,
+                               old_from_engine=old_from_engine)
 
     def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:
         """One optimizer step of token-mean negative log-likelihood of the response tokens (the format warm-up).

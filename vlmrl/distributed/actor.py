@@ -98,7 +98,7 @@ class ShardedActor(ActorCore):
 
     # ---- update -----------------------------------------------------------------------------------------------------
 
-    def update_shard(self, shard: UpdateShard) -> dict[str, float]:
+    def update_shard(self, shard: UpdateShard, old_from_engine: bool = False) -> dict[str, float]:
         """ppo_epochs x mini-batches optimizer steps over this rank's shard (all ranks step together), then one
         lr-scheduler step: this rank's half of `DistributedActor.update`. Returns this rank's metric parts (the
         single-process actor's keys); the driver averages them over ranks (each part is already scaled so that the
@@ -113,7 +113,8 @@ class ShardedActor(ActorCore):
                        for value in shard.mini_batch_normalisers]
         tokens = [torch.tensor(value / self.world_size, dtype=torch.float64) for value in shard.mini_batch_tokens]
         return self.ppo_update(batch, shard.old_logprobs, shard.advantages, shard.ref_logprobs, shard.local_mini_batch,
-                               normalisers, tokens, keep_empty_micro_batches=True, loss_weights=shard.loss_weights)
+                               normalisers, tokens, keep_empty_micro_batches=True, loss_weights=shard.loss_weights,
+                               old_from_engine=old_from_engine)
 
     # ---- weights and state ------------------------------------------------------------------------------------------
 

@@ -193,14 +193,15 @@ class DistributedActor:
         return needs_old_logprobs(self.spec.actor, batch_rows, self.mini_batch_samples)
 
     def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-               ref_logprobs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None
-               ) -> dict[str, float]:
+               ref_logprobs: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None,
+               old_from_engine: bool = False) -> dict[str, float]:
         """The policy-loss update over the batch, sharded: every rank takes its slice of each mini-batch, the loss is
         normalised by the global mini-batch's normaliser. Same arguments and metrics as `Actor.update`."""
         shards = update_shards(batch, old_logprobs, advantages, ref_logprobs, self.mini_batch_samples, self.dp_size,
                                self.spec.actor.loss_agg_mode, loss_weights,
                                balanced=self.spec.actor.micro_batch_tokens > 0)
-        return mean_metrics(self._each("update_shard", [(shard,) for shard in shards], "the policy update"))
+        return mean_metrics(self._each("update_shard", [(shard, old_from_engine) for shard in shards],
+                                       "the policy update"))
 
     def supervised_step(self, batch: TrainBatch, optimizer: torch.optim.Optimizer) -> float:
         """Not sharded: the format warm-up (for a random-init model) runs on one device."""

@@ -120,9 +120,9 @@ class TrainWorker:
         self._rest_engine()
         return self.actor.compute_logprobs(batch, reference=reference, with_entropy=with_entropy)
 
-    def update_shard(self, shard) -> dict[str, float]:
+    def update_shard(self, shard, old_from_engine: bool = False) -> dict[str, float]:
         self._rest_engine()
-        return self.actor.update_shard(shard)
+        return self.actor.update_shard(shard, old_from_engine)
 
     def set_temperature(self, temperature: float) -> None:
         self.actor.set_temperature(temperature)

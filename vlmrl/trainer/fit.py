@@ -275,7 +275,8 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
                                         batch.response_mask, norm_by_std=al.norm_adv_by_std_in_grpo)
         loss_batch, loss_weights, loss_metrics = loss_inputs(cfg, batch, old_logprobs)
     with timer("update"):
-        actor_metrics = run.actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights)
+        actor_metrics = run.actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights,
+                                         old_from_engine=bypass)
     waiting = time.perf_counter()
     in_flight = run.async_rollout is not None and run.async_rollout.in_flight
     with run.engine():  # the sync and the probe of what it left, with no batch of the rollout thread in between
