@@ -46,7 +46,7 @@ CALL_MARGIN_S = 30.0
 
 
 @dataclass
-class WorkerSpec:
+class RolloutWorkerSpec:
     """What every rollout worker starts its engine from (`vlmrl.rollout.start_backend`'s arguments)."""
 
     rollout: RolloutConfig
@@ -62,7 +62,7 @@ class WorkerSpec:
 class RolloutWorker:
     """One engine in a Ray actor. Its methods are called by `RemoteEngines` through Ray."""
 
-    def __init__(self, spec: WorkerSpec, index: int):
+    def __init__(self, spec: RolloutWorkerSpec, index: int):
         from vlmrl.rollout import start_backend
 
         if spec.torch_threads > 0:
@@ -105,7 +105,7 @@ class RemoteEngines(RolloutBackend):
     """`workers` rollout engines in Ray actors of their own, as one backend (see the module docstring). Starts Ray
     (a local cluster) when this process has not joined one. Close it to end the workers."""
 
-    def __init__(self, spec: WorkerSpec, workers: int, restarts: int = 1, use_gpu: bool | None = None,
+    def __init__(self, spec: RolloutWorkerSpec, workers: int, restarts: int = 1, use_gpu: bool | None = None,
                  first_device: int = 1):
         if workers < 1:
             raise ValueError(f"RemoteEngines needs at least one worker, got {workers}")

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from vlmrl.atomic import write_text_atomically
 from vlmrl.types import RolloutResult
 
@@ -245,8 +247,13 @@ def append_consumed(output_dir, step: int, version: int, rows: list[int], result
 def responses_digest(results: list[RolloutResult]) -> str:
     """sha256 of a batch's sampled token ids and their logprobs, request-major: two batches with the same digest
     trained on the same samples."""
-    payload = json.dumps([[r.response_ids, r.response_logprobs, r.finish_reason] for r in results])
-    return hashlib.sha256(payload.encode()).hexdigest()
+    digest = hashlib.sha256()
+    for r in results:  # the raw bytes: no text form of every logprob on the trainer's path each step
+        digest.update(len(r.response_ids).to_bytes(8, "little"))
+        digest.update(np.asarray(r.response_ids, dtype=np.int64).tobytes())
+        digest.update(np.asarray(r.response_logprobs, dtype=np.float64).tobytes())
+        digest.update(r.finish_reason.encode() + b"\0")
+    return digest.hexdigest()
 
 
 BUFFER_FILE = "async_buffer.json"

@@ -712,11 +712,12 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
 def start_rollout_workers(config: Config, start_path: str | None):
     """The asynchronous placement's rollout workers (trainer.async_rollout.rollout_workers), their engines started
     on `start_path` (a checkpoint) or the actor's model."""
-    from vlmrl.distributed.rollout_workers import RemoteEngines, WorkerSpec
+    from vlmrl.distributed.rollout_workers import RemoteEngines, RolloutWorkerSpec
 
     t = config.trainer
-    spec = WorkerSpec(config.rollout, start_path or config.actor.model_path, max_model_len=config.derived.max_model_len,
-                      seed=t.seed, lora=config.actor.lora, torch_threads=t.torch_threads)
+    spec = RolloutWorkerSpec(config.rollout, start_path or config.actor.model_path,
+                             max_model_len=config.derived.max_model_len, seed=t.seed, lora=config.actor.lora,
+                             torch_threads=t.torch_threads)
     return RemoteEngines(spec, workers=t.async_rollout.rollout_workers, restarts=t.async_rollout.worker_restarts,
                          first_device=config.derived.world_size)
 
