@@ -3,7 +3,7 @@ by side on the demo (examples/configs/tiny_synthetic.yaml: vLLM, 16 prompts x 8 
 
     .venv/bin/python benchmarks/bench_async.py [--steps 30] [--backend vllm] [--max-staleness 1] [--long-tail]
                                                [--pin] [--workers N] [--correction token_tis]
-                                               [--sync-correction off]
+                                               [--sync-correction off] [--staged] [--probe-tokens 0]
 
 Both runs do the demo's format warm-up (seeded: the same in both) and use the same seeds and settings; only the
 placement differs. The rate is samples trained on per second over steps 3..N
@@ -16,7 +16,10 @@ CPU cores the engine's thread can take the other core. --workers N: the async ru
 1, the trainer on core 0. --correction: the algorithm.rollout_correction of both runs (default token_tis, which
 recomputes the old logprobs: one forward pass more a step); --sync-correction: another one for the synchronous run
 (the demo's own is off). `bypass` (verl's bypass mode) anchors the update on the engine's logprobs with no
-recomputing pass.
+recomputing pass. --staged: the async run's trainer stages its weights after each update and goes on
+(trainer.async_rollout.staged_sync): the rollout thread loads them before its next batch; with this benchmark's
+settings (no validation, no checkpoints) only the last step waits for its sync and probes it, where the synchronous
+run probes every sync: --probe-tokens 0 (trainer.weight_probe_tokens, both runs) takes the probe out of both.
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=0, help="the async run's engine in this many rollout workers")
     parser.add_argument("--correction", default="token_tis", help="algorithm.rollout_correction of both runs")
     parser.add_argument("--sync-correction", help="algorithm.rollout_correction of the synchronous run")
+    parser.add_argument("--staged", action="store_true", help="the async run with trainer.async_rollout.staged_sync")
+    parser.add_argument("--probe-tokens", type=int, help="trainer.weight_probe_tokens of both runs (default the "
+                        "demo's)")
     args = parser.parse_args()
     if args.pin:  # every thread of the engine's processes on core 1, the trainer's on core 0
         import psutil
@@ -111,13 +117,16 @@ def main() -> int:
     common = [f"config={config}", f"rollout.name={args.backend}", f"trainer.total_steps={args.steps}",
               "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
               "trainer.torch_threads=1"]
+    if args.probe_tokens is not None:
+        common.append(f"trainer.weight_probe_tokens={args.probe_tokens}")
     if args.long_tail:
         common += ["data.max_response_length=48", "trainer.format_warmup_steps=0"]
     results = {}
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-async-") as tmp:
         placement = ["trainer.async_rollout.enable=true", f"trainer.async_rollout.max_staleness={args.max_staleness}",
                      f"trainer.async_rollout.rollout_workers={args.workers}",
-                     f"algorithm.rollout_correction={args.correction}"]
+                     f"algorithm.rollout_correction={args.correction}",
+                     f"trainer.async_rollout.staged_sync={str(args.staged).lower()}"]
         synchronous = [f"algorithm.rollout_correction={args.sync_correction or args.correction}"]
         for name, extra in (("sync", synchronous), ("async", placement)):
             results[name] = run([*common, *extra], Path(tmp) / name, first_timed=2)
@@ -130,7 +139,9 @@ def main() -> int:
     print(f"async / sync: {ratio:.2f}x samples trained on per second ({args.backend}, {args.steps} steps, "
           f"max_staleness {args.max_staleness}{', long-tailed responses' if args.long_tail else ''}"
           f"{f', {args.workers} rollout worker(s)' if args.workers else ''}; correction {args.correction}"
-          f"{f', synchronous {args.sync_correction}' if args.sync_correction else ''})")
+          f"{f', synchronous {args.sync_correction}' if args.sync_correction else ''}"
+          f"{'; staged syncs' if args.staged else ''}"
+          f"{f'; weight_probe_tokens {args.probe_tokens}' if args.probe_tokens is not None else ''})")
     if args.json:
         Path(args.json).write_text(json.dumps({"ratio": ratio, **results, "args": vars(args)}, indent=1) + "\n")
     return 0

@@ -291,6 +291,9 @@ def async_problems(config: Config) -> list[str]:
     need(not (config.derived.world_size > 1 and t.async_rollout.rollout_workers > 0 and config.actor.lora.enabled),
          "trainer.async_rollout with rollout workers at dp > 1 syncs full weights: actor.lora is not supported there "
          "yet")
+    need(not (t.async_rollout.staged_sync and config.actor.lora.enabled),
+         "trainer.async_rollout.staged_sync stages full weights: actor.lora syncs an adapter or the adapted layers, "
+         "which staging does not copy yet; set staged_sync=false")
     need(not config.agent.enable, "trainer.async_rollout takes the plain rollout: agent.enable=true keeps its own "
          "partial rollout (agent.partial); set one of them off")
     need(not al.dynamic_sampling, "trainer.async_rollout draws one batch per step: algorithm.dynamic_sampling's "

@@ -112,6 +112,49 @@ def test_bypass_anchors_the_update_on_the_engines_logprobs_without_a_recomputing
     assert all(r["weight_probe/in_sync"] == 1.0 and "timing/old_logprobs" not in r for r in rows)
 
 
+def test_staged_syncs_sample_with_the_same_weights_without_the_trainer_waiting(tiny_model_path, tmp_path):
+    """trainer.async_rollout.staged_sync: after each update the trainer stages a copy of its weights and goes on;
+    the rollout thread loads it before its next batch. At max_staleness=0 every batch is still sampled with the
+    weights of the step before it: the samples, metrics and weights of the run that waits for each sync. Only the
+    steps that save (here the last) wait and probe, and their probe finds the engine in sync."""
+    common = ["trainer.total_steps=4", "trainer.save_freq=4", "trainer.test_freq=-1", *CORRECTED, ASYNC,
+              "trainer.async_rollout.max_staleness=0"]
+    fit(load_config(base_args(tiny_model_path, tmp_path / "wait", *common)))
+    fit(load_config(base_args(tiny_model_path, tmp_path / "staged", *common, "trainer.async_rollout.staged_sync=true")))
+    wait, staged = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("wait", "staged"))
+
+    def same(row: dict) -> dict:
+        return {k: v for k, v in _without_async(row).items() if not k.startswith("weight_probe/")}
+
+    assert [same(r) for r in staged] == [same(r) for r in wait]
+    assert _weights(tmp_path / "staged", 4) == _weights(tmp_path / "wait", 4)
+    assert [c["responses"] for c in _consumed(tmp_path / "staged")] == [c["responses"] for c in
+                                                                        _consumed(tmp_path / "wait")]
+    train = [r for r in staged if r["step"] > 0]
+    assert [r.get("async/sync_staged", 0.0) for r in train] == [1.0, 1.0, 1.0, 0.0]
+    assert [("weight_probe/in_sync" in r) for r in train] == [False, False, False, True]
+    assert train[-1]["weight_probe/in_sync"] == 1.0
+    # step 4's batch was made after the thread loaded steps 1-3's staged weights, none of them replaced
+    assert train[-1]["async/staged_loads"] == 3 and train[-1]["async/staged_replaced"] == 0
+
+
+def test_staged_weights_go_into_the_batch_in_flight_at_its_next_segment(tiny_model_path, tmp_path):
+    """staged_sync with max_staleness=1 and interrupt_tokens=2 (a batch of 16-token responses takes longer than an
+    update): the rollout thread loads the staged weights at the next segment boundary of the batch in flight, whose
+    open samples go on with them; no batch is older than the bound, and the last step's probe is in sync."""
+    out = tmp_path / "run"
+    fit(load_config(base_args(tiny_model_path, out, "trainer.total_steps=5", "trainer.test_freq=-1",
+                              "trainer.val_before_train=false", "data.max_response_length=16", *CORRECTED, ASYNC,
+                              "trainer.async_rollout.max_staleness=1", "trainer.async_rollout.interrupt_tokens=2",
+                              "trainer.async_rollout.staged_sync=true")))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["async/staleness"] <= 1 for r in rows) and sum(r["async/staleness"] for r in rows) >= 2
+    assert rows[-1]["weight_probe/in_sync"] == 1.0
+    assert rows[-1]["async/staged_loads"] >= 2, rows[-1]  # step 4's may still be staged at step 5's take
+    assert rows[-1]["async/interrupts"] >= 1 and sum(r["async/mixed_version_samples"] for r in rows) > 0
+
+
 @pytest.mark.slow
 def test_kill_9_during_an_async_run_and_resume_trains_on_every_prompt_once(tiny_model_path, tmp_path):
     """Killed after the step-2 checkpoint while the rollout thread had drawn further: the resumed run trains first on
@@ -156,6 +199,26 @@ def test_a_failing_rollout_thread_stops_the_run_with_its_error(tiny_model_path, 
     assert steps[-1] == 2, steps
 
 
+def test_a_staged_load_that_fails_stops_the_run_with_its_error(tiny_model_path, tmp_path, monkeypatch):
+    """staged_sync: the rollout thread's load of step 1's staged weights raises; the trainer stops at the batch that
+    needed them (step 3's, at max_staleness 1) with the error named, never a hang."""
+    import threading
+
+    real = RolloutBackend.update_weights
+
+    def update_weights(self, named_tensors, names=None):
+        if threading.current_thread().name == "vlmrl-rollout":
+            raise RuntimeError("the load fell over")
+        return real(self, named_tensors, names)
+
+    monkeypatch.setattr(RolloutBackend, "update_weights", update_weights)
+    with pytest.raises(RolloutWorkerError, match="failed making step 3's batch: RuntimeError: the load fell over"):
+        fit(load_config(base_args(tiny_model_path, tmp_path / "run", "trainer.total_steps=5", "trainer.test_freq=-1",
+                                  *CORRECTED, ASYNC, "trainer.async_rollout.max_staleness=1",
+                                  "trainer.async_rollout.staged_sync=true")))
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")][-1] == 2
+
+
 @pytest.mark.parametrize(("settings", "says"), [
     (["trainer.n_gpus_per_node=2"], "at dp > 1 needs rollout workers of their own"),
     (["agent.enable=true"], "takes the plain rollout"),
@@ -164,22 +227,22 @@ def test_a_failing_rollout_thread_stops_the_run_with_its_error(tiny_model_path, 
     (["rollout.vllm.enable_sleep_mode=true"], "never frees its memory"),
     (["trainer.async_rollout.max_staleness=-1"], "max_staleness=-1 must be >= 0"),
     (["trainer.async_rollout.buffer_steps=0"], "buffer_steps=0 must be >= 1"),
-    (["trainer.async_rollout.interrupt_tokens=-1"], "interrupt_tokens=-1 must be >= 0")])
+    (["trainer.async_rollout.interrupt_tokens=-1"], "interrupt_tokens=-1 must be >= 0"),
+    (["trainer.async_rollout.staged_sync=true", "actor.lora.rank=4"], "staged_sync stages full weights")])
 def test_what_the_async_placement_cannot_run_with_is_refused_at_load(settings, says):
     with pytest.raises(ConfigError, match=says):
         load_config(["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic", ASYNC,
                      "algorithm.rollout_correction=token_tis", *settings])
 
 
-# The demo learns in the asynchronous placement on vLLM with its engine in a rollout worker of its own (a Ray actor:
-# the placement as a cluster runs it), in make test. The same on SGLang with the engine on the rollout thread is a
-# variant (marker `full`, make test-all; 120 s on 2 cores): make test keeps SGLang's engine contract (weight sync,
-# probe) and the placement's own tests on real runs above.
+# The demo learns in the asynchronous placement, in make test: on vLLM with its engine in a rollout worker of its own
+# (a Ray actor: the placement as a cluster runs it), the trainer waiting for each sync; on SGLang with the engine on
+# the rollout thread and staged syncs (the trainer never waits for the engine between validations).
 @pytest.mark.slow
-@pytest.mark.parametrize(("backend", "workers"), [
-    pytest.param("vllm", 1, marks=[pytest.mark.vllm, pytest.mark.ray]),
-    pytest.param("sglang", 0, marks=[pytest.mark.sglang, pytest.mark.full])])
-def test_the_demo_learns_in_the_async_placement(tmp_path, backend, workers):
+@pytest.mark.parametrize(("backend", "workers", "staged"), [
+    pytest.param("vllm", 1, False, marks=[pytest.mark.vllm, pytest.mark.ray]),
+    pytest.param("sglang", 0, True, marks=[pytest.mark.sglang])])
+def test_the_demo_learns_in_the_async_placement(tmp_path, backend, workers, staged):
     """The demo's recipe with the rollout one step ahead (max_staleness=1, token_tis correction): validation
     accuracy rises >= 0.3 above its step-0 value within the demo's 150 steps, every batch within the bound."""
     from tests.ray_helpers import local_ray
@@ -188,10 +251,14 @@ def test_the_demo_learns_in_the_async_placement(tmp_path, backend, workers):
     out = tmp_path / "demo"
     config = load_config([f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic.yaml'}", f"rollout.name={backend}",
                           ASYNC, "trainer.async_rollout.max_staleness=1", "algorithm.rollout_correction=token_tis",
-                          f"trainer.async_rollout.rollout_workers={workers}", f"trainer.output_dir={out}"])
+                          f"trainer.async_rollout.rollout_workers={workers}",
+                          f"trainer.async_rollout.staged_sync={str(staged).lower()}", f"trainer.output_dir={out}"])
     with local_ray(num_cpus=2) if workers else contextlib.nullcontext():
         fit(config, stop=RisenBy(0.3))
     curve = [(row["step"], row["val/accuracy"]) for row in read_metrics(out / "metrics.jsonl") if "val/accuracy" in row]
     assert max(acc for _, acc in curve) >= curve[0][1] + 0.3, f"validation accuracy did not rise by 0.3: {curve}"
     consumed = _consumed(out)
     assert all(c["staleness"] <= 1 for c in consumed) and sum(c["staleness"] for c in consumed) > len(consumed) // 2
+    if staged:  # every step but those that validate (and the last) staged its sync
+        rows = read_metrics(out / "metrics.jsonl")
+        assert sum(r.get("async/sync_staged", 0.0) for r in rows) >= len(consumed) * 0.8, len(consumed)

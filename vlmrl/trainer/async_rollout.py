@@ -12,6 +12,11 @@ rollout thread of its own while the trainer updates on the last one.
 - **The engine is shared.** One lock (`engine`) orders the rollout thread's generate calls with the trainer's weight
   sync, weights probe and validation: a sync waits for the batch in flight, which finishes on the old weights (its
   version says so) and is counted (`async/sync_wait_s`); validation runs on one fixed version.
+- **Staged syncs** (trainer.async_rollout.staged_sync). The trainer does not wait for the engine after its update:
+  it stages a copy of the new weights (`stage`) and goes on; the rollout thread loads the newest staged weights
+  (`load`) before it starts its next batch, or at the next segment boundary of the batch in flight, so a batch's
+  version is still the weights it was sampled with. The steps that validate or save sync as without staging, and
+  drop what is staged (`unstage`): validation and checkpoints see a landed sync.
 - **Checkpoints.** The rollout thread draws the prompts. A checkpoint keeps the batches made and not yet taken
   (`pending`, BUFFER_FILE: their samples and the versions that sampled them) and the data position after the last
   of them; a resumed run trains on those first, as the uninterrupted run would have, and the thread draws on after
@@ -91,6 +96,9 @@ class AsyncRollout:
     """The data position after the last consumed batch (None before the first)."""
     preload: list[Produced] = field(default_factory=list)
     """Batches a checkpoint kept (steps first_step - len(preload) ..): taken before the thread's own."""
+    load: Callable[[int, Any], bool] | None = None
+    """Staged syncs: loads (version, weights) `stage` was given into the engine (called on the rollout thread,
+    holding `engine`); returns whether the engine took them (it then holds that version)."""
 
     def __post_init__(self) -> None:
         self.in_flight = False
@@ -99,6 +107,13 @@ class AsyncRollout:
         """Trainer calls (syncs, probes, validations) let in between two segments of a batch in flight."""
         self._waiting = 0  # trainer calls waiting for the engine (`exclusive`)
         self._waiting_lock = threading.Lock()
+        self._staged: tuple[int, Any] | None = None  # (version, weights) staged and not loaded yet
+        self.staged_loads = 0
+        """Staged weights the engine loaded (a newer staging replaces one not loaded yet: not counted)."""
+        self.staged_replaced = 0
+        """Staged weights replaced by newer ones before the engine loaded them."""
+        self.load_s = 0.0
+        """Seconds the staged loads took (on the rollout thread)."""
         self._buffer: queue.Queue = queue.Queue(maxsize=max(self.buffer_steps, len(self.preload)))
         for item in self.preload:
             self._buffer.put(item)
@@ -114,13 +129,20 @@ class AsyncRollout:
         try:
             while step <= self.last_step and not self._stop.is_set():
                 begin = time.perf_counter()
-                with self._version:  # the weights this batch may be sampled with at the oldest
-                    while self.engine_version < step - 1 - self.max_staleness and not self._stop.is_set():
-                        self._version.wait(0.2)
+                while True:  # the weights this batch may be sampled with at the oldest, staged ones loaded first
+                    if self._staged is not None:
+                        with self.engine:
+                            self._load_staged()
+                    with self._version:
+                        if self.engine_version >= step - 1 - self.max_staleness or self._stop.is_set():
+                            break
+                        if self._staged is None:
+                            self._version.wait(0.2)
                 if self._stop.is_set():
                     return
                 waited = time.perf_counter() - begin
                 with self.engine:
+                    self._load_staged()  # staged while this thread waited for the engine
                     version = self.engine_version
                     start = time.perf_counter()
                     self.in_flight = True
@@ -190,16 +212,20 @@ class AsyncRollout:
                 self._waiting -= 1
 
     def let_in(self) -> int:
-        """Called by the rollout thread between two segments of a batch (holding the engine): lets the trainer's
-        waiting calls run first, then returns the version of the weights the engine holds."""
+        """Called by the rollout thread between two segments of a batch (holding the engine): loads staged weights
+        and lets the trainer's waiting calls run first, then returns the version of the weights the engine holds."""
+        let = self._staged is not None
+        if let:
+            self._load_staged()
         if self._waiting > 0:
+            let = True
             self.engine.release()
             try:
                 while self._waiting > 0 and not self._stop.is_set():
                     time.sleep(0.002)
             finally:
                 self.engine.acquire()
-            self.interrupts += 1
+        self.interrupts += let
         return self.engine_version
 
     def pending(self) -> list[Produced]:
@@ -212,6 +238,36 @@ class AsyncRollout:
                 break  # a failure: the trainer raises it at its next take
             out.append(item)
         return out
+
+    def stage(self, version: int, weights: Any) -> None:
+        """Staged sync: step `version`'s weights (a copy the trainer no longer writes to) for the engine, loaded by
+        the rollout thread before its next batch or at the next segment boundary. Returns at once."""
+        with self._version:
+            if self._staged is not None:
+                self.staged_replaced += 1
+            self._staged = (version, weights)
+            self._version.notify_all()
+
+    def unstage(self) -> None:
+        """Drop the staged weights not loaded yet (the caller holds `engine` and syncs newer ones itself)."""
+        with self._version:
+            if self._staged is not None:
+                self.staged_replaced += 1
+            self._staged = None
+
+    def _load_staged(self) -> None:
+        """Load the staged weights (the caller holds `engine`); the engine's version moves when it took them."""
+        with self._version:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        begin = time.perf_counter()
+        if self.load is None:
+            raise RuntimeError("AsyncRollout.stage needs `load` to put staged weights into the engine")
+        if self.load(*staged):
+            self.staged_loads += 1
+            self.synced(staged[0])
+        self.load_s += time.perf_counter() - begin
 
     def synced(self, version: int) -> None:
         """The engine now holds step `version`'s weights: the rollout thread may start the batches they allow."""

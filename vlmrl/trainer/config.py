@@ -35,6 +35,13 @@ class AsyncRolloutConfig:
     the rollout generates in segments of N tokens and a sync (or probe, or validation) interrupts the batch in
     flight at its next segment boundary; its unfinished samples go on with the new weights, each token's logprob
     the one its weights gave (`vlmrl.rollout.segments`). A sample's version is its first segment's."""
+    staged_sync: bool = False
+    """False: after each update the trainer waits for the engine (the batch in flight, then the weight load and the
+    weights probe). True: the trainer stages a copy of its new weights (in the engine's dtype) and goes on to its
+    next step; the rollout thread loads them before its next batch, or at the next segment boundary with
+    interrupt_tokens (what RLinf calls `sync_weight_no_wait`). The steps that validate or save, and the last one,
+    still sync and probe as False does, so validation, checkpoints and the weights probe see a landed sync. Costs a
+    copy of the weights while one is staged. Not with actor.lora."""
     worker_restarts: int = 1
     """How many times in a run a rollout worker that died is started again (given the last synced weights, its
     requests generated again); after that a worker's death stops the run with an error naming it."""

@@ -34,6 +34,7 @@ from vlmrl.config import Config, to_dict, to_yaml
 from vlmrl.data import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset, sequential_batches
 from vlmrl.processors import Processor
 from vlmrl.rewards import TIMEOUT_KEY, close_reward_workers, load_reward_fn, response_texts, score_texts
+from vlmrl.rollout.base import DTYPES
 from vlmrl.rollout.segments import generate_in_segments
 from vlmrl.trainer.checkpoint import (
     latest_checkpoint,
@@ -277,10 +278,18 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     with timer("update"):
         actor_metrics = run.actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights,
                                          old_from_engine=bypass)
-    waiting = time.perf_counter()
     in_flight = run.async_rollout is not None and run.async_rollout.in_flight
+    if run.async_rollout is not None and cfg.trainer.async_rollout.staged_sync and not syncs_in_full(run, step):
+        with timer("weight_sync"):  # a copy, loaded by the rollout thread before its next batch: no wait here
+            run.async_rollout.stage(step, staged_weights(run))
+        return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
+                **step_metrics(collected, run, timer), "async/sync_wait_s": 0.0,
+                "async/sync_found_in_flight": float(in_flight), "async/sync_staged": 1.0}
+    waiting = time.perf_counter()
     with run.engine():  # the sync and the probe of what it left, with no batch of the rollout thread in between
         waited = time.perf_counter() - waiting  # for the batch in flight (asynchronous placement)
+        if run.async_rollout is not None:
+            run.async_rollout.unstage()  # older than what this sync loads
         with timer("weight_sync"):
             sync_engine(run, step)
         metrics = {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
@@ -310,17 +319,38 @@ def keep_drift_samples(run: Run, batch: TrainBatch, old_logprobs: torch.Tensor |
                                                    temperature=cfg.rollout.temperature))
 
 
-def sync_engine(run: Run, step: int) -> None:
-    """Step `step`'s weights into the engine. A sync that never reached it (the backend counted no weight load) is
-    said, and the engine keeps its version: the next step's drift samples then show the stale weights."""
+def sync_engine(run: Run, step: int, weights: list[tuple[str, torch.Tensor]] | None = None) -> bool:
+    """Step `step`'s weights into the engine (`weights`: a staged copy of them; None: the actor's own). A sync that
+    never reached it (the backend counted no weight load) is said, and the engine keeps its version: the next
+    step's drift samples then show the stale weights. Returns whether it landed."""
     backend = run.parts.backend
     loads = backend.weight_loads
-    run.actor.sync_weights(backend)
+    if weights is None:
+        run.actor.sync_weights(backend)
+    else:
+        backend.update_weights(weights)
     if backend.weight_loads > loads:
         run.engine_version = step
-    else:
-        logger.warning("step %d: the weight sync loaded nothing into the %s engine: it still holds step %d's weights",
-                       step, backend.name, run.engine_version)
+        return True
+    logger.warning("step %d: the weight sync loaded nothing into the %s engine: it still holds step %d's weights",
+                   step, backend.name, run.engine_version)
+    return False
+
+
+def syncs_in_full(run: Run, step: int) -> bool:
+    """With trainer.async_rollout.staged_sync: whether step `step` still waits for its sync (and probes it), as the
+    steps that validate or save, and the last one, do."""
+    t = run.config.trainer
+    return (step == run.total_steps or _due(t.save_freq, step, run.total_steps)
+            or (_due(t.test_freq, step, run.total_steps) and run.parts.val_data is not None))
+
+
+def staged_weights(run: Run) -> list[tuple[str, torch.Tensor]]:
+    """A copy of the actor's weights in the engine's dtype, which the next update does not write to: what a staged
+    sync hands the rollout thread (trainer.async_rollout.staged_sync)."""
+    backend = run.parts.backend
+    dtype = DTYPES[backend.options.resolved_dtype(backend.processor.family)]
+    return [(name, tensor.detach().to(dtype=dtype, copy=True)) for name, tensor in run.actor.named_tensors()]
 
 
 def loss_inputs(config: Config, batch: TrainBatch, old_logprobs: torch.Tensor | None
@@ -451,12 +481,17 @@ def async_rollout(run: Run, step: int) -> Rollout:
                                                      segment_tokens=a.interrupt_tokens),
             data_state=run.sampler.state_dict, max_staleness=a.max_staleness, buffer_steps=a.buffer_steps,
             timeout_s=run.config.rollout.timeout_s, first_step=step + len(preload), engine_version=run.engine_version,
-            last_step=run.total_steps, preload=preload)
+            last_step=run.total_steps, preload=preload,
+            load=lambda version, weights: sync_engine(run, version, weights))
     produced, metrics = run.async_rollout.take(step)
     if run.config.trainer.async_rollout.rollout_workers > 0:  # RemoteEngines: workers started again after dying
         metrics["async/worker_restarts"] = float(run.parts.backend.restarts)
     if run.config.trainer.async_rollout.interrupt_tokens > 0:
         metrics["async/interrupts"] = float(run.async_rollout.interrupts)  # over the run
+    if run.config.trainer.async_rollout.staged_sync:  # over the run
+        metrics.update({"async/staged_loads": float(run.async_rollout.staged_loads),
+                        "async/staged_replaced": float(run.async_rollout.staged_replaced),
+                        "async/staged_load_s": run.async_rollout.load_s})
     if run.dropped_batches:  # kept by the checkpoint, beyond the resumed bound: drawn again
         metrics["async/dropped_batches"], run.dropped_batches = float(run.dropped_batches), 0
     produced.rollout.metrics.update(metrics)

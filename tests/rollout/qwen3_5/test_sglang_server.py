@@ -13,8 +13,8 @@ from vlmrl.rollout import RolloutError, get_backend
 
 # The whole module is a variant (marker `full`, make test-all; its server start alone takes 31-38 s on 2 cores): the
 # launched SGLang server on Qwen3.5. make test keeps Qwen3.5's contract on vLLM and on in-process SGLang (with the
-# family's CPU settings, tests/rollout/qwen3_5/test_sglang.py), the server path's contract on Qwen2.5-VL and Qwen3-VL
-# (tests/rollout/test_sglang_server.py, tests/rollout/qwen3_vl/test_sglang_server.py), and what a config lacks read
+# family's CPU settings, tests/rollout/qwen3_5/test_sglang.py), the server path's contract on Qwen2.5-VL
+# (tests/rollout/test_sglang_server.py), and what a config lacks read
 # from it as engine settings (tests/rollout/test_base.py).
 pytestmark = [pytest.mark.sglang, pytest.mark.full]
 

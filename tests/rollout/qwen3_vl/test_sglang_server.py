@@ -30,6 +30,11 @@ def test_multimodal_cache_is_refused_before_any_server_starts(tiny_model_path):
         get_backend("sglang-server", tiny_model_path, max_model_len=1024, vlm_cache_size_mb=100)
 
 
+# A variant (marker `full`, make test-all; its server start alone takes 23-29 s on 2 cores): the launched SGLang
+# server on Qwen3-VL. make test keeps Qwen3-VL's contract on vLLM and on in-process SGLang (the deepstack merger sync
+# included, tests/rollout/qwen3_vl/test_sglang.py) and the server path's contract on Qwen2.5-VL
+# (tests/rollout/test_sglang_server.py), whose weight sync is the same files and /update_weights_from_disk.
+@pytest.mark.full
 class TestSGLangServerQwen3VL(Qwen3VLContract):
     pass
 
