@@ -66,6 +66,10 @@ def test_the_rollout_thread_runs_ahead_within_the_staleness_bound(tiny_model_pat
     assert all("rollout_correction/weight_mean" in r and r["async/staleness"] <= 1 for r in train)
     assert all(r["weight_probe/in_sync"] == 1.0 for r in train), "every sync landed, between the thread's batches"
     assert [r["step"] for r in rows if "val/accuracy" in r] == [0, 3, 6]
+    # the run's staleness histogram so far, step by step: the consumed batches counted at each staleness
+    for r in train:
+        so_far = [c["staleness"] for c in consumed if c["step"] <= r["step"]]
+        assert [r["async/staleness_hist/0"], r["async/staleness_hist/1"]] == [so_far.count(0), so_far.count(1)]
 
 
 def test_a_sync_interrupts_the_batch_in_flight_at_its_next_segment(tiny_model_path, tmp_path):
@@ -169,6 +173,9 @@ def test_kill_9_during_an_async_run_and_resume_trains_on_every_prompt_once(tiny_
     assert [c["rows"] for c in resumed] == [c["rows"] for c in straight]
     rows = [row for c in resumed for row in c["rows"]]
     assert len(rows) == len(set(rows)) == 5 * 4, "20 distinct prompts: none lost, none twice"
+    hist = [(r["async/staleness_hist/0"], r["async/staleness_hist/1"]) for r in got]
+    assert hist == [(r["async/staleness_hist/0"], r["async/staleness_hist/1"]) for r in expected], \
+        "the resumed run's histogram counts the steps before its checkpoint"
     # The batches the step-2 checkpoint kept are trained on as they were sampled: same version, same tokens.
     kept = read_buffer(tmp_path / "killed" / "checkpoints" / "global_step_2")
     assert kept and [b["step"] for b in kept] == list(range(3, 3 + len(kept))), "the rollout thread was ahead"

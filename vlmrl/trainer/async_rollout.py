@@ -300,6 +300,18 @@ def append_consumed(output_dir, step: int, version: int, rows: list[int], result
         handle.write(line + "\n")
 
 
+def staleness_counts(output_dir) -> dict[int, int]:
+    """{staleness: batches} of the steps CONSUMED_FILE holds (a resumed run's: those up to its checkpoint)."""
+    path = Path(output_dir) / CONSUMED_FILE
+    counts: dict[int, int] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                staleness = int(json.loads(line)["staleness"])
+                counts[staleness] = counts.get(staleness, 0) + 1
+    return counts
+
+
 def responses_digest(results: list[RolloutResult]) -> str:
     """sha256 of a batch's sampled token ids and their logprobs, request-major: two batches with the same digest
     trained on the same samples."""

@@ -57,6 +57,7 @@ from vlmrl.trainer.async_rollout import (
     AsyncRollout,
     Produced,
     append_consumed,
+    staleness_counts,
     buffer_records,
     read_buffer,
     write_buffer,
@@ -118,6 +119,9 @@ class Run:
     dropped_batches: int = 0
     """Batches a checkpoint kept that the resumed settings do not allow (`restore_buffer`), for the next step's
     async/dropped_batches."""
+    staleness_counts: dict[int, int] | None = None
+    """{staleness: batches trained on} over the run so far (async/staleness_hist/*), read from CONSUMED_FILE at the
+    first asynchronous step (a resumed run's counts the steps before its checkpoint)."""
     restored_batches: list = field(default_factory=list)
     """The asynchronous placement's batches a checkpoint kept (`restore_buffer`): the resumed thread's buffer
     starts with them."""
@@ -494,6 +498,13 @@ def async_rollout(run: Run, step: int) -> Rollout:
                         "async/staged_load_s": run.async_rollout.load_s})
     if run.dropped_batches:  # kept by the checkpoint, beyond the resumed bound: drawn again
         metrics["async/dropped_batches"], run.dropped_batches = float(run.dropped_batches), 0
+    if run.staleness_counts is None:
+        run.staleness_counts = staleness_counts(run.output_dir)
+    staleness = int(metrics["async/staleness"])
+    run.staleness_counts[staleness] = run.staleness_counts.get(staleness, 0) + 1
+    # the run's staleness histogram so far: batches trained on at each staleness 0..max_staleness
+    metrics.update({f"async/staleness_hist/{k}": float(run.staleness_counts.get(k, 0))
+                    for k in range(run.config.trainer.async_rollout.max_staleness + 1)})
     produced.rollout.metrics.update(metrics)
     append_consumed(run.output_dir, step, produced.version, [r.index for r in produced.rollout.requests],
                     produced.rollout.results)
