@@ -19,9 +19,8 @@ setup:
 demo: setup
 	PYTHON=$(PY) bash examples/qwen2_5_vl_grpo.sh
 
-# two workers (pytest-xdist): a serial run left one of the two cores idle; groups in tests/conftest.py
 test: setup
-	$(PY) -m pytest tests -m "not full" -n 2 --dist loadgroup
+	$(PY) -m pytest tests -m "not full"
 
 test-all: setup
 	$(PY) -m pytest tests

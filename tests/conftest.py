@@ -14,35 +14,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# make test runs on two pytest-xdist workers (-n 2): half the machine sat idle in a serial run (engine starts, imports
-# and synchronous steps use one core). Each worker's engines get one core of their own for their OpenMP threads (two
-# engines bound to the same cores spin against each other), and one OpenMP thread for torch.
-_WORKER, _WORKERS = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKER is not None and _WORKERS > 1:
-    _cores = sorted(os.sched_getaffinity(0))
-    _core = str(_cores[int(_WORKER.removeprefix("gw")) % len(_cores)])
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _core)
-    os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", _core)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 _ENGINE_MODULES = {"vllm": "vllm", "sglang": "sglang", "ray": "ray"}
-
-
-def xdist_group(item) -> str:
-    """Which tests one worker runs together (`--dist loadgroup`): every Ray test in one (they start local clusters
-    and look for their workers' processes by name); tests/rollout in one (its modules share engines,
-    tests/rollout/conftest.py); any other module on its own (its module-scoped engines start once)."""
-    path = item.nodeid.split("::")[0]
-    if "ray" in item.keywords:
-        return "ray"
-    if path.startswith("tests/rollout/"):
-        return "rollout"
-    return path
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
         for marker, module in _ENGINE_MODULES.items():
             if marker in item.keywords and importlib.util.find_spec(module) is None:
                 item.add_marker(pytest.mark.skip(reason=f"{module} is not installed (run `make test`, which installs it)"))
