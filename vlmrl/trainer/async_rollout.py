@@ -31,6 +31,7 @@ deadline); on a 2-core CPU the rollout then takes one core and the trainer the o
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -242,6 +243,8 @@ class AsyncRollout:
     def stage(self, version: int, weights: Any) -> None:
         """Staged sync: step `version`'s weights (a copy the trainer no longer writes to) for the engine, loaded by
         the rollout thread before its next batch or at the next segment boundary. Returns at once."""
+        if self.load is None:
+            raise RuntimeError("AsyncRollout.stage needs `load` to put staged weights into the engine")
         with self._version:
             if self._staged is not None:
                 self.staged_replaced += 1
@@ -262,8 +265,6 @@ class AsyncRollout:
         if staged is None:
             return
         begin = time.perf_counter()
-        if self.load is None:
-            raise RuntimeError("AsyncRollout.stage needs `load` to put staged weights into the engine")
         if self.load(*staged):
             self.staged_loads += 1
             self.synced(staged[0])
@@ -300,16 +301,11 @@ def append_consumed(output_dir, step: int, version: int, rows: list[int], result
         handle.write(line + "\n")
 
 
-def staleness_counts(output_dir) -> dict[int, int]:
+def staleness_counts(output_dir) -> collections.Counter:
     """{staleness: batches} of the steps CONSUMED_FILE holds (a resumed run's: those up to its checkpoint)."""
     path = Path(output_dir) / CONSUMED_FILE
-    counts: dict[int, int] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                staleness = int(json.loads(line)["staleness"])
-                counts[staleness] = counts.get(staleness, 0) + 1
-    return counts
+    lines = path.read_text().splitlines() if path.exists() else []
+    return collections.Counter(int(json.loads(line)["staleness"]) for line in lines if line.strip())
 
 
 def responses_digest(results: list[RolloutResult]) -> str:

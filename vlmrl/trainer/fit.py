@@ -12,6 +12,7 @@ step 0 (validated when trainer.val_before_train); step k is the state after k up
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -119,7 +120,7 @@ class Run:
     dropped_batches: int = 0
     """Batches a checkpoint kept that the resumed settings do not allow (`restore_buffer`), for the next step's
     async/dropped_batches."""
-    staleness_counts: dict[int, int] | None = None
+    staleness_counts: collections.Counter | None = None
     """{staleness: batches trained on} over the run so far (async/staleness_hist/*), read from CONSUMED_FILE at the
     first asynchronous step (a resumed run's counts the steps before its checkpoint)."""
     restored_batches: list = field(default_factory=list)
@@ -283,12 +284,16 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
         actor_metrics = run.actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights,
                                          old_from_engine=bypass)
     in_flight = run.async_rollout is not None and run.async_rollout.in_flight
+
+    def step_out() -> dict[str, float]:  # throughput over rollout -> weight sync, as EasyR1's
+        return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
+                **step_metrics(collected, run, timer)}
+
     if run.async_rollout is not None and cfg.trainer.async_rollout.staged_sync and not syncs_in_full(run, step):
         with timer("weight_sync"):  # a copy, loaded by the rollout thread before its next batch: no wait here
             run.async_rollout.stage(step, staged_weights(run))
-        return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
-                **step_metrics(collected, run, timer), "async/sync_wait_s": 0.0,
-                "async/sync_found_in_flight": float(in_flight), "async/sync_staged": 1.0}
+        return {**step_out(), "async/sync_wait_s": 0.0, "async/sync_found_in_flight": float(in_flight),
+                "async/sync_staged": 1.0}
     waiting = time.perf_counter()
     with run.engine():  # the sync and the probe of what it left, with no batch of the rollout thread in between
         waited = time.perf_counter() - waiting  # for the batch in flight (asynchronous placement)
@@ -296,8 +301,7 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
             run.async_rollout.unstage()  # older than what this sync loads
         with timer("weight_sync"):
             sync_engine(run, step)
-        metrics = {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
-                   **step_metrics(collected, run, timer)}  # throughput over rollout -> weight sync, as EasyR1's
+        metrics = step_out()
         if run.probe is not None:
             with timer("weight_probe"):
                 metrics.update(run.probe(run.actor, backend, step, run.engine_version))
@@ -500,8 +504,7 @@ def async_rollout(run: Run, step: int) -> Rollout:
         metrics["async/dropped_batches"], run.dropped_batches = float(run.dropped_batches), 0
     if run.staleness_counts is None:
         run.staleness_counts = staleness_counts(run.output_dir)
-    staleness = int(metrics["async/staleness"])
-    run.staleness_counts[staleness] = run.staleness_counts.get(staleness, 0) + 1
+    run.staleness_counts[int(metrics["async/staleness"])] += 1
     # the run's staleness histogram so far: batches trained on at each staleness 0..max_staleness
     metrics.update({f"async/staleness_hist/{k}": float(run.staleness_counts.get(k, 0))
                     for k in range(run.config.trainer.async_rollout.max_staleness + 1)})
