@@ -37,10 +37,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from vlmrl.actor import Actor  # noqa: E402
+from vlmrl.actor.local import Actor  # noqa: E402
 from vlmrl.atomic import write_text_atomically  # noqa: E402
 from vlmrl.config import ActorConfig, LoraConfig, OptimConfig  # noqa: E402
-from vlmrl.models import ensure_built  # noqa: E402
+from vlmrl.models.tiny import ensure_built  # noqa: E402
 from vlmrl.types import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -65,7 +65,7 @@ def requests(model: str) -> list:
     import numpy as np
     from PIL import Image
 
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     processor = load_processor(model)
     rows = []
@@ -131,7 +131,7 @@ class MergedAlive:
 
 
 def sync_row(name: str, policy: Actor, backend: str, model: str, syncs: int, reference, **options) -> dict:
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     batch = requests(model)
     times, grew, alive, sent, exact = [], [], [], 0, True
@@ -160,7 +160,7 @@ def memory_side(model: str, rank: int) -> dict:
     from tests.batches import make_batch, synthetic_rows
     from vlmrl.algorithms.grpo import group_advantages
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     rows = synthetic_rows(tempfile.mkdtemp(), train_size=8, val_size=2)
     processor = load_processor(model, DataConfig(max_prompt_length=64))
@@ -201,7 +201,7 @@ def main() -> None:
     if args.memory_side >= 0:
         print(json.dumps(memory_side(model, args.memory_side)))
         return
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     result: dict = {"model": args.model, "rank": args.rank, "sync": [], "memory": []}
     bucket = {} if args.bucket_mb is None else {"sync_bucket_mb": args.bucket_mb}

@@ -37,7 +37,7 @@ def workload(processor, prompts: int, n: int, seed: int):
     """A TrainBatch of prompts x n padded samples with random rewards."""
     from PIL import Image
 
-    from vlmrl.batch import pad_sample, stack_samples
+    from vlmrl.batch.padding import pad_sample, stack_samples
 
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
@@ -64,8 +64,8 @@ def workload(processor, prompts: int, n: int, seed: int):
 
 def run_side(model_dir: str, batch, timed, state: dict, **options) -> dict:
     """Tokens and forwards of the plan over `batch`; wall time of one update over `timed` (a subset of its rows)."""
-    from vlmrl.actor import Actor
     from vlmrl.actor.config import ActorConfig, OptimConfig
+    from vlmrl.actor.local import Actor
     from vlmrl.actor.micro_batches import padded_tokens
     from vlmrl.algorithms.grpo import group_advantages
 
@@ -120,7 +120,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from vlmrl.distributed.sharding import select_rows
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     tmp = tempfile.mkdtemp(prefix="vlmrl-bench-mb-")
     try:

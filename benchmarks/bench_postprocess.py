@@ -82,7 +82,7 @@ def median_seconds(fn, repeats: int):
 
 def run_vlmrl(model_dir: str, prompts: list[dict], repeats: int) -> tuple[dict, object]:
     from vlmrl.batch.padding import pad_sample, stack_samples
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
     from vlmrl.types import RolloutRequest
 
     processor = load_processor(model_dir)
@@ -208,7 +208,7 @@ def _cross_check(batch, verl_file: str) -> None:
 
 def prepare_model_dir(target: str) -> str:
     """The tiny model's files with Qwen2.5-VL's default pixel bounds (realistic image sizes stay unresized)."""
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     shutil.copytree(ensure_built("tiny"), target, dirs_exist_ok=True)
     config_path = Path(target) / "processor_config.json"

@@ -37,9 +37,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from vlmrl.models import ensure_built  # noqa: E402
-from vlmrl.processors import load_processor  # noqa: E402
-from vlmrl.rollout import get_backend  # noqa: E402
+from vlmrl.models.tiny import ensure_built  # noqa: E402
+from vlmrl.processors.qwen_vl import load_processor  # noqa: E402
+from vlmrl.rollout.registry import get_backend  # noqa: E402
 from vlmrl.types import SamplingParams  # noqa: E402
 
 BACKENDS = ["hf", "vllm", "sglang", "sglang-server"]

@@ -54,7 +54,7 @@ class PeakRss:
 def model_bytes(model_path: str, dtype: torch.dtype) -> int:
     from safetensors import safe_open
 
-    from vlmrl.models import resolve_model_path
+    from vlmrl.models.tiny import resolve_model_path
 
     total = 0
     path = resolve_model_path(model_path)
@@ -70,9 +70,9 @@ def run_side(model_path: str, bucket_mb: float, dtype: str) -> dict:
 
     from vlmrl.actor.config import ActorConfig
     from vlmrl.config import TrainerConfig
-    from vlmrl.distributed import DistributedActor, WorkerSpec
-    from vlmrl.distributed.worker import EngineSpec
-    from vlmrl.rollout import BackendOptions
+    from vlmrl.distributed.group import DistributedActor
+    from vlmrl.distributed.worker import EngineSpec, WorkerSpec
+    from vlmrl.rollout.base import BackendOptions
 
     engine = EngineSpec("vllm", model_path, BackendOptions.from_kwargs("vllm", {
         "dtype": dtype, "max_model_len": 256, "timeout_s": 600, "sync_bucket_mb": bucket_mb}))

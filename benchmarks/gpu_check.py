@@ -51,7 +51,7 @@ def build_model(target: Path, tiny: bool) -> Path:
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     tiny_dir = Path(ensure_built("tiny"))
     if tiny:

@@ -19,7 +19,7 @@ def pick(model: str, devices: str) -> str:
     """The demo for no model, an embedded one or a checkpoint the demo wrote (unless devices are asked for), else
     the geo3k recipe of the model's family: by its config.json, or by a hub id's name. The demo's engine is vllm
     when installed, else hf; another embedded model's demo writes beside the default's, not resuming it."""
-    from vlmrl.models import is_embedded
+    from vlmrl.models.tiny import is_embedded
 
     state = Path(model, "trainer_state.json")
     wrote_demo = bool(model) and state.is_file() and str(

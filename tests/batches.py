@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from vlmrl.batch import pad_sample, stack_samples
+from vlmrl.batch.padding import pad_sample, stack_samples
 from vlmrl.types import TrainBatch
 
 
 def synthetic_rows(root, train_size: int, val_size: int) -> list[dict]:
     """The synthetic training rows (images included) written under `root`."""
-    from vlmrl.data import load_dataset
+    from vlmrl.data.dataset import load_dataset
 
     dataset = load_dataset("synthetic", "train", synthetic_train_size=train_size, synthetic_val_size=val_size,
                            root=root)

@@ -38,21 +38,21 @@ def _cuda_devices() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     return str(ensure_built("tiny"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_vl_path() -> str:
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     return str(ensure_built("tiny-qwen3-vl"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_path() -> str:
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     return str(ensure_built("tiny-qwen3.5"))
 
@@ -65,8 +65,8 @@ TINY_FAMILIES = ("tiny", "tiny-qwen3-vl", "tiny-qwen3.5")
 def tiny_family(request):
     """(model folder, its processor with prompts up to 64 tokens) for each embedded family in turn."""
     from vlmrl.data.config import DataConfig
-    from vlmrl.models import ensure_built
-    from vlmrl.processors import load_processor
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.processors.qwen_vl import load_processor
 
     path = str(ensure_built(request.param))
     return path, load_processor(path, DataConfig(max_prompt_length=64))
@@ -76,7 +76,7 @@ def tiny_family(request):
 def processor(tiny_model_path):
     """The tiny model's processor (prompts up to 64 tokens), shared by the actor, trainer and distributed tests."""
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     return load_processor(tiny_model_path, DataConfig(max_prompt_length=64))
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.rollout import BackendOptions, RolloutBackend
+from vlmrl.rollout.base import BackendOptions, RolloutBackend
 from vlmrl.rollout.requests import finish_at_stop
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 

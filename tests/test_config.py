@@ -188,7 +188,7 @@ def test_a_tool_image_at_the_models_max_pixels_is_checked_when_data_max_pixels_i
 def test_image_safety_keys_are_the_processors(tmp_path, tiny_model_path):
     """The data section IS the processor's config: nothing is copied between them."""
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     config = load("data.on_bad_image=filter", f"data.data_root={tmp_path}", "data.allow_remote_images=true",
                   "data.remote_timeout_s=2.5", "data.remote_max_bytes=1024", "data.max_image_pixels=2000000",
@@ -206,7 +206,7 @@ def test_image_safety_keys_are_the_processors(tmp_path, tiny_model_path):
 
 
 def test_engine_neutral_options_reach_every_backend_and_deadlines_must_be_positive():
-    from vlmrl.rollout import backend_options
+    from vlmrl.rollout.registry import backend_options
 
     base = ["actor.model_path=org/m", "data.train_files=synthetic", "data.val_files=synthetic"]
     config = load_config([*base, "rollout.start_timeout_s=1800", "rollout.timeout_s=900",
@@ -280,8 +280,8 @@ def test_keys_of_the_last_release_still_work_with_a_warning(tmp_path):
 def test_every_engine_option_is_a_run_config_key():
     """Each option a backend takes (the LoRA-derived ones and what the run derives excepted) is set from the run
     config, and the backend starts from that value."""
-    from vlmrl.rollout import backend_options
     from vlmrl.rollout.config import BACKEND_SECTIONS, ENGINE_OPTIONS, SERVING_OPTIONS
+    from vlmrl.rollout.registry import backend_options
 
     sample = {bool: lambda v: not v if v is not None else True, int: lambda v: (v or 0) + 3,
               float: lambda v: (v or 0.0) + 0.25, str: lambda v: "x" + (v or ""), dict: lambda v: {"k": 1}}

@@ -347,7 +347,7 @@ def _largest_divisor(total: int, at_most: int) -> int:
 def check_model_context(config: Config) -> list[str]:
     """Check prompt + response lengths fit the model's context, for local folders and embedded models.
     Hub ids that are not downloaded are skipped (the engine checks again when it loads them)."""
-    from vlmrl.models import is_embedded, is_hub_id, resolve_model_path
+    from vlmrl.models.tiny import is_embedded, is_hub_id, resolve_model_path
 
     path = config.actor.model_path
     if not (is_embedded(path) or Path(path).expanduser().is_dir()):

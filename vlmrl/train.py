@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from vlmrl.data import DataError
-    from vlmrl.processors import BadRowError
+    from vlmrl.data.dataset import DataError
+    from vlmrl.processors.errors import BadRowError
     from vlmrl.rollout.logs import log_engines_into
     from vlmrl.trainer.fit import fit  # torch, transformers and the engines load only for a valid config
 

@@ -39,7 +39,8 @@ def tools_prompt_of(config_file: str, instruction: str = "") -> str:
     """The tools block for the `agent.tools` of a run config (yaml)."""
     from omegaconf import OmegaConf
 
-    from vlmrl.agent import AgentConfig, ToolRegistry
+    from vlmrl.agent.config import AgentConfig
+    from vlmrl.agent.tools import ToolRegistry
 
     section = OmegaConf.load(config_file).get("agent")
     if section is None or not section.get("tools"):

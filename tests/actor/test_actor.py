@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.batches import make_batch
-from vlmrl.actor import Actor
+from vlmrl.actor.local import Actor
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch.padding import upsample_to_multiple
 from vlmrl.config import ActorConfig, OptimConfig

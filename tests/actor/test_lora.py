@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.batches import make_batch
-from vlmrl.actor import Actor
+from vlmrl.actor.local import Actor
 from vlmrl.actor.lora import (
     ADAPTER_DIR,
     adapter_tensors,
@@ -274,7 +274,7 @@ def test_qwen3_5_merged_weights_equal_peft_merge_and_a_step_trains_the_linear_at
 
     from vlmrl.actor.lora import lora_scaling, peft_config
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     lora = LoraConfig(rank=4, alpha=8)
     model = get_peft_model(_base_model(tiny_qwen3_5_path), peft_config(_base_model(tiny_qwen3_5_path), lora))

@@ -14,8 +14,8 @@ import torch
 
 from tests.actor.test_actor import actor_config
 from tests.batches import make_batch
-from vlmrl.actor import Actor
 from vlmrl.actor.core import micro_batch
+from vlmrl.actor.local import Actor
 from vlmrl.actor.micro_batches import cost, plan_micro_batches, row_spans, split_to_count
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch.padding import upsample_to_multiple
@@ -196,7 +196,7 @@ def test_the_budget_bounds_every_forward(tiny_model_path, batch):
 def family_batches(model_path: str, synthetic_rows) -> dict:
     """Like `batch` and `padded_batch`, built with that model's processor (its own image grids)."""
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     processor = load_processor(model_path, DataConfig(max_prompt_length=64))
     plain = make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,), response_length=8)

@@ -10,10 +10,12 @@ import inspect
 import pytest
 import torch
 
-from vlmrl.actor import Actor, PolicyActor, lr_lambda
+from vlmrl.actor.base import PolicyActor
+from vlmrl.actor.local import Actor
+from vlmrl.actor.policy import lr_lambda
 from vlmrl.config import ActorConfig, OptimConfig
-from vlmrl.distributed import DistributedActor
 from vlmrl.distributed.actor import ShardedActor
+from vlmrl.distributed.group import DistributedActor
 from vlmrl.distributed.vision import WRAPPED_PREFIX
 
 

@@ -11,7 +11,7 @@ import torch
 @pytest.fixture(scope="session")
 def processor(tiny_model_path):
     """The tiny model's processor (the taught copy has the same tokenizer and processor files)."""
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     return load_processor(tiny_model_path)
 
@@ -37,7 +37,7 @@ def taught_model_path(tiny_model_path, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def backend(taught_model_path):
     """The hf rollout backend on the taught model (the engine tests start their own engines)."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     with get_backend("hf", taught_model_path, max_model_len=1024, timeout_s=120) as backend:
         yield backend

@@ -11,9 +11,10 @@ import numpy as np
 import torch
 
 from tests.agent import scripted
-from vlmrl.agent import AgentSample, Tool, ToolContext
 from vlmrl.agent.builtin import ImageZoomTool
 from vlmrl.agent.carry import TRAJECTORY_FIELDS
+from vlmrl.agent.tools import Tool, ToolContext
+from vlmrl.agent.trajectory import AgentSample
 from vlmrl.types import SamplingParams
 
 P, R = 128, 256

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from vlmrl.agent import AgentBatch
+from vlmrl.agent.loop import AgentBatch
 from vlmrl.agent.trajectory import AgentSample
-from vlmrl.batch import pad_sample
+from vlmrl.batch.padding import pad_sample
 from vlmrl.types import PromptInputs, RolloutRequest, RolloutResult
 
 P, R, PAD = 4, 6, 0

@@ -25,10 +25,12 @@ from tests.agent.helpers import (
     assert_same_sample,
     requests,
 )
-from vlmrl.agent import AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry, Trajectory
 from vlmrl.agent.builtin import Geo3kAnswerTool
 from vlmrl.agent.carry import CARRIED_JSON, CARRIED_TENSORS, PNG_MODES, TRAJECTORY_FIELDS, read_carried, write_carried
-from vlmrl.agent.tools import ToolContext
+from vlmrl.agent.config import AgentConfig, PartialRolloutConfig
+from vlmrl.agent.loop import AgentLoop
+from vlmrl.agent.tools import ToolContext, ToolRegistry
+from vlmrl.agent.trajectory import Trajectory
 from vlmrl.processors.images import image_hash
 from vlmrl.types import RolloutRequest
 
@@ -86,7 +88,7 @@ def test_a_carried_group_with_a_video_resumes_identically(scripted_backend, proc
     next step gives the uninterrupted loop's samples (video inputs and position ids included)."""
     from vlmrl.data.config import DataConfig
     from vlmrl.data.synthetic import generate_rows
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     video_processor = load_processor(tiny_model_path, DataConfig(video_fps=1.0))
     frames = generate_rows("motion", 1, 0, "val")[0]["videos"][0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmrl.agent import AgentConfig, PartialRolloutConfig, ToolSpec
+from vlmrl.agent.config import AgentConfig, PartialRolloutConfig, ToolSpec
 
 
 def test_defaults_are_valid():

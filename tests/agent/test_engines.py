@@ -7,15 +7,18 @@ import pytest
 
 from tests.agent import scripted
 from tests.agent.helpers import GREEDY, EchoTool, P, R, check_long_sample, full_ids
-from vlmrl.agent import TOOL_VERSION, AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
+from vlmrl.agent.config import AgentConfig, PartialRolloutConfig
+from vlmrl.agent.loop import AgentLoop
+from vlmrl.agent.tools import ToolRegistry
+from vlmrl.agent.trajectory import TOOL_VERSION
 
 
 @pytest.fixture(scope="module", params=[pytest.param("vllm", marks=pytest.mark.vllm),
                                         pytest.param("sglang", marks=pytest.mark.sglang)])
 def engine(request, taught_model_path):
     """One engine per module and name (pytest runs every test of one engine before starting the next)."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     with get_backend(request.param, taught_model_path, max_model_len=1024, dtype="float32", timeout_s=120,
                      start_timeout_s=300) as backend:

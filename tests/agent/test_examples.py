@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from vlmrl.agent import AgentConfig, ToolRegistry
+from vlmrl.agent.config import AgentConfig
+from vlmrl.agent.tools import ToolRegistry
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agent"
 CONFIGS = sorted(EXAMPLES.glob("*.yaml"))
@@ -36,7 +37,7 @@ def test_add_tools_prompt(tmp_path, tiny_model_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     script = _script()
     assert doctest.testmod(script).failed == 0
@@ -71,8 +72,8 @@ def test_example_pixel_bounds_suit_both_families(config_file, model, tmp_path):
     import shutil
 
     from vlmrl.config import load_config
-    from vlmrl.models import ensure_built
-    from vlmrl.processors import load_processor
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.processors.qwen_vl import load_processor
 
     folder = tmp_path / model
     shutil.copytree(ensure_built(model), folder)

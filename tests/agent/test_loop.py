@@ -11,8 +11,10 @@ import pytest
 
 from tests.agent import scripted
 from tests.agent.helpers import GREEDY, EchoTool, HangingZoomTool, Lifecycle, P, R, check_long_sample, tool_turn_texts
-from vlmrl.agent import AgentConfig, AgentLoop, Tool, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
+from vlmrl.agent.config import AgentConfig
+from vlmrl.agent.loop import AgentLoop
+from vlmrl.agent.tools import Tool, ToolRegistry
 from vlmrl.types import SamplingParams
 
 
@@ -124,7 +126,7 @@ def test_a_rollout_that_fails_mid_conversation_releases_every_tool_state(tiny_mo
     backend runs, raised on the third turn): run() raises it, and every started trajectory's tool state (a sandbox,
     a connection) is released on the way out."""
     from tests.fakes import ScriptedBackend
-    from vlmrl.rollout import InvalidRequestError
+    from vlmrl.rollout.errors import InvalidRequestError
 
     log = Lifecycle()
     with ScriptedBackend(tiny_model_path, scripted.ScriptedModel(processor), max_model_len=1024,

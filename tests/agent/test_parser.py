@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmrl.agent import ToolCall, ToolCallError, parse_tool_calls
+from vlmrl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
 
 
 def test_calls_in_order_with_surrounding_text():

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from tests.agent import scripted
 from tests.agent.helpers import GREEDY, EchoTool, Lifecycle, P, R, full_ids, requests
-from vlmrl.agent import TOOL_VERSION, AgentConfig, AgentLoop, PartialRolloutConfig, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
+from vlmrl.agent.config import AgentConfig, PartialRolloutConfig
+from vlmrl.agent.loop import AgentLoop
+from vlmrl.agent.tools import ToolRegistry
+from vlmrl.agent.trajectory import TOOL_VERSION
 
 
 def make_loop(backend, processor, log: Lifecycle, **partial) -> AgentLoop:

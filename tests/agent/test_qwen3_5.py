@@ -9,8 +9,10 @@ import torch
 
 from tests.agent import scripted
 from tests.agent.helpers import GREEDY, EchoTool, Lifecycle, P, R, assert_forward_finite, check_long_sample
-from vlmrl.agent import AgentConfig, AgentLoop, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
+from vlmrl.agent.config import AgentConfig
+from vlmrl.agent.loop import AgentLoop
+from vlmrl.agent.tools import ToolRegistry
 from vlmrl.processors.images import resize_image
 
 
@@ -18,7 +20,7 @@ def test_a_tool_conversation_reaches_the_trainer_as_the_processor_renders_it(tin
     from transformers import AutoModelForImageTextToText
 
     from tests.fakes import ScriptedBackend
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     processor = load_processor(tiny_qwen3_5_path)
     model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_5_path, dtype=torch.float32).eval()

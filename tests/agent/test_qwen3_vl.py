@@ -10,14 +10,16 @@ import torch
 
 from tests.agent import scripted
 from tests.agent.helpers import GREEDY, EchoTool, Lifecycle, P, R, assert_forward_finite, check_long_sample
-from vlmrl.agent import AgentConfig, AgentLoop, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
+from vlmrl.agent.config import AgentConfig
+from vlmrl.agent.loop import AgentLoop
+from vlmrl.agent.tools import ToolRegistry
 from vlmrl.processors.images import resize_image
 
 
 @pytest.fixture(scope="module")
 def qwen3_processor(tiny_qwen3_vl_path):
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     return load_processor(tiny_qwen3_vl_path)
 

@@ -10,9 +10,9 @@ import threading
 import pytest
 from PIL import Image
 
-from vlmrl.agent import Tool, ToolContext, ToolOutput, ToolRegistry, ToolSpec
 from vlmrl.agent.builtin import Geo3kAnswerTool, ImageZoomTool
-from vlmrl.agent.tools import ToolTimeout, as_output, call_tool_method
+from vlmrl.agent.config import ToolSpec
+from vlmrl.agent.tools import Tool, ToolContext, ToolOutput, ToolRegistry, ToolTimeout, as_output, call_tool_method
 from vlmrl.types import RolloutRequest
 
 
@@ -85,7 +85,7 @@ def test_registry_from_specs(tmp_path):
     assert "<tool_call>" in prompt
     with pytest.raises(ValueError, match=r"agent.tools\[0\] \('vlmrl.agent.builtin:Nope'\)"):
         ToolRegistry.from_specs([ToolSpec(path="vlmrl.agent.builtin:Nope")])
-    with pytest.raises(ValueError, match="not a vlmrl.agent.Tool"):
+    with pytest.raises(ValueError, match="not a vlmrl.agent.tools.Tool"):
         ToolRegistry.from_specs([ToolSpec(path="vlmrl.agent.tools:ToolOutput")])
     with pytest.raises(ValueError, match="two tools are named 'a'"):
         ToolRegistry([type("A", (Tool,), {"name": "a"})(), type("B", (Tool,), {"name": "a"})()])

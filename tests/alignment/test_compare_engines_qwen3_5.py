@@ -28,7 +28,7 @@ ALIGNED_CAUSES = {"exact", "near_tie", "logprob_drift"}
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     root = tmp_path_factory.mktemp("alignment_qwen3_5")
     data = write_colour_set(root)

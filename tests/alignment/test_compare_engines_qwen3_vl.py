@@ -27,7 +27,7 @@ pytestmark = pytest.mark.vllm  # every test reuses the `compare --backends hf,vl
 def setup(tmp_path_factory):
     """A small verl-schema parquet (6 image rows, larger than the model's max_pixels, + 1 text row) and the
     overrides every side shares."""
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     root = tmp_path_factory.mktemp("alignment_qwen3_vl")
     data = write_colour_set(root)

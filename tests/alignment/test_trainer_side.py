@@ -63,8 +63,8 @@ def test_a_reference_from_other_data_or_rows_is_refused_naming_them(tmp_path):
     """An engine artifact of another validation set (6 rows against a config of 4), or of rows this config filters
     (a shorter data.max_prompt_length), is refused naming the data or the rows, not scored against other prompts."""
     from vlmrl.alignment.trainer_side import TrainerSideError
-    from vlmrl.trainer.trainer_side import score_reference
     from vlmrl.config import load_config
+    from vlmrl.trainer.trainer_side import score_reference
     from vlmrl.trainer.validation import validate_with
 
     config = load_config([*_overrides(tmp_path), "trainer.val_only=true", "rollout.name=hf"])
@@ -107,9 +107,9 @@ def test_the_drill_down_names_the_decoder_layer_that_differs(tmp_path, model, ca
     """The trainer on weights whose decoder layer 1 moved, against HF's samples of the original: the drill-down finds
     the vision tower, its mergers (Qwen3-VL: the deepstack mergers) and layer 0 equal and names layer 1; the trainer
     on the original weights, packed and chunked, finds every module within float32 tolerance."""
-    from vlmrl.trainer.trainer_side import score_reference
     from vlmrl.config import load_config
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.trainer.trainer_side import score_reference
     from vlmrl.trainer.validation import validate_with
 
     original = str(ensure_built(model))

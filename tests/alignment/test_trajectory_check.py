@@ -5,18 +5,21 @@ formats); each way of building them otherwise is named; `compare --gate trajecto
 from __future__ import annotations
 
 import json
+
 import pytest
 
 from tests.agent import scripted
 from tests.agent.helpers import GREEDY, EchoTool, P, R
-from vlmrl.agent import AgentConfig, AgentLoop, ToolRegistry
 from vlmrl.agent.builtin import ImageZoomTool
+from vlmrl.agent.config import AgentConfig
+from vlmrl.agent.loop import AgentLoop
+from vlmrl.agent.tools import ToolRegistry
 from vlmrl.alignment.trajectory_check import check_trajectory
 
 
 @pytest.fixture(scope="module")
 def processor(tiny_model_path):
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     return load_processor(tiny_model_path)
 

@@ -10,7 +10,7 @@ from vlmrl.alignment.artifact import records_from_rollout
 from vlmrl.alignment.diff import Cause, compare_artifacts
 from vlmrl.data.config import DataConfig
 from vlmrl.data.synthetic import generate_rows
-from vlmrl.processors import load_processor
+from vlmrl.processors.qwen_vl import load_processor
 from vlmrl.types import RolloutResult
 
 

@@ -20,7 +20,7 @@ from vlmrl.batch.padding import (
     stack_samples,
     upsample_to_multiple,
 )
-from vlmrl.processors import load_processor
+from vlmrl.processors.qwen_vl import load_processor
 from vlmrl.types import PromptInputs, RolloutResult, TrainBatch
 
 P, R = 64, 12

@@ -10,8 +10,10 @@ import datasets
 import pytest
 from PIL import Image
 
-from vlmrl.data import load_dataset
-from vlmrl.rewards import RewardInput, compute_rewards, get_reward_fn
+from vlmrl.data.dataset import load_dataset
+from vlmrl.rewards.base import RewardInput
+from vlmrl.rewards.registry import get_reward_fn
+from vlmrl.rewards.scoring import compute_rewards
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "data" / "geo3k.py"
 SPLIT_SIZES = {"train": 4, "validation": 2, "test": 3}
@@ -79,7 +81,7 @@ def test_local_copy_becomes_verl_schema_parquet_that_loads_scores_and_builds_req
     scores, extras, failures = compute_rewards(fn, [right, RewardInput(row["data_source"], r"\boxed{1}", answer)])
     assert (scores, failures) == ([1.0, 0.0], 0)
 
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     request = load_processor(tiny_model_path).build_request(row, 2)
     assert request.ground_truth == answer and request.data_source == "hiyouga/geometry3k" and len(request.images) == 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.batches import make_batch
-from vlmrl.actor import Actor
+from vlmrl.actor.local import Actor
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.config import ActorConfig, OptimConfig
 from vlmrl.distributed.actor import ShardedActor, UpdateShard

@@ -10,7 +10,8 @@ from tests.batches import make_batch
 from tests.distributed.test_group import actor_config, assert_same_metrics, assert_same_weights, perturbed, start_dp2
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.config import TrainerConfig
-from vlmrl.distributed import DistributedActor, WorkerSpec
+from vlmrl.distributed.group import DistributedActor
+from vlmrl.distributed.worker import WorkerSpec
 
 pytestmark = [pytest.mark.ray, pytest.mark.gpu(devices=2)]
 

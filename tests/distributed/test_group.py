@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from tests.batches import make_batch
-from vlmrl.actor import Actor
+from vlmrl.actor.local import Actor
 from vlmrl.algorithms.grpo import group_advantages
-from vlmrl.batch import required_batch_multiple, upsample_to_multiple
+from vlmrl.batch.padding import required_batch_multiple, upsample_to_multiple
 from vlmrl.config import ActorConfig, OptimConfig, TrainerConfig
-from vlmrl.distributed import DistributedActor, WorkerSpec
-from vlmrl.rollout import BackendOptions
+from vlmrl.distributed.group import DistributedActor
+from vlmrl.distributed.worker import WorkerSpec
+from vlmrl.rollout.base import BackendOptions
 
 pytestmark = pytest.mark.ray
 WEIGHT_ATOL = 1e-9
@@ -211,7 +212,7 @@ def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
         ray_cluster, tiny_model_path, processor, synthetic_rows):
     from vlmrl.distributed.engines import ColocatedEngines
     from vlmrl.distributed.worker import EngineSpec
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
     from vlmrl.types import SamplingParams
 
     rows = [dict(row, prompt=[{"role": "user", "content": "Say a colour."}], images=[]) if i % 2 else row
@@ -288,7 +289,7 @@ def test_dp2_lora_sync_streams_merged_weights_into_each_ranks_engine(ray_cluster
 
 
 def _batch_of(processor, requests, results):
-    from vlmrl.batch import pad_sample, stack_samples
+    from vlmrl.batch.padding import pad_sample, stack_samples
 
     samples = []
     for i, result in enumerate(results):

@@ -19,7 +19,7 @@ from tests.distributed.test_group import (
 )
 from vlmrl.actor.config import OffloadConfig
 from vlmrl.algorithms.grpo import group_advantages
-from vlmrl.batch import upsample_to_multiple
+from vlmrl.batch.padding import upsample_to_multiple
 
 pytestmark = pytest.mark.ray
 

@@ -8,7 +8,7 @@ import torch
 
 from tests.batches import make_batch
 from vlmrl.actor.core import mean_metrics
-from vlmrl.batch import required_batch_multiple, upsample_to_multiple
+from vlmrl.batch.padding import required_batch_multiple, upsample_to_multiple
 from vlmrl.distributed.sharding import (
     engine_hosts,
     even_row_blocks,

@@ -10,8 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmrl.models import resolve_model_path
-from vlmrl.models.tiny import build
+from vlmrl.models.tiny import build, resolve_model_path
 
 
 def _gradient_image(w: int, h: int) -> Image.Image:
@@ -55,7 +54,7 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_hf_cache(tiny_model_path, tmp_
     import huggingface_hub.constants
 
     from vlmrl.models import tiny
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     repo = tmp_path / "hub" / "models--org--tiny-vl"
     shutil.copytree(tiny_model_path, repo / "snapshots" / "abc123")
@@ -74,7 +73,7 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_hf_cache(tiny_model_path, tmp_
 
 
 def test_unknown_embedded_name_is_rejected():
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     with pytest.raises(ValueError, match="unknown embedded model"):
         ensure_built("tiny-xxl")

@@ -16,7 +16,8 @@ import pytest
 
 from tests.processors.helpers import image_row, noise_image, png_bytes
 from vlmrl.data.config import DataConfig
-from vlmrl.processors import BadRowError, FilteredRow, load_processor
+from vlmrl.processors.errors import BadRowError, FilteredRow
+from vlmrl.processors.qwen_vl import load_processor
 
 ROW = 42
 
@@ -261,7 +262,7 @@ def test_content_part_prompts_from_parquet_carry_their_images_inline(processor, 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from vlmrl.data import RLDataset
+    from vlmrl.data.dataset import RLDataset
 
     image = noise_image(56, 56)
     row = {"data_source": "parts", "reward_model": {"ground_truth": "red"}, "images": [],

@@ -13,7 +13,8 @@ import torch
 from tests.processors.helpers import first_difference, noise_image
 from vlmrl.data.config import DataConfig
 from vlmrl.data.synthetic import generate_rows
-from vlmrl.processors import BadRowError, load_processor
+from vlmrl.processors.errors import BadRowError
+from vlmrl.processors.qwen_vl import load_processor
 from vlmrl.processors.video import encode_mp4
 
 NUM_GENERATED_CASES = 36
@@ -23,7 +24,7 @@ PADDINGS = ("left", "none", "right", "left")
 @pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen3.5"])
 def tiny_qwen3_vl_path(request) -> str:
     """Each embedded family whose videos carry timestamps in the text, in turn (the module's name is Qwen3-VL's)."""
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     return str(ensure_built(request.param))
 

@@ -10,13 +10,13 @@ from PIL import Image
 
 from tests.processors.helpers import image_row, noise_image
 from vlmrl.data.config import DataConfig
-from vlmrl.processors import load_processor
+from vlmrl.processors.qwen_vl import load_processor
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen3.5"])
 def tiny_qwen3_vl_path(request) -> str:
     """Each embedded family with Qwen3-VL's processor, in turn."""
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     return str(ensure_built(request.param))
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.processors.helpers import first_difference, hf_rope_index, image_row, noise_image
-from vlmrl.processors import load_processor, mrope_position_ids
+from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.rope import mrope_position_ids
 
 NUM_GENERATED_CASES = 64
 PLACEMENTS = ("first", "middle", "last")
@@ -19,7 +20,7 @@ PADDINGS = ("left", "left", "right", "none")
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-qwen3-vl", "tiny-qwen3.5"])
 def model_path(request):
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     return str(ensure_built(request.param))
 

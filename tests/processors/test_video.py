@@ -10,7 +10,8 @@ import pytest
 
 from vlmrl.data.config import DataConfig
 from vlmrl.data.synthetic import generate_rows
-from vlmrl.processors import BadRowError, FilteredRow, load_processor
+from vlmrl.processors.errors import BadRowError, FilteredRow
+from vlmrl.processors.qwen_vl import load_processor
 from vlmrl.processors.video import encode_mp4
 
 

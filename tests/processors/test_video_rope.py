@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.processors.helpers import first_difference
-from vlmrl.processors import load_processor, mrope_position_ids
+from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.rope import mrope_position_ids
 
 NUM_GENERATED_CASES = 40
 PADDINGS = ("left", "right", "none", "left")

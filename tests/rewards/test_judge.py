@@ -16,9 +16,11 @@ from PIL import Image
 import vlmrl.rewards.judge
 import vlmrl.rewards.judge_server
 from vlmrl.config import ConfigError, load_config
-from vlmrl.rewards import FAILED_KEY, get_reward_fn, score_texts
+from vlmrl.rewards.base import FAILED_KEY
 from vlmrl.rewards.config import JudgeConfig, RewardConfig
 from vlmrl.rewards.judge import Judge, JudgeError, combine, render_text, start_judge
+from vlmrl.rewards.registry import get_reward_fn
+from vlmrl.rewards.scoring import score_texts
 from vlmrl.types import RolloutRequest
 
 

@@ -9,12 +9,14 @@ import json
 
 import pytest
 
-from vlmrl.data import load_dataset
-from vlmrl.rewards import FAILED_KEY, close_reward_workers, load_reward_fn, score_texts
+from vlmrl.data.dataset import load_dataset
 from vlmrl.rewards import judge as judge_module
+from vlmrl.rewards.base import FAILED_KEY
 from vlmrl.rewards.config import JudgeConfig, JudgeServerConfig, RewardConfig
 from vlmrl.rewards.judge import Judge, parse_rating
 from vlmrl.rewards.judge_server import launch_judge_server
+from vlmrl.rewards.scoring import load_reward_fn, score_texts
+from vlmrl.rewards.workers import close_reward_workers
 
 pytestmark = pytest.mark.sglang
 

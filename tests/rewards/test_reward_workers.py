@@ -14,15 +14,10 @@ import pytest
 
 import vlmrl.rewards.workers
 from vlmrl.config import ConfigError, load_config
-from vlmrl.rewards import (
-    FAILED_KEY,
-    TIMEOUT_KEY,
-    RewardInput,
-    close_reward_workers,
-    compute_rewards,
-    get_reward_fn,
-    workers_for,
-)
+from vlmrl.rewards.base import FAILED_KEY, TIMEOUT_KEY, RewardInput
+from vlmrl.rewards.registry import get_reward_fn
+from vlmrl.rewards.scoring import compute_rewards
+from vlmrl.rewards.workers import close_reward_workers, workers_for
 
 LIMIT = 1.0  # seconds per sample: short, but far above what the well-behaved samples here take (~1 ms)
 

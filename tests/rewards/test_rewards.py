@@ -13,7 +13,9 @@ import vlmrl.rewards.base
 import vlmrl.rewards.geo3k
 import vlmrl.rewards.registry
 import vlmrl.rewards.synthetic
-from vlmrl.rewards import FAILED_KEY, RewardInput, compute_rewards, get_reward_fn
+from vlmrl.rewards.base import FAILED_KEY, RewardInput
+from vlmrl.rewards.registry import get_reward_fn
+from vlmrl.rewards.scoring import compute_rewards
 
 GEO = "hiyouga/geometry3k"
 

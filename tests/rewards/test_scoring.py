@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vlmrl.config import RewardConfig
-from vlmrl.rewards import FAILED_KEY, Scores, load_reward_fn, response_texts, score_texts
+from vlmrl.rewards.base import FAILED_KEY
+from vlmrl.rewards.scoring import Scores, load_reward_fn, response_texts, score_texts
 from vlmrl.types import RolloutRequest, RolloutResult
 
 IN_PROCESS = RewardConfig(timeout_s=None)
@@ -45,7 +46,7 @@ def test_a_failing_sample_scores_zero_counted_and_a_miscounted_batch_is_refused(
 
 
 def test_the_run_reward_function_scores_decoded_responses(tiny_model_path):
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     processor = load_processor(tiny_model_path)
     reward_fn = load_reward_fn(IN_PROCESS, ["synthetic/colour"])

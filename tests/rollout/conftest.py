@@ -63,8 +63,8 @@ class SharedEngines:
         self.log_folder = None
 
     def get(self, backend: str, model: str):
-        from vlmrl.models import ensure_built
-        from vlmrl.rollout import get_backend
+        from vlmrl.models.tiny import ensure_built
+        from vlmrl.rollout.registry import get_backend
         from vlmrl.utils.processes import is_alive
 
         key = (backend, model)
@@ -182,7 +182,7 @@ def sglang_server_qwen3_5(shared_engines):
 
 
 def _embedded_name(model_path: str) -> str:
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     return next(name for name in VIDEO_MODELS if str(ensure_built(name)) == model_path)
 
@@ -200,7 +200,7 @@ def video_sglang(shared_engines, video_model_path):
 @pytest.fixture(scope="session")
 def hf(tiny_model_path):
     """The transformers reference backend (fp32). Tests that edit its weights restore them."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as backend:
         yield backend
@@ -221,7 +221,7 @@ def hf_greedy(hf, batch):
 @pytest.fixture(scope="module", params=VIDEO_MODELS)
 def video_model_path(request) -> str:
     """Each embedded family's model in turn (module scope: one engine per family at a time)."""
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     return str(ensure_built(request.param))
 
@@ -229,7 +229,7 @@ def video_model_path(request) -> str:
 @pytest.fixture(scope="module")
 def video_hf(video_model_path):
     """transformers (fp32) on the module's current model: the reference."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     with get_backend("hf", video_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as backend:
         yield backend

@@ -12,7 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmrl.rollout import InvalidRequestError, RolloutBackend
+from vlmrl.rollout.base import RolloutBackend
+from vlmrl.rollout.errors import InvalidRequestError
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, top_logprobs=5)
@@ -34,7 +35,7 @@ BF16_MEAN_LOGPROB_TOL = 0.1
 def sglang_server(model_path: str, tmp_path_factory, label: str, **options):
     """A module fixture's body: an fp32 `sglang-server` launched on the model, its log in a fresh temporary folder
     named `label` (read by the tests that check what the server said); yields the started backend, stops it after."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     log = tmp_path_factory.mktemp(label) / "server.log"
     with get_backend("sglang-server", model_path, dtype="float32", max_model_len=1024, timeout_s=300,
@@ -312,7 +313,7 @@ class EngineContract:
         the engine made none of the trainer's movement), one that holds the first decoder layer's tensors back
         (landed partly, though every tensor name arrived), and the whole one (in sync). The engine gets its first
         weights back after."""
-        from vlmrl.actor import Actor
+        from vlmrl.actor.local import Actor
         from vlmrl.alignment.weight_probe import IN_SYNC, STALE
         from vlmrl.config import load_config
         from vlmrl.trainer.weight_probe import WeightProbe

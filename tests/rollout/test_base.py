@@ -18,16 +18,10 @@ import torch
 from tests.rollout.helpers import GREEDY, noise_image
 from vlmrl.models import families
 from vlmrl.models.families import QWEN2_5_VL, QWEN3_VL
-from vlmrl.rollout import (
-    EngineDeadError,
-    EngineTimeoutError,
-    InvalidRequestError,
-    RolloutError,
-    base,
-    get_backend,
-    weights,
-)
+from vlmrl.rollout import base, weights
 from vlmrl.rollout.base import BackendOptions, DeadlineRunner, RolloutBackend
+from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError, InvalidRequestError, RolloutError
+from vlmrl.rollout.registry import get_backend
 from vlmrl.rollout.requests import finish_at_stop, top_allowed
 from vlmrl.rollout.weights import weight_sync
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
@@ -195,7 +189,7 @@ def test_doctests(module):
 def test_qwen3_vl_config_without_interleaving_gets_it_as_an_engine_override(tmp_path):
     """The embedded Qwen3-VL carries mrope_interleaved (nothing to override); a copy without it is named as a
     problem and gets the whole rope dict back with the flag set (SGLang replaces sub-dicts rather than merging)."""
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     source = ensure_built("tiny-qwen3-vl")
     config = families.read_model_config(source)

@@ -13,7 +13,7 @@ from vlmrl.types import SamplingParams
 
 @pytest.fixture(scope="module")
 def backend(tiny_model_path):
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024) as started:
         yield started
@@ -62,7 +62,7 @@ def test_sampling_settings_of_the_model_folder_are_not_inherited(tiny_model_path
     import json
     import shutil
 
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_path, folder)
@@ -77,8 +77,8 @@ def test_sampling_settings_of_the_model_folder_are_not_inherited(tiny_model_path
 
 def test_a_run_backend_starts_from_its_rollout_section(tiny_model_path):
     from vlmrl.config import RolloutConfig
-    from vlmrl.rollout import start_backend
     from vlmrl.rollout.config import HFConfig
+    from vlmrl.rollout.registry import start_backend
 
     section = RolloutConfig(name="vllm", dtype="float32", timeout_s=90.0, start_timeout_s=120.0, limit_images=3,
                             hf=HFConfig(device="cpu", engine_kwargs={"attn_implementation": "eager"}))

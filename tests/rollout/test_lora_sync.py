@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.rollout.helpers import GREEDY, clone_state, greedy_mismatch, noise_image
-from vlmrl.actor import Actor
+from vlmrl.actor.local import Actor
 from vlmrl.config import ActorConfig, LoraConfig
 
 RANK = 8
@@ -66,7 +66,7 @@ def requests(hf):
 @pytest.fixture(scope="module")
 def merged_hf(tiny_model_path):
     """A transformers backend of its own: the merged model's greedy outputs are read from it."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as backend:
         yield backend
@@ -134,7 +134,7 @@ def given_back(engine, hf, requests, base_greedy):
 
 @pytest.mark.vllm
 def test_vllm_serves_the_adapter_itself_path_b(tiny_model_path, policy, base_greedy, merged_hf, requests):
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     with get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
                      lora_rank=RANK, lora_vision=True) as engine:
@@ -191,7 +191,7 @@ def test_sglang_server_takes_merged_weights_path_a(sglang_server_qwen2_5_vl, hf,
 def test_an_adapter_on_the_output_head_goes_to_a_lora_serving_vllm_as_merged_weights(tiny_model_path, requests):
     """The CPU demo's LoRA adapts lm_head (docs/lora.md); vLLM's LoRA serving refuses an adapter on it, so `auto`
     on an engine started with enable_lora must sync merged weights (== HF merged), and `adapter` must say why."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     config = ActorConfig(model_path=tiny_model_path, device="cpu",
                          lora=LoraConfig(rank=RANK, alpha=16, target_modules=["q_proj", "down_proj", "lm_head"]))
@@ -215,8 +215,8 @@ def test_with_lora_vision_off_vllm_serves_what_the_trainer_trains(tiny_model_pat
     narrower than the default, the adapter must still reach only layers the engine started for vision=off (no
     tower/connector LoRA) serves, so its greedy output equals HF merged's. A policy that does hold vision adapters
     is refused as an adapter by such an engine and goes to it as merged weights under `auto`."""
-    from vlmrl.rollout import backend_options, get_backend
     from vlmrl.rollout.config import RolloutConfig
+    from vlmrl.rollout.registry import backend_options, get_backend
 
     lora = LoraConfig(rank=RANK, alpha=16, exclude_modules=r".*language_model\.layers\.0\..*")
     narrow = Actor(ActorConfig(model_path=tiny_model_path, device="cpu", lora=lora), total_steps=1,

@@ -47,7 +47,7 @@ def checkpoint(tiny_model_path):
 
 
 def _sleeping_engine(tiny_model_path, **options):
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     return get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
                        enable_sleep_mode=True, **options)
@@ -69,7 +69,7 @@ def test_sleep_mode_reaches_vllm_and_sleep_and_wake_reach_the_engine(sleeping, b
 
 
 def test_sleep_level_two_needs_a_weight_sync_before_generating(sleeping, batch, hf_greedy, checkpoint, monkeypatch):
-    from vlmrl.rollout import RolloutError
+    from vlmrl.rollout.errors import RolloutError
 
     engine = sleeping
     monkeypatch.setattr(engine.rollout.vllm, "sleep_level", 2)  # read when the engine is put to sleep
@@ -96,7 +96,8 @@ def test_sleep_mode_is_off_on_cpu_by_default_and_refused_by_vllm_when_asked(tiny
 def test_the_memory_saver_reaches_sglang(tiny_model_path):
     """SGLang takes enable_memory_saver on a CPU only to fail for want of torch-memory-saver (a CUDA library):
     the option reached its constructor."""
-    from vlmrl.rollout import RolloutError, get_backend
+    from vlmrl.rollout.errors import RolloutError
+    from vlmrl.rollout.registry import get_backend
 
     with pytest.raises(RolloutError, match="sglang: start the engine failed: .*torch_memory_saver"):
         get_backend("sglang", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,
@@ -161,8 +162,8 @@ def test_the_trainer_sleeps_the_engine_and_trains_as_without(tmp_path, sleep_mod
 def test_a_colocated_engine_frees_its_gpu_memory_while_asleep():
     """On a GPU the default (colocated) frees the weights and the KV cache: the device's free memory grows by at
     least the KV cache vLLM reserved, and comes back after the wake."""
-    from vlmrl.models import ensure_built
-    from vlmrl.rollout import get_backend
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.rollout.registry import get_backend
 
     path = str(ensure_built("tiny-large"))
     with get_backend("vllm", path, max_model_len=1024, gpu_memory_utilization=0.3, colocated=True) as engine:

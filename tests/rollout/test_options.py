@@ -8,8 +8,8 @@ import pytest
 
 from vlmrl.config import load_config
 from vlmrl.models.families import QWEN2_5_VL
-from vlmrl.rollout import backend_options
 from vlmrl.rollout.base import BackendOptions
+from vlmrl.rollout.registry import backend_options
 
 BASE = ["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic",
         "data.max_prompt_length=200", "data.max_response_length=56", "trainer.seed=11"]

@@ -52,7 +52,7 @@ def test_seeded_samples_in_segments_keep_n_per_request_and_the_token_budget(hf, 
 
 @pytest.fixture
 def own_hf(tiny_model_path):
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024) as started:
         yield started

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from tests.rollout.helpers import GREEDY, EngineContract, greedy_mismatch, is_near_tie_or_equal
-from vlmrl.rollout import EngineDeadError
+from vlmrl.rollout.errors import EngineDeadError
 from vlmrl.types import SamplingParams
 
 pytestmark = pytest.mark.sglang

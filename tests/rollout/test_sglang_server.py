@@ -10,7 +10,8 @@ import signal
 import pytest
 
 from tests.rollout.helpers import GREEDY, EngineContract, greedy_mismatch
-from vlmrl.rollout import EngineDeadError, RolloutError, get_backend
+from vlmrl.rollout.errors import EngineDeadError, RolloutError
+from vlmrl.rollout.registry import get_backend
 
 pytestmark = pytest.mark.sglang
 

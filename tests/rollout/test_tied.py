@@ -47,7 +47,7 @@ def trainer_state(tied_model) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def tied_reference(tied_model):
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     with get_backend("hf", tied_model, dtype="float32", max_model_len=1024, timeout_s=300) as backend:
         yield backend
@@ -63,7 +63,7 @@ def shifted_embeddings(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 @pytest.mark.parametrize("name", ["hf", pytest.param("vllm", marks=pytest.mark.vllm),
                                   pytest.param("sglang", marks=pytest.mark.sglang)])
 def test_a_tied_model_takes_the_trainers_full_state_dict(name, tied_model, trainer_state, tied_reference, batch):
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     shifted = shifted_embeddings(trainer_state)
     with get_backend(name, tied_model, dtype="float32", max_model_len=1024, timeout_s=300) as backend:

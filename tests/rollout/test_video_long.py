@@ -11,7 +11,7 @@ from PIL import Image
 
 from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_mismatch, noise_image
 from vlmrl.data.config import DataConfig
-from vlmrl.processors import load_processor
+from vlmrl.processors.qwen_vl import load_processor
 from vlmrl.types import RolloutRequest
 
 
@@ -46,7 +46,7 @@ def long_requests(model_path: str) -> list[RolloutRequest]:
 
 def _two_video_backend(name: str, model_path: str):
     """`name` started in fp32, taking two videos a request (the shared fixtures take one)."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     return get_backend(name, model_path, dtype="float32", max_model_len=1024, limit_videos=2, timeout_s=300)
 
@@ -133,8 +133,8 @@ def test_sglang_greedy_equals_hf_on_long_videos(sglang, requests, hf_greedy):
 def test_trainer_logprobs_equal_vllms_on_long_videos(vllm, requests, tiny_model_path):
     """The trainer's teacher-forced logprobs (the actor's forward with vlmrl's explicit position ids, padded into one
     batch) on vLLM's sampled responses equal the logprobs vLLM returned."""
-    from vlmrl.actor import Actor
-    from vlmrl.batch import pad_results, stack_samples
+    from vlmrl.actor.local import Actor
+    from vlmrl.batch.padding import pad_results, stack_samples
     from vlmrl.config import ActorConfig, OptimConfig
     from vlmrl.types import SamplingParams
 

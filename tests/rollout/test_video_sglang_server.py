@@ -12,8 +12,7 @@ import pytest
 
 from tests.rollout.helpers import GREEDY, greedy_mismatch
 from tests.rollout.video_helpers import video_batch
-from vlmrl.rollout import RolloutError
-from vlmrl.rollout.errors import InvalidRequestError
+from vlmrl.rollout.errors import InvalidRequestError, RolloutError
 
 pytestmark = pytest.mark.sglang
 

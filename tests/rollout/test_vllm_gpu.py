@@ -16,8 +16,8 @@ MEMORY_FRACTION = 0.3
 def test_sleep_frees_the_device_memory_and_wake_up_gives_the_same_outputs(tiny_model_path):
     import torch
 
-    from vlmrl.processors import load_processor
-    from vlmrl.rollout import get_backend
+    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.rollout.registry import get_backend
 
     requests = build_batch(load_processor(tiny_model_path))
     with get_backend("vllm", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300,

@@ -13,7 +13,8 @@ import signal
 import pytest
 
 from tests.rollout.helpers import GREEDY
-from vlmrl.rollout import EngineDeadError, get_backend
+from vlmrl.rollout.errors import EngineDeadError
+from vlmrl.rollout.registry import get_backend
 
 pytestmark = pytest.mark.vllm
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.trainer.test_fit import ROOT, base_args
-from vlmrl.actor import Actor
+from vlmrl.actor.local import Actor
 from vlmrl.alignment import drift, weight_probe
 from vlmrl.alignment.drift import main as drift_main
 from vlmrl.alignment.drift_artifact import read_drift

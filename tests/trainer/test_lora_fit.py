@@ -26,7 +26,7 @@ LORA = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.vision=tower", "
 
 def _greedy(name: str, model_path: str, requests, adapter=None) -> list:
     """Greedy outputs of backend `name` on `model_path`; `adapter`: vLLM serving that adapter folder on it."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     options = {"lora_rank": 8, "lora_vision": True} if adapter else {}
     with get_backend(name, model_path, dtype="float32", max_model_len=1024, timeout_s=300, **options) as backend:
@@ -54,7 +54,7 @@ def test_lora_checkpoint_is_a_merged_model_vllm_and_sglang_load_plus_the_adapter
         assert any(".visual.blocks." in name for name in weights.keys())  # lora.vision=tower
     assert (checkpoint / "model.safetensors").is_file()
 
-    from vlmrl.processors import load_processor
+    from vlmrl.processors.qwen_vl import load_processor
 
     requests = build_batch(load_processor(str(checkpoint)))
     expected = _greedy("hf", str(checkpoint), requests)  # transformers on the merged folder

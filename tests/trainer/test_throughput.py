@@ -81,8 +81,8 @@ def easyr1_mfu(config: dict, global_token_num: list[int], delta_time: float, ppo
 
 @pytest.mark.parametrize("seed", range(4))
 def test_text_flops_and_mfu_match_easyr1s_counter(seed, tiny_model_path):
-    from vlmrl.models import ensure_built
     from vlmrl.models.families import read_model_config
+    from vlmrl.models.tiny import ensure_built
 
     rng = random.Random(seed)
     seqlens = [rng.randint(1, 4096) for _ in range(rng.randint(1, 64))]
@@ -122,7 +122,7 @@ def test_the_formula_counts_the_models_own_matmul_weights(variant):
     # counts it), counted on the instantiated model: the config is read right for each family
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     config = _tiny_qwen2_vl_config() if variant == "qwen2-vl" else AutoConfig.from_pretrained(ensure_built(variant))
     torch.manual_seed(0)

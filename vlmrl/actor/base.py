@@ -1,7 +1,7 @@
 """What the fit loop sees of the policy: the `PolicyActor` protocol.
 
-Two classes implement it: the single-process `vlmrl.actor.Actor` and the driver side of the sharded one,
-`vlmrl.distributed.DistributedActor` (Ray workers, FSDP2). Both run the same construction (`vlmrl.actor.policy`) and
+Two classes implement it: the single-process `vlmrl.actor.local.Actor` and the driver side of the sharded one,
+`vlmrl.distributed.group.DistributedActor` (Ray workers, FSDP2). Both run the same construction (`vlmrl.actor.policy`) and
 the same logprob pass and update loop (`vlmrl.actor.core`), so the loop needs no `isinstance` and dp=1 equals dp=N.
 """
 
@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from vlmrl.rollout import RolloutBackend
+from vlmrl.rollout.base import RolloutBackend
 from vlmrl.types import TrainBatch
 
 

@@ -6,7 +6,7 @@ them transformers silently falls back to 1-D positions and logprobs drift by up 
 
 The loss is `actor.policy_loss`'s (B, R) loss matrix, times the rollout-correction weights when there are any,
 aggregated by `actor.loss_agg_mode`. Every mode is a sum of per-row terms divided by ONE normaliser of the whole
-MINI-batch (`vlmrl.algorithms.loss_normaliser`), which every micro-batch divides by: accumulating micro-batch
+MINI-batch (`vlmrl.algorithms.aggregation.loss_normaliser`), which every micro-batch divides by: accumulating micro-batch
 gradients then gives exactly the mini-batch's gradient, 1 micro-batch of 8 == 8 micro-batches of 1.
 """
 
@@ -263,7 +263,7 @@ def mean_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
 
 
 class ActorCore:
-    """What the single-process actor (`vlmrl.actor.Actor`) and one FSDP rank's actor
+    """What the single-process actor (`vlmrl.actor.local.Actor`) and one FSDP rank's actor
     (`vlmrl.distributed.actor.ShardedActor`) share: a policy built by `vlmrl.actor.policy.build_policy`, the logprob
     pass and the PPO update loop. A subclass feeds `ppo_update` its mini-batches and loss normalisers, and may
     override `clip_gradients` (a sharded model needs the norm over every rank's shards).
@@ -406,7 +406,7 @@ class ActorCore:
                 None = 1.
 
         Returns:
-            metrics averaged over optimizer steps (*_min / *_max: the extreme; see `vlmrl.actor.Actor.update`).
+            metrics averaged over optimizer steps (*_min / *_max: the extreme; see `vlmrl.actor.local.Actor.update`).
         """
         cfg = self.config
         if old_logprobs is None and needs_old_logprobs(cfg, len(batch), mini_batch_rows):

@@ -1,5 +1,5 @@
 """The single-process actor: the policy on one device, its optimizer, and (when KL is on) a frozen reference copy of
-the initial weights, or with LoRA the base model under the adapters. It implements `vlmrl.actor.PolicyActor` for the
+the initial weights, or with LoRA the base model under the adapters. It implements `vlmrl.actor.base.PolicyActor` for the
 fit loop."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from vlmrl.actor.core import ActorCore, forward_response, micro_batch, mini_batc
 from vlmrl.actor.lora import ADAPTER_DIR, LoraSync, merged_tensors, peft_model_of, write_adapter
 from vlmrl.actor.policy import build_policy
 from vlmrl.algorithms.grpo import token_mean
-from vlmrl.rollout import RolloutBackend
+from vlmrl.rollout.base import RolloutBackend
 from vlmrl.types import TrainBatch
 
 

@@ -323,7 +323,7 @@ class LoraSync:
     def unservable(self) -> str:
         """Why the engine's LoRA serving would ignore or refuse some of the adapters ("" when it takes them all):
         an adapter on the output head (vLLM 0.32 refuses it at load: "expected target modules in {...}"), or on the
-        vision side while lora.vision=off, which starts vLLM without tower/connector LoRA (`vlmrl.rollout.backend_options`):
+        vision side while lora.vision=off, which starts vLLM without tower/connector LoRA (`vlmrl.rollout.registry.backend_options`):
         vLLM then loads the adapter and drops its vision layers without a word, and serves a policy the trainer is
         not training."""
         head = [m for m in self.adapted if m == "lm_head" or m.endswith(".lm_head")]

@@ -45,9 +45,8 @@ def load_policy(model_path: str, dtype: torch.dtype, device: torch.device) -> to
     """Load a Qwen-VL checkpoint of a supported family (HF format, or an embedded name or hub id) for training."""
     from transformers import AutoModelForImageTextToText
 
-    from vlmrl.models import resolve_model_path
-
     from vlmrl.actor.packing import add_row_boundaries
+    from vlmrl.models.tiny import resolve_model_path
 
     model = AutoModelForImageTextToText.from_pretrained(resolve_model_path(model_path), dtype=dtype)
     add_row_boundaries(model)  # linear-attention layers (Qwen3.5) keep a packed forward's rows apart

@@ -1,21 +1,6 @@
-"""Multi-turn rollout with tools (images in and out) and partial rollout; see `vlmrl.agent.loop` and docs/agent.md.
+"""Multi-turn rollout with tools (images in and out) and partial rollout; see docs/agent.md.
 
-Only the config is imported eagerly: `vlmrl.config` needs `AgentConfig`, and loading a run config must not import
-torch. Everything else is imported on first use.
+- `config`: `AgentConfig` (torch-free: the run config composes it); `loop`: `AgentLoop`, `AgentBatch`, `Group`;
+- `parser`: tool calls out of a response; `tools`: the tool registry; `trajectory`: one conversation's record;
+- `carry`: partial rollout's carried groups; `batcher`: the engine calls of many conversations at once.
 """
-
-from vlmrl.agent.config import AgentConfig, PartialRolloutConfig, ToolSpec
-from vlmrl.utils.lazy import lazy_exports
-
-_LAZY = {
-    "AgentBatch": "loop", "AgentLoop": "loop", "Group": "loop",
-    "ToolCall": "parser", "ToolCallError": "parser", "parse_tool_calls": "parser",
-    "Tool": "tools", "ToolContext": "tools", "ToolOutput": "tools", "ToolRegistry": "tools",
-    "TOOL_VERSION": "trajectory", "AgentSample": "trajectory", "Trajectory": "trajectory",
-}
-
-
-__getattr__ = lazy_exports(__name__, _LAZY)
-
-
-__all__ = ["AgentConfig", "PartialRolloutConfig", "ToolSpec", *sorted(_LAZY)]

@@ -14,7 +14,7 @@ class ToolSpec:
     """One tool to register: where its class lives and what to build it with."""
 
     path: str = ""
-    """The tool class: `package.module:ClassName` or `path/to/file.py:ClassName` (a `vlmrl.agent.Tool` subclass)."""
+    """The tool class: `package.module:ClassName` or `path/to/file.py:ClassName` (a `vlmrl.agent.tools.Tool` subclass)."""
     name: str = ""
     """Name the model calls it by; empty = the class's own `name`."""
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -56,7 +56,7 @@ class PartialRolloutConfig:
 
 @dataclass
 class AgentConfig:
-    """Multi-turn rollout with tools (`vlmrl.agent.AgentLoop`)."""
+    """Multi-turn rollout with tools (`vlmrl.agent.loop.AgentLoop`)."""
 
     enable: bool = False
     """Roll out training (and validation) samples as multi-turn conversations with the tools below."""

@@ -43,8 +43,8 @@ from vlmrl.types import PromptInputs, RolloutRequest, RolloutResult, Sample, Sam
 from vlmrl.utils.executor import DaemonExecutor
 
 if TYPE_CHECKING:
-    from vlmrl.processors import Processor
-    from vlmrl.rollout import RolloutBackend
+    from vlmrl.processors.qwen_vl import Processor
+    from vlmrl.rollout.base import RolloutBackend
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class AgentBatch:
 
     @property
     def train_samples(self) -> list[Sample]:
-        """The padded samples the trainer stacks (`vlmrl.batch.scored_batch`), in `samples` order."""
+        """The padded samples the trainer stacks (`vlmrl.batch.padding.scored_batch`), in `samples` order."""
         return [s.sample for s in self.samples]
 
     @property

@@ -177,7 +177,7 @@ class ToolRegistry:
             except Exception as err:
                 raise ValueError(f"agent.tools[{i}] ({spec.path!r}): cannot build the tool: {err}") from err
             if not isinstance(tool, Tool):
-                raise ValueError(f"agent.tools[{i}] ({spec.path!r}) is a {type(tool).__name__}, not a vlmrl.agent.Tool")
+                raise ValueError(f"agent.tools[{i}] ({spec.path!r}) is a {type(tool).__name__}, not a vlmrl.agent.tools.Tool")
             if spec.name:
                 tool.name = spec.name
             tools.append(tool)

@@ -27,7 +27,7 @@ from vlmrl import __version__ as VLMRL_VERSION
 from vlmrl.atomic import replace_atomically
 
 if TYPE_CHECKING:  # the compare tool reads artifacts without importing torch
-    from vlmrl.processors import Processor
+    from vlmrl.processors.qwen_vl import Processor
     from vlmrl.types import RolloutRequest, RolloutResult
 
 FORMAT_KIND = "vlmrl.validation"
@@ -158,7 +158,7 @@ def file_fingerprint(paths: Sequence[str | os.PathLike]) -> str:
 def weights_fingerprint(model_path: str | os.PathLike) -> str:
     """sha256 over the bytes of a model folder's *.safetensors files in name order (about a second per GB), for an
     embedded name its built folder; empty when the folder holds none (a hub id not downloaded, a bare adapter)."""
-    from vlmrl.models import resolve_model_path
+    from vlmrl.models.tiny import resolve_model_path
 
     try:
         folder = Path(resolve_model_path(model_path))

@@ -46,11 +46,16 @@ from rich.console import Console
 from rich.text import Text
 
 from vlmrl.alignment.artifact import ArtifactError, ArtifactMeta, read_artifact
-from vlmrl.alignment.diff import FP32_THRESHOLDS, NotComparableError, Thresholds, compare_artifacts
-from vlmrl.alignment.diff import side_dtype
-from vlmrl.alignment.gates import AGENT_GATES, DEFAULT_ALPHA, DEFAULT_LOGPROB_TOLERANCE, GATES, run_gates
-from vlmrl.alignment.gates import summary_lines
-from vlmrl.alignment.gates import write_gate_report
+from vlmrl.alignment.diff import FP32_THRESHOLDS, NotComparableError, Thresholds, compare_artifacts, side_dtype
+from vlmrl.alignment.gates import (
+    AGENT_GATES,
+    DEFAULT_ALPHA,
+    DEFAULT_LOGPROB_TOLERANCE,
+    GATES,
+    run_gates,
+    summary_lines,
+    write_gate_report,
+)
 from vlmrl.alignment.html_report import write_html_report
 from vlmrl.alignment.report import print_summary, write_json_report
 from vlmrl.config import ROLLOUT_BACKENDS, Config, ConfigError, field_docs, load_config
@@ -272,7 +277,7 @@ def _take_artifact(run_dir: Path, backend: str, path: Path) -> None:
 
 def run_gate_mode(args: argparse.Namespace, out: Path, err: Console) -> int:
     """--gate: the gates on one backend, in this process (the engine is started here, one instance at a time)."""
-    from vlmrl.rollout import RolloutError
+    from vlmrl.rollout.errors import RolloutError
 
     bad = [item for item in args.inputs if "=" not in item]
     if bad or args.backends:

@@ -10,7 +10,7 @@
                      agent.enable
 
 The gate logic is pure functions over RolloutResult lists (`equal_results`, `diversity_gate`); `run_gates` produces
-the results on a real backend (`vlmrl.rollout.start_backend`, i.e. `get_backend`). Sampling: rollout.n samples per
+the results on a real backend (`vlmrl.rollout.registry.start_backend`, i.e. `get_backend`). Sampling: rollout.n samples per
 prompt at rollout.temperature (1.0 when it is 0), rollout.top_p / top_k, data.max_response_length tokens, seeded
 with trainer.seed, on the first `rows` rows of data.val_files (else data.train_files).
 
@@ -170,8 +170,8 @@ def gate_requests(config, rows: int) -> list:
 
 def gate_inputs(config, rows: int) -> tuple:
     """(processor, dataset, requests) of `gate_requests`."""
-    from vlmrl.data import build_requests, load_dataset
-    from vlmrl.processors import load_processor
+    from vlmrl.data.dataset import build_requests, load_dataset
+    from vlmrl.processors.qwen_vl import load_processor
 
     d = config.data
     spec, split = (d.val_files, "val") if d.val_files else (d.train_files, "train")
@@ -183,7 +183,7 @@ def gate_inputs(config, rows: int) -> tuple:
 
 
 def _start(config, backend: str):
-    from vlmrl.rollout import start_backend
+    from vlmrl.rollout.registry import start_backend
 
     return start_backend(config.rollout, config.actor.model_path, name=backend, seed=config.trainer.seed,
                          max_model_len=config.derived.max_model_len)
@@ -226,7 +226,7 @@ def run_gates(config, backend: str, gates: Sequence[str], rows: int = 8,
 
 def trajectory_gate(config, engine, processor, dataset, requests, sampling) -> GateResult:
     """The agent loop on `requests` over `engine`; every trajectory checked by `check_trajectory`."""
-    from vlmrl.agent import AgentLoop
+    from vlmrl.agent.loop import AgentLoop
     from vlmrl.alignment.trajectory_check import check_trajectory
 
     with AgentLoop(engine, processor, config.agent, prompt_length=config.data.max_prompt_length,

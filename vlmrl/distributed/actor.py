@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmrl.actor import ActorCore, build_policy
 from vlmrl.actor.config import ActorConfig
+from vlmrl.actor.core import ActorCore
+from vlmrl.actor.policy import build_policy
 from vlmrl.distributed.fsdp import clip_grad_norm, iter_full_state_dict, shard_model
 from vlmrl.distributed.vision import WRAPPED_PREFIX, VisionAlwaysOn
 from vlmrl.types import TrainBatch

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from vlmrl.distributed.group import DistributedActor
-from vlmrl.rollout import RolloutBackend
+from vlmrl.rollout.base import RolloutBackend
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 
 

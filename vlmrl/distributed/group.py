@@ -1,6 +1,6 @@
 """The driver side: a Ray placement group with one training worker per device, used like the single-process actor.
 
-`DistributedActor` implements `vlmrl.actor.PolicyActor` as the single-process `vlmrl.actor.Actor` does
+`DistributedActor` implements `vlmrl.actor.base.PolicyActor` as the single-process `vlmrl.actor.local.Actor` does
 (compute_logprobs, update, sync_weights, full_model...), plus the colocated engines' generate, so the fit loop runs
 unchanged on one device or many:
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.actor import mean_metrics, needs_old_logprobs
+from vlmrl.actor.core import mean_metrics, needs_old_logprobs
 from vlmrl.distributed.sharding import (
     engine_hosts,
     logprob_row_blocks,
@@ -35,7 +35,7 @@ from vlmrl.distributed.sharding import (
     update_shards,
 )
 from vlmrl.distributed.worker import TrainWorker, WorkerSpec
-from vlmrl.rollout import RolloutBackend
+from vlmrl.rollout.base import RolloutBackend
 from vlmrl.rollout.requests import sample_seed
 from vlmrl.trainer.config import TrainerConfig
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
@@ -189,7 +189,7 @@ class DistributedActor:
 
     def needs_old_logprobs(self, batch_rows: int) -> bool:
         """False when the batch gets exactly one optimizer step: the update forward's own logprobs are the old ones
-        (the single-process actor's rule, `vlmrl.actor.needs_old_logprobs`)."""
+        (the single-process actor's rule, `vlmrl.actor.core.needs_old_logprobs`)."""
         return needs_old_logprobs(self.spec.actor, batch_rows, self.mini_batch_samples)
 
     def update(self, batch: TrainBatch, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
@@ -217,7 +217,7 @@ class DistributedActor:
         """The policy as a plain HF model on the driver's CPU, with the current weights (for `save_pretrained`)."""
         from transformers import AutoConfig, AutoModelForImageTextToText
 
-        from vlmrl.models import resolve_model_path
+        from vlmrl.models.tiny import resolve_model_path
 
         config = AutoConfig.from_pretrained(resolve_model_path(self.spec.init_path or self.spec.actor.model_path))
         with torch.device("meta"):

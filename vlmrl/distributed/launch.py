@@ -13,7 +13,7 @@ from vlmrl.config import Config, TrainerConfig
 from vlmrl.distributed.engines import ColocatedEngines
 from vlmrl.distributed.group import DistributedActor
 from vlmrl.distributed.worker import EngineSpec, WorkerSpec
-from vlmrl.rollout import backend_options
+from vlmrl.rollout.registry import backend_options
 
 
 def worker_spec(config: Config, total_steps: int, init_path: str | None = None) -> WorkerSpec:

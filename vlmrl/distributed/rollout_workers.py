@@ -33,8 +33,10 @@ from typing import Any
 import torch
 
 from vlmrl.distributed.group import FORWARDED_ENV, ensure_ray
-from vlmrl.rollout import RolloutBackend, RolloutConfig, backend_class, backend_options
+from vlmrl.rollout.base import RolloutBackend
+from vlmrl.rollout.config import RolloutConfig
 from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError
+from vlmrl.rollout.registry import backend_class, backend_options
 from vlmrl.rollout.requests import sample_seed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.sequences import split_evenly
@@ -47,7 +49,7 @@ CALL_MARGIN_S = 30.0
 
 @dataclass
 class RolloutWorkerSpec:
-    """What every rollout worker starts its engine from (`vlmrl.rollout.start_backend`'s arguments)."""
+    """What every rollout worker starts its engine from (`vlmrl.rollout.registry.start_backend`'s arguments)."""
 
     rollout: RolloutConfig
     model_path: str
@@ -63,7 +65,7 @@ class RolloutWorker:
     """One engine in a Ray actor. Its methods are called by `RemoteEngines` through Ray."""
 
     def __init__(self, spec: RolloutWorkerSpec, index: int):
-        from vlmrl.rollout import start_backend
+        from vlmrl.rollout.registry import start_backend
 
         if spec.torch_threads > 0:
             torch.set_num_threads(spec.torch_threads)

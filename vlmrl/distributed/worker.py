@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineSpec:
-    """How a worker builds its colocated rollout engine (`vlmrl.rollout.get_backend(name, model_path, options)`)."""
+    """How a worker builds its colocated rollout engine (`vlmrl.rollout.registry.get_backend(name, model_path, options)`)."""
 
     name: str
     """Backend: hf, vllm, sglang."""
@@ -49,7 +49,7 @@ class WorkerSpec:
     init_path: str | None = None
     """Start the policy from these weights (a checkpoint) instead of actor.model_path."""
     total_steps: int = 1
-    """Training steps: the length of the lr schedule (`vlmrl.actor.lr_lambda`, the single-process actor's)."""
+    """Training steps: the length of the lr schedule (`vlmrl.actor.policy.lr_lambda`, the single-process actor's)."""
     engine: EngineSpec | None = None
     """The colocated rollout engine; None = this group only trains."""
     torch_threads: int = 0
@@ -90,7 +90,7 @@ class TrainWorker:
     def setup(self, rank: int, world_size: int, master: tuple[str, int], host_engine: bool) -> dict[str, Any]:
         """Join the process group, load and shard the actor (and reference), start the engine if this rank hosts one.
         Called on every rank at once (the process-group join blocks until all have joined)."""
-        from vlmrl.actor import resolve_device
+        from vlmrl.actor.policy import resolve_device
         from vlmrl.distributed.actor import ShardedActor
         from vlmrl.distributed.fsdp import init_process_group
 
@@ -106,7 +106,7 @@ class TrainWorker:
 
             self.lora_sync = LoraSync(self.spec.actor.lora, self.actor.model)
         if host_engine and self.spec.engine is not None:
-            from vlmrl.rollout import get_backend
+            from vlmrl.rollout.registry import get_backend
 
             engine = self.spec.engine
             self.engine = get_backend(engine.name, engine.model_path, engine.options)

@@ -21,7 +21,7 @@ from vlmrl.data.config import DataConfig
 
 
 class ImageInputError(ValueError):
-    """An image that cannot be used; `vlmrl.processors.Processor.build_request` turns it into a row error or skip."""
+    """An image that cannot be used; `vlmrl.processors.qwen_vl.Processor.build_request` turns it into a row error or skip."""
 
 
 def load_image(source: Any, limits: DataConfig) -> Image.Image:

@@ -41,7 +41,7 @@ def load_processor(model_path: str, config: DataConfig | None = None) -> Process
     """
     from transformers import AutoProcessor
 
-    from vlmrl.models import resolve_model_path
+    from vlmrl.models.tiny import resolve_model_path
 
     config = config or DataConfig()
     problems = config.problems()

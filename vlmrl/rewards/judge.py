@@ -521,7 +521,7 @@ def choice_logit_bias(tokenizer_path: str, choices: dict[str, float]) -> dict[st
     """{token id: +LOGIT_BIAS} for each choice word, which must be one token of the judge's tokenizer."""
     from transformers import AutoTokenizer
 
-    from vlmrl.models import resolve_model_path
+    from vlmrl.models.tiny import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(tokenizer_path)))
     bias = {}

@@ -41,7 +41,7 @@ class JudgeServer:
     """A launched judge server: `url`, `log_path`, `close()` (safe to call twice)."""
 
     def __init__(self, config: JudgeServerConfig, *, seed: int = 0, top_logprobs: int = 20):
-        from vlmrl.models import resolve_model_path
+        from vlmrl.models.tiny import resolve_model_path
 
         self.config = config
         self.model_path = str(resolve_model_path(config.model_path))

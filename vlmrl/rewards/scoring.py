@@ -69,7 +69,7 @@ def score_texts(reward_fn: RewardFn, requests: Sequence[RolloutRequest], texts: 
                 config: RewardConfig, judge: Judge | None = None) -> Scores:
     """Score every response text (request-major, n per request) against its request's data_source, ground truth and
     extra_info. A failing reward function, or one overrunning reward.timeout_s, scores 0 with `reward_failed = 1`
-    and the run goes on (`vlmrl.rewards.compute_rewards`). With reward.judge.enable the judge scores them too and
+    and the run goes on (`vlmrl.rewards.scoring.compute_rewards`). With reward.judge.enable the judge scores them too and
     the two combine (`vlmrl.rewards.judge.combine`: parts rule, judge, judge_failed, judge_cached); `judge`: the
     one to ask (default: the run's, started for reward.judge on first use)."""
     if len(texts) != n * len(requests):

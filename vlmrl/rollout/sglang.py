@@ -140,7 +140,7 @@ class SGLangCommon(RolloutBackend):
         SGLang's own `n` would give all samples of a request one seed, and it prefills the prompts one after
         another before sampling (SGLang warns about it above 128 prompts); at 8 prompts x n=8 on tiny-large both
         took the same time (9.0-10.0 s vs 9.2-9.8 s)."""
-        from vlmrl.processors import image_hash
+        from vlmrl.processors.images import image_hash
 
         draws = 1 if sampling.greedy else sampling.n
         entries: dict[str, list] = {"input_ids": [], "image_data": [], "sampling_params": [], "mm_hashes": []}

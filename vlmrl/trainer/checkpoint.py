@@ -72,7 +72,7 @@ def _tuples(value: Any) -> Any:
 
 def copy_processor_files(model_path: str, dst: Path) -> None:
     """Tokenizer / processor / chat-template files of the source model into dst (a hub id: via AutoProcessor)."""
-    from vlmrl.models import resolve_model_path
+    from vlmrl.models.tiny import resolve_model_path
 
     src = Path(resolve_model_path(model_path))
     if src.is_dir():

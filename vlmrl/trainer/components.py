@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 from vlmrl.agent.loop import AgentLoop
 from vlmrl.config import Config
-from vlmrl.data import RLDataset
-from vlmrl.processors import Processor, load_processor
-from vlmrl.rewards import RewardFn
-from vlmrl.rollout import RolloutBackend, start_backend
+from vlmrl.data.dataset import RLDataset
+from vlmrl.processors.qwen_vl import Processor, load_processor
+from vlmrl.rewards.base import RewardFn
+from vlmrl.rollout.base import RolloutBackend
+from vlmrl.rollout.registry import start_backend
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 
 from vlmrl.algorithms.mismatch import modality
 from vlmrl.alignment.drift_artifact import DriftRecord
-from vlmrl.batch import upsample_to_multiple
+from vlmrl.batch.padding import upsample_to_multiple
 from vlmrl.types import TrainBatch
 
 

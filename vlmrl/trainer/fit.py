@@ -24,19 +24,33 @@ from pathlib import Path
 
 import torch
 
-from vlmrl.actor import Actor, PolicyActor
+from vlmrl.actor.base import PolicyActor
+from vlmrl.actor.local import Actor
 from vlmrl.algorithms.advantages import compute_advantages
 from vlmrl.algorithms.correction import rollout_correction
 from vlmrl.algorithms.dapo import groups_with_signal, mask_truncated, overlong_penalty, select_groups
 from vlmrl.alignment.drift_artifact import DRIFT_DIR, drop_steps_after, write_step
 from vlmrl.atomic import write_text_atomically
-from vlmrl.batch import batch_metrics, pad_results, required_batch_multiple, scored_batch
+from vlmrl.batch.padding import batch_metrics, pad_results, required_batch_multiple, scored_batch
 from vlmrl.config import Config, to_dict, to_yaml
-from vlmrl.data import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset, sequential_batches
-from vlmrl.processors import Processor
-from vlmrl.rewards import TIMEOUT_KEY, close_reward_workers, load_reward_fn, response_texts, score_texts
+from vlmrl.data.dataset import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset, sequential_batches
+from vlmrl.processors.qwen_vl import Processor
+from vlmrl.rewards.base import TIMEOUT_KEY
+from vlmrl.rewards.scoring import load_reward_fn, response_texts, score_texts
+from vlmrl.rewards.workers import close_reward_workers
 from vlmrl.rollout.base import DTYPES
 from vlmrl.rollout.segments import generate_in_segments
+from vlmrl.trainer.async_rollout import (
+    BUFFER_FILE,
+    CONSUMED_FILE,
+    AsyncRollout,
+    Produced,
+    append_consumed,
+    buffer_records,
+    read_buffer,
+    staleness_counts,
+    write_buffer,
+)
 from vlmrl.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint_state,
@@ -52,17 +66,6 @@ from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_c
 from vlmrl.trainer.throughput import throughput_metrics
 from vlmrl.trainer.validation import load_val_dataset, run_validation, validate_with
 from vlmrl.trainer.warmup import format_warmup
-from vlmrl.trainer.async_rollout import (
-    BUFFER_FILE,
-    CONSUMED_FILE,
-    AsyncRollout,
-    Produced,
-    append_consumed,
-    staleness_counts,
-    buffer_records,
-    read_buffer,
-    write_buffer,
-)
 from vlmrl.trainer.weight_probe import WeightProbe
 from vlmrl.types import RolloutRequest, RolloutResult, Sample, SamplingParams, TrainBatch
 

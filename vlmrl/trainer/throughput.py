@@ -211,7 +211,7 @@ def batch_shapes(attention_mask: torch.Tensor, is_padding: torch.Tensor,
 def _run_flops(model_path: str) -> ModelFlops | None:
     from transformers import AutoConfig
 
-    from vlmrl.models import resolve_model_path
+    from vlmrl.models.tiny import resolve_model_path
 
     flops = model_flops(AutoConfig.from_pretrained(resolve_model_path(model_path)))
     if flops is None:

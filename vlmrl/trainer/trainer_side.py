@@ -10,7 +10,7 @@ on its artifact, then the usual four-level diff. What the trainer side does, per
   first level (`input_mismatch`);
 - takes the engine's response tokens, finish reasons and rewards as they are (so the tokens level agrees by
   construction), pads them per sample and stacks them with padding rows as a training step does
-  (`vlmrl.batch.pad_results`, `scored_batch`), and computes their logprobs with `Actor.compute_logprobs`: the
+  (`vlmrl.batch.padding.pad_results`, `scored_batch`), and computes their logprobs with `Actor.compute_logprobs`: the
   actor's dtype and compute dtype, padding-free packing, token-budget micro-batches, chunked logprobs and LoRA
   adapters are the run's settings (`actor.*`); a LoRA run's checkpoint is scored as that run trained it, its base
   model with the checkpoint's adapters (`lora_checkpoint`), against the merged weights the engines serve;
@@ -33,9 +33,18 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from vlmrl.alignment.artifact import ArtifactError, ArtifactMeta, DatasetIdentity, ValidationRecord, engine_info
-from vlmrl.alignment.artifact import file_fingerprint, read_artifact, records_from_rollout, weights_fingerprint
-from vlmrl.alignment.artifact import write_artifact
+from vlmrl.alignment.artifact import (
+    ArtifactError,
+    ArtifactMeta,
+    DatasetIdentity,
+    ValidationRecord,
+    engine_info,
+    file_fingerprint,
+    read_artifact,
+    records_from_rollout,
+    weights_fingerprint,
+    write_artifact,
+)
 from vlmrl.alignment.trainer_side import TRAINER, TrainerSideError, check_config
 from vlmrl.config import Config, ConfigError, load_config, to_dict
 
@@ -124,7 +133,7 @@ def scoring_actor(config: Config, actor_config, init_path: str | None):
     """The actor a run of `config` trains with: the single-process `Actor` on one device, else the FSDP2-sharded
     `DistributedActor` over trainer.n_gpus_per_node x trainer.nnodes Ray workers (without engines), whose
     compute_logprobs splits the batch's rows over the ranks and gathers them back, as the update's does."""
-    from vlmrl.actor import Actor
+    from vlmrl.actor.local import Actor
 
     if config.derived.world_size == 1:
         return Actor(actor_config, total_steps=1, mini_batch_samples=config.derived.mini_batch_samples,
@@ -144,7 +153,7 @@ def _score(actor, config: Config, processor, calls, requests, results, rewards, 
     first sample's position) per call, the scored results)."""
     import torch
 
-    from vlmrl.batch import pad_results, scored_batch
+    from vlmrl.batch.padding import pad_results, scored_batch
     from vlmrl.types import RolloutResult
 
     d = config.data

@@ -38,9 +38,10 @@ from vlmrl.alignment.artifact import (
     write_artifact,
 )
 from vlmrl.config import Config, to_dict
-from vlmrl.data import RLDataset, build_requests, load_dataset, sequential_batches
-from vlmrl.processors import Processor
-from vlmrl.rewards import TIMEOUT_KEY, load_reward_fn, response_texts, score_texts
+from vlmrl.data.dataset import RLDataset, build_requests, load_dataset, sequential_batches
+from vlmrl.processors.qwen_vl import Processor
+from vlmrl.rewards.base import TIMEOUT_KEY
+from vlmrl.rewards.scoring import load_reward_fn, response_texts, score_texts
 from vlmrl.trainer.components import RunComponents, load_run_processor, start_agent, start_run_backend
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 

@@ -16,11 +16,12 @@ import logging
 import numpy as np
 import torch
 
-from vlmrl.actor import Actor
-from vlmrl.batch import pad_sample, stack_samples
+from vlmrl.actor.local import Actor
+from vlmrl.batch.padding import pad_sample, stack_samples
 from vlmrl.config import Config
-from vlmrl.data import RLDataset
-from vlmrl.processors import FilteredRow, Processor
+from vlmrl.data.dataset import RLDataset
+from vlmrl.processors.errors import FilteredRow
+from vlmrl.processors.qwen_vl import Processor
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import logging
 import torch
 
 from vlmrl.alignment.weight_probe import IN_SYNC, ProbeRecord, ProbeState, tolerance_for, write_probe
-from vlmrl.batch import pad_results, scored_batch
-from vlmrl.data import build_requests
+from vlmrl.batch.padding import pad_results, scored_batch
+from vlmrl.data.dataset import build_requests
 from vlmrl.types import RolloutRequest, SamplingParams
 
 logger = logging.getLogger(__name__)

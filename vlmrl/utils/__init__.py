@@ -4,5 +4,4 @@
 - `processes`: process-tree kill, liveness, wait-for-exit (psutil) and `env_override`;
 - `sequences`: `chunks` (fixed size) and `split_evenly` (fixed count);
 - `paths`: vlmrl's cache folder ($VLMRL_CACHE, default ~/.cache/vlmrl).
-- `lazy`: `lazy_exports`, the `__getattr__` of packages whose exports load on first use.
 """

@@ -15,7 +15,7 @@ from tests.rollout.conftest import batch, hf_greedy  # noqa: F401 - registered a
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     return str(ensure_built("tiny-qwen3.5"))
 
@@ -23,7 +23,7 @@ def tiny_model_path() -> str:
 @pytest.fixture(scope="session")
 def hf(tiny_model_path):
     """transformers in bfloat16 (the engines' dtype): the reference. Tests that edit its weights restore them."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     with get_backend("hf", tiny_model_path, dtype="bfloat16", max_model_len=1024, timeout_s=300) as backend:
         yield backend

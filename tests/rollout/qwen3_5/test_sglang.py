@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, BF16_LOGPROB_TOL, Qwen3_5Contract, Qwen3_5VideoContract, greedy_problems
+from tests.rollout.helpers import BF16_LOGPROB_TOL, GREEDY, Qwen3_5Contract, Qwen3_5VideoContract, greedy_problems
 
 pytestmark = pytest.mark.sglang
 
@@ -38,7 +38,7 @@ def test_a_config_without_the_keys_sglang_reads_gets_them_and_matches_hf(backend
                                                                        hf_greedy):
     """On a config without full_attention_interval, deepstack_visual_indexes and mrope_interleaved (transformers
     computes the same model without them) vlmrl starts SGLang with all three: HF's outputs again."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
     from vlmrl.rollout.sglang import engine_args
 
     backend.close()  # one SGLang engine at a time

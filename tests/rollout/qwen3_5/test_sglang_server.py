@@ -9,7 +9,8 @@ import json
 import pytest
 
 from tests.rollout.helpers import Qwen3_5Contract
-from vlmrl.rollout import RolloutError, get_backend
+from vlmrl.rollout.errors import RolloutError
+from vlmrl.rollout.registry import get_backend
 
 # The whole module is a variant (marker `full`, make test-all; its server start alone takes 31-38 s on 2 cores): the
 # launched SGLang server on Qwen3.5. make test keeps Qwen3.5's contract on vLLM and on in-process SGLang (with the

@@ -8,7 +8,8 @@ import pytest
 
 from tests.rollout.helpers import GREEDY, Qwen3_5Contract, Qwen3_5VideoContract
 from tests.rollout.qwen3_5.conftest import edited_copy
-from vlmrl.rollout import RolloutError, get_backend
+from vlmrl.rollout.errors import RolloutError
+from vlmrl.rollout.registry import get_backend
 
 pytestmark = pytest.mark.vllm
 

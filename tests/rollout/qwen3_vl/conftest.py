@@ -16,7 +16,7 @@ from tests.rollout.conftest import batch, hf, hf_greedy  # noqa: F401 - register
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from vlmrl.models import ensure_built
+    from vlmrl.models.tiny import ensure_built
 
     return str(ensure_built("tiny-qwen3-vl"))
 

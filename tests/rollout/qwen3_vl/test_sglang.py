@@ -26,7 +26,7 @@ class TestSGLangQwen3VL(Qwen3VLContract):
 @pytest.mark.full
 def test_config_without_interleaving_gets_the_setting_and_matches_hf(flagless_model_path, hf, batch, hf_greedy):
     """On a config without `mrope_interleaved` vlmrl starts SGLang with it: HF's outputs, token for token."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     with get_backend("sglang", flagless_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as fixed:
         results = fixed.generate(batch, GREEDY)

@@ -15,7 +15,8 @@ from tests.rollout.helpers import (
     max_drift_from_hf,
     sglang_server,
 )
-from vlmrl.rollout import RolloutError, get_backend
+from vlmrl.rollout.errors import RolloutError
+from vlmrl.rollout.registry import get_backend
 
 pytestmark = pytest.mark.sglang
 

@@ -23,7 +23,7 @@ class TestVLLMQwen3VL(Qwen3VLContract):
 def test_config_without_interleaving_gets_the_setting_and_matches_hf(flagless_model_path, hf, batch, hf_greedy):
     """On a config without `mrope_interleaved` vlmrl starts vLLM with it (hf_overrides): HF's outputs. Started on
     that config as it is (family_engine_settings=false) vLLM drifts from HF, which is what the override prevents."""
-    from vlmrl.rollout import get_backend
+    from vlmrl.rollout.registry import get_backend
 
     images = [r for r in batch if r.images]
     with get_backend("vllm", flagless_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as fixed:
