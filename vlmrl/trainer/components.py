@@ -53,3 +53,16 @@ def start_agent(config: Config, backend: RolloutBackend, processor: Processor) -
     """The run's multi-turn loop (agent section) over `backend`, within the data section's prompt/response lengths."""
     return AgentLoop(backend, processor, config.agent, prompt_length=config.data.max_prompt_length,
                      response_length=config.data.max_response_length)
+
+
+def start_rollout_workers(config: Config, start_path: str | None):
+    """The asynchronous placement's rollout workers (trainer.async_rollout.rollout_workers), their engines started
+    on `start_path` (a checkpoint) or the actor's model."""
+    from vlmrl.distributed.rollout_workers import RemoteEngines, RolloutWorkerSpec
+
+    t = config.trainer
+    spec = RolloutWorkerSpec(config.rollout, start_path or config.actor.model_path,
+                             max_model_len=config.derived.max_model_len, seed=t.seed, lora=config.actor.lora,
+                             torch_threads=t.torch_threads)
+    return RemoteEngines(spec, workers=t.async_rollout.rollout_workers, restarts=t.async_rollout.worker_restarts,
+                         first_device=config.derived.world_size)

@@ -60,7 +60,13 @@ from vlmrl.trainer.checkpoint import (
     set_rng_state,
     tidy_checkpoints,
 )
-from vlmrl.trainer.components import RunComponents, load_run_processor, start_agent, start_run_backend
+from vlmrl.trainer.components import (
+    RunComponents,
+    load_run_processor,
+    start_agent,
+    start_rollout_workers,
+    start_run_backend,
+)
 from vlmrl.trainer.drift import drift_records, drift_rows, trainer_logprobs
 from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, plot_curves, truncate_after
 from vlmrl.trainer.throughput import throughput_metrics
@@ -759,19 +765,6 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         if checkpoint is not None:
             resume_agent(run, checkpoint, info)
     return run
-
-
-def start_rollout_workers(config: Config, start_path: str | None):
-    """The asynchronous placement's rollout workers (trainer.async_rollout.rollout_workers), their engines started
-    on `start_path` (a checkpoint) or the actor's model."""
-    from vlmrl.distributed.rollout_workers import RemoteEngines, RolloutWorkerSpec
-
-    t = config.trainer
-    spec = RolloutWorkerSpec(config.rollout, start_path or config.actor.model_path,
-                             max_model_len=config.derived.max_model_len, seed=t.seed, lora=config.actor.lora,
-                             torch_threads=t.torch_threads)
-    return RemoteEngines(spec, workers=t.async_rollout.rollout_workers, restarts=t.async_rollout.worker_restarts,
-                         first_device=config.derived.world_size)
 
 
 def check_requests(config: Config, processor: Processor, train_data: RLDataset, first_batch: list[int],
