@@ -69,15 +69,14 @@ def run_side(model_path: str, bucket_mb: float, dtype: str) -> dict:
     import ray
 
     from vlmrl.actor.config import ActorConfig
-    from vlmrl.config import TrainerConfig
-    from vlmrl.distributed.group import DistributedActor
+    from vlmrl.distributed.group import ClusterSpec, DistributedActor
     from vlmrl.distributed.worker import EngineSpec, WorkerSpec
     from vlmrl.rollout.base import BackendOptions
 
     engine = EngineSpec("vllm", model_path, BackendOptions.from_kwargs("vllm", {
         "dtype": dtype, "max_model_len": 256, "timeout_s": 600, "sync_bucket_mb": bucket_mb}))
     config = ActorConfig(model_path=model_path, device="cpu", dtype="float32", ppo_micro_batch_size_per_gpu=1)
-    actor = DistributedActor(TrainerConfig(n_gpus_per_node=2, engine_placement="worker"),
+    actor = DistributedActor(ClusterSpec(n_gpus_per_node=2, engine_placement="worker"),
                              WorkerSpec(actor=config, engine=engine, torch_threads=1, timeout_s=600),
                              mini_batch_samples=2, timeout_s=900)
     try:

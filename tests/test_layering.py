@@ -3,7 +3,8 @@
 Read from the source with `ast` (every import counts: module level, function-local and TYPE_CHECKING ones alike, since
 a function-local import is how a circle is usually held open). The allowed layering is written here, top to bottom:
 a module may import modules of its own package, or of a package in a LOWER layer; packages that share a layer are
-siblings and may not import each other.
+siblings and may not import each other. `vlmrl.distributed` is held to more: it imports nothing of `vlmrl.trainer`,
+not even the config leaf `vlmrl.trainer.config`.
 """
 
 from __future__ import annotations
@@ -48,20 +49,30 @@ def resolve(name: str, known: dict[str, Path]) -> str | None:
     return name or None
 
 
+def package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def from_module(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from ... import` reads from, a relative one resolved against `package`."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
+
+
 def import_edges() -> dict[str, set[str]]:
     known = modules()
     edges: dict[str, set[str]] = {name: set() for name in known}
     for name, path in known.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        package = package_of(name, path)
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative import
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
+                base = from_module(node, package)
                 targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
             for target in targets:
                 if target == "vlmrl" or target.startswith("vlmrl."):
@@ -139,15 +150,77 @@ def test_no_import_circle():
     assert not circles, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in circles)
 
 
-def test_the_checker_sees_a_planted_upward_arrow(tmp_path, monkeypatch):
-    """The checks above can fail: a rollout module importing the trainer is caught."""
+def origin(module: str, name: str, known: dict[str, Path], depth: int = 8) -> str:
+    """The vlmrl module that defines what `from module import name` gives: followed through modules that import it
+    and pass it on (`vlmrl.config` passes on `TrainerConfig`, imported from `vlmrl.trainer.config`)."""
+    if f"{module}.{name}" in known:
+        return f"{module}.{name}"
+    path = known[module]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and depth > 0:  # depth: a circle of passing-on stops
+            for alias in node.names:
+                source = resolve(from_module(node, package_of(module, path)), known)
+                if (alias.asname or alias.name) == name and source:
+                    return origin(source, alias.name, known, depth - 1)
+    return module
+
+
+def imports_of_the_trainer(package: str) -> list[str]:
+    """Every arrow from a module of `package` to one of vlmrl.trainer: direct imports (its config module included,
+    which the layering lets through as a config leaf) and trainer names taken from a module that passes them on."""
+    known = modules()
+    arrows = []
+    for source, targets in import_edges().items():
+        if source != package and not source.startswith(package + "."):
+            continue
+        arrows += [f"{source} -> {target}" for target in targets if target.startswith("vlmrl.trainer")]
+        path = known[source]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            module = resolve(from_module(node, package_of(source, path)), known) if isinstance(
+                node, ast.ImportFrom) else None
+            if module is None or module.startswith("vlmrl.trainer"):
+                continue  # outside vlmrl, or a direct import: counted above
+            for alias in node.names:
+                defined = origin(module, alias.name, known)
+                if defined.startswith("vlmrl.trainer"):
+                    arrows.append(f"{source} -> {defined} (as {module}.{alias.name})")
+    return sorted(arrows)
+
+
+def test_distributed_imports_nothing_of_the_trainer():
+    """The Ray workers are a service the trainer drives: what they need of a run (the cluster, the engine's
+    options) comes as their own records (`ClusterSpec`, `EngineSpec`), not as the trainer's config."""
+    arrows = imports_of_the_trainer("vlmrl.distributed")
+    assert not arrows, "vlmrl.distributed imports the trainer:\n  " + "\n  ".join(arrows)
+
+
+def copy_of_the_package(tmp_path: Path, monkeypatch) -> Path:
+    """A copy of vlmrl/ that the checks read instead of the real one (to plant imports in)."""
     fake = tmp_path / "vlmrl"
     for source in ROOT.rglob("*.py"):
         target = fake / source.relative_to(ROOT)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(source.read_text())
-    (fake / "rollout" / "planted.py").write_text("from vlmrl.trainer import fit\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    return fake
+
+
+def test_the_checker_sees_a_planted_trainer_import_in_distributed(tmp_path, monkeypatch):
+    """The check above can fail: a config-leaf import of the trainer, and the same class taken through
+    `vlmrl.config`, are both caught."""
+    fake = copy_of_the_package(tmp_path, monkeypatch)
+    (fake / "distributed" / "planted.py").write_text("from vlmrl.trainer.config import TrainerConfig\n")
+    (fake / "distributed" / "passed_on.py").write_text("from vlmrl.config import Config, TrainerConfig\n")
+    assert imports_of_the_trainer("vlmrl.distributed") == [
+        "vlmrl.distributed.passed_on -> vlmrl.trainer.config (as vlmrl.config.TrainerConfig)",
+        "vlmrl.distributed.planted -> vlmrl.trainer.config",
+    ]
+
+
+def test_the_checker_sees_a_planted_upward_arrow(tmp_path, monkeypatch):
+    """The checks above can fail: a rollout module importing the trainer is caught."""
+    fake = copy_of_the_package(tmp_path, monkeypatch)
+    (fake / "rollout" / "planted.py").write_text("from vlmrl.trainer import fit\n")
     edges = import_edges()
     assert "vlmrl.trainer.fit" in edges["vlmrl.rollout.planted"]
     assert layer_of(unit("vlmrl.rollout.planted")) > layer_of(unit("vlmrl.trainer.fit"))

@@ -9,8 +9,7 @@ import torch
 from tests.batches import make_batch
 from tests.distributed.test_group import actor_config, assert_same_metrics, assert_same_weights, perturbed, start_dp2
 from vlmrl.algorithms.grpo import group_advantages
-from vlmrl.config import TrainerConfig
-from vlmrl.distributed.group import DistributedActor
+from vlmrl.distributed.group import ClusterSpec, DistributedActor
 from vlmrl.distributed.worker import WorkerSpec
 
 pytestmark = [pytest.mark.ray, pytest.mark.gpu(devices=2)]
@@ -22,7 +21,7 @@ def _gpu_step(model_path: str, compute_dtype: str, batch, advantages, old=None):
     PPO ratios differ from 1). Returns (logprobs, old, metrics, weights before, weights after)."""
     config = actor_config(model_path, micro=2, device="cuda", compute_dtype=compute_dtype)
     config.optim.weight_decay = 0.0
-    with DistributedActor(TrainerConfig(n_gpus_per_node=2), WorkerSpec(actor=config, torch_threads=1, timeout_s=120),
+    with DistributedActor(ClusterSpec(n_gpus_per_node=2), WorkerSpec(actor=config, torch_threads=1, timeout_s=120),
                           mini_batch_samples=4, timeout_s=300) as dp2:  # GPU bundles: the Ray cluster has GPUs
         logprobs, _ = dp2.compute_logprobs(batch)
         logprobs = logprobs.cpu()

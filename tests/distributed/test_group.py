@@ -14,8 +14,8 @@ from tests.batches import make_batch
 from vlmrl.actor.local import Actor
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch.padding import required_batch_multiple, upsample_to_multiple
-from vlmrl.config import ActorConfig, OptimConfig, TrainerConfig
-from vlmrl.distributed.group import DistributedActor
+from vlmrl.config import ActorConfig, OptimConfig
+from vlmrl.distributed.group import ClusterSpec, DistributedActor
 from vlmrl.distributed.worker import WorkerSpec
 from vlmrl.rollout.base import BackendOptions
 
@@ -33,7 +33,7 @@ def actor_config(model_path: str, micro: int, **overrides) -> ActorConfig:
 
 def start_dp2(config: ActorConfig, mini_batch_samples: int, **spec) -> DistributedActor:
     config.dtype = "float64"
-    return DistributedActor(TrainerConfig(n_gpus_per_node=2),
+    return DistributedActor(ClusterSpec(n_gpus_per_node=2),
                             WorkerSpec(actor=config, torch_threads=1, timeout_s=120, **spec), mini_batch_samples,
                             timeout_s=300)
 
@@ -222,7 +222,7 @@ def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
     engine = EngineSpec("hf", tiny_model_path, BackendOptions.from_kwargs(
         "hf", {"dtype": "float32", "max_model_len": 128, "timeout_s": 120}))
     config = actor_config(tiny_model_path, micro=4, optim=OptimConfig(lr=1e-2, weight_decay=0.0))
-    actor = DistributedActor(TrainerConfig(n_gpus_per_node=2, engine_placement="worker"),
+    actor = DistributedActor(ClusterSpec(n_gpus_per_node=2, engine_placement="worker"),
                              WorkerSpec(actor=config, engine=engine, torch_threads=1, timeout_s=120),
                              mini_batch_samples=8, timeout_s=300)
     with ColocatedEngines(actor) as engines:
@@ -274,7 +274,7 @@ def test_dp2_lora_sync_streams_merged_weights_into_each_ranks_engine(ray_cluster
         "hf", {"dtype": "float32", "max_model_len": 128, "timeout_s": 120, "sync_bucket_mb": 0.25}))
     config = actor_config(tiny_model_path, micro=4, optim=OptimConfig(lr=1e-2, weight_decay=0.0),
                           lora=LoraConfig(rank=4, alpha=8, vision="merger"))
-    actor = DistributedActor(TrainerConfig(n_gpus_per_node=2, engine_placement="worker"),
+    actor = DistributedActor(ClusterSpec(n_gpus_per_node=2, engine_placement="worker"),
                              WorkerSpec(actor=config, engine=engine, torch_threads=1, timeout_s=120),
                              mini_batch_samples=8, timeout_s=300)
     with ColocatedEngines(actor) as engines:

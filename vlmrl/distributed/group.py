@@ -4,7 +4,7 @@
 (compute_logprobs, update, sync_weights, full_model...), plus the colocated engines' generate, so the fit loop runs
 unchanged on one device or many:
 
-    actor = DistributedActor(config.trainer, WorkerSpec(actor=config.actor, ...),  # trainer.n_gpus_per_node=8, nnodes=2
+    actor = DistributedActor(ClusterSpec(n_gpus_per_node=8, nnodes=2), WorkerSpec(actor=config.actor, ...),
                              mini_batch_samples=ppo_mini_batch_size * n)
     results = actor.generate(requests, sampling)        # data-parallel over the engines, request-major
     batch = upsample_to_multiple(batch, required_batch_multiple(actor.dp_size, ...), ...)
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,6 @@ from vlmrl.distributed.sharding import (
 from vlmrl.distributed.worker import TrainWorker, WorkerSpec
 from vlmrl.rollout.base import RolloutBackend
 from vlmrl.rollout.requests import sample_seed
-from vlmrl.trainer.config import TrainerConfig
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 from vlmrl.utils.sequences import split_evenly
 
@@ -47,6 +46,25 @@ logger = logging.getLogger(__name__)
 FORWARDED_ENV = ("VLLM_", "SGLANG_", "VLMRL_", "TOKENIZERS_", "OMP_", "HF_", "TRANSFORMERS_", "NCCL_", "GLOO_",
                   "TORCH_NCCL_", "CUDA_LAUNCH")
 CPUS_PER_WORKER = 1  # the CPUs each worker's bundle reserves
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Where a `DistributedActor`'s workers run. A run builds it from its trainer section (n_gpus_per_node, nnodes,
+    engine_placement), so that this package reads no trainer config."""
+
+    n_gpus_per_node: int = 1
+    """Training workers (one device each) per node."""
+    nnodes: int = 1
+    """Nodes in the Ray cluster."""
+    engine_placement: str = "worker"
+    """Where the colocated rollout engines run: `worker` = one per training worker, `node` = one per node (on its
+    first worker; the node's requests go to it)."""
+
+    @property
+    def world_size(self) -> int:
+        """Training workers in all: the data-parallel ranks."""
+        return self.n_gpus_per_node * self.nnodes
 
 
 def ensure_ray(workers: int) -> None:
@@ -68,11 +86,11 @@ def ensure_ray(workers: int) -> None:
 class DistributedActor:
     """The actor sharded over `cluster.world_size` Ray workers, with their colocated rollout engines."""
 
-    def __init__(self, cluster: TrainerConfig, spec: WorkerSpec, mini_batch_samples: int, timeout_s: float = 600.0,
+    def __init__(self, cluster: ClusterSpec, spec: WorkerSpec, mini_batch_samples: int, timeout_s: float = 600.0,
                  startup_timeout_s: float = 300.0):
         """
         Args:
-            cluster: how many workers on how many nodes, and where the engines run (the run's trainer section).
+            cluster: how many workers on how many nodes, and where the engines run.
             spec: what each worker builds (actor config, engine, threads, timeout).
             mini_batch_samples: rows per optimizer step (actor.ppo_mini_batch_size x rollout.n); must divide by
                 the world size.

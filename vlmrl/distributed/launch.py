@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vlmrl.config import Config, TrainerConfig
+from vlmrl.config import Config
 from vlmrl.distributed.engines import ColocatedEngines
-from vlmrl.distributed.group import DistributedActor
+from vlmrl.distributed.group import ClusterSpec, DistributedActor
 from vlmrl.distributed.worker import EngineSpec, WorkerSpec
 from vlmrl.rollout.registry import backend_options
 
@@ -34,7 +34,7 @@ def worker_spec(config: Config, total_steps: int, init_path: str | None = None) 
 
 
 def start_distributed(config: Config, total_steps: int, init_path: str | None = None,
-                      cluster: TrainerConfig | None = None, engines: bool = True
+                      cluster: ClusterSpec | None = None, engines: bool = True
                       ) -> tuple[DistributedActor, ColocatedEngines | None]:
     """Start trainer.n_gpus_per_node x trainer.nnodes workers (joining the Ray cluster at $RAY_ADDRESS when set)
     and return the actor and its engines as a rollout backend. Close the backend to stop everything. `engines=False`:
@@ -43,7 +43,10 @@ def start_distributed(config: Config, total_steps: int, init_path: str | None = 
     spec = worker_spec(config, total_steps, init_path)
     if not engines:
         spec = replace(spec, engine=None)
-    actor = DistributedActor(cluster or config.trainer, spec,
+    t = config.trainer
+    cluster = cluster or ClusterSpec(n_gpus_per_node=t.n_gpus_per_node, nnodes=t.nnodes,
+                                     engine_placement=t.engine_placement)
+    actor = DistributedActor(cluster, spec,
                              mini_batch_samples=config.derived.mini_batch_samples,
                              timeout_s=config.rollout.timeout_s,
                              # worker setup starts the engine too: its deadline plus the actor's loading

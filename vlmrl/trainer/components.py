@@ -4,6 +4,7 @@ processor, the reward function, the validation set, the rollout backend, the age
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vlmrl.agent.loop import AgentLoop
 from vlmrl.config import Config
@@ -12,6 +13,9 @@ from vlmrl.processors.qwen_vl import Processor, load_processor
 from vlmrl.rewards.base import RewardFn
 from vlmrl.rollout.base import RolloutBackend
 from vlmrl.rollout.registry import start_backend
+
+if TYPE_CHECKING:
+    from vlmrl.distributed.group import ClusterSpec
 
 
 @dataclass
@@ -66,3 +70,12 @@ def start_rollout_workers(config: Config, start_path: str | None):
                              torch_threads=t.torch_threads)
     return RemoteEngines(spec, workers=t.async_rollout.rollout_workers, restarts=t.async_rollout.worker_restarts,
                          first_device=config.derived.world_size)
+
+
+def run_cluster(config: Config) -> ClusterSpec:
+    """Where the run's training workers run: trainer.n_gpus_per_node x trainer.nnodes, engines per
+    trainer.engine_placement."""
+    from vlmrl.distributed.group import ClusterSpec
+
+    t = config.trainer
+    return ClusterSpec(n_gpus_per_node=t.n_gpus_per_node, nnodes=t.nnodes, engine_placement=t.engine_placement)

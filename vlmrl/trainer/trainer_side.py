@@ -140,10 +140,11 @@ def scoring_actor(config: Config, actor_config, init_path: str | None):
                      temperature=1.0, init_path=init_path)
     from vlmrl.distributed.group import DistributedActor
     from vlmrl.distributed.worker import WorkerSpec
+    from vlmrl.trainer.components import run_cluster
 
     spec = WorkerSpec(actor=actor_config, temperature=1.0, init_path=init_path, total_steps=1, engine=None,
                       torch_threads=config.trainer.torch_threads, timeout_s=config.rollout.timeout_s)
-    return DistributedActor(config.trainer, spec, mini_batch_samples=config.derived.mini_batch_samples,
+    return DistributedActor(run_cluster(config), spec, mini_batch_samples=config.derived.mini_batch_samples,
                             timeout_s=config.rollout.timeout_s, startup_timeout_s=config.rollout.start_timeout_s)
 
 
