@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from vlmrl.distributed.group import FORWARDED_ENV, ensure_ray
+from vlmrl.distributed.worker import EngineSpec
 from vlmrl.rollout.base import RolloutBackend
-from vlmrl.rollout.config import RolloutConfig
 from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError
-from vlmrl.rollout.registry import backend_class, backend_options
+from vlmrl.rollout.registry import backend_class
 from vlmrl.rollout.requests import sample_seed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.sequences import split_evenly
@@ -49,14 +49,11 @@ CALL_MARGIN_S = 30.0
 
 @dataclass
 class RolloutWorkerSpec:
-    """What every rollout worker starts its engine from (`vlmrl.rollout.registry.start_backend`'s arguments)."""
+    """What every rollout worker starts."""
 
-    rollout: RolloutConfig
-    model_path: str
-    max_model_len: int
-    seed: int
-    lora: Any = None
-    """The actor's LoRA settings (vlmrl.actor.config.LoraConfig), or None."""
+    engine: EngineSpec
+    """Its engine: the backend's name, the weights it starts from and the options the run built for it (not
+    colocated: a worker's engine has its process, and on a GPU node its device, to itself)."""
     torch_threads: int = 0
     """torch.set_num_threads in the worker; 0 = torch's default."""
 
@@ -65,13 +62,14 @@ class RolloutWorker:
     """One engine in a Ray actor. Its methods are called by `RemoteEngines` through Ray."""
 
     def __init__(self, spec: RolloutWorkerSpec, index: int):
-        from vlmrl.rollout.registry import start_backend
+        from vlmrl.rollout.registry import get_backend
 
         if spec.torch_threads > 0:
             torch.set_num_threads(spec.torch_threads)
         self.index = index
-        self.backend = start_backend(spec.rollout, spec.model_path, max_model_len=spec.max_model_len, seed=spec.seed,
-                                     lora=spec.lora, colocated=False)
+        engine = spec.engine
+        logger.info("rollout worker %d: starting rollout backend %s on %s", index, engine.name, engine.model_path)
+        self.backend = get_backend(engine.name, engine.model_path, engine.options)
 
     def info(self) -> dict[str, Any]:
         """The worker's process, its engine's processes (to end if the worker dies) and its backend's name."""
@@ -111,11 +109,9 @@ class RemoteEngines(RolloutBackend):
                  first_device: int = 1):
         if workers < 1:
             raise ValueError(f"RemoteEngines needs at least one worker, got {workers}")
-        name = spec.rollout.name
-        super().__init__(spec.model_path, backend_options(spec.rollout, name, max_model_len=spec.max_model_len,
-                                                          seed=spec.seed, lora=spec.lora, colocated=False))
-        cls = backend_class(name)
-        self.name = name  # artifacts and logs name the real engine
+        super().__init__(spec.engine.model_path, spec.engine.options)
+        cls = backend_class(spec.engine.name)
+        self.name = spec.engine.name  # artifacts and logs name the real engine
         self.accepts_partial_weights = cls.accepts_partial_weights
         self.spec = spec
         self.restarts_left = restarts
@@ -124,7 +120,7 @@ class RemoteEngines(RolloutBackend):
         self.use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
         self.first_device = first_device
         """GPU of worker 0 (the trainer's devices before it: 1 at dp = 1, dp at dp > 1)."""
-        self.call_timeout_s = spec.rollout.timeout_s + CALL_MARGIN_S
+        self.call_timeout_s = self.rollout.timeout_s + CALL_MARGIN_S
         self.closed = False
         self.close_after: list = []
         """More to close with these workers (at dp > 1, the training workers they serve: the run closes its
@@ -161,7 +157,7 @@ class RemoteEngines(RolloutBackend):
 
     def _wait_started(self, indices: Iterable[int]) -> None:
         indices = list(indices)
-        timeout = self.spec.rollout.start_timeout_s + CALL_MARGIN_S
+        timeout = self.rollout.start_timeout_s + CALL_MARGIN_S
         infos = self._get([self.workers[i].info.remote() for i in indices], indices[0], "starting the engine",
                           timeout)
         for i, info in zip(indices, infos):

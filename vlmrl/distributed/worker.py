@@ -26,16 +26,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineSpec:
-    """How a worker builds its colocated rollout engine (`vlmrl.rollout.registry.get_backend(name, model_path, options)`)."""
+    """How a worker builds its rollout engine (`vlmrl.rollout.registry.get_backend(name, model_path, options)`): a
+    training worker's colocated one, or a rollout worker's (`vlmrl.distributed.rollout_workers`)."""
 
     name: str
-    """Backend: hf, vllm, sglang."""
+    """Backend: hf, vllm, sglang (colocated), or any of `vlmrl.rollout.config.BACKENDS` in a rollout worker."""
     model_path: str
     """Weights the engine starts from (then synced from the actor)."""
     options: BackendOptions
-    """What the backend starts from (the run's rollout section and what the run derives: `backend_options`). An
-    engine started to release its memory (rollout.vllm.enable_sleep_mode, rollout.sglang.enable_memory_saver: on by
-    default on a GPU) sleeps while the actor trains and wakes for the weight sync and the next generate."""
+    """What the backend starts from: the run's rollout section and what the run derives, built once per run
+    (`vlmrl.trainer.components.run_backend_options`). A colocated engine started to release its memory
+    (rollout.vllm.enable_sleep_mode, rollout.sglang.enable_memory_saver: on by default on a GPU) sleeps while the
+    actor trains and wakes for the weight sync and the next generate."""
 
 
 @dataclass

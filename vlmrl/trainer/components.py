@@ -1,9 +1,14 @@
 """A run's components built from its config, shared by the fit loop and validation (`RunComponents`: the
-processor, the reward function, the validation set, the rollout backend, the agent loop), and how each is built."""
+processor, the reward function, the validation set, the rollout backend, the agent loop), and how each is built:
+every backend a run starts (one engine, the Ray workers' colocated engines, rollout workers of their own) starts
+from the options `run_backend_options` builds.
+
+`vlmrl.distributed` is imported only where Ray workers start: the single-process trainer never needs it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from vlmrl.agent.loop import AgentLoop
@@ -11,11 +16,16 @@ from vlmrl.config import Config
 from vlmrl.data.dataset import RLDataset
 from vlmrl.processors.qwen_vl import Processor, load_processor
 from vlmrl.rewards.base import RewardFn
-from vlmrl.rollout.base import RolloutBackend
-from vlmrl.rollout.registry import start_backend
+from vlmrl.rollout.base import BackendOptions, RolloutBackend
+from vlmrl.rollout.registry import backend_options, get_backend
 
 if TYPE_CHECKING:
-    from vlmrl.distributed.group import ClusterSpec
+    from vlmrl.distributed.engines import ColocatedEngines
+    from vlmrl.distributed.group import ClusterSpec, DistributedActor
+    from vlmrl.distributed.rollout_workers import RemoteEngines
+    from vlmrl.distributed.worker import WorkerSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,13 +54,23 @@ def load_run_processor(config: Config) -> Processor:
     return load_processor(config.actor.model_path, config.data)
 
 
+def run_backend_options(config: Config, name: str | None = None, colocated: bool = False) -> BackendOptions:
+    """What the run's backend (rollout.name, or `name`) starts from: the rollout section, sized for the longest
+    request (`config.derived.max_model_len`), seeded with trainer.seed, serving adapters where actor.lora syncs
+    them (`vlmrl.rollout.registry.backend_options`); `colocated`: a training actor shares its device (the engine
+    then frees its memory while the actor trains, on a GPU, by default)."""
+    return backend_options(config.rollout, name or config.rollout.name, max_model_len=config.derived.max_model_len,
+                           seed=config.trainer.seed, lora=config.actor.lora, colocated=colocated)
+
+
 def start_run_backend(config: Config, name: str | None = None, model_path: str | None = None,
                       colocated: bool = False) -> RolloutBackend:
-    """The run's rollout backend (rollout.name, or `name`) on the actor's model (or `model_path`, e.g. a checkpoint
-    folder), sized for the longest request (`config.derived.max_model_len`); `colocated`: a training actor shares
-    its device (the engine then frees its memory while the actor trains, on a GPU, by default)."""
-    return start_backend(config.rollout, model_path or config.actor.model_path, name=name, seed=config.trainer.seed,
-                         max_model_len=config.derived.max_model_len, lora=config.actor.lora, colocated=colocated)
+    """The run's rollout backend (rollout.name, or `name`) in this process, on the actor's model (or `model_path`,
+    e.g. a checkpoint folder), started from `run_backend_options`."""
+    name = name or config.rollout.name
+    model_path = model_path or config.actor.model_path
+    logger.info("starting rollout backend %s on %s", name, model_path)
+    return get_backend(name, model_path, run_backend_options(config, name, colocated))
 
 
 def start_agent(config: Config, backend: RolloutBackend, processor: Processor) -> AgentLoop:
@@ -59,16 +79,16 @@ def start_agent(config: Config, backend: RolloutBackend, processor: Processor) -
                      response_length=config.data.max_response_length)
 
 
-def start_rollout_workers(config: Config, start_path: str | None):
+def start_rollout_workers(config: Config, start_path: str | None) -> RemoteEngines:
     """The asynchronous placement's rollout workers (trainer.async_rollout.rollout_workers), their engines started
     on `start_path` (a checkpoint) or the actor's model."""
     from vlmrl.distributed.rollout_workers import RemoteEngines, RolloutWorkerSpec
+    from vlmrl.distributed.worker import EngineSpec
 
     t = config.trainer
-    spec = RolloutWorkerSpec(config.rollout, start_path or config.actor.model_path,
-                             max_model_len=config.derived.max_model_len, seed=t.seed, lora=config.actor.lora,
-                             torch_threads=t.torch_threads)
-    return RemoteEngines(spec, workers=t.async_rollout.rollout_workers, restarts=t.async_rollout.worker_restarts,
+    engine = EngineSpec(config.rollout.name, start_path or config.actor.model_path, run_backend_options(config))
+    return RemoteEngines(RolloutWorkerSpec(engine, torch_threads=t.torch_threads),
+                         workers=t.async_rollout.rollout_workers, restarts=t.async_rollout.worker_restarts,
                          first_device=config.derived.world_size)
 
 
@@ -79,3 +99,39 @@ def run_cluster(config: Config) -> ClusterSpec:
 
     t = config.trainer
     return ClusterSpec(n_gpus_per_node=t.n_gpus_per_node, nnodes=t.nnodes, engine_placement=t.engine_placement)
+
+
+def training_worker_spec(config: Config, total_steps: int, init_path: str | None = None) -> WorkerSpec:
+    """What every training worker builds: the actor from `actor.*`, its colocated engine from `rollout.*`
+    (starting from the same weights as the actor: the checkpoint when resuming)."""
+    from vlmrl.distributed.worker import EngineSpec, WorkerSpec
+
+    name = config.rollout.name
+    if name == "sglang-server":
+        raise ValueError("rollout.name=sglang-server runs outside the workers; colocated engines are hf, vllm or "
+                         "sglang")
+    # with LoRA the engines start on the base (an adapter applies to it); a resumed run syncs the policy after start
+    start = config.actor.model_path if config.actor.lora.enabled else init_path or config.actor.model_path
+    engine = EngineSpec(name, start, run_backend_options(config, colocated=True))
+    return WorkerSpec(actor=config.actor, temperature=config.rollout.temperature, init_path=init_path,
+                      total_steps=total_steps, engine=engine,
+                      torch_threads=config.trainer.torch_threads, timeout_s=config.rollout.timeout_s)
+
+
+def start_distributed(config: Config, total_steps: int, init_path: str | None = None, engines: bool = True
+                      ) -> tuple[DistributedActor, ColocatedEngines | None]:
+    """Start trainer.n_gpus_per_node x trainer.nnodes training workers (joining the Ray cluster at $RAY_ADDRESS when
+    set) and return the actor and its colocated engines as a rollout backend; close the backend to stop everything.
+    `engines=False`: the workers only train (the run's engines are rollout workers of their own); the backend is
+    then None and the actor is closed by itself."""
+    from vlmrl.distributed.engines import ColocatedEngines
+    from vlmrl.distributed.group import DistributedActor
+
+    spec = training_worker_spec(config, total_steps, init_path)
+    if not engines:
+        spec = replace(spec, engine=None)
+    actor = DistributedActor(run_cluster(config), spec, mini_batch_samples=config.derived.mini_batch_samples,
+                             timeout_s=config.rollout.timeout_s,
+                             # worker setup starts the engine too: its deadline plus the actor's loading
+                             startup_timeout_s=config.rollout.start_timeout_s + 300.0)
+    return actor, ColocatedEngines(actor) if engines else None
