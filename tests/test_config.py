@@ -400,15 +400,13 @@ def test_config_cli_prints_a_resolved_config_and_help():
 
 def test_the_algorithm_names_are_defined_once():
     # the torch-free config leaf defines the names; the math accepts exactly those
-    from vlmrl import algorithms
-    from vlmrl.algorithms import config
-    from vlmrl.algorithms.correction import SEQ_RATIOS
+    from vlmrl.algorithms import advantages, aggregation, config, correction, policy_loss
 
-    assert config.ADV_ESTIMATORS is algorithms.ADV_ESTIMATORS
-    assert config.LOSS_AGG_MODES is algorithms.LOSS_AGG_MODES
-    assert config.POLICY_LOSSES is algorithms.POLICY_LOSSES
-    assert config.ROLLOUT_CORRECTIONS is algorithms.ROLLOUT_CORRECTIONS
-    assert config.SEQ_RATIOS is SEQ_RATIOS
+    assert config.ADV_ESTIMATORS is advantages.ADV_ESTIMATORS
+    assert config.LOSS_AGG_MODES is aggregation.LOSS_AGG_MODES
+    assert config.POLICY_LOSSES is policy_loss.POLICY_LOSSES
+    assert config.ROLLOUT_CORRECTIONS is correction.ROLLOUT_CORRECTIONS
+    assert config.SEQ_RATIOS is correction.SEQ_RATIOS
 
 
 def test_every_estimator_loss_and_mode_loads():

@@ -21,6 +21,7 @@ import difflib
 import inspect
 import json
 import logging
+import math
 import textwrap
 import warnings
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from vlmrl.actor.config import ActorConfig, LoraConfig, OptimConfig
 from vlmrl.agent.config import AgentConfig
 from vlmrl.algorithms.config import AlgorithmConfig
 from vlmrl.data.config import IMAGE_PATCH_PIXELS, DataConfig
-from vlmrl.rewards.config import RewardConfig
+from vlmrl.rewards.config import JUDGE_ENGINES, RewardConfig
 from vlmrl.rollout.config import ADAPTER_BACKENDS, BACKEND_SECTIONS, BACKENDS, RolloutConfig
 from vlmrl.trainer.config import TrainerConfig
 
@@ -48,11 +49,15 @@ REMOVED_KEYS = {
 """Keys that are gone: setting the old name fails with a message naming what replaced it."""
 RENAMED_KEYS = {
     "rollout.server_url": "rollout.server.url",
+    "reward.judge.server.host": "reward.judge.server.http.host",
+    "reward.judge.server.port": "reward.judge.server.http.port",
+    "reward.judge.server.log_file": "reward.judge.server.http.log_file",
 }
 """Keys that moved and still work for one release, with a warning naming the new key (old -> new)."""
-ENGINE_KWARGS_KEY = "rollout.engine_kwargs"
-"""The one engine_kwargs of earlier releases: it now moves to the section of rollout.name's engine
-(rollout.<vllm|sglang|hf>.engine_kwargs), with a warning, for one release."""
+ENGINE_KWARGS_KEYS = ("rollout.engine_kwargs", "reward.judge.server.args")
+"""Engine arguments of earlier releases, one dict for every engine: each now moves to the engine_kwargs of the
+engine the config picks (rollout.<vllm|sglang|hf>.engine_kwargs for rollout.name; reward.judge.server.<sglang|vllm>
+.engine_kwargs for reward.judge.server.engine), with a warning, for one release."""
 
 
 __all__ = [
@@ -79,6 +84,12 @@ class Derived:
     """data.train_batch_size * rollout.n: the samples of one training step."""
     world_size: int
     """trainer.n_gpus_per_node * trainer.nnodes: the data-parallel ranks (one process per device)."""
+    batch_multiple: int
+    """lcm(world_size, mini_batch_samples): a training batch is padded with padding rows to a multiple of it, so it
+    splits into whole mini-batches over the ranks (`vlmrl.batch.padding.required_batch_multiple`)."""
+    max_staleness: int
+    """trainer.async_rollout.max_staleness when the asynchronous placement is on, else 0: how many updates older
+    than the trainer's weights a batch's may be."""
 
 
 @dataclass
@@ -102,9 +113,10 @@ class Config:
     def derived(self) -> Derived:
         """The values the run derives from its sections (`Derived`)."""
         d, r = self.data, self.rollout
-        return Derived(max_model_len=d.max_prompt_length + d.max_response_length,
-                       mini_batch_samples=self.actor.ppo_mini_batch_size * r.n,
-                       train_batch_samples=d.train_batch_size * r.n, world_size=self.trainer.world_size)
+        a, world, mini = self.trainer.async_rollout, self.trainer.world_size, self.actor.ppo_mini_batch_size * r.n
+        return Derived(max_model_len=d.max_prompt_length + d.max_response_length, mini_batch_samples=mini,
+                       train_batch_samples=d.train_batch_size * r.n, world_size=world,
+                       batch_multiple=math.lcm(world, mini), max_staleness=a.max_staleness if a.enable else 0)
 
 
 def load_config(args: list[str] | None = None, check_model: bool = True) -> Config:
@@ -114,7 +126,7 @@ def load_config(args: list[str] | None = None, check_model: bool = True) -> Conf
     `check_model` also reads the model's config.json (local folders and embedded names) to check lengths fit.
     """
     merged = OmegaConf.structured(Config)
-    legacy_engine_kwargs: dict[str, Any] = {}
+    legacy_engine_kwargs: dict[str, dict[str, Any]] = {}
     for arg in args or []:
         if "=" not in arg:
             raise ConfigError(f"argument {arg!r} is not key=value (use config=FILE.yaml or e.g. rollout.n=8)")
@@ -124,7 +136,8 @@ def load_config(args: list[str] | None = None, check_model: bool = True) -> Conf
                 overlay = OmegaConf.load(value)
             else:  # `key=` means the empty string (OmegaConf would read it as null)
                 overlay = OmegaConf.from_dotlist([arg if value else f"{key}=''"])
-            legacy_engine_kwargs.update(_move_renamed_keys(overlay, arg))
+            for key, kwargs in _move_renamed_keys(overlay, arg).items():
+                legacy_engine_kwargs.setdefault(key, {}).update(kwargs)
             merged = OmegaConf.merge(merged, overlay)
         except FileNotFoundError:
             raise ConfigError(f"config file {value!r} does not exist") from None
@@ -133,8 +146,8 @@ def load_config(args: list[str] | None = None, check_model: bool = True) -> Conf
         except OmegaConfBaseException as err:
             raise ConfigError(f"bad value in {arg!r}: {str(err).splitlines()[0]}") from None
     config: Config = OmegaConf.to_object(merged)
-    if legacy_engine_kwargs:
-        _place_engine_kwargs(config, legacy_engine_kwargs)
+    for key, kwargs in legacy_engine_kwargs.items():
+        _place_engine_kwargs(config, key, kwargs)
     problems = validate(config)
     if check_model and not problems:
         problems = check_model_context(config)
@@ -143,9 +156,10 @@ def load_config(args: list[str] | None = None, check_model: bool = True) -> Conf
     return config
 
 
-def _move_renamed_keys(overlay: Any, source: str) -> dict[str, Any]:
+def _move_renamed_keys(overlay: Any, source: str) -> dict[str, dict[str, Any]]:
     """Move the renamed keys of one overlay (a yaml file or a dotted override) to their new names, warning once for
-    each; returns the old rollout.engine_kwargs, placed once the run's engine is known (`_place_engine_kwargs`)."""
+    each; returns the old engine arguments it holds by key (ENGINE_KWARGS_KEYS), placed once the config's engines
+    are known (`_place_engine_kwargs`)."""
     missing = object()
     for old, new in RENAMED_KEYS.items():
         value = OmegaConf.select(overlay, old, default=missing)
@@ -154,11 +168,13 @@ def _move_renamed_keys(overlay: Any, source: str) -> dict[str, Any]:
             OmegaConf.update(overlay, new, value, force_add=True)
             warnings.warn(f"config key {old!r} (in {source}) is now {new!r}; the old name stops working in the next "
                           "release", FutureWarning, stacklevel=3)
-    value = OmegaConf.select(overlay, ENGINE_KWARGS_KEY, default=missing)
-    if value is missing:
-        return {}
-    _delete(overlay, ENGINE_KWARGS_KEY)
-    return dict(OmegaConf.to_container(value)) if value is not None else {}
+    found = {}
+    for old in ENGINE_KWARGS_KEYS:
+        value = OmegaConf.select(overlay, old, default=missing)
+        if value is not missing:
+            _delete(overlay, old)
+            found[old] = dict(OmegaConf.to_container(value)) if value is not None else {}
+    return found
 
 
 def _delete(overlay: Any, dotted: str) -> None:
@@ -169,14 +185,21 @@ def _delete(overlay: Any, dotted: str) -> None:
     del node[leaf]
 
 
-def _place_engine_kwargs(config: Config, kwargs: dict[str, Any]) -> None:
-    """The old rollout.engine_kwargs go to the engine of rollout.name (engine_kwargs are per engine now)."""
-    section = BACKEND_SECTIONS.get(config.rollout.name, ("vllm",))[0]
-    target = getattr(config.rollout, section).engine_kwargs
+def _place_engine_kwargs(config: Config, old: str, kwargs: dict[str, Any]) -> None:
+    """Old engine arguments go to the engine_kwargs of the engine the config picks (engine arguments are per engine
+    now): rollout.name's for rollout.engine_kwargs, reward.judge.server.engine's for reward.judge.server.args."""
+    if old == "rollout.engine_kwargs":
+        engine = BACKEND_SECTIONS.get(config.rollout.name, ("vllm",))[0]
+        owner, new, chosen = config.rollout, f"rollout.{engine}.engine_kwargs", f"rollout.name={config.rollout.name}"
+    else:
+        server = config.reward.judge.server
+        engine = server.engine if server.engine in JUDGE_ENGINES else "sglang"  # a wrong engine is refused anyway
+        owner, new = server, f"reward.judge.server.{engine}.engine_kwargs"
+        chosen = f"reward.judge.server.engine={server.engine}"
+    target = getattr(owner, engine).engine_kwargs
     target.update({k: v for k, v in kwargs.items() if k not in target})  # the new key wins where both are set
-    warnings.warn(f"config key {ENGINE_KWARGS_KEY!r} is now per engine: rollout.{section}.engine_kwargs (for "
-                  f"rollout.name={config.rollout.name}), where these were applied; the old name stops working in "
-                  "the next release", FutureWarning, stacklevel=3)
+    warnings.warn(f"config key {old!r} is now per engine: {new} (for {chosen}), where these were applied; the old "
+                  "name stops working in the next release", FutureWarning, stacklevel=3)
 
 
 def _unknown_key_message(err: ConfigKeyError) -> str:

@@ -72,7 +72,7 @@ def test_return_values():
 
 def test_registry_from_specs(tmp_path):
     user_file = tmp_path / "my_tools.py"
-    user_file.write_text("from vlmrl.agent import Tool\nclass Hello(Tool):\n    name = 'hello'\n"
+    user_file.write_text("from vlmrl.agent.tools import Tool\nclass Hello(Tool):\n    name = 'hello'\n"
                          "    def __init__(self, greeting='hi'):\n        self.greeting = greeting\n")
     registry = ToolRegistry.from_specs([
         ToolSpec(path="vlmrl.agent.builtin:ImageZoomTool", name="crop", kwargs={"min_side": 8}),

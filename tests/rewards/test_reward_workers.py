@@ -134,7 +134,10 @@ def test_workers_end_with_their_parent_even_in_the_middle_of_a_sample(tmp_path):
     path = tmp_path / "my_reward.py"
     path.write_text(textwrap.dedent(REWARD_FILE))
     script = textwrap.dedent(f"""
-        from vlmrl.rewards import RewardInput, compute_rewards, get_reward_fn, workers_for
+        from vlmrl.rewards.base import RewardInput
+        from vlmrl.rewards.registry import get_reward_fn
+        from vlmrl.rewards.scoring import compute_rewards
+        from vlmrl.rewards.workers import workers_for
         fn = get_reward_fn({str(path)!r} + ":compute_score")
         print(workers_for(fn, 1).pids[0], flush=True)
         compute_rewards(fn, [RewardInput("mine", "hang", "x")], timeout_s=3600, num_workers=1)

@@ -146,8 +146,8 @@ def test_every_backend_gets_the_result_checks(tiny_model_path, batch, broken, me
     assert backend.calls == 1
 
 
-def test_importing_the_package_and_backend_modules_imports_no_engine():
-    code = ("import sys, vlmrl.rollout as r\n"
+def test_importing_the_registry_and_backend_modules_imports_no_engine():
+    code = ("import sys, vlmrl.rollout.registry as r\n"
             "for name in r.BACKENDS: r.backend_class(name)\n"
             "print(sorted(m for m in ('vllm', 'sglang') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

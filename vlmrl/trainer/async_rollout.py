@@ -52,6 +52,13 @@ from vlmrl.types import RolloutResult
 logger = logging.getLogger(__name__)
 
 
+def staleness(step: int, version: int) -> int:
+    """How many updates older than the trainer's weights a batch is: the trainer takes step `step`'s batch holding
+    step `step - 1`'s weights, and the batch was sampled with step `version`'s. The rollout thread starts a batch
+    only where this is within max_staleness (`AsyncRollout`)."""
+    return step - 1 - version
+
+
 class RolloutWorkerError(RuntimeError):
     """The rollout thread failed, or gave no batch within the deadline."""
 
@@ -135,7 +142,7 @@ class AsyncRollout:
                         with self.engine:
                             self._load_staged()
                     with self._version:
-                        if self.engine_version >= step - 1 - self.max_staleness or self._stop.is_set():
+                        if staleness(step, self.engine_version) <= self.max_staleness or self._stop.is_set():
                             break
                         if self._staged is None:
                             self._version.wait(0.2)
@@ -190,12 +197,12 @@ class AsyncRollout:
                                      f"{type(item.error).__name__}: {item.error}") from item.error
         if item.step != step:
             raise RolloutWorkerError(f"the rollout thread made step {item.step}'s batch where step {step}'s was due")
-        staleness = step - 1 - item.version
-        if not 0 <= staleness <= self.max_staleness:  # the gate above makes this impossible: a bug if it happens
-            raise RolloutWorkerError(f"step {step}: a batch sampled with step {item.version}'s weights is {staleness} "
+        stale = staleness(step, item.version)
+        if not 0 <= stale <= self.max_staleness:  # the gate above makes this impossible: a bug if it happens
+            raise RolloutWorkerError(f"step {step}: a batch sampled with step {item.version}'s weights is {stale} "
                                      f"steps stale, beyond trainer.async_rollout.max_staleness={self.max_staleness}")
         self.consumed_data_state = item.data_state
-        return item, {"async/staleness": float(staleness), "async/buffer_depth": float(depth),
+        return item, {"async/staleness": float(stale), "async/buffer_depth": float(depth),
                       "async/trainer_wait_s": time.perf_counter() - begin,
                       "async/rollout_wait_s": item.waited_s, "async/generate_s": item.generate_s}
 
@@ -295,7 +302,7 @@ the version of the weights its batch was sampled with, its staleness and its pro
 def append_consumed(output_dir, step: int, version: int, rows: list[int], results: list[RolloutResult]) -> None:
     """One line of CONSUMED_FILE (a resumed run truncates it to its checkpoint, as metrics.jsonl); `responses` is a
     digest of the batch's sampled tokens (`responses_digest`)."""
-    line = json.dumps({"step": step, "engine_version": version, "staleness": step - 1 - version, "rows": rows,
+    line = json.dumps({"step": step, "engine_version": version, "staleness": staleness(step, version), "rows": rows,
                        "responses": responses_digest(results)})
     with open(Path(output_dir) / CONSUMED_FILE, "a") as handle:
         handle.write(line + "\n")
