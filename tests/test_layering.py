@@ -25,7 +25,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("vlmrl.distributed", "vlmrl.alignment"),  # a service the loop drives | the compare tool (never the trainer)
     ("vlmrl.agent", "vlmrl.actor"),  # multi-turn rollout | the policy, its logprobs and update
     ("vlmrl.config",),  # the run config: composes the sections' own config modules, checks across sections
-    ("vlmrl.batch", "vlmrl.data", "vlmrl.rewards", "vlmrl.rollout"),
+    # the judge reward launches its server with the rollout engines' own argument builders (one place says how an
+    # engine starts), so rewards sits above rollout; nothing in rollout scores a response
+    ("vlmrl.rewards",),
+    ("vlmrl.batch", "vlmrl.data", "vlmrl.rollout"),
     ("vlmrl.processors",),
     ("vlmrl.algorithms", "vlmrl.models"),
     (CONFIG_LEAVES,),

@@ -6,6 +6,8 @@ tests/rewards/test_judge_server.py runs it against real SGLang and vLLM servers.
 from __future__ import annotations
 
 import doctest
+import json
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -92,6 +94,48 @@ def test_the_demo_overlay_loads_on_the_cpu_demo():
     judge = config.reward.judge
     assert judge.enable and judge.mode == "logprobs" and judge.server.model_path == "tiny" and judge.weight == 0.5
     assert config.reward.function == "synthetic"
+
+
+def test_the_old_judge_server_keys_still_load_with_a_warning_naming_the_new_key():
+    """reward.judge.server.host / port / log_file moved to reward.judge.server.http (the rollout's server options),
+    reward.judge.server.args to the engine's engine_kwargs: for one release the old keys still load."""
+    with pytest.warns(FutureWarning) as caught:
+        config = load_config(judge_args("reward.judge.server.port=8123", "reward.judge.server.engine=vllm",
+                                        "reward.judge.server.args={max_num_seqs: 4}"), check_model=False)
+    server = config.reward.judge.server
+    assert server.http.port == 8123 and server.vllm.engine_kwargs == {"max_num_seqs": 4}
+    messages = [str(w.message) for w in caught]
+    assert any("'reward.judge.server.port'" in m and "is now 'reward.judge.server.http.port'" in m for m in messages)
+    assert any("'reward.judge.server.args' is now per engine: reward.judge.server.vllm.engine_kwargs" in m
+               for m in messages), messages
+
+
+@pytest.mark.parametrize(("engine", "flag"), [("sglang", "--json-model-override-args"), ("vllm", "--hf-overrides")])
+def test_a_launched_judge_starts_with_the_model_familys_settings(engine, flag, tiny_qwen3_vl_path, tmp_path,
+                                                                 monkeypatch):
+    """A Qwen3-VL judge whose config.json lacks mrope_interleaved is started with it, as the rollout engines are
+    (without it vLLM and SGLang compute another model than the checkpoint's), and with the engines' CPU settings."""
+    from vlmrl.rewards.config import JudgeServerConfig
+    from vlmrl.rewards.judge_server import server_command
+
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "SGLANG_USE_CPU_ENGINE"):
+        monkeypatch.delenv(name, raising=False)
+    folder = tmp_path / "qwen3-vl-flagless"
+    shutil.copytree(tiny_qwen3_vl_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["text_config"]["rope_parameters"]["mrope_interleaved"]
+    (folder / "config.json").write_text(json.dumps(config))
+    module, server_flags, env = server_command(JudgeServerConfig(model_path=str(folder), engine=engine), str(folder),
+                                               seed=0, top_logprobs=20, on_cuda=False)
+    overrides = json.loads(server_flags[server_flags.index(flag) + 1])
+    assert overrides["text_config"]["rope_parameters"]["mrope_interleaved"] is True
+    if engine == "sglang":
+        assert server_flags[server_flags.index("--device") + 1] == "cpu" and env["SGLANG_USE_CPU_ENGINE"] == "1"
+        assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env, "the judge reads logprobs after the logit bias"
+    else:
+        assert "--enforce-eager" in server_flags and env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                                             "VLLM_CPU_KVCACHE_SPACE": "1"}
+        assert server_flags[server_flags.index("--logprobs-mode") + 1] == "processed_logprobs"
 
 
 def test_a_judge_only_reward_is_reward_function_none_with_weight_one():

@@ -85,9 +85,10 @@ def test_every_sglang_option_reaches_its_constructor(tiny_model_path):
     assert args["chunked_prefill_size"] == 512
 
 
-def test_sglang_defaults_follow_the_device(tiny_model_path):
+def test_sglang_defaults_follow_the_device(tiny_model_path, monkeypatch):
     from vlmrl.rollout.sglang import engine_env
 
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
     cpu = sglang_args(model_path=tiny_model_path)
     assert (cpu["device"], cpu["attention_backend"], cpu["max_total_tokens"]) == ("cpu", "torch_native", 8192)
     assert cpu["enable_memory_saver"] is False
@@ -96,13 +97,35 @@ def test_sglang_defaults_follow_the_device(tiny_model_path):
     env = engine_env(options("sglang", "rollout.sglang.vlm_cache_size_mb=64"), on_cuda=False)
     assert env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "SGLANG_VLM_CACHE_SIZE_MB": "64",
                    "SGLANG_USE_CPU_ENGINE": "1"}
+    assert "SGLANG_USE_CPU_ENGINE" not in engine_env(options("sglang"), on_cuda=True)
+
+
+def test_the_engines_take_their_cpu_settings_themselves_and_an_explicit_environment_wins(tiny_model_path,
+                                                                                          monkeypatch):
+    """No exported variables needed on a CPU: vLLM in-process with its KV cache, SGLang's CPU switch. A variable the
+    environment sets is left to it; rollout.vllm.multiprocess, when set, decides over it."""
+    from vlmrl.rollout.sglang import engine_env
+
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "SGLANG_USE_CPU_ENGINE"):
+        monkeypatch.delenv(name, raising=False)
+    assert vllm_args(model_path=tiny_model_path)[1] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                                        "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert vllm_args(on_cuda=True, model_path=tiny_model_path)[1] == {}, "on CUDA vLLM's own defaults"
+    assert engine_env(options("sglang"), on_cuda=False)["SGLANG_USE_CPU_ENGINE"] == "1"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    assert vllm_args(model_path=tiny_model_path)[1] == {}
+    assert "SGLANG_USE_CPU_ENGINE" not in engine_env(options("sglang"), on_cuda=False)
+    told = vllm_args("rollout.vllm.multiprocess=false", model_path=tiny_model_path)[1]
+    assert told == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "the config's explicit setting decides"
 
 
 def test_the_server_flags_carry_the_sglang_section():
-    from vlmrl.rollout.sglang_server import _flags
+    from vlmrl.utils.servers import flags
 
-    assert _flags({"tp_size": 2, "disable_cuda_graph": True, "enable_memory_saver": False, "max_total_tokens": None,
-                   "host": "127.0.0.1"}) == ["--tp-size", "2", "--disable-cuda-graph", "--host", "127.0.0.1"]
+    assert flags({"tp_size": 2, "disable_cuda_graph": True, "enable_memory_saver": False, "max_total_tokens": None,
+                  "host": "127.0.0.1"}) == ["--tp-size", "2", "--disable-cuda-graph", "--host", "127.0.0.1"]
 
 
 def test_flat_keywords_are_split_between_the_sections():

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmrl.rollout.config import ServerConfig, SGLangConfig, VLLMConfig
+
 JUDGE_MODES = ("generate", "logprobs")
 JUDGE_ENGINES = {"sglang": "sglang", "vllm": "vllm"}
 """Engines vlmrl can launch a judge server with -> the package each needs."""
@@ -23,22 +25,22 @@ NO_RULE = "none"
 @dataclass
 class JudgeServerConfig:
     """The judge server vlmrl launches when reward.judge.url is empty: an OpenAI-compatible vLLM or SGLang server,
-    on this machine, for the run's whole life."""
+    on this machine, for the run's whole life. It starts from the engines' own option sections (those of
+    rollout.vllm, rollout.sglang and rollout.server), so it runs as the rollout engines do, the model family's
+    settings included."""
 
     model_path: str = ""
     """Model the launched judge serves: a HF folder, a hub id, or an embedded name (`tiny`)."""
     engine: str = "sglang"
-    """sglang (`python -m sglang.launch_server`) or vllm (`python -m vllm.entrypoints.openai.api_server`)."""
-    host: str = "127.0.0.1"
-    """Address the judge server binds to; set 0.0.0.0 only to serve other machines on purpose."""
-    port: int = 0
-    """Port of the judge server; 0 = a free one."""
+    """sglang (`python -m sglang.launch_server`, options in `sglang`) or vllm (`python -m
+    vllm.entrypoints.openai.api_server`, options in `vllm`)."""
     device: str = "auto"
     """auto (cuda when this process sees a GPU, else cpu), cpu or cuda."""
     cuda_visible_devices: str = ""
     """CUDA_VISIBLE_DEVICES of the judge server (e.g. "1" keeps it off the actor's GPU 0); empty = this process's."""
     dtype: str = "auto"
-    """auto (bfloat16 on a GPU, float32 on CPU), float32, bfloat16 or float16."""
+    """auto (bfloat16 on a GPU; on CPU float32, or the family's only CPU dtype: Qwen3.5 bfloat16), float32, bfloat16
+    or float16."""
     max_model_len: int = 4096
     """Longest judge request (template + images + response) plus its reply, in tokens."""
     gpu_memory_utilization: float = 0.8
@@ -46,10 +48,15 @@ class JudgeServerConfig:
     lower it when the judge shares a GPU with training."""
     start_timeout_s: float = 600.0
     """The server must answer /health within this after launch."""
-    log_file: str = ""
-    """Where the server's output goes; empty = a file in the temp folder (named in errors)."""
-    args: dict[str, Any] = field(default_factory=dict)
-    """Extra server flags, given as they are ({"tp_size": 2} -> --tp-size 2; true -> a bare flag)."""
+    http: ServerConfig = field(default_factory=ServerConfig)
+    """Where the judge server binds (host, port) and writes its output (log_file); its url is not used: a running
+    judge server is reward.judge.url."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """The SGLang judge server's options, as rollout.sglang's (engine_kwargs: extra server flags, {"tp_size": 2} ->
+    --tp-size 2)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM judge server's options, as rollout.vllm's (engine_kwargs: extra server flags; sleep mode and
+    multiprocess are for the offline engine and change nothing here)."""
 
     def problems(self) -> list[str]:
         out = []
@@ -59,8 +66,12 @@ class JudgeServerConfig:
             out.append(f"reward.judge.server.engine={self.engine} needs {JUDGE_ENGINES[self.engine]}, which is not "
                        "installed here: install it, pick the other engine, or give a running server as "
                        "reward.judge.url")
-        if not 0 <= self.port < 65536:
-            out.append(f"reward.judge.server.port={self.port} must be in [0, 65535] (0 = a free one)")
+        else:
+            out += getattr(self, self.engine).problems(f"reward.judge.server.{self.engine}")
+        if self.http.url:
+            out.append(f"reward.judge.server.http.url={self.http.url!r}: a running judge server is given as "
+                       "reward.judge.url (reward.judge.server launches one)")
+        out += self.http.problems("reward.judge.server.http")
         if self.device not in ("auto", "cpu", "cuda"):
             out.append(f"reward.judge.server.device={self.device!r} must be auto, cpu or cuda")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

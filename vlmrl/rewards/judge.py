@@ -47,8 +47,8 @@ from vlmrl.rewards.base import FAILED_KEY
 from vlmrl.rewards.config import JudgeConfig
 
 if TYPE_CHECKING:
-    from vlmrl.rewards.judge_server import JudgeServer
     from vlmrl.types import RolloutRequest
+    from vlmrl.utils.servers import LaunchedServer
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class Judge:
     """A client of one judge endpoint: `check()` it answers, `score(requests, responses, n)` a batch, `close()`.
     With `server`, the launched server it owns (closed with it)."""
 
-    def __init__(self, config: JudgeConfig, url: str | None = None, server: JudgeServer | None = None):
+    def __init__(self, config: JudgeConfig, url: str | None = None, server: LaunchedServer | None = None):
         self.config = config
         self.server = server
         self.url = base_url(url or config.url)

@@ -71,12 +71,13 @@ class BackendOptions:
     lora_vision: bool = False
     """With lora_rank: the adapters cover the vision tower and merger too (vLLM's enable_tower_connector_lora)."""
 
-    def resolved_dtype(self, family: ModelFamily | None = None) -> str:
+    def resolved_dtype(self, family: ModelFamily | None = None, on_cuda: bool | None = None) -> str:
         """rollout.dtype; auto = bfloat16 on CUDA, on CPU the family's `cpu_engine_dtype` (Qwen3.5: bfloat16, the only
-        dtype its CPU engines run) or else float32. Every backend of a run resolves alike, the hf reference too."""
+        dtype its CPU engines run) or else float32. Every backend of a run resolves alike, the hf reference too.
+        `on_cuda`: where the engine runs, when that is not where this process sees a GPU (a judge on device=cpu)."""
         if self.rollout.dtype != "auto":
             return self.rollout.dtype
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() if on_cuda is None else on_cuda:
             return "bfloat16"
         return (family.cpu_engine_dtype if family is not None else None) or "float32"
 

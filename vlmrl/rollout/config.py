@@ -72,10 +72,23 @@ class VLLMConfig:
     cpu_kv_cache_gb: float = 1.0
     """CPU only: the KV cache in GiB (sets VLLM_CPU_KVCACHE_SPACE unless it is already set)."""
     multiprocess: bool | None = None
-    """Run the engine core in its own process; null = vLLM's default (VLLM_ENABLE_V1_MULTIPROCESSING)."""
+    """Run the engine core in its own process; null = off on a CPU, vLLM's default on CUDA (an environment that sets
+    VLLM_ENABLE_V1_MULTIPROCESSING decides instead)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of `vllm.LLM(...)`, given as they are (an `hf_overrides` dict merges over the model
     family's settings)."""
+
+    def problems(self, prefix: str) -> list[str]:
+        """What is wrong with this section at `prefix` (rollout.vllm, reward.judge.server.vllm)."""
+        out = []
+        if self.sleep_level not in (1, 2):
+            out.append(f"{prefix}.sleep_level={self.sleep_level} must be 1 (offload weights, drop the KV cache) or 2 "
+                       "(drop both)")
+        if self.max_num_batched_tokens < 1:
+            out.append(f"{prefix}.max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if not self.cpu_kv_cache_gb > 0:
+            out.append(f"{prefix}.cpu_kv_cache_gb={self.cpu_kv_cache_gb} must be > 0")
+        return out
 
 
 @dataclass
@@ -101,6 +114,17 @@ class SGLangConfig:
     """Extra SGLang server arguments, given as they are (`sglang.Engine(...)` keywords; `--flag value` for the
     server). A `json_model_override_args` merges over the model family's settings."""
 
+    def problems(self, prefix: str) -> list[str]:
+        """What is wrong with this section at `prefix` (rollout.sglang, reward.judge.server.sglang)."""
+        out = []
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            out.append(f"{prefix}.max_total_tokens={self.max_total_tokens} must be >= 1 (or null)")
+        if self.vlm_cache_size_mb < 0:
+            out.append(f"{prefix}.vlm_cache_size_mb={self.vlm_cache_size_mb} must be >= 0 (0 = off)")
+        if self.log_level not in SGLANG_LOG_LEVELS:
+            out.append(f"{prefix}.log_level={self.log_level!r} is not one of {list(SGLANG_LOG_LEVELS)}")
+        return out
+
 
 @dataclass
 class ServerConfig:
@@ -116,6 +140,15 @@ class ServerConfig:
     """Port of the launched server; 0 = a free one."""
     log_file: str = ""
     """Where the launched server's output goes; empty = a file in the temp folder (named in errors)."""
+
+    def problems(self, prefix: str) -> list[str]:
+        """What is wrong with this section at `prefix` (rollout.server, reward.judge.server.http)."""
+        out = []
+        if self.url and not self.url.startswith(("http://", "https://")):
+            out.append(f"{prefix}.url={self.url!r} must start with http:// or https://")
+        if not 0 <= self.port < 65536:
+            out.append(f"{prefix}.port={self.port} must be in [0, 65535] (0 = a free one)")
+        return out
 
 
 @dataclass
@@ -213,22 +246,5 @@ class RolloutConfig:
                 out.append(f"rollout.{name}={getattr(self, name)} must be >= 1")
         if self.limit_videos < 0:
             out.append(f"rollout.limit_videos={self.limit_videos} must be >= 0")
-        v, s, srv = self.vllm, self.sglang, self.server
-        if v.sleep_level not in (1, 2):
-            out.append(f"rollout.vllm.sleep_level={v.sleep_level} must be 1 (offload weights, drop the KV cache) or 2 "
-                       "(drop both)")
-        if v.max_num_batched_tokens < 1:
-            out.append(f"rollout.vllm.max_num_batched_tokens={v.max_num_batched_tokens} must be >= 1")
-        if not v.cpu_kv_cache_gb > 0:
-            out.append(f"rollout.vllm.cpu_kv_cache_gb={v.cpu_kv_cache_gb} must be > 0")
-        if s.max_total_tokens is not None and s.max_total_tokens < 1:
-            out.append(f"rollout.sglang.max_total_tokens={s.max_total_tokens} must be >= 1 (or null)")
-        if s.vlm_cache_size_mb < 0:
-            out.append(f"rollout.sglang.vlm_cache_size_mb={s.vlm_cache_size_mb} must be >= 0 (0 = off)")
-        if s.log_level not in SGLANG_LOG_LEVELS:
-            out.append(f"rollout.sglang.log_level={s.log_level!r} is not one of {list(SGLANG_LOG_LEVELS)}")
-        if srv.url and not srv.url.startswith(("http://", "https://")):
-            out.append(f"rollout.server.url={srv.url!r} must start with http:// or https://")
-        if not 0 <= srv.port < 65536:
-            out.append(f"rollout.server.port={srv.port} must be in [0, 65535] (0 = a free one)")
-        return out
+        return (out + self.vllm.problems("rollout.vllm") + self.sglang.problems("rollout.sglang")
+                + self.server.problems("rollout.server"))

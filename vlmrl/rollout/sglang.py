@@ -36,6 +36,7 @@ from vlmrl.rollout.base import (
     merged,
     release_memory,
 )
+from vlmrl.rollout.config import SGLangConfig
 from vlmrl.rollout.errors import RolloutError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import sample_seed, top_allowed
@@ -48,22 +49,32 @@ BAN_LOGIT_BIAS = -1e4
 
 
 def engine_env(options: BackendOptions, on_cuda: bool) -> dict[str, str]:
-    """Environment the engine processes must start with."""
-    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
-           "SGLANG_VLM_CACHE_SIZE_MB": str(options.rollout.sglang.vlm_cache_size_mb)}
-    if not on_cuda:
-        env["SGLANG_USE_CPU_ENGINE"] = "1"  # the only switch that makes device="cpu" take CPU code paths
-    return env
+    """Environment the rollout engine's processes must start with: raw logprobs (the rollout contract) and what
+    `server_env` sets."""
+    return {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", **server_env(options.rollout.sglang, on_cuda)}
 
 
-def engine_args(model_path: str, options: BackendOptions, family: ModelFamily, on_cuda: bool, backend: str
+def server_env(section: SGLangConfig, on_cuda: bool) -> dict[str, str]:
+    """Environment of any SGLang vlmrl starts (the judge's server too): its multimodal cache size and, on a CPU, its
+    CPU switch (`cpu_env`)."""
+    return {"SGLANG_VLM_CACHE_SIZE_MB": str(section.vlm_cache_size_mb), **({} if on_cuda else cpu_env())}
+
+
+def cpu_env() -> dict[str, str]:
+    """What SGLang needs on a CPU: SGLANG_USE_CPU_ENGINE=1, the only switch that makes device="cpu" take its CPU
+    code paths (read at `import sglang`). Left out when the environment already sets it: an explicit value wins."""
+    return {} if "SGLANG_USE_CPU_ENGINE" in os.environ else {"SGLANG_USE_CPU_ENGINE": "1"}
+
+
+def engine_args(model_path: str, options: BackendOptions, family: ModelFamily | None, on_cuda: bool, backend: str
                 ) -> dict[str, Any]:
     """SGLang server arguments (Engine keywords; `--flag value` for the server) for a backend's options: the rollout
-    section's neutral knobs, rollout.sglang and what the run derives. Pure: what a run config sets can be checked
-    without starting the engine."""
+    section's neutral knobs, rollout.sglang and what the run derives. `family` None: a model of no family vlmrl
+    knows (a judge's), started as its config.json says. Pure: what a run config sets can be checked without
+    starting the engine."""
     r, o = options.rollout, options.rollout.sglang
     dtype = options.resolved_dtype(family)
-    if not on_cuda:
+    if not on_cuda and family is not None:
         problems = family.cpu_engine_problems(read_model_config(model_path), backend, dtype)
         if problems:
             raise ValueError(f"{backend}: " + " ".join(problems))
@@ -74,13 +85,14 @@ def engine_args(model_path: str, options: BackendOptions, family: ModelFamily, o
                                 enable_memory_saver=release_memory(o.enable_memory_saver, on_cuda, options.colocated))
     if not on_cuda:
         args.update(device="cpu", disable_cuda_graph=True, max_total_tokens=o.max_total_tokens or 8192,
-                    attention_backend=o.attention_backend or "torch_native", **dict(family.sglang_cpu_args))
+                    attention_backend=o.attention_backend or "torch_native",
+                    **dict(family.sglang_cpu_args if family else ()))
     else:
         if o.max_total_tokens:
             args["max_total_tokens"] = o.max_total_tokens
         if o.attention_backend:
             args["attention_backend"] = o.attention_backend
-    overrides = family_engine_overrides(model_path, family, r.family_engine_settings, backend)
+    overrides = family_engine_overrides(model_path, family, r.family_engine_settings, backend) if family else {}
     extra = dict(o.engine_kwargs)
     if overrides or "json_model_override_args" in extra:  # the user's own overrides merge over the family's
         user = extra.pop("json_model_override_args", "{}")

@@ -14,11 +14,8 @@ import io
 import json
 import logging
 import os
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +27,7 @@ from vlmrl.rollout.base import BackendOptions, DeadlineRunner, merged
 from vlmrl.rollout.errors import EngineDeadError, InvalidRequestError, RolloutError
 from vlmrl.rollout.sglang import SGLangCommon, engine_env
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
-from vlmrl.utils.processes import kill_process_group
+from vlmrl.utils.servers import LaunchedServer, ServerExited, ServerNotReady, flags, wait_for_health
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +40,8 @@ class SGLangServerBackend(SGLangCommon):
 
     def __init__(self, model_path: str, options: BackendOptions):
         super().__init__(model_path, options)
-        self.process: subprocess.Popen | None = None
+        self.server: LaunchedServer | None = None
+        """The server vlmrl launched (None for one given by URL)."""
         self.log_path = ""
         self.weights_dir = Path(tempfile.mkdtemp(prefix="vlmrl-sglang-weights-"))
         self._runner = DeadlineRunner(self.name, self._health)
@@ -53,8 +51,7 @@ class SGLangServerBackend(SGLangCommon):
                 self.url = server.url.rstrip("/")
                 # the user says how the server runs; vlmrl cannot tell whether its weights are backed up
                 self.memory_saver = bool(self.rollout.sglang.enable_memory_saver)
-                self._runner.call("reach the server", lambda: self._wait_ready(deadline=time.monotonic() + 30),
-                                  self.rollout.start_timeout_s)
+                self._runner.call("reach the server", lambda: self._wait_ready(30), self.rollout.start_timeout_s)
                 self._check_server_settings()
                 if not self.salt_mm_hashes:
                     logger.warning("%s: %s images carry no salted mm_hashes (SGLang crashes on them): the server at "
@@ -71,38 +68,28 @@ class SGLangServerBackend(SGLangCommon):
 
     def _launch(self) -> str:
         server = self.rollout.server
-        port = server.port or _free_port(server.host)
-        args = {**self.start_args(), "host": server.host, "port": port}
-        command = [sys.executable, "-m", "sglang.launch_server", *_flags(args)]
-        self.log_path = server.log_file or os.path.join(tempfile.gettempdir(), f"vlmrl-sglang-server-{port}.log")
-        with open(self.log_path, "ab") as log:
-            # Own session: close() can end the server's whole process group without touching ours.
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env={**os.environ, **engine_env(self.options, self.on_cuda)},
-                                            start_new_session=True)
-        self.engine_pids = [self.process.pid]
-        url = f"http://{_connect_host(server.host)}:{port}"
-        logger.info("sglang-server: launching pid %d on %s (log %s)", self.process.pid, url, self.log_path)
-        self.url = url
-        deadline = self.rollout.start_timeout_s
-        self._runner.call("start the server", lambda: self._wait_ready(time.monotonic() + deadline), deadline + 5)
-        return url
+        self.server = LaunchedServer("sglang.launch_server", flags(self.start_args()), host=server.host,
+                                     port=server.port, log_file=server.log_file, log_prefix="vlmrl-sglang-server",
+                                     env=engine_env(self.options, self.on_cuda), name="SGLang server")
+        self.engine_pids = [self.server.pid]
+        self.url, self.log_path = self.server.url, self.server.log_path
+        logger.info("sglang-server: launching pid %d on %s (log %s)", self.server.pid, self.url, self.log_path)
+        timeout = self.rollout.start_timeout_s
+        self._runner.call("start the server", lambda: self._wait_ready(timeout), timeout + 5)
+        return self.url
 
-    def _wait_ready(self, deadline: float) -> None:
-        import requests
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The launched server's process (None for a server given by URL, or once closed)."""
+        return self.server.process if self.server else None
 
-        last = ""
-        while time.monotonic() < deadline:
-            problem = self._health()
-            if problem:
-                raise EngineDeadError(f"{self.name}: {problem}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException as err:
-                last = f"{type(err).__name__}"
-            time.sleep(1.0)
-        raise RolloutError(f"{self.name}: {self.url} not ready in time ({last}){self._log_hint()}")
+    def _wait_ready(self, timeout_s: float) -> None:
+        try:
+            wait_for_health(self.url, timeout_s, self._health)
+        except ServerExited as err:
+            raise EngineDeadError(f"{self.name}: {err}") from None
+        except ServerNotReady as err:
+            raise RolloutError(f"{self.name}: {err}{self._log_hint()}") from None
 
     def _check_server_settings(self) -> None:
         """A server vlmrl did not start must have been started with what the family needs where config.json lacks
@@ -129,10 +116,8 @@ class SGLangServerBackend(SGLangCommon):
                 "rollout.server.url), or set rollout.family_engine_settings=false to accept the drift")
 
     def _health(self) -> str | None:
-        if self.process is not None and self.process.poll() is not None:
-            return (f"the SGLang server process (pid {self.process.pid}) exited with code "
-                    f"{self.process.returncode}{self._log_hint()}")
-        return None
+        problem = self.server.exited() if self.server else None
+        return problem + self._log_hint() if problem else None
 
     def _log_hint(self) -> str:
         return f"; server log: {self.log_path}" if self.log_path else ""
@@ -206,36 +191,12 @@ class SGLangServerBackend(SGLangCommon):
 
     def close(self) -> None:
         atexit.unregister(self.close)
-        if self.process is not None:
-            kill_process_group(self.process, grace_s=15)  # SIGTERM exits the server and its children in ~3 s
-            self.process = None
+        if self.server is not None:
+            self.server.close()  # SIGTERM exits the server and its children in ~3 s
         import shutil
 
         shutil.rmtree(self.weights_dir, ignore_errors=True)
         self._runner.stop()
-
-
-def _flags(args: dict[str, Any]) -> list[str]:
-    """{"tp_size": 2, "disable_cuda_graph": True} -> ["--tp-size", "2", "--disable-cuda-graph"]."""
-    out = []
-    for key, value in args.items():
-        if value is None or value is False:
-            continue
-        out.append("--" + key.replace("_", "-"))
-        if value is not True:
-            out.append(str(value))
-    return out
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _connect_host(host: str) -> str:
-    """Where this process reaches a server bound to `host` (a wildcard bind is reached on loopback)."""
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 def _data_url(image: Any) -> str:

@@ -27,6 +27,7 @@ from vlmrl.rollout.base import (
     merged,
     release_memory,
 )
+from vlmrl.rollout.config import VLLMConfig
 from vlmrl.rollout.errors import InvalidRequestError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import sample_seed, top_allowed
@@ -134,14 +135,25 @@ def _quiet_derived_buffer_warnings(model: torch.nn.Module) -> None:
     reload_logger.addFilter(_DerivedBufferFilter((with_buffers - with_params) | tied))
 
 
-def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily, on_cuda: bool
+def cpu_env(section: VLLMConfig) -> dict[str, str]:
+    """What vLLM needs on a CPU: the engine core in-process (unless rollout.vllm.multiprocess says: a ~3 s start, and
+    no engine process beside the trainer's on a few cores) and a KV cache of cpu_kv_cache_gb (else start-up fails).
+    A variable the environment already sets is left out: an explicit value wins."""
+    wanted = {"VLLM_CPU_KVCACHE_SPACE": f"{section.cpu_kv_cache_gb:g}"}
+    if section.multiprocess is None:
+        wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return {key: value for key, value in wanted.items() if key not in os.environ}
+
+
+def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily | None, on_cuda: bool
                   ) -> tuple[dict[str, Any], dict[str, str]]:
     """(`vllm.LLM(...)` keyword arguments, environment variables to set around its construction) for a backend's
-    options: the rollout section's neutral knobs, rollout.vllm and what the run derives. Pure: what a run config
-    sets can be checked without starting the engine."""
+    options: the rollout section's neutral knobs, rollout.vllm and what the run derives. `family` None: a model of
+    no family vlmrl knows (a judge's), started as its config.json says. Pure: what a run config sets can be checked
+    without starting the engine."""
     r, v = options.rollout, options.rollout.vllm
     dtype = options.resolved_dtype(family)
-    if not on_cuda:
+    if not on_cuda and family is not None:
         problems = family.cpu_engine_problems(read_model_config(model_path), "vllm", dtype)
         if problems:
             raise ValueError("vllm: " + " ".join(problems))
@@ -162,14 +174,14 @@ def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily,
                              "sync merged weights (actor.lora.sync=merged)")
         kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1,
                       enable_tower_connector_lora=options.lora_vision)
-    overrides = family_engine_overrides(model_path, family, r.family_engine_settings, "vllm")
+    overrides = family_engine_overrides(model_path, family, r.family_engine_settings, "vllm") if family else {}
     extra = dict(v.engine_kwargs)
     if overrides or "hf_overrides" in extra:  # the user's own overrides merge over the family's
         kwargs["hf_overrides"] = merged(overrides, extra.pop("hf_overrides", {}))
     kwargs.update(extra)
     env = {} if v.multiprocess is None else {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if v.multiprocess else "0"}
-    if not on_cuda and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{v.cpu_kv_cache_gb:g}"
+    if not on_cuda:
+        env = {**cpu_env(v), **env}
     return kwargs, env
 
 
