@@ -6,9 +6,6 @@
 #   make test-fast   every test that needs no engine, no Ray, no GPU and is not slow (a few minutes)
 VENV ?= .venv
 PY   := $(VENV)/bin/python
-export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
-export VLLM_CPU_KVCACHE_SPACE ?= 1
-export SGLANG_USE_CPU_ENGINE ?= 1
 
 FAST := not vllm and not sglang and not ray and not slow and not gpu and not full
 

@@ -49,9 +49,6 @@ OVERLAYS=(${ALGO:+config=examples/configs/qwen2_5_vl_geo3k_$ALGO.yaml})
 if [[ "$BASE" == demo ]]; then
   [[ -n "${ROLLOUT:-}" || "$ENGINE" == vllm ]] \
     || echo "vLLM is not installed: using the hf (transformers) rollout backend" >&2
-  # In-process vLLM and SGLang's CPU code paths (the geo3k recipe's GPU runs keep the engines' defaults).
-  export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
-  export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} SGLANG_USE_CPU_ENGINE=${SGLANG_USE_CPU_ENGINE:-1}
   export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
   # the algorithm's overlay FIRST: the demo's own settings (batch, lengths, lr) then win, its losses stay
   ARGS=("${OVERLAYS[@]}" config=examples/configs/tiny_synthetic.yaml

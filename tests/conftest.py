@@ -8,10 +8,6 @@ import os
 
 import pytest
 
-# Engines on CPU (docs/engines.md): in-process vLLM, SGLang's CPU code paths; set before any engine import.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 _ENGINE_MODULES = {"vllm": "vllm", "sglang": "sglang", "ray": "ray"}

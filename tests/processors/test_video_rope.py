@@ -6,6 +6,7 @@ text continues at start + max(h, w)) is the same, i.e. no video's last temporal 
 
 from __future__ import annotations
 
+import os
 import random
 from types import SimpleNamespace
 
@@ -89,6 +90,11 @@ def vllm_positions(hf_config, processor, ids: list[int], images, videos, seconds
 
 def sglang_positions(hf_config, processor, ids: list[int], images, videos, seconds) -> torch.Tensor:
     """(3, L) positions of one unpadded prompt by SGLang's own get_rope_index (its Qwen2.5-VL branch)."""
+    from vlmrl.rollout.sglang import cpu_env
+
+    # SGLang reads its CPU switch once, at import, for this whole process (engine tests run in it later): set it
+    # first, as the sglang backend does
+    os.environ.update(cpu_env())
     from sglang.srt.layers.rotary_embedding.mrope_rope_index import get_rope_index
 
     vision_start = processor.tokenizer.convert_tokens_to_ids("<|vision_start|>")

@@ -59,6 +59,7 @@ from vlmrl.alignment.gates import (
 from vlmrl.alignment.html_report import write_html_report
 from vlmrl.alignment.report import print_summary, write_json_report
 from vlmrl.config import ROLLOUT_BACKENDS, Config, ConfigError, field_docs, load_config
+from vlmrl.rollout.registry import cpu_env
 from vlmrl.utils.processes import kill_tree
 
 logger = logging.getLogger(__name__)
@@ -215,12 +216,12 @@ def run_backends(backends: list[str], overrides: list[str], out_dir: Path, drill
             arguments = [*_side_overrides(overrides, engine, run_dir), "--reference", str(reference), "--out",
                          str(path), *(["--drill-down"] if drill else [])]
             _validate_in_subprocess(arguments, f"{side.upper()} {backend}", log, run_timeout_s(config),
-                                    module=SIDE_MODULE)
+                                    cpu_env(config.rollout), module=SIDE_MODULE)
         else:
             logger.info("side %s: validating %s with %s in its own process -> %s", side.upper(),
                         config.actor.model_path, backend, path)
             _validate_in_subprocess(_side_overrides(overrides, backend, run_dir), f"{side.upper()} {backend}", log,
-                                    run_timeout_s(config))
+                                    run_timeout_s(config), cpu_env(config.rollout))
             _take_artifact(run_dir, backend, path)
         logger.info("side %s: %s done in %.1f s", side.upper(), backend, time.perf_counter() - started)
         paths[i] = path
@@ -228,13 +229,17 @@ def run_backends(backends: list[str], overrides: list[str], out_dir: Path, drill
 
 
 def _validate_in_subprocess(overrides: list[str], label: str, log_path: Path, timeout_s: float,
-                            module: str = "vlmrl.train") -> None:
+                            engine_env: dict[str, str], module: str = "vlmrl.train") -> None:
     """Runs `python -m <module> <overrides>` (validate-only, or the trainer side); its output goes to stderr (each
-    line prefixed `[label]`) and to log_path. Raises BackendRunError when it exits non-zero or runs past timeout_s
-    (then it is killed)."""
+    line prefixed `[label]`) and to log_path. `engine_env`: the side's engine settings on a CPU, under this process's
+    environment (an explicit value wins). Raises BackendRunError when it exits non-zero or runs past timeout_s (then
+    it is killed)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", module, *overrides]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
+    # In the side's environment from its start, so every process it starts (SGLang's scheduler, vLLM's engine
+    # core) has them before it imports its engine.
+    env = {**engine_env, **os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w", encoding="utf-8") as log:
         log.write(" ".join(command) + "\n")
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

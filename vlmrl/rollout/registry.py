@@ -70,3 +70,23 @@ def start_backend(rollout: RolloutConfig, model_path: str, *, max_model_len: int
     logger.info("starting rollout backend %s on %s", name, model_path)
     return get_backend(name, model_path, backend_options(rollout, name, max_model_len=max_model_len, seed=seed,
                                                          lora=lora, colocated=colocated))
+
+
+def cpu_env(rollout: RolloutConfig, name: str | None = None) -> dict[str, str]:
+    """The environment backend `name` (rollout.name) sets for itself on a CPU (each engine's `cpu_env`), for a
+    process that will start it; empty on a machine with a GPU. A variable already set here is left out: an explicit
+    value wins."""
+    import torch
+
+    name = name or rollout.name
+    if torch.cuda.is_available():
+        return {}
+    if name == "vllm":
+        from vlmrl.rollout.vllm import cpu_env as vllm_cpu_env
+
+        return vllm_cpu_env(rollout.vllm)
+    if name in ("sglang", "sglang-server"):
+        from vlmrl.rollout.sglang import cpu_env as sglang_cpu_env
+
+        return sglang_cpu_env()
+    return {}
