@@ -49,8 +49,8 @@ def markdown() -> str:
         "`rollout.vllm.enforce_eager=true`). Invalid combinations are rejected at load with what to change.",
         "Each engine's own options live in its sub-section of `rollout` (`rollout.hf`, `rollout.vllm`,",
         "`rollout.sglang`, `rollout.server`); a backend reads the engine-neutral `rollout.*` keys and its own",
-        "sub-section(s) only. Renamed keys of the last release (`rollout.server_url`, `rollout.engine_kwargs`)",
-        "still work, with a warning naming the new key.",
+        "sub-section(s) only. Renamed keys of the last release (`rollout.server_url`, `rollout.engine_kwargs`,",
+        "`reward.judge.server.host` / `port` / `log_file` / `args`) still work, with a warning naming the new key.",
         "",
     ]
     docs = field_docs(Config)

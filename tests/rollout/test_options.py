@@ -104,6 +104,7 @@ def test_the_engines_take_their_cpu_settings_themselves_and_an_explicit_environm
                                                                                           monkeypatch):
     """No exported variables needed on a CPU: vLLM in-process with its KV cache, SGLang's CPU switch. A variable the
     environment sets is left to it; rollout.vllm.multiprocess, when set, decides over it."""
+    from vlmrl.rollout.registry import cpu_env
     from vlmrl.rollout.sglang import engine_env
 
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "SGLANG_USE_CPU_ENGINE"):
@@ -112,6 +113,11 @@ def test_the_engines_take_their_cpu_settings_themselves_and_an_explicit_environm
                                                         "VLLM_CPU_KVCACHE_SPACE": "1"}
     assert vllm_args(on_cuda=True, model_path=tiny_model_path)[1] == {}, "on CUDA vLLM's own defaults"
     assert engine_env(options("sglang"), on_cuda=False)["SGLANG_USE_CPU_ENGINE"] == "1"
+    # what compare puts in the environment of a side process that will start the backend (on a machine without GPU)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    rollout = options("vllm").rollout
+    assert cpu_env(rollout, "vllm") == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert cpu_env(rollout, "sglang-server") == {"SGLANG_USE_CPU_ENGINE": "1"} and cpu_env(rollout, "hf") == {}
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")

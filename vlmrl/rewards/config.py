@@ -55,8 +55,8 @@ class JudgeServerConfig:
     """The SGLang judge server's options, as rollout.sglang's (engine_kwargs: extra server flags, {"tp_size": 2} ->
     --tp-size 2)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    """The vLLM judge server's options, as rollout.vllm's (engine_kwargs: extra server flags; sleep mode and
-    multiprocess are for the offline engine and change nothing here)."""
+    """The vLLM judge server's options, as rollout.vllm's (engine_kwargs: extra server flags; the judge never sleeps,
+    so the sleep options change nothing)."""
 
     def problems(self) -> list[str]:
         out = []
