@@ -13,9 +13,9 @@ from vlmrl.alignment.diff import (
     NotComparableError,
     Thresholds,
     compare_artifacts,
-    diff_inputs,
     text_window,
 )
+from vlmrl.alignment.inputs import diff_inputs
 
 
 def _compare(thresholds=None, a=None, **b_kwargs):

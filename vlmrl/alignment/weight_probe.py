@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmrl.alignment.diff import _first_difference
+from vlmrl.alignment.inputs import first_difference
 from vlmrl.atomic import write_text_atomically
 
 PROBE_KIND = "vlmrl.weight_probe"
@@ -147,7 +147,7 @@ def judge(step: int, engine_version: int, token_ids: list[int], engine_logprobs:
     noise = max(noise, noise_floor, MIN_NOISE)
     compared, trainer_moved, engine_moved, fraction = 0, None, None, None
     if reference is not None:
-        split = _first_difference(token_ids, reference.token_ids)
+        split = first_difference(token_ids, reference.token_ids)
         compared = len(token_ids) if split is None else split
         if compared:
             d_trainer = trainer[:compared] - np.asarray(reference.trainer_logprobs[:compared], dtype=np.float64)
