@@ -125,8 +125,8 @@ def test_a_launched_judge_starts_with_the_model_familys_settings(engine, flag, t
     config = json.loads((folder / "config.json").read_text())
     del config["text_config"]["rope_parameters"]["mrope_interleaved"]
     (folder / "config.json").write_text(json.dumps(config))
-    module, server_flags, env = server_command(JudgeServerConfig(model_path=str(folder), engine=engine), str(folder),
-                                               seed=0, top_logprobs=20, on_cuda=False)
+    _, server_flags, env = server_command(JudgeServerConfig(model_path=str(folder), engine=engine), str(folder),
+                                          seed=0, top_logprobs=20, on_cuda=False)
     overrides = json.loads(server_flags[server_flags.index(flag) + 1])
     assert overrides["text_config"]["rope_parameters"]["mrope_interleaved"] is True
     if engine == "sglang":
