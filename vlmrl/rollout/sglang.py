@@ -364,11 +364,17 @@ class SGLangBackend(SGLangCommon):
                 if not ok:
                     raise RolloutError(f"{self.name}: update_weights_from_tensor refused: {message}")
                 del bucket  # host memory holds one bucket while the next is read
+            # The cache flushed once, not per bucket: by a load of no tensors with flush_cache, which clears the
+            # scheduler's pools as flush_cache does but without the garbage-collection pass flush_cache adds on a
+            # CPU (measured on the tiny model: 2-5 ms against 0.33 s, of a 0.36-0.42 s sync). Refused, like the
+            # loads, while requests still run.
+            ok, message = self._runner.call("flush the cache",
+                                            lambda: self.engine.update_weights_from_tensor([], flush_cache=True),
+                                            timeout)[:2]
+            if not ok:
+                raise RolloutError(f"{self.name}: the cache flush after the weight update was refused: {message}")
         finally:
             self._runner.call("end the weight update", self.engine.end_weight_update, timeout)
-        flushed = self._runner.call("flush the cache", self.engine.flush_cache, timeout)  # once, not per bucket
-        if not flushed.success:
-            raise RolloutError(f"{self.name}: flush_cache refused after the weight update: {flushed.message}")
         self.weight_version += 1
         logger.debug("sglang: loaded %d tensors (weight version %d); caches flushed", len(sync.names),
                      self.weight_version)
