@@ -329,3 +329,24 @@ def test_token_tis_matches_trls_token_truncate(seed):
     ours = rollout_correction(old, rollout, mask, "token_tis", token_cap=3.0)  # TRL's clip_max default 3.0
     trl = trl_importance_sampling_ratio(old, rollout, mask, "token_truncate", None, 3.0) * mask
     torch.testing.assert_close(ours.weights, trl, rtol=1e-12, atol=0)
+
+
+def test_a_sequence_whose_extreme_tokens_cancel_once_clamped_is_rejected_by_its_true_ratio_as_trl():
+    """Token log ratios [25, -21] (old - rollout): the sequence's ratio is e^4 ~ 55, far outside [0.5, 2]. vlmrl
+    tests the band on the unclamped sum and drops it, as TRL's sequence_mask does (weight 0). verl clamps each token to
+    +-20 before summing its k1 (20 - 20 = 0: inside the band) and keeps it, with its TIS weight capped at 2: a kept
+    sequence whose own weight says it is far off-policy. The difference is deliberate (the module's docstring)."""
+    old = torch.tensor([[-1.0, -30.0]], dtype=torch.float64)
+    rollout = torch.tensor([[-26.0, -9.0]], dtype=torch.float64)  # old - rollout = [25, -21]
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    verl, verl_mask = verl_rollout_correction(old, rollout, mask, "sequence", 2.0, "seq_sum_k1", "0.5_2.0")
+    trl = trl_importance_sampling_ratio(old, rollout, mask, "sequence_mask", 0.5, 2.0)
+    assert torch.equal(verl_mask, mask) and torch.equal(verl * verl_mask, torch.full_like(mask, 2.0)), "verl keeps it"
+    assert float(trl) == 0.0, "TRL drops it"
+    for mode in ("seq_mis", "seq_rs"):
+        ours = rollout_correction(old, rollout, mask, mode)
+        assert torch.equal(ours.mask, torch.zeros_like(mask)) and torch.equal(ours.weights, torch.zeros_like(mask))
+        assert ours.metrics["masked_seq_fraction"] == 1.0 and torch.isfinite(ours.weights).all()
+    # both extremes the same way (sum 45): dropped by all three, and nothing overflows
+    same_way = rollout_correction(old, torch.tensor([[-26.0, -50.0]], dtype=torch.float64), mask, "seq_mis")
+    assert torch.equal(same_way.mask, torch.zeros_like(mask)) and torch.isfinite(same_way.weights).all()

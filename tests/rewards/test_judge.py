@@ -226,3 +226,78 @@ def test_a_judge_that_never_answers_times_out_each_attempt():
     assert verdicts[0].score is None and "no reply" in verdicts[0].error and "within reward.judge.timeout_s=0.3" \
         in verdicts[0].error
     assert judge.stats.attempts == 2 and 0.6 <= elapsed < 5
+
+
+class _Judge:
+    """A judge endpoint on 127.0.0.1 that answers every request with one chat completion rating [[7]], either at once
+    or `step` bytes every `pause_s` seconds (a slow judge, or a proxy that trickles its replies). It stops with the
+    test: a bounded number of connections, each served on its own thread."""
+
+    def __init__(self, step: int = 0, pause_s: float = 0.0, connections: int = 8):
+        import threading
+
+        reply = json.dumps({"choices": [{"message": {"content": "Right. Rating: [[7]]"}, "finish_reason": "stop"}]})
+        self.body = reply.encode()
+        self.step, self.pause_s = step or len(self.body), pause_s
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(connections)
+        self.server.settimeout(30)
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._serve, args=(connections,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, connections: int) -> None:
+        import threading
+
+        for _ in range(connections):
+            try:
+                conn, _ = self.server.accept()
+            except OSError:  # closed, or nothing came within the accept timeout
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(10)
+            try:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(65536)
+                head, _, body = request.partition(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                while len(body) < length:
+                    body += conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(self.body))
+                for start in range(0, len(self.body), self.step):
+                    if self.stopped.wait(self.pause_s if start else 0):
+                        return
+                    conn.sendall(self.body[start:start + self.step])
+            except OSError:  # the client gave up on the reply: what the timeout does
+                return
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.server.close()
+
+
+@pytest.mark.parametrize("trickled", [False, True])
+def test_a_reply_still_arriving_at_the_timeout_is_cut_and_counted_as_a_timeout(trickled):
+    """reward.judge.timeout_s bounds the whole reply, not each read: the same completion trickled a few bytes at a
+    time over about 2 s (each read well within the timeout) fails its sample as a timeout at timeout_s=0.5, where it
+    answered at once it scores."""
+    endpoint = _Judge(step=8, pause_s=0.2) if trickled else _Judge()
+    try:
+        judge = Judge(JudgeConfig(enable=True, url=endpoint.url, model="judge", timeout_s=0.5, max_retries=0))
+        (verdict,) = judge.score([request()], ["red"], 1)
+        judge.close()
+    finally:
+        endpoint.close()
+    if trickled:
+        assert verdict.score is None and "within reward.judge.timeout_s=0.5" in verdict.error, verdict
+        assert judge.stats.timeouts == 1 and judge.stats.failures == 1
+    else:
+        assert verdict.score == pytest.approx(0.7) and judge.stats.timeouts == 0

@@ -9,7 +9,12 @@ TRL's token_mask); seq_mis (a sequence whose rho leaves [seq_low, seq_high] is m
 verl's Seq-MIS preset, TRL's sequence_mask); seq_rs (the same rejection with weight 1; seq_ratio="geometric" is verl's
 Geo-RS); bypass (no weights here: the fit loop makes the engine's logprobs the update's old logprobs, verl's bypass
 mode, so the PPO ratio pi_theta / pi_rollout is clipped directly). Bands are inclusive and bound the ratio itself, as verl's rollout_corr_math.md and TRL do (verl's code bounds
-1 / rho: the same for symmetric bands). Compared in log space, so no exp() overflows on a long sequence. Apply:
+1 / rho: the same for symmetric bands). Compared in log space, so no exp() overflows on a long sequence. The band
+test takes a sequence's true log ratio, its tokens' log ratios summed unclamped (as TRL's sequence_mask does): verl
+clamps each token's log ratio to +-20 first, so two extreme tokens can cancel (log ratios [25, -21]: rho = e^4, far
+outside [0.5, 2], which verl keeps with its weight capped at 2); a rejection test is there to catch such a sequence,
+and with no exp() in it there is nothing the clamp would keep finite. Weights are formed from clamped logs
+(LOG_RATIO_BOUND). Apply:
 multiply the policy loss matrix by `weights` and aggregate with `mask`. In full: docs/algorithms.md, "Rollout
 correction".
 """

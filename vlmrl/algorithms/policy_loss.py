@@ -27,7 +27,10 @@ from vlmrl.algorithms.config import POLICY_LOSSES  # noqa: F401 - re-exported be
 
 LOG_RATIO_BOUND = 20.0
 """|log ratio| is clamped to this before exp() wherever a ratio of probabilities is formed (policy losses, rollout
-correction, the low_var_kl penalty): exp(20) ~ 5e8 keeps the ratio finite in float32 (verl clamps at 20 too)."""
+correction's weights, the low_var_kl penalty): exp(20) ~ 5e8 keeps the ratio finite in float32 (verl clamps at 20
+too). Rollout correction's rejection tests compare the unclamped log ratio with the band's logs instead (no exp() to
+keep finite; a clamp per token would let extreme tokens cancel: `vlmrl.algorithms.correction`), as TRL does and verl
+does not."""
 
 
 @dataclass

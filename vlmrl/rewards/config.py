@@ -152,7 +152,8 @@ class JudgeConfig:
     max_concurrency: int = 16
     """Requests in flight at once (a batch is sent as concurrent requests, each distinct request once)."""
     timeout_s: float = 60.0
-    """Most seconds one request may take (connect + reply)."""
+    """Most seconds one attempt of a request may take, its reply read in full (a reply still arriving then is cut and
+    counted as a timeout, then retried as one)."""
     max_retries: int = 2
     """Retries of a request after a connection error, a timeout or HTTP 429/5xx, waiting retry_backoff_s, then
     twice that, ...; a request still failing fails its samples (counted, never a silent 0)."""

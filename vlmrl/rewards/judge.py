@@ -102,6 +102,8 @@ class JudgeStats:
     """Samples answered from the cache."""
     failures: int = 0
     """Samples the judge failed to score."""
+    timeouts: int = 0
+    """Attempts ended at reward.judge.timeout_s (no reply, or one still arriving then)."""
 
 
 # ---------------------------------------------------------------------------------------------------- scoring rules
@@ -249,6 +251,29 @@ def _pixels_hash(image: Any) -> str:
 
 def _clip(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _read_body(response: Any, deadline: float) -> str:
+    """A streamed `requests` response's body, read as it arrives; TimeoutError once `deadline` (time.monotonic) has
+    passed. Each read waits at most the time left: the socket's timeout is set to it before every read, so a reply
+    sent a few bytes at a time cannot hold the call past the deadline (a per-read timeout alone lets it)."""
+    from urllib3.exceptions import ReadTimeoutError
+
+    raw, chunks = response.raw, []
+    sock = getattr(raw.connection, "sock", None) if raw.connection is not None else None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the reply did not finish in time")
+        if sock is not None:
+            sock.settimeout(left)
+        try:
+            chunk = raw.read1(65536, decode_content=True)
+        except ReadTimeoutError as err:  # urllib3's form of the socket's timeout
+            raise TimeoutError("the reply did not finish in time") from err
+        if not chunk:
+            return b"".join(chunks).decode(response.encoding or "utf-8", errors="replace")
+        chunks.append(chunk)
 
 
 def base_url(url: str) -> str:
@@ -425,8 +450,10 @@ class Judge:
         return session
 
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /v1/chat/completions with reward.judge.timeout_s per attempt, retried with backoff after connection
-        errors, timeouts and HTTP 408/429/5xx; other HTTP errors are not retried (the request itself is wrong)."""
+        """POST /v1/chat/completions, each attempt ended at reward.judge.timeout_s after it began (connecting and the
+        reply's headers each wait at most that; the body is read under the attempt's deadline, so a reply that
+        trickles in is cut there: `_read_body`), retried with backoff after connection errors,
+        timeouts and HTTP 408/429/5xx; other HTTP errors are not retried (the request itself is wrong)."""
         import requests
 
         c = self.config
@@ -437,23 +464,26 @@ class Judge:
                 delay *= 2
             with self._lock:
                 self.stats.attempts += 1
+            deadline = time.monotonic() + c.timeout_s
             try:
-                response = self._session().post(f"{self.url}/v1/chat/completions", json=body, timeout=c.timeout_s,
-                                                headers=self._headers())
-            except requests.Timeout:
+                with self._session().post(f"{self.url}/v1/chat/completions", json=body, timeout=c.timeout_s,
+                                          headers=self._headers(), stream=True) as response:
+                    status, text = response.status_code, _read_body(response, deadline)
+            except (requests.Timeout, TimeoutError):
+                with self._lock:
+                    self.stats.timeouts += 1
                 error = f"no reply from {self.url} within reward.judge.timeout_s={c.timeout_s:g} s"
                 continue
             except requests.ConnectionError as err:
                 error = f"cannot reach {self.url} ({type(err).__name__}: {_clip(str(err), 200)})"
                 continue
-            if response.status_code == 200:
+            if status == 200:
                 try:
-                    return response.json()
+                    return json.loads(text)
                 except ValueError:
-                    raise JudgeRequestError(f"{self.url} answered HTTP 200 with no JSON: "
-                                            f"{_clip(response.text)!r}") from None
-            error = f"HTTP {response.status_code} from {self.url}: {_clip(response.text)}"
-            if response.status_code not in (408, 429) and response.status_code < 500:
+                    raise JudgeRequestError(f"{self.url} answered HTTP 200 with no JSON: {_clip(text)!r}") from None
+            error = f"HTTP {status} from {self.url}: {_clip(text)}"
+            if status not in (408, 429) and status < 500:
                 raise JudgeRequestError(error)
         raise JudgeRequestError(f"{error} (after {c.max_retries + 1} attempts)")
 
