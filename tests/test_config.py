@@ -61,6 +61,25 @@ def test_missing_yaml_file_is_named():
         load_config(["config=nope.yaml"])
 
 
+@pytest.mark.parametrize("value", ["Question: {question}\nAnswer: {response}\nRate it: [[N]]", "Rate: it\n  line: two",
+                                   "a: b: c"])
+def test_a_text_value_the_command_line_cannot_read_is_one_error_line_naming_the_key(value, tmp_path, capsys):
+    """A multi-line judge template on the command line (read as YAML there) ends python -m vlmrl.train with one
+    `error:` line naming the key and where such text goes (exit 2), as other config errors do, not a YAML
+    traceback; the same text in a config file loads."""
+    from vlmrl.train import main
+
+    assert main([f"reward.judge.template={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "reward.judge.template" in err and "config file" in err, err
+    assert "Traceback" not in err
+    overlay = tmp_path / "judge.yaml"
+    overlay.write_text("reward:\n  judge:\n    template: |\n" + "".join(f"      {line}\n" for line in value.split("\n")))
+    config = load_config([f"config={overlay}", "actor.model_path=tiny", "data.train_files=synthetic",
+                          "data.val_files=synthetic"])
+    assert config.reward.judge.template == value + "\n"
+
+
 def test_argument_without_equals_is_rejected():
     with pytest.raises(ConfigError, match="key=value"):
         load_config(["rollout.n"])

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -119,6 +120,11 @@ class Config:
                        batch_multiple=math.lcm(world, mini), max_staleness=a.max_staleness if a.enable else 0)
 
 
+_YAML_HINT = (": a command-line value is read as YAML: put text with line breaks in a config file (e.g. `template: |` "
+              "and the text indented below it); quote one-line text with `: ` in it inside the argument: "
+              "key='\"...\"'")
+
+
 def load_config(args: list[str] | None = None, check_model: bool = True) -> Config:
     """Build a Config from `config=FILE.yaml` (optional, repeatable) and dotted `key=value` overrides, in order.
 
@@ -143,8 +149,14 @@ def load_config(args: list[str] | None = None, check_model: bool = True) -> Conf
             raise ConfigError(f"config file {value!r} does not exist") from None
         except ConfigKeyError as err:
             raise ConfigError(_unknown_key_message(err)) from None
+        except yaml.YAMLError as err:  # a value (or a file) that is not YAML: one line naming the key or file
+            where = f"config file {value!r}" if key == "config" else f"the value of {key}"
+            raise ConfigError(f"{where} is not valid YAML ({str(err).splitlines()[0]})" +
+                              ("" if key == "config" else _YAML_HINT)) from None
         except OmegaConfBaseException as err:
-            raise ConfigError(f"bad value in {arg!r}: {str(err).splitlines()[0]}") from None
+            hint = _YAML_HINT if "Cannot convert 'DictConfig'" in str(err) or "Cannot convert 'ListConfig'" in str(
+                err) else ""
+            raise ConfigError(f"bad value in {arg[:200]!r}: {str(err).splitlines()[0][:300]}{hint}") from None
     config: Config = OmegaConf.to_object(merged)
     for key, kwargs in legacy_engine_kwargs.items():
         _place_engine_kwargs(config, key, kwargs)

@@ -44,20 +44,47 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from vlmrl.data.dataset import DataError
-    from vlmrl.processors.errors import BadRowError
     from vlmrl.rollout.logs import log_engines_into
     from vlmrl.trainer.fit import fit  # torch, transformers and the engines load only for a valid config
 
     log_engines_into(config.trainer.output_dir)  # the engines' INFO chatter: OUTPUT_DIR/engine.log (docs/training.md)
     try:
         fit(config)
-    except (DataError, BadRowError) as err:
-        if isinstance(err, BadRowError) and err.__cause__ is not None:  # a bug in building a row: its traceback
+    except Exception as err:
+        reported = reported_error(err)
+        if reported is None:  # a bug: its traceback
             raise
-        print(f"error: {err}", file=sys.stderr)  # the data is wrong: one message naming the row, file and cause
-        return 2
+        message, code = reported
+        print(f"error: {message}", file=sys.stderr)
+        return code
     return 0
+
+
+def reported_error(error: BaseException) -> tuple[str, int] | None:
+    """(the one line a user sees, the exit status) for a run's error the user can act on, None for the rest (they
+    keep their traceback): bad data (the row, file and cause; 2), and a rollout worker that died with no restart
+    left (the worker and its pid, once: the rollout thread's and Ray's tracebacks around it say nothing more; 1)."""
+    from vlmrl.data.dataset import DataError
+    from vlmrl.processors.errors import BadRowError
+    from vlmrl.rollout.errors import RestartsUsedUp
+
+    if isinstance(error, DataError) or (isinstance(error, BadRowError) and error.__cause__ is None):
+        return str(error), 2  # a BadRowError with a cause is a bug in building a row
+    stopped = _in_chain(error, RestartsUsedUp)
+    if stopped is not None:
+        return str(stopped), 1
+    return None
+
+
+def _in_chain(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first exception of type `kind` in `error`'s chain of causes, None if there is none."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def exit_without_native_teardown(code: int) -> None:

@@ -7,6 +7,7 @@ naming it."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import psutil
@@ -17,6 +18,7 @@ from tests.trainer.test_async_fit import ASYNC, CORRECTED, _consumed, _weights, 
 from tests.trainer.test_fit import base_args
 from vlmrl.config import ConfigError, load_config
 from vlmrl.rollout.errors import EngineDeadError
+from vlmrl.train import reported_error
 from vlmrl.trainer.async_rollout import RolloutWorkerError
 from vlmrl.trainer.fit import fit
 from vlmrl.trainer.metrics import read_metrics
@@ -91,10 +93,15 @@ def test_a_dead_rollout_worker_with_no_restart_left_stops_the_run_naming_it(tiny
     """Killed after step 2 with worker_restarts=0: whichever call meets the dead worker first (the rollout thread's
     next batch: RolloutWorkerError; the trainer's weight sync or probe: EngineDeadError) stops the run naming it."""
     out = tmp_path / "run"
-    with pytest.raises((RolloutWorkerError, EngineDeadError), match=r"rollout worker 0 \(pid \d+\) died.*worker_restarts used up"):
+    with pytest.raises((RolloutWorkerError, EngineDeadError), match=r"rollout worker 0 \(pid \d+\) died.*worker_restarts used up") as raised:
         fit(load_config(base_args(tiny_model_path, out, "trainer.total_steps=5", "trainer.test_freq=-1", *CORRECTED,
                                   ASYNC, "trainer.async_rollout.rollout_workers=1",
                                   "trainer.async_rollout.worker_restarts=0")), stop=KillWorkerAfter(2))
+    # python -m vlmrl.train ends it as one error line naming the worker and its pid (exit 1), not chained tracebacks
+    message, code = reported_error(raised.value)
+    assert code == 1 and "\n" not in message, message
+    assert re.fullmatch(r".*rollout worker 0 \(pid \d+\) died: \w+ \(trainer.async_rollout.worker_restarts used up: "
+                        r"the run stops\)", message), message
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
     assert steps[-1] in (2, 3), steps  # step 3's batch may have been made before the kill
     assert not _rollout_worker_pids()

@@ -36,7 +36,7 @@ def test_a_dropped_weight_sync_in_the_demo_is_a_jump_with_the_cause_weights(tmp_
     # call 1 is the format warm-up's sync (step 0), call k + 1 step k's
     monkeypatch.setattr(Actor, "sync_weights", _dropping(DROPPED + 1))
     out = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, logger="vlmrl.trainer.fit"):
+    with caplog.at_level(logging.WARNING, logger="vlmrl.trainer"):
         fit(load_config([f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic.yaml'}",
                          f"trainer.total_steps={STEPS}", "trainer.test_freq=-1", "trainer.val_before_train=false",
                          "trainer.save_freq=-1", f"trainer.output_dir={out}"]))

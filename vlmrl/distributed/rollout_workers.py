@@ -35,7 +35,7 @@ import torch
 from vlmrl.distributed.group import FORWARDED_ENV, ensure_ray
 from vlmrl.distributed.worker import EngineSpec
 from vlmrl.rollout.base import RolloutBackend
-from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError
+from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError, RestartsUsedUp
 from vlmrl.rollout.registry import backend_class
 from vlmrl.rollout.requests import sample_seed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
@@ -184,7 +184,7 @@ class RemoteEngines(RolloutBackend):
     def _restart(self, index: int, error: EngineDeadError) -> None:
         """Start worker `index` again and give it the last synced weights, or raise `error` when no restart is left."""
         if self.restarts_left <= 0:
-            raise EngineDeadError(f"{error} (trainer.async_rollout.worker_restarts used up: the run stops)") from error
+            raise RestartsUsedUp(f"{error} (trainer.async_rollout.worker_restarts used up: the run stops)") from error
         self.restarts_left -= 1
         self.restarts += 1
         logger.warning("%s; starting it again (%d restart(s) left)", error, self.restarts_left)

@@ -11,6 +11,11 @@ class EngineDeadError(RolloutError):
     """The engine (or server) process is gone; the backend cannot be used again: close it and start a new one."""
 
 
+class RestartsUsedUp(EngineDeadError):
+    """A rollout worker died and trainer.async_rollout.worker_restarts are used up: the run stops (the message names
+    the worker and its pid). The command line reports it as one `error:` line."""
+
+
 class EngineTimeoutError(RolloutError):
     """An engine call ran past its deadline; the backend is considered broken from then on."""
 
