@@ -33,6 +33,7 @@ from vlmrl.trainer.components import (
     RunComponents,
     load_run_processor,
     start_agent,
+    start_distributed,
     start_rollout_workers,
     start_run_backend,
 )
@@ -98,7 +99,6 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     workers = t.async_rollout.rollout_workers if t.async_rollout.enable else 0
     if dp_size > 1 and workers > 0:  # Ray workers that only train, beside rollout workers of their own
         from vlmrl.distributed.group import ensure_ray
-        from vlmrl.trainer.components import start_distributed
 
         ensure_ray(dp_size + workers)  # a local cluster: a CPU for each
         actor, _ = start_distributed(config, total_steps, init_path, engines=False)
@@ -107,8 +107,6 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         backend.close_after.append(actor.close)  # the run closes its backend: the training workers go with it
         opened.append(backend.close)
     elif dp_size > 1:  # Ray workers with FSDP2-sharded actors and colocated engines; the loop stays the same
-        from vlmrl.trainer.components import start_distributed
-
         actor, backend = start_distributed(config, total_steps, init_path)
         opened.append(backend.close)  # stops the workers too
     else:
