@@ -197,3 +197,24 @@ def test_a_small_uniform_logprob_drift_fails_only_between_float32_sides(tmp_path
     assert report["summary"]["max_abs_logprob_delta"] == pytest.approx(5e-4, rel=1e-3)
     failed = [check["name"] for check in report["checks"] if not check["ok"]]
     assert failed == (["mean |logprob delta| (nats)"] if dtype == "float32" else [])
+
+
+def test_the_report_says_which_thresholds_judged_it_and_why(tmp_path, capsys):
+    """The terminal summary, report.json and report.html name the thresholds' band, their values and the reason: the
+    dtype each header records (the sides here configured `auto`), and any set on the command line."""
+    from tests.alignment.toy_artifacts import make_side
+    from vlmrl.alignment.artifact import write_artifact
+
+    paths = []
+    for name, backend in (("a", "vllm"), ("b", "sglang")):
+        meta, records = make_side(backend=backend)
+        meta.config["rollout"]["dtype"], meta.dtype = "auto", "float32"
+        paths.append(write_artifact(tmp_path / f"{name}.jsonl", meta, records))
+    assert main([*map(str, paths), "--out", str(tmp_path / "out"), "--near-tie-margin", "0.02"]) == 0
+    line = ("float32 thresholds (near-tie margin 0.02, drift tolerance 0.001, mean |dlogprob| 0.0001 nats): both sides "
+            "computed in float32 or wider (vllm float32, sglang float32); set on the command line: "
+            "near_tie_margin=0.02")
+    assert line in " ".join(capsys.readouterr().out.split())
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["thresholds"]["line"] == line and report["thresholds"]["set_by_caller"] == {"near_tie_margin": 0.02}
+    assert line in (tmp_path / "out" / "report.html").read_text()

@@ -51,7 +51,8 @@ def _image_bytes(size, colour) -> bytes:
 def write_colour_set(root: Path) -> Path:
     """Into `root`: val.parquet (6 image rows of IMAGE_SIZES/COLOURS + 1 text row, verl's schema) and rewards.py
     (REWARD_FILE); returns the parquet's path."""
-    rows = [{"data_source": "synthetic/colour", "prompt": [{"role": "user", "content": "<image>Which colour is on top?"}],
+    question = [{"role": "user", "content": "<image>Which colour is on top?"}]
+    rows = [{"data_source": "synthetic/colour", "prompt": question,
              "images": [{"bytes": _image_bytes(size, colour), "path": None}], "ability": "vision",
              "reward_model": {"style": "rule", "ground_truth": colour}, "extra_info": {"index": i}}
             for i, (size, colour) in enumerate(zip(IMAGE_SIZES, COLOURS))]
@@ -221,8 +222,8 @@ def test_perturbed_weights_are_named_and_are_real_divergences(setup, hf_vs_vllm,
 
 
 def _trainer_scores(overrides, reference, out):
-    from vlmrl.trainer.trainer_side import score_reference
     from vlmrl.config import load_config
+    from vlmrl.trainer.trainer_side import score_reference
 
     return score_reference(load_config([*overrides, "trainer.val_only=true", "rollout.name=vllm"]), reference, out)
 
@@ -230,7 +231,7 @@ def _trainer_scores(overrides, reference, out):
 def test_the_trainer_scores_vllms_samples_as_vllm_did(setup, hf_vs_vllm):
     """The trainer side (the actor with padding-free packing, token-budget micro-batches and 3-token logprob chunks)
     on vLLM's fp32 samples: the same inputs, and logprobs equal to float rounding on every token."""
-    from vlmrl.alignment.compare import FP32_THRESHOLDS
+    from vlmrl.alignment.precision import FP32_THRESHOLDS
 
     root, overrides = setup
     _, out = hf_vs_vllm
@@ -250,8 +251,8 @@ def test_the_sharded_trainer_at_dp2_scores_vllms_samples_as_one_device_does(setu
     """trainer.n_gpus_per_node=2: the run's FSDP2 actor on two Ray workers (packing, token budget and chunks on),
     each rank scoring its slice of the 7 samples and a padding row: every sample exact against vLLM, and equal to
     the single-device trainer's logprobs to float rounding."""
-    from vlmrl.alignment.compare import FP32_THRESHOLDS
     from tests.ray_helpers import local_ray
+    from vlmrl.alignment.precision import FP32_THRESHOLDS
 
     root, overrides = setup
     _, out = hf_vs_vllm

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.alignment.test_compare_engines import compare_in_process, write_colour_set
+from vlmrl.alignment.artifact import read_artifact
 from vlmrl.alignment.compare import main
 
 pytestmark = pytest.mark.vllm  # every test reuses the `compare --backends hf,vllm` run
@@ -33,8 +34,10 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("alignment_qwen3_5")
     data = write_colour_set(root)
     model = ensure_built("tiny-qwen3.5")
+    # rollout.dtype stays `auto` (the demo's): every CPU backend resolves it to bfloat16 for Qwen3.5, and the
+    # artifacts' headers must say so
     overrides = [f"actor.model_path={model}", f"data.val_files={data}", "data.max_prompt_length=128",
-                 "data.max_response_length=16", "rollout.dtype=bfloat16", "rollout.val_top_logprobs=5",
+                 "data.max_response_length=16", "rollout.val_top_logprobs=5",
                  f"trainer.output_dir={root / 'run'}", f"reward.function={root / 'rewards.py'}:by_length",
                  "rollout.timeout_s=300"]
     return root, overrides, model
@@ -71,6 +74,33 @@ def test_hf_vs_vllm_bf16_is_aligned(hf_vs_vllm):
     assert set(_causes(report)) <= ALIGNED_CAUSES, _causes(report)
     # measured: 0 of 7 exact, 6 near-ties, 1 drift; mean |dlogp| 0.032, max 0.136 (bfloat16 on both sides)
     assert report["summary"]["mean_abs_logprob_delta"] < 0.05
+
+
+def test_a_float32_trainer_on_vllms_bfloat16_samples_is_precision_not_exact(setup, hf_vs_vllm):
+    """`--backends vllm,trainer` on Qwen3.5 with rollout.dtype auto: vLLM computed in bfloat16 (its header says so,
+    though its config says auto), the trainer in float32. Every sample whose logprobs differ by more than float32
+    rounding is precision (different dtypes), none of them "exact"; the report says the bfloat16 thresholds judged
+    it because a side computed below float32."""
+    from vlmrl.alignment.precision import FP32_THRESHOLDS
+    from vlmrl.config import load_config
+    from vlmrl.trainer.trainer_side import score_reference
+
+    root, overrides, _ = setup
+    _, first = hf_vs_vllm
+    engine = first / "val_b_vllm.jsonl"
+    meta, _ = read_artifact(engine)
+    assert (meta.config["rollout"]["dtype"], meta.dtype) == ("auto", "bfloat16")
+    trainer = score_reference(load_config([*overrides, "trainer.val_only=true", "rollout.name=vllm"]), engine,
+                              root / "trainer.jsonl")
+    assert read_artifact(trainer)[0].dtype == "float32"
+    main([str(engine), str(trainer), "--out", str(root / "trainer"), "--no-html"])
+    report = _report(root / "trainer")
+    assert report["thresholds"]["band"] == "bfloat16"
+    assert "a side computed below float32 (vllm bfloat16, trainer float32)" in report["thresholds"]["line"]
+    apart = [s for s in report["samples"] if s["max_abs_logprob_delta"] > FP32_THRESHOLDS["drift_tolerance"]]
+    assert apart, "bfloat16 against float32 differs beyond float32 rounding"
+    assert all(s["cause"] in ("precision", "logprob_drift") for s in apart), [s["cause"] for s in apart]
+    assert all("band of bfloat16 vs float32" in s["explanation"] for s in apart if s["cause"] == "precision")
 
 
 @pytest.mark.sglang

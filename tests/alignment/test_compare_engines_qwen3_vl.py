@@ -99,7 +99,8 @@ def test_the_trainer_scores_each_engines_samples_as_it_did(setup, hf_vs_vllm):
     SGLang's float32 samples: every sample exact under the float32 thresholds (deepstack and interleaved mrope
     included)."""
     from vlmrl.alignment.artifact import read_artifact
-    from vlmrl.alignment.diff import FP32_THRESHOLDS, Thresholds, compare_artifacts
+    from vlmrl.alignment.diff import Thresholds, compare_artifacts
+    from vlmrl.alignment.precision import FP32_THRESHOLDS
     from vlmrl.config import load_config
     from vlmrl.trainer.trainer_side import score_reference
 

@@ -149,3 +149,42 @@ def test_same_tokens_with_other_logprobs_is_drift_not_exact():
     comparison = compare_artifacts(*a, meta_b, records_b)
     assert comparison.samples[7].cause == Cause.LOGPROB_DRIFT, "NaN logprobs are never 'within tolerance'"
     assert "mean |logprob delta| (nats)" in _failed(comparison)
+
+
+def test_a_side_whose_header_says_processed_logprobs_is_named_for_them():
+    """Without the trainer's values of the sampled distribution (an engine against an engine, or a trainer side
+    that recorded none), a side whose header says its engine returned processed logprobs is named for them where its
+    logprobs differ beyond the tolerance; the same values with a raw header are drift."""
+    a = make_side(temperature=0.7)
+    meta_b, records_b = make_side(backend="sglang", temperature=0.7)
+    records_b[3].response_logprobs = [lp - 0.3 for lp in records_b[3].response_logprobs]
+    assert compare_artifacts(*a, meta_b, records_b).cause_counts == {Cause.LOGPROB_DRIFT: 1}
+    meta_b.logprobs_mode = "processed_logprobs"
+    comparison = compare_artifacts(*a, meta_b, records_b)
+    assert comparison.cause_counts == {Cause.PROCESSED_LOGPROBS: 1} and not comparison.ok
+    assert "sglang's engine ran with logprobs_mode=processed_logprobs" in comparison.samples[3].explanation
+
+
+def test_the_headers_dtypes_choose_the_thresholds():
+    """float32 on both headers: the float32 defaults; a bfloat16 side, or one that recorded no dtype (only a
+    configured `auto`): the bfloat16 band, with the reason. Thresholds given by the caller are kept as given."""
+    (meta_a, records_a), (meta_b, records_b) = make_side(), make_side(backend="sglang")
+    meta_a.dtype = meta_b.dtype = "float32"
+    meta_a.config["rollout"]["dtype"] = meta_b.config["rollout"]["dtype"] = "auto"
+    comparison = compare_artifacts(meta_a, records_a, meta_b, records_b)
+    assert comparison.precision.float32 and comparison.thresholds.drift_tolerance == 0.001
+    meta_b.dtype = "bfloat16"
+    comparison = compare_artifacts(meta_a, records_a, meta_b, records_b)
+    assert comparison.thresholds == Thresholds() and "a side computed below float32" in comparison.precision.reason
+    meta_b.dtype = ""
+    comparison = compare_artifacts(meta_a, records_a, meta_b, records_b, Thresholds(drift_tolerance=0.2))
+    assert comparison.thresholds.drift_tolerance == 0.2 and not comparison.precision.float32
+    assert comparison.precision.reason.startswith("sglang recorded no dtype (vllm float32, sglang unknown")
+
+
+def test_doctests():
+    import doctest
+
+    import vlmrl.alignment.precision as precision
+
+    assert doctest.testmod(precision).failed == 0

@@ -22,29 +22,21 @@ def _overrides(tmp_path, *extra):
 
 
 @pytest.mark.slow
-def test_sampled_outputs_compare_token_for_token_and_processed_logprobs_are_named(tmp_path, capsys):
+def test_sampled_outputs_compare_token_for_token(tmp_path, capsys):
     """At temperature 0.7 with 2 samples per row the two sides still share every token (the trainer scores the
-    engine's): aligned in float32. The trainer also keeps its softmax(logits / 0.7) logprobs; an engine artifact
-    carrying those instead of raw ones (what an engine with processed logprobs returns) is named on every sample."""
+    engine's): aligned in float32. The trainer also keeps the logprobs of the distribution the engine sampled from,
+    which a real vLLM's processed logprobs match (test_compare_precision.py)."""
     out = tmp_path / "out"
     sampled = ["rollout.val_temperature=0.7", "rollout.val_n=2", "rollout.dtype=float32"]
     assert main(["--backends", "hf,trainer", *_overrides(tmp_path, *sampled), "--out", str(out), "--no-html"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["summary"]["samples"] == 12 and report["summary"]["max_abs_logprob_delta"] < 1e-4
-    meta_e, engine = read_artifact(out / "val_a_hf.jsonl")
+    _, engine = read_artifact(out / "val_a_hf.jsonl")
     _, trainer = read_artifact(out / "val_b_trainer.jsonl")
     assert [r.response_ids for r in engine] == [r.response_ids for r in trainer]
     assert len({tuple(r.response_ids) for r in engine}) > 1, "sampling gave different responses"
     assert all(r.tempered_logprobs is not None and r.tempered_logprobs != r.response_logprobs for r in trainer)
     assert "val_temperature=0.7" in (out / "val_b_trainer.log").read_text().splitlines()[0]
-
-    for record, scored in zip(engine, trainer):
-        record.response_logprobs = list(scored.tempered_logprobs)
-    processed = write_artifact(tmp_path / "processed.jsonl", meta_e, engine)
-    assert main([str(processed), str(out / "val_b_trainer.jsonl"), "--out", str(tmp_path / "p"), "--no-html"]) == 1
-    report = json.loads((tmp_path / "p" / "report.json").read_text())
-    assert report["summary"]["causes"]["processed_logprobs"] == 12
-    assert "softmax(logits / temperature)" in report["samples"][0]["explanation"]
 
 
 def test_what_the_trainer_side_cannot_score_exits_2_before_any_engine(tmp_path, capsys):
@@ -57,6 +49,20 @@ def test_what_the_trainer_side_cannot_score_exits_2_before_any_engine(tmp_path, 
     assert main(["--backends", "vllm,trainer", *agent, "--out", str(tmp_path / "o")]) == 2
     assert "agent.enable=true" in capsys.readouterr().err
     assert not (tmp_path / "o" / "val_a_vllm.log").exists(), "refused before the engine side ran"
+
+
+def test_a_processor_error_is_one_error_line_and_exit_2(tmp_path, capsys):
+    """`python -m vlmrl.trainer.trainer_side` with a data.min_pixels below the model's image processor bound: the
+    user's to fix, so one `error:` line naming the setting and the bounds, and exit 2 (not a traceback)."""
+    from tests.alignment.toy_artifacts import write_side
+    from vlmrl.trainer.trainer_side import main as side_main
+
+    reference = write_side(tmp_path / "engine.jsonl", rows=2)
+    status = side_main([*_overrides(tmp_path, "data.min_pixels=1000"), "--reference", str(reference),
+                        "--out", str(tmp_path / "t.jsonl")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith("error: the processor of tiny: min_pixels=1000") and "bounds [3136, 12544]" in err[0]
 
 
 def test_a_reference_from_other_data_or_rows_is_refused_naming_them(tmp_path):
@@ -146,7 +152,8 @@ def test_a_lora_checkpoint_is_scored_as_its_base_with_the_trained_adapters(tmp_p
     base alone is far off)."""
     from tests.trainer.test_fit import base_args
     from tests.trainer.test_lora_fit import LORA
-    from vlmrl.alignment.diff import FP32_THRESHOLDS, Thresholds, compare_artifacts
+    from vlmrl.alignment.diff import Thresholds, compare_artifacts
+    from vlmrl.alignment.precision import FP32_THRESHOLDS
     from vlmrl.config import load_config
     from vlmrl.trainer.fit import fit
     from vlmrl.trainer.trainer_side import score_reference
@@ -172,3 +179,32 @@ def test_a_lora_checkpoint_is_scored_as_its_base_with_the_trained_adapters(tmp_p
     base = score_reference(load_config([*common, f"actor.model_path={tiny_model_path}"]), merged,
                            tmp_path / "base.jsonl")
     assert compare_artifacts(*read_artifact(merged), *read_artifact(base)).max_abs_logprob_delta > 1e-3
+
+
+def test_doctests():
+    import doctest
+
+    import vlmrl.trainer.trainer_side as trainer_side
+
+    assert doctest.testmod(trainer_side).failed == 0
+
+
+@pytest.mark.vllm
+def test_the_sampler_mask_keeps_the_tokens_vllms_sampler_keeps():
+    """`sampler_mask` (what the trainer side scores the sampled distribution with) against vLLM's own top-k/top-p
+    (its PyTorch path) after the ban and the temperature, on random logits: the same tokens are left out."""
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from vlmrl.trainer.trainer_side import sampler_mask
+
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    banned, temperature = [5, 17], 0.7
+    for top_k, top_p in ((0, 0.9), (50, 1.0), (50, 0.8), (1, 1.0), (0, 1.0)):
+        ours = sampler_mask(logits, banned, temperature, top_k, top_p)
+        theirs = logits.clone()
+        theirs[:, banned] = float("-inf")
+        theirs = apply_top_k_top_p_pytorch(theirs / temperature, torch.full((64,), top_k) if top_k else None,
+                                           torch.full((64,), top_p) if top_p < 1 else None)
+        assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), (top_k, top_p)
+        assert torch.isinf(ours).any(dim=-1).all() and not torch.isinf(ours).all(dim=-1).any()

@@ -83,8 +83,13 @@ class ArtifactMeta:
     """The trainer side with --drill-down: the per-module comparison with transformers on the worst sample
     (`vlmrl.alignment.drill_down.DrillDown`: index, sample_index, tolerance, modules, first); empty otherwise."""
     dtype: str = ""
-    """The precision the side computed in, when it is not rollout.dtype (the trainer side: the actor's compute dtype);
-    empty = rollout.dtype of `config`."""
+    """The dtype the side computed in, resolved (never `auto`): what the engine reports or started with
+    (`RolloutBackend.dtype`), the actor's compute dtype on the trainer side. Empty in artifacts written before
+    headers recorded it: then rollout.dtype of `config`, where `auto` is unknown (`vlmrl.alignment.precision`)."""
+    logprobs_mode: str = ""
+    """What the side's `response_logprobs` are of: `raw_logprobs` (the rollout contract, and the trainer side), or
+    the engine's own mode where it was started otherwise (vLLM's `processed_logprobs`, through
+    rollout.vllm.engine_kwargs). Empty in artifacts written before headers recorded it."""
 
 
 @dataclass
@@ -122,9 +127,11 @@ class ValidationRecord:
     `sample_fps`, `frame_indices`, `size` [width, height] and `grid_thw`. Empty without videos (and in artifacts
     written before videos existed)."""
     tempered_logprobs: list[float] | None = None
-    """The trainer side only, when validation sampled at a temperature T other than 0 and 1: its logprob of each
-    response token under softmax(logits / T). An engine whose `response_logprobs` match these returned processed
-    (temperature-adjusted) logprobs instead of raw ones (cause `processed_logprobs`)."""
+    """The trainer side only (on one device), when validation sampled (T > 0) or the engine's header says it returned
+    processed logprobs: its logprob of each response token under the distribution the engine sampled from,
+    softmax(logits / T) over the tokens the request allows (its banned image/video placeholders left out), after
+    top-k and top-p, as vLLM computes its processed logprobs. An engine whose `response_logprobs` match
+    these returned processed logprobs instead of raw ones (cause `processed_logprobs`)."""
 
 
 _RECORD_FIELDS = {f.name for f in fields(ValidationRecord)}

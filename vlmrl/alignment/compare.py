@@ -45,8 +45,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from vlmrl.alignment.artifact import ArtifactError, ArtifactMeta, read_artifact
-from vlmrl.alignment.diff import FP32_THRESHOLDS, NotComparableError, Thresholds, compare_artifacts, side_dtype
+from vlmrl.alignment.artifact import ArtifactError, read_artifact
+from vlmrl.alignment.diff import NotComparableError, Thresholds, compare_artifacts
 from vlmrl.alignment.gates import (
     AGENT_GATES,
     DEFAULT_ALPHA,
@@ -57,6 +57,7 @@ from vlmrl.alignment.gates import (
     write_gate_report,
 )
 from vlmrl.alignment.html_report import write_html_report
+from vlmrl.alignment.precision import FP32_THRESHOLDS, Precision, precision_of
 from vlmrl.alignment.report import print_summary, write_json_report
 from vlmrl.config import ROLLOUT_BACKENDS, Config, ConfigError, field_docs, load_config
 from vlmrl.rollout.registry import cpu_env
@@ -119,22 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     docs = field_docs(Thresholds)
     group = parser.add_argument_group("thresholds (when the two sides count as aligned)")
     for f in dataclasses.fields(Thresholds):
-        fp32 = f"; {FP32_THRESHOLDS[f.name]} when both artifacts come from float32 engines" \
+        fp32 = f"; {FP32_THRESHOLDS[f.name]} when both sides computed in float32, as their headers record" \
             if f.name in FP32_THRESHOLDS else ""
         group.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=None, metavar="X",
                            help=f"{docs.get(f.name, '')} (default {f.default}{fp32})")
     return parser
 
 
-def both_float32(meta_a: ArtifactMeta, meta_b: ArtifactMeta) -> bool:
-    return all(side_dtype(meta) == "float32" for meta in (meta_a, meta_b))
-
-
-def thresholds_from(args: argparse.Namespace, float32: bool = False) -> Thresholds:
-    """The thresholds given on the command line; the others at their defaults (FP32_THRESHOLDS for float32 sides)."""
+def thresholds_from(args: argparse.Namespace, precision: Precision) -> Thresholds:
+    """The thresholds given on the command line; the others at the defaults the sides' dtypes choose."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Thresholds) if getattr(args, f.name) is not None}
-    defaults = FP32_THRESHOLDS if float32 else {}
-    return Thresholds(**{**defaults, **given})
+    return Thresholds(**{**precision.defaults, **given})
 
 
 def _artifact_paths(args: argparse.Namespace, out: Path) -> list[Path]:
@@ -324,10 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         path_a, path_b = _artifact_paths(args, out)
         meta_a, records_a = read_artifact(path_a)
         meta_b, records_b = read_artifact(path_b)
-        float32 = both_float32(meta_a, meta_b)
-        if float32:
-            logger.info("both sides ran in float32: stricter defaults %s (unless given)", FP32_THRESHOLDS)
-        comparison = compare_artifacts(meta_a, records_a, meta_b, records_b, thresholds_from(args, float32))
+        thresholds = thresholds_from(args, precision_of(meta_a, meta_b))
+        comparison = compare_artifacts(meta_a, records_a, meta_b, records_b, thresholds)
     except (UsageError, BackendRunError, ArtifactError, NotComparableError) as error:
         err.print(Text("error: ", style="bold red") + Text(str(error)))
         return EXIT_USAGE

@@ -15,7 +15,7 @@ Each differing sample gets exactly one cause (the earliest level that explains i
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -23,6 +23,7 @@ import numpy as np
 
 from vlmrl.alignment.artifact import ArtifactMeta, ValidationRecord
 from vlmrl.alignment.inputs import diff_inputs, first_difference
+from vlmrl.alignment.precision import FP32_THRESHOLDS, Precision, dtype_difference, precision_of
 from vlmrl.alignment.stats import PairedScore, paired_score
 
 TEXT_WINDOW = 60
@@ -61,9 +62,10 @@ class Cause(str, Enum):
     (`Thresholds.drift_tolerance`), on sides that computed in different dtypes (a bfloat16 trainer against a
     float32 engine): expected, and allowed by default."""
     PROCESSED_LOGPROBS = "processed_logprobs"
-    """Identical responses whose logprobs on one side are the other side's (the trainer's) under the sampling
-    temperature, not the raw model's: that engine returned processed logprobs (vLLM's logprobs_mode=
-    processed_logprobs), so every importance ratio computed from them is off by the temperature."""
+    """Identical responses whose logprobs on one side are of the distribution that side sampled from, not the raw
+    model's: they match the trainer's `tempered_logprobs` (softmax(logits / T) over the tokens the request allows,
+    after top-k/top-p), or the side's header says its engine ran with vLLM's logprobs_mode=processed_logprobs. Every
+    importance ratio computed from them is off by that processing."""
 
 
 CAUSE_LABELS = {
@@ -78,28 +80,6 @@ CAUSE_LABELS = {
     Cause.PROCESSED_LOGPROBS: "temperature-processed logprobs",
     Cause.PRECISION: "precision (dtype band)",
 }
-
-FP32_THRESHOLDS = {"near_tie_margin": 0.01, "drift_tolerance": 0.001, "max_mean_logprob_delta": 0.0001}
-"""Defaults when both sides ran in float32 (`side_dtype`). The `Thresholds` defaults are sized for bf16, where two
-correct engines split on near-ties with margins up to ~0.03 nats; in float32 correct engines agree to ~1e-5 nats
-(measured 2e-6..4e-6 on the tiny models, images and video), so:
-- a split with a 0.03-0.2 nat margin is a real difference: measured on Qwen3-VL with an engine left without mrope
-  interleaving, which the bf16 defaults would call 6 near-ties and aligned;
-- a token 1e-3 nats off is drift, and a mean of 1e-4 is not rounding: measured on SGLang's Qwen2.5-VL video tower
-  attending across temporal patches (1e-3..7e-3 nats per token, mean ~1e-3), which limits of 1e-2 / 1e-3 called
-  aligned on a 9-row video set."""
-
-
-def side_dtype(meta: ArtifactMeta) -> str | None:
-    """The precision a side computed in: its header's dtype (the trainer side's), else its rollout.dtype."""
-    return meta.dtype or (meta.config.get("rollout") or {}).get("dtype")
-
-
-def dtype_difference(meta_a: ArtifactMeta, meta_b: ArtifactMeta) -> str:
-    """"float32 vs bfloat16" when the sides computed in different known dtypes, else ""."""
-    a, b = side_dtype(meta_a), side_dtype(meta_b)
-    return f"{a} vs {b}" if a and b and a != b and "auto" not in (a, b) else ""
-
 
 @dataclass
 class Thresholds:
@@ -195,8 +175,8 @@ class SampleDiff:
     divergence: Divergence | None = None
     text: TextWindow | None = None
     tempered_max_delta: float | None = None
-    """max |logprob - the other side's tempered logprob| when a side recorded `tempered_logprobs` (the trainer side
-    at a sampling temperature other than 0 and 1); None otherwise."""
+    """max |logprob - the other side's tempered logprob| when a side recorded `tempered_logprobs` (the trainer side,
+    of the distribution the engine sampled from); None otherwise."""
     cause: Cause | None = None
     explanation: str = ""
 
@@ -226,6 +206,10 @@ class Comparison:
     label_b: str
     greedy: bool
     """Both sides decoded greedily: tokens must match. Otherwise only inputs and scores are compared."""
+    precision: Precision
+    """The sides' dtypes and the threshold defaults they chose, with the reason."""
+    thresholds: Thresholds
+    """The thresholds the comparison was judged by."""
     setting_differences: list[tuple[str, Any, Any]]
     samples: list[SampleDiff]
     cause_counts: dict[Cause, int]
@@ -362,16 +346,27 @@ def _tempered_delta(a: ValidationRecord, b: ValidationRecord, upto: int) -> floa
     return None
 
 
-def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool,
-              thresholds: Thresholds, weights: str = "", dtypes: str = "") -> tuple[Cause | None, str]:
-    """One cause per differing sample: the earliest level that explains the difference. `weights`: how the sides'
-    weight fingerprints differ ("" when they agree or one is unknown); `dtypes`: how their dtypes differ."""
+@dataclass(frozen=True)
+class Headers:
+    """What the two artifacts' headers say that can explain a sample's difference, in words ("" = nothing)."""
+
+    weights: str = ""
+    """How the sides' weight fingerprints differ (`weights_difference`)."""
+    dtypes: str = ""
+    """How the sides' dtypes differ (`dtype_difference`)."""
+    processed: str = ""
+    """Which side's engine returned processed logprobs (`processed_sides`)."""
+
+
+def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool, thresholds: Thresholds,
+              headers: Headers = Headers()) -> tuple[Cause | None, str]:
+    """One cause per differing sample: the earliest level that explains the difference."""
     if sample.input_diffs:
         return Cause.INPUT_MISMATCH, "; ".join(sample.input_diffs)
-    if weights:
-        cause, explanation = _classify(sample, greedy, rewards_differ, thresholds, dtypes=dtypes)
+    if headers.weights:
+        cause, explanation = _classify(sample, greedy, rewards_differ, thresholds, replace(headers, weights=""))
         if cause is not None:
-            return Cause.WEIGHTS_DIFFER, f"{weights}; {explanation}"
+            return Cause.WEIGHTS_DIFFER, f"{headers.weights}; {explanation}"
     split = sample.divergence
     outputs_differ = not sample.tokens_equal or sample.finish_a != sample.finish_b
     if outputs_differ and not greedy:
@@ -399,18 +394,25 @@ def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool,
             f"identical response scored {sample.reward_a:.4g} vs {sample.reward_b:.4g}"
             + (f" ({parts})" if parts else ""))
     drift = sample.max_abs_logprob_delta
+    beyond = drift is not None and not drift <= thresholds.drift_tolerance  # `not <=` also catches NaN
     tempered = sample.tempered_max_delta
-    if drift is not None and not drift <= thresholds.drift_tolerance and tempered is not None and (
-            tempered <= thresholds.drift_tolerance):
+    if beyond and tempered is not None and tempered <= thresholds.drift_tolerance:
         return Cause.PROCESSED_LOGPROBS, (
             f"same {sample.length_a} tokens; logprobs differ by up to {drift:.4g} nats from the raw model's but by "
-            f"at most {tempered:.4g} from its softmax(logits / temperature): that side returned processed logprobs")
-    if drift is not None and not drift <= thresholds.drift_tolerance:  # `not <=` also catches NaN
-        return Cause.LOGPROB_DRIFT, (f"same {sample.length_a} tokens, but logprobs differ by up to {drift:.4g} nats "
-                                    f"(mean {sample.mean_abs_logprob_delta:.4g})")
-    if dtypes and drift is not None and drift > FP32_THRESHOLDS["drift_tolerance"]:
+            f"at most {tempered:.4g} from the distribution it sampled (softmax(logits / temperature) over the "
+            "allowed tokens, after top-k/top-p): that side returned processed logprobs")
+    if beyond and tempered is None and headers.processed:
+        return Cause.PROCESSED_LOGPROBS, (
+            f"same {sample.length_a} tokens, logprobs up to {drift:.4g} nats apart: {headers.processed}, so they are "
+            "of the distribution it sampled (temperature, the placeholder ban, top-k/top-p), not the raw model's")
+    if beyond:
+        return Cause.LOGPROB_DRIFT, (
+            f"same {sample.length_a} tokens, but logprobs differ by up to {drift:.4g} nats (mean "
+            f"{sample.mean_abs_logprob_delta:.4g})" + (f"; {headers.processed}, yet they are {tempered:.4g} nats from "
+                                                      "the distribution it sampled too" if headers.processed else ""))
+    if headers.dtypes and drift is not None and drift > FP32_THRESHOLDS["drift_tolerance"]:
         return Cause.PRECISION, (f"same {sample.length_a} tokens, logprobs up to {drift:.4g} nats apart: within the "
-                                 f"{thresholds.drift_tolerance:g}-nat band of {dtypes}")
+                                 f"{thresholds.drift_tolerance:g}-nat band of {headers.dtypes}")
     return None, ""
 
 
@@ -420,9 +422,8 @@ def _numeric_parts(extra: dict[str, Any]) -> dict[str, float]:
 
 
 def diff_sample(a: ValidationRecord, b: ValidationRecord, greedy: bool, thresholds: Thresholds,
-                weights: str = "", dtypes: str = "") -> SampleDiff:
-    """All four levels for one pair of records (same row, same sample index); `weights`, `dtypes` as in
-    `_classify`."""
+                headers: Headers = Headers()) -> SampleDiff:
+    """All four levels for one pair of records (same row, same sample index)."""
     split_at = first_difference(a.response_ids, b.response_ids)
     common = split_at if split_at is not None else len(a.response_ids)
     deltas = _logprob_deltas(a, b, common)
@@ -443,7 +444,7 @@ def diff_sample(a: ValidationRecord, b: ValidationRecord, greedy: bool, threshol
     sample.tempered_max_delta = _tempered_delta(a, b, common)
     rewards_differ = abs(sample.reward_delta) > thresholds.reward_tolerance or any(
         abs(v) > thresholds.reward_tolerance for v in extra_deltas.values()) or parts_a.keys() != parts_b.keys()
-    sample.cause, sample.explanation = _classify(sample, greedy, rewards_differ, thresholds, weights, dtypes)
+    sample.cause, sample.explanation = _classify(sample, greedy, rewards_differ, thresholds, headers)
     return sample
 
 
@@ -452,6 +453,14 @@ def weights_difference(meta_a: ArtifactMeta, meta_b: ArtifactMeta) -> str:
     if meta_a.weights and meta_b.weights and meta_a.weights != meta_b.weights:
         return f"the sides loaded other weights (sha256 {meta_a.weights[:12]} vs {meta_b.weights[:12]})"
     return ""
+
+
+def processed_sides(meta_a: ArtifactMeta, meta_b: ArtifactMeta, labels: tuple[str, str]) -> str:
+    """In words, which side's header says its engine returned processed logprobs; "" when none does (or the
+    artifacts predate the header's `logprobs_mode`)."""
+    named = [f"{label}'s engine ran with logprobs_mode={meta.logprobs_mode}" for label, meta in zip(labels, (meta_a,
+             meta_b)) if meta.logprobs_mode.startswith("processed")]
+    return " and ".join(named)
 
 
 # ---------------------------------------------------------------------------------------------- aggregate
@@ -530,23 +539,26 @@ def compare_artifacts(
     thresholds: Thresholds | None = None,
     labels: tuple[str, str] | None = None,
 ) -> Comparison:
-    """Diff two artifacts at all four levels and judge them against `thresholds` (see `Comparison.ok`)."""
-    thresholds = thresholds or Thresholds()
+    """Diff two artifacts at all four levels and judge them against `thresholds` (see `Comparison.ok`); None = the
+    defaults the two sides' recorded dtypes choose (`vlmrl.alignment.precision.precision_of`)."""
     check_comparable(meta_a, records_a, meta_b, records_b)
+    label_a, label_b = labels or (meta_a.backend, meta_b.backend)
+    if label_a == label_b:
+        label_a, label_b = f"A:{label_a}", f"B:{label_b}"
+    precision = precision_of(meta_a, meta_b, (label_a, label_b))
+    thresholds = thresholds or Thresholds(**precision.defaults)
     greedy = meta_a.sampling.get("temperature", 1.0) == 0 and meta_b.sampling.get("temperature", 1.0) == 0
     by_key_b = {(r.index, r.sample_index): r for r in records_b}
     pairs = sorted(((a, by_key_b[(a.index, a.sample_index)]) for a in records_a),
                    key=lambda pair: (pair[0].index, pair[0].sample_index))
-    weights = weights_difference(meta_a, meta_b)
-    dtypes = dtype_difference(meta_a, meta_b)
-    samples = [diff_sample(a, b, greedy, thresholds, weights, dtypes) for a, b in pairs]
+    headers = Headers(weights_difference(meta_a, meta_b), dtype_difference(meta_a, meta_b),
+                      processed_sides(meta_a, meta_b, (label_a, label_b)))
+    samples = [diff_sample(a, b, greedy, thresholds, headers) for a, b in pairs]
     compared = sum(s.compared_positions for s in samples)
     maxima = [s.max_abs_logprob_delta for s in samples if s.max_abs_logprob_delta is not None]
-    label_a, label_b = labels or (meta_a.backend, meta_b.backend)
-    if label_a == label_b:
-        label_a, label_b = f"A:{label_a}", f"B:{label_b}"
     comparison = Comparison(
         meta_a=meta_a, meta_b=meta_b, label_a=label_a, label_b=label_b, greedy=greedy,
+        precision=precision, thresholds=thresholds,
         setting_differences=setting_differences(meta_a, meta_b),
         samples=samples,
         cause_counts=dict(Counter(s.cause for s in samples if s.cause is not None)),

@@ -17,7 +17,7 @@ import jinja2
 
 from vlmrl.alignment.artifact import ValidationRecord
 from vlmrl.alignment.diff import CAUSE_LABELS, Cause, Comparison, SampleDiff
-from vlmrl.alignment.report import _ci, _fmt, _p, _side
+from vlmrl.alignment.report import _ci, _fmt, _p, _side, thresholds_line
 from vlmrl.atomic import write_text_atomically
 
 MAX_TEXT = 3000
@@ -94,7 +94,7 @@ def render_html(comparison: Comparison, records_a: list[ValidationRecord], recor
         differing=differing, differing_cards=cards(differing[:MAX_DIFFERING_SHOWN]),
         same=same, same_cards=cards(same[:MAX_EXACT_SHOWN]),
         max_text=MAX_TEXT, max_differing=MAX_DIFFERING_SHOWN, max_exact=MAX_EXACT_SHOWN,
-        labels=CAUSE_LABELS, colours=_CAUSE_COLOURS, fmt=_fmt, ci=_ci, p=_p,
+        labels=CAUSE_LABELS, colours=_CAUSE_COLOURS, fmt=_fmt, ci=_ci, p=_p, thresholds=thresholds_line(comparison),
     )
 
 

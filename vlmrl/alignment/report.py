@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from vlmrl.alignment.diff import CAUSE_LABELS, Cause, Comparison
+from vlmrl.alignment.diff import CAUSE_LABELS, Cause, Comparison, Thresholds
 from vlmrl.atomic import write_text_atomically
 
 EXAMPLES_ON_SCREEN = 5
@@ -49,6 +49,23 @@ def _short_path(path: str) -> str:
     return path if len(path) <= 40 or len(parts) <= 2 else str(Path("...", *parts[-2:]))
 
 
+def caller_thresholds(comparison: Comparison) -> dict[str, float]:
+    """The thresholds that differ from the defaults the sides' dtypes chose: set by the caller (the command line)."""
+    chosen = Thresholds(**comparison.precision.defaults)
+    return {f.name: getattr(comparison.thresholds, f.name) for f in fields(Thresholds)
+            if getattr(comparison.thresholds, f.name) != getattr(chosen, f.name)}
+
+
+def thresholds_line(comparison: Comparison) -> str:
+    """Which thresholds judged the comparison and why: the band the sides' recorded dtypes chose, its three
+    precision-dependent values, and any set by the caller."""
+    t, precision = comparison.thresholds, comparison.precision
+    given = ", ".join(f"{name}={value:g}" for name, value in caller_thresholds(comparison).items())
+    return (f"{precision.band} thresholds (near-tie margin {t.near_tie_margin:g}, drift tolerance "
+            f"{t.drift_tolerance:g}, mean |dlogprob| {t.max_mean_logprob_delta:g} nats): {precision.reason}"
+            + (f"; set on the command line: {given}" if given else ""))
+
+
 def _side(comparison: Comparison, which: str) -> str:
     meta = comparison.meta_a if which == "a" else comparison.meta_b
     label = comparison.label_a if which == "a" else comparison.label_b
@@ -80,6 +97,10 @@ def report_dict(comparison: Comparison) -> dict[str, Any]:
         "a": {"label": comparison.label_a, **asdict(comparison.meta_a)},
         "b": {"label": comparison.label_b, **asdict(comparison.meta_b)},
         "greedy": comparison.greedy,
+        "thresholds": {"band": comparison.precision.band, "reason": comparison.precision.reason,
+                       "dtype_a": comparison.precision.dtype_a, "dtype_b": comparison.precision.dtype_b,
+                       "values": asdict(comparison.thresholds), "set_by_caller": caller_thresholds(comparison),
+                       "line": thresholds_line(comparison)},
         "setting_differences": [{"key": k, "a": a, "b": b} for k, a, b in comparison.setting_differences],
         "summary": {
             "samples": comparison.total,
@@ -181,6 +202,7 @@ def print_summary(comparison: Comparison, console: Console | None = None, report
                       f"{sample.explanation}", overflow="ellipsis", no_wrap=True, markup=False)
     if len(differing) > EXAMPLES_ON_SCREEN:
         console.print(f"  ... {len(differing) - EXAMPLES_ON_SCREEN} more differing samples in the report")
+    console.print(thresholds_line(comparison), markup=False)
     for check in comparison.checks:
         if not check.ok:
             console.print(f"[red]FAIL[/red] {check.name}: {check.value:.4g} > {check.limit:.4g} ({check.detail})")

@@ -128,6 +128,13 @@ class RolloutBackend(abc.ABC):
         self.engine_pids: list[int] = []
         """The processes the engine runs in (empty when it runs in this process): watched while waiting on calls,
         and the only processes close() ends."""
+        self.dtype = options.resolved_dtype(self.processor.family)
+        """The dtype the engine computes in, never `auto`: what every backend starts its engine with; a backend whose
+        engine reports its own dtype sets that (vLLM). A validation artifact records it, and compare's thresholds
+        follow from it."""
+        self.logprobs_mode = "raw_logprobs"
+        """What the engine's logprobs are of: `raw_logprobs` (the contract above); vLLM sets what its engine reports
+        (rollout.vllm.engine_kwargs can ask for processed_logprobs). A validation artifact records it."""
         self._logged_once: set[str] = set()
         self._checkpoint_names: set[str] | None = None
         self._asleep: set[str] = set()  # what sleep() gave back and no wake_up took back yet (ALL_MEMORY)

@@ -2,7 +2,9 @@
 
 Requests go as `TokensPrompt`s with unexpanded ids and the already-resized images / sampled video frames with their
 metadata (`do_sample_frames=False`: vLLM derives the same timing as the trainer). The contract's raw logprobs come
-from `logprobs_mode="raw_logprobs"`; the pad-token ban is `bad_words` checked at start to map to one id each.
+from `logprobs_mode="raw_logprobs"`, checked at start against rollout.vllm.engine_kwargs (`check_logprobs_mode`); the
+pad-token ban is `bad_words` checked at start to map to one id each. The dtype and logprobs mode the engine reports
+are what a validation artifact records.
 Weight sync loads buckets through `WeightSyncWorkerExtension` (vLLM's own layer-wise reload split into begin / one
 load per bucket / finish; only full state dicts, since a partial reload breaks the other layers), then resets the
 encoder and prefix caches. Sleep mode (rollout.vllm.enable_sleep_mode) frees GPU memory while the actor trains.
@@ -185,6 +187,28 @@ def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily 
     return kwargs, env
 
 
+LOGITS_MODES = ("raw_logits", "processed_logits")
+"""vLLM logprobs modes whose values are logits, not logprobs: refused for a rollout."""
+
+
+def check_logprobs_mode(mode: str) -> None:
+    """The rollout contract is raw logprobs (`logprobs_mode="raw_logprobs"`, what `engine_kwargs` sets);
+    rollout.vllm.engine_kwargs can replace it, so the mode the engine will start with is checked here, as SGLang's
+    backend probes its own at start. Logits modes are refused; processed_logprobs starts with a warning: it is how
+    compare shows what such an engine does to the logprobs (cause `processed_logprobs`), and training on it is
+    wrong in the ways the warning names."""
+    if mode in LOGITS_MODES:
+        raise ValueError(f"vllm: rollout.vllm.engine_kwargs.logprobs_mode={mode} makes the engine return logits, not "
+                         "logprobs; the trainer, rollout correction and compare read raw logprobs: remove the key")
+    if mode == "processed_logprobs":
+        logger.warning(
+            "vllm: rollout.vllm.engine_kwargs.logprobs_mode=processed_logprobs replaces the raw logprobs vlmrl asks "
+            "for: the engine returns logprobs of the distribution it samples from (temperature, the image/video "
+            "placeholder ban, top-k/top-p), not the raw model's. Old logprobs taken from the engine, rollout "
+            "correction and mismatch/* are then off by that processing, and compare names the samples "
+            "processed_logprobs. Remove the key for training")
+
+
 class VLLMBackend(RolloutBackend):
     """vLLM's offline engine; every call on one engine thread under a deadline."""
 
@@ -206,10 +230,11 @@ class VLLMBackend(RolloutBackend):
         self._lora_request = None  # the adapter requests generate under (update_adapter), None = the base weights
 
     def _start(self):
+        kwargs, env = engine_kwargs(self.model_path, self.options, self.processor.family, self.on_cuda)
+        check_logprobs_mode(kwargs["logprobs_mode"])  # before vLLM is even imported: a refusal costs no start-up
         route_engine_logs("vllm", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))  # before vLLM configures its logging
         from vllm import LLM
 
-        kwargs, env = engine_kwargs(self.model_path, self.options, self.processor.family, self.on_cuda)
         self.sleep_mode = kwargs["enable_sleep_mode"]
         # Read by vLLM when the engine is built (the CPU KV cache size: for the process), so set around that only.
         if "VLLM_CPU_KVCACHE_SPACE" in env:
@@ -225,7 +250,11 @@ class VLLMBackend(RolloutBackend):
                 raise
         manager = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
         self.engine_pids = [p.pid for p in getattr(manager, "processes", [])]
-        logger.info("vllm: engine up on %s (%s, %s%s)", self.model_path, kwargs["dtype"],
+        # What the engine reports, not what was asked: the artifact's header and compare's thresholds read these.
+        engine = llm.llm_engine.model_config
+        self.dtype = str(engine.dtype).removeprefix("torch.")
+        self.logprobs_mode = str(engine.logprobs_mode)
+        logger.info("vllm: engine up on %s (%s, %s%s)", self.model_path, self.dtype,
                     f"engine core process(es) {self.engine_pids}" if self.engine_pids else "in-process",
                     ", sleep mode" if self.sleep_mode else "")
         return llm

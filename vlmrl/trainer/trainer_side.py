@@ -14,15 +14,21 @@ on its artifact, then the usual four-level diff. What the trainer side does, per
   actor's dtype and compute dtype, padding-free packing, token-budget micro-batches, chunked logprobs and LoRA
   adapters are the run's settings (`actor.*`); a LoRA run's checkpoint is scored as that run trained it, its base
   model with the checkpoint's adapters (`lora_checkpoint`), against the merged weights the engines serve;
-- writes raw logprobs (temperature 1, what every engine returns) and, when the validation sampled at a temperature
-  T other than 0 and 1, also the logprobs under softmax(logits / T) (`tempered_logprobs`): an engine whose logprobs
-  match those returned processed logprobs, which the diff names (`processed_logprobs`).
+- writes raw logprobs (temperature 1, what every engine returns) and, when the validation sampled (T > 0) or the
+  engine's header says it returned processed logprobs, also the logprobs of the distribution the engine sampled
+  from (`tempered_logprobs`): softmax(logits / T) over the tokens the requests allow (the image/video placeholders
+  they ban left out), after top-k and top-p, what vLLM's processed logprobs are. An engine whose logprobs match
+  those returned processed logprobs, which the diff names (`processed_logprobs`). Measured on the demo's tiny model
+  at T = 0.7: vLLM's processed logprobs sit within 3e-6 nats of these, and 2e-4 to 7e-3 nats above softmax(logits
+  / T) over the whole vocabulary (the ban's renormalisation: the placeholders held that much mass).
 
 At trainer.n_gpus_per_node x trainer.nnodes > 1 the scorer is the run's FSDP2-sharded actor on that many Ray
 workers (`scoring_actor`): each rank scores its slice of every batch's rows (padding rows up to a multiple of the
-world size, as a step pads) and the driver gathers them, the path a sharded run's old logprobs take. The
-drill-down hooks one unsharded model, so it needs one device. agent.enable must be false (a multi-turn trajectory's
-inputs are rebuilt turn by turn, which this side does not do yet). Both are refused before anything loads.
+world size, as a step pads) and the driver gathers them, the path a sharded run's old logprobs take; the sampled
+distribution's logprobs are left out there (they hook the head of one unsharded model; compare then reads the engine
+header's `logprobs_mode`). The drill-down hooks one unsharded model, so it needs one device. agent.enable must be
+false (a multi-turn trajectory's inputs are rebuilt turn by turn, which this side does not do yet). Both are refused
+before anything loads.
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vlmrl.alignment.artifact import (
     ArtifactError,
@@ -47,6 +56,9 @@ from vlmrl.alignment.artifact import (
 )
 from vlmrl.alignment.trainer_side import TRAINER, TrainerSideError, check_config
 from vlmrl.config import Config, ConfigError, load_config, to_dict
+
+if TYPE_CHECKING:  # torch loads only once the config is valid
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +104,10 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
     if meta.backend == TRAINER:
         raise TrainerSideError(f"{reference} is a trainer side's artifact: score an engine's")
     n = int(meta.sampling.get("n", 1))
-    processor = load_run_processor(config)
+    try:
+        processor = load_run_processor(config)
+    except ValueError as err:  # the data section against the model's processor (pixel bounds...): the user's to fix
+        raise TrainerSideError(f"the processor of {config.actor.model_path}: {err}") from None
     dataset = load_val_dataset(config)
     identity = DatasetIdentity(paths=[str(f) for f in dataset.files], rows=len(dataset),
                                fingerprint=file_fingerprint(dataset.files))
@@ -103,14 +118,13 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
     calls = build_validation_requests(config, processor, dataset).calls
     requests = [request for call in calls for request in call]
     results, rewards, parts = _reference_results(records, requests, n, reference)
-    temperature = float(meta.sampling.get("temperature", 0.0))
     actor_config, init_path = lora_checkpoint(config)
     world = config.derived.world_size
     actor = scoring_actor(config, actor_config, init_path)
     try:
         out_records, batches, scored = _score(actor, config, processor, calls, requests, results, rewards, parts, n,
-                                              temperature)
-        dtype = str(actor.forward_dtype()).removeprefix("torch.")
+                                              meta.sampling, meta.logprobs_mode.startswith("processed"))
+        dtype = str(actor.forward_dtype()).removeprefix("torch.")  # the dtype the scores were computed in
         drilled = {}
         if drill:
             index_of = {request.uid: request.index for request in requests}
@@ -121,7 +135,7 @@ def score_reference(config: Config, reference: str | Path, out: str | Path, dril
     engine, version = engine_info(TRAINER)
     out_meta = ArtifactMeta(backend=TRAINER, engine=engine, engine_version=version,
                             model_path=config.actor.model_path, dataset=identity, sampling=dict(meta.sampling),
-                            config=to_dict(config), step=meta.step, dtype=dtype,
+                            config=to_dict(config), step=meta.step, dtype=dtype, logprobs_mode="raw_logprobs",
                             weights=weights_fingerprint(config.actor.model_path), drill_down=drilled)
     path = write_artifact(out, out_meta, out_records)
     logger.info("trainer side: %d samples of %s scored teacher-forced (%s, %d rank%s) -> %s", len(out_records),
@@ -148,10 +162,12 @@ def scoring_actor(config: Config, actor_config, init_path: str | None):
                             timeout_s=config.rollout.timeout_s, startup_timeout_s=config.rollout.start_timeout_s)
 
 
-def _score(actor, config: Config, processor, calls, requests, results, rewards, parts, n: int, temperature: float):
+def _score(actor, config: Config, processor, calls, requests, results, rewards, parts, n: int, sampling: dict,
+           processed: bool):
     """Each validation call's samples padded and stacked as a training step does (padding rows up to a multiple of
-    the world size), scored at temperature 1 (and at `temperature` when 0 < T != 1). Returns (records, (batch,
-    first sample's position) per call, the scored results)."""
+    the world size), scored at temperature 1, and under the distribution the engine sampled from where that is asked
+    for (`sampled_distribution`; `processed`: the engine's header says it returned processed logprobs; one device
+    only). Returns (records, (batch, first sample's position) per call, the scored results)."""
     import torch
 
     from vlmrl.batch.padding import pad_results, scored_batch
@@ -159,6 +175,11 @@ def _score(actor, config: Config, processor, calls, requests, results, rewards, 
 
     d = config.data
     world = config.derived.world_size
+    sampled = sampled_distribution(sampling, processed)
+    if sampled is not None and world > 1:
+        logger.info("trainer side: the sampled distribution's logprobs are computed on one device; at world size %d "
+                    "none are recorded", world)
+        sampled = None
     scored: list[RolloutResult] = []
     tempered: list[list[float] | None] = []
     batches = []  # (batch, first sample's position) per call, for the drill-down
@@ -175,10 +196,12 @@ def _score(actor, config: Config, processor, calls, requests, results, rewards, 
         with torch.no_grad():
             raw = actor.compute_logprobs(batch)[0]
         hot = None
-        if temperature not in (0.0, 1.0):
+        if sampled is not None:
+            temperature, top_k, top_p = sampled
             actor.set_temperature(temperature)
-            with torch.no_grad():
+            with torch.no_grad(), _sampler_head(actor.model, processor.banned_token_ids, temperature, top_k, top_p):
                 hot = actor.compute_logprobs(batch)[0]
+            actor.set_temperature(1.0)
         batches.append((batch, start))
         for i, result in enumerate(rows):
             length = len(result.response_ids)
@@ -189,6 +212,67 @@ def _score(actor, config: Config, processor, calls, requests, results, rewards, 
     for record, values in zip(out_records, tempered):
         record.tempered_logprobs = values
     return out_records, batches, scored
+
+
+def sampled_distribution(sampling: dict, processed: bool = False) -> tuple[float, int, float] | None:
+    """(temperature, top_k, top_p) of the distribution an engine sampled from under these sampling settings (an
+    artifact header's `sampling`), when its logprobs are worth computing: the validation sampled (T > 0), or the
+    engine says it returned processed logprobs (`processed`; greedy: vLLM's are then the raw ones renormalised after
+    the ban, no temperature, top-k or top-p). None otherwise: greedy raw logprobs are compared as they are.
+
+    >>> sampled_distribution({"temperature": 0.7, "top_k": -1, "top_p": 1.0})
+    (0.7, 0, 1.0)
+    >>> sampled_distribution({"temperature": 0.0, "top_p": 0.9}), sampled_distribution({"temperature": 0.0}, True)
+    (None, (1.0, 0, 1.0))
+    """
+    temperature = float(sampling.get("temperature", 0.0))
+    if temperature == 0.0:
+        return (1.0, 0, 1.0) if processed else None
+    return temperature, max(int(sampling.get("top_k", -1)), 0), float(sampling.get("top_p", 1.0))
+
+
+def sampler_mask(logits: torch.Tensor, banned: Sequence[int], temperature: float, top_k: int, top_p: float
+                 ) -> torch.Tensor:
+    """(..., V) logits with every token the engine's sampler cannot draw at -inf, in vLLM's order and by its rules:
+    the banned ids (its `bad_words`), then on logits / temperature the tokens below the k-th largest (`top_k` > 0)
+    and those whose probability mass from the bottom of the ranking up, themselves included, is at most 1 - top_p
+    (the most likely token always stays). The temperature itself is left to the caller.
+
+    >>> import torch
+    >>> logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    >>> sampler_mask(logits, [0], 1.0, 0, 1.0).tolist()
+    [[-inf, 1.0, 0.0, -1.0]]
+    >>> sampler_mask(logits, [], 1.0, 2, 1.0).tolist(), sampler_mask(logits, [], 1.0, 0, 0.5).tolist()
+    ([[2.0, 1.0, -inf, -inf]], [[2.0, -inf, -inf, -inf]])
+    """
+    import torch
+
+    out = logits.clone()
+    out[..., list(banned)] = float("-inf")
+    if top_k <= 0 and top_p >= 1.0:
+        return out
+    ranked, order = (out.float() / temperature).sort(dim=-1)  # ascending, as vLLM's apply_top_k_top_p
+    drop = torch.zeros_like(ranked, dtype=torch.bool)
+    if 0 < top_k < ranked.shape[-1]:
+        drop |= ranked < ranked[..., -top_k:-top_k + 1 or None]
+    if top_p < 1.0:
+        below = ranked.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        below[..., -1] = False
+        drop |= below
+    return out.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+@contextmanager
+def _sampler_head(model, banned: Sequence[int], temperature: float, top_k: int, top_p: float):
+    """The actor's model with `sampler_mask` on its output projection's logits for the block (a forward hook, which
+    the logprob pass's own head, wrapped around that projection, runs): that pass then scores the distribution the
+    engine sampled from."""
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _module, _inputs, logits: sampler_mask(logits, banned, temperature, top_k, top_p))
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 def lora_checkpoint(config: Config):
@@ -218,8 +302,8 @@ def _drill_down(actor, meta: ArtifactMeta, records: list[ValidationRecord], scor
     import torch
 
     from vlmrl.actor.policy import load_policy, resolve_dtype
-    from vlmrl.alignment.diff import side_dtype
     from vlmrl.alignment.drill_down import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, drill_down
+    from vlmrl.alignment.precision import side_dtype
     from vlmrl.models.families import family_of
 
     engine = {(r.index, r.sample_index): r.response_logprobs for r in records}

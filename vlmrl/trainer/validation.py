@@ -146,7 +146,8 @@ def run_validation(parts: RunComponents, *, step: int = 0, artifact_path: str | 
             backend=running.name, engine=engine, engine_version=version, model_path=config.actor.model_path,
             dataset=DatasetIdentity(paths=[str(f) for f in dataset.files], rows=len(dataset),
                                     fingerprint=file_fingerprint(dataset.files)),
-            sampling=asdict(sampling), config=to_dict(config), step=step,
+            sampling=asdict(sampling), config=to_dict(config), step=step, dtype=running.dtype,
+            logprobs_mode=running.logprobs_mode,
             weights=weights_fingerprint(config.actor.model_path) if config.trainer.val_only else "")
         path = write_artifact(artifact_path, meta, records)
         logger.info("validation artifact: %s (%d samples)", path, len(records))
