@@ -10,7 +10,9 @@ Tolerances, relative to the largest reference value, from measurement (3 seeds):
   - against vLLM's kernels: 2.5e-2 (measured <= 1.0e-2, on outputs and states): vLLM's kernel keeps intermediates in
     bfloat16 and sits as far from transformers (measured 1.0e-2) as from the stand-in;
   - the conv1d against transformers: 2^-5, since transformers convolves in the weight's dtype (bfloat16) and the
-    kernels in float32; against vLLM: 2^-7 (its output rounding), windows equal.
+    kernels in float32; against vLLM: 2^-7 (its output rounding), windows equal. On a CPU without AVX-512 BF16 vLLM
+    runs its PyTorch fallbacks instead of the native conv1d kernels, and the test compares with what vLLM runs there
+    (the prefill fallback convolves in bfloat16 as transformers does: 2^-5).
 """
 
 from __future__ import annotations
@@ -41,6 +43,38 @@ def vllm_ops():
     import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
 
     return torch.ops._C
+
+
+def has_native_conv() -> bool:
+    """Whether this CPU's vLLM build has the native conv1d kernels. vLLM ships them in its AVX-512 builds and runs them
+    only on CPUs with AVX-512 BF16 (or ARM bf16); elsewhere (an AVX2-only CPU) its Qwen3.5 layer runs its PyTorch
+    fallbacks, `causal_conv1d_fn_cpu` and `causal_conv1d_update_cpu` (vllm/model_executor/layers/mamba/ops/cpu)."""
+    ops = vllm_ops()
+    return hasattr(ops, "causal_conv1d_fwd_cpu") and torch.cpu._is_avx512_bf16_supported()
+
+
+def vllm_conv1d_fwd(x, weight, states, resume):
+    """vLLM's prefill conv1d as vLLM runs it on this CPU, and the tolerance against it: the native kernel (float32
+    inside, output rounding 2^-7) or the fallback (convolves in bfloat16 as transformers does, 2^-5)."""
+    if has_native_conv():
+        out = vllm_ops().causal_conv1d_fwd_cpu(x, weight, None, states, SEQ, SLOTS, resume, True, -1, False)
+        return out, CONV_TO_VLLM
+    from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_fn_cpu
+
+    out = causal_conv1d_fn_cpu(x, weight, None, states, SEQ, cache_indices=SLOTS, has_initial_state=resume,
+                               activation="silu")
+    return out, CONV_TO_TRANSFORMERS
+
+
+def vllm_conv1d_update(x, weight, states, slots):
+    """vLLM's decode conv1d as vLLM runs it on this CPU (see vllm_conv1d_fwd)."""
+    if has_native_conv():
+        return vllm_ops().causal_conv1d_update_cpu(x, states, weight, None, True, None, slots, -1, False), CONV_TO_VLLM
+    from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
+
+    # pad_slot_id -1 as in the native call: vLLM's default (its null block, 0) would skip the test's slot 0
+    return causal_conv1d_update_cpu(x, states, weight, None, "silu", conv_state_indices=slots, pad_slot_id=-1), \
+        CONV_TO_VLLM
 
 
 @pytest.fixture
@@ -86,9 +120,9 @@ def test_causal_conv1d_over_two_sequences_equals_transformers_and_vllm(gen):
     ours_states, vllm_states = states.clone(), states.clone()
     ours = torch.ops.sgl_kernel.causal_conv1d_fwd_cpu(x, weight, None, ours_states, SEQ, SLOTS, resume, True, -1,
                                                       False)
-    theirs = vllm_ops().causal_conv1d_fwd_cpu(x, weight, None, vllm_states, SEQ, SLOTS, resume, True, -1, False)
+    theirs, tolerance = vllm_conv1d_fwd(x, weight, vllm_states, resume)
     assert ours.shape == (DIM, T) and ours.dtype == BF16
-    close(ours, theirs, CONV_TO_VLLM, "conv1d vs vLLM")
+    close(ours, theirs, tolerance, "conv1d vs vLLM")
     torch.testing.assert_close(ours_states, vllm_states, rtol=0, atol=0)
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn
 
@@ -107,8 +141,8 @@ def test_causal_conv1d_update_equals_transformers_and_vllm(gen):
     slots = torch.tensor([3, 1, 0], dtype=torch.int32)
     ours_states, vllm_states = states.clone(), states.clone()
     ours = torch.ops.sgl_kernel.causal_conv1d_update_cpu(x, ours_states, weight, None, True, None, slots, -1, False)
-    theirs = vllm_ops().causal_conv1d_update_cpu(x, vllm_states, weight, None, True, None, slots, -1, False)
-    close(ours, theirs, CONV_TO_VLLM, "conv1d update vs vLLM")
+    theirs, tolerance = vllm_conv1d_update(x, weight, vllm_states, slots)
+    close(ours, theirs, tolerance, "conv1d update vs vLLM")
     torch.testing.assert_close(ours_states, vllm_states, rtol=0, atol=0)
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update
 
