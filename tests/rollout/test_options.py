@@ -92,6 +92,7 @@ def test_sglang_defaults_follow_the_device(tiny_model_path, monkeypatch):
     cpu = sglang_args(model_path=tiny_model_path)
     assert (cpu["device"], cpu["attention_backend"], cpu["max_total_tokens"]) == ("cpu", "torch_native", 8192)
     assert cpu["enable_memory_saver"] is False
+    assert cpu["sleep_on_idle"] is True and "sleep_on_idle" not in sglang_args(on_cuda=True, model_path=tiny_model_path)
     assert sglang_args(on_cuda=True, colocated=True, model_path=tiny_model_path)["enable_memory_saver"] is True
     assert sglang_args(on_cuda=True, model_path=tiny_model_path)["enable_memory_saver"] is False
     env = engine_env(options("sglang", "rollout.sglang.vlm_cache_size_mb=64"), on_cuda=False)

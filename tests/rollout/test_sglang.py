@@ -33,6 +33,26 @@ def test_sglang_greedy_on_an_image_prompt_equals_hf_or_near_tie_fp32(backend, hf
     assert is_near_tie_or_equal(ref, got, "sglang"), greedy_mismatch(ref, got, "sglang")
 
 
+def test_an_idle_engine_leaves_the_cpu_to_the_trainer(backend, batch):
+    """On a CPU the engine is started with sleep_on_idle: between calls its processes wait on their sockets
+    instead of polling them, which held a whole core (of this machine's 2) that the trainer beside it trains on.
+    The bound is far from both: a polling scheduler uses about 1 core, a sleeping one about 0.02."""
+    import time
+
+    import psutil
+
+    backend.generate(batch[:1], GREEDY)
+    processes = [psutil.Process(pid) for pid in backend.engine_pids]
+
+    def cpu_seconds():
+        return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+    start, began = cpu_seconds(), time.monotonic()
+    time.sleep(2.0)
+    cores = (cpu_seconds() - start) / (time.monotonic() - began)
+    assert cores < 0.2, f"the idle engine's processes used {cores:.2f} cores"
+
+
 @pytest.mark.ends_engine
 def test_killed_scheduler_fails_next_call_fast_with_clear_error(backend, batch):
     """SGLang's own calls hang forever once the scheduler is gone; the backend names the dead process instead,
