@@ -22,7 +22,8 @@ class AsyncRolloutConfig:
     max_staleness: int = 1
     """How many optimizer steps older than the trainer's weights the weights a consumed batch was sampled with may be:
     a batch for step s starts only once the engine holds step s - 1 - max_staleness's weights or newer. 0 = each
-    batch from the weights just synced: the synchronous run's schedule, and its metrics exactly."""
+    batch from the weights just synced: the synchronous run's schedule, and its metrics exactly. A trainer slower
+    than the engine runs at the bound by design (most batches max_staleness steps old)."""
     buffer_steps: int = 2
     """Batches the rollout thread may hold ready ahead of the trainer."""
     rollout_workers: int = 0
