@@ -197,11 +197,8 @@ def _score(actor, config: Config, processor, calls, requests, results, rewards, 
             raw = actor.compute_logprobs(batch)[0]
         hot = None
         if sampled is not None:
-            temperature, top_k, top_p = sampled
-            actor.set_temperature(temperature)
-            with torch.no_grad(), _sampler_head(actor.model, processor.banned_token_ids, temperature, top_k, top_p):
+            with torch.no_grad(), _sampler_head(actor, processor.banned_token_ids, *sampled):
                 hot = actor.compute_logprobs(batch)[0]
-            actor.set_temperature(1.0)
         batches.append((batch, start))
         for i, result in enumerate(rows):
             length = len(result.response_ids)
@@ -263,16 +260,18 @@ def sampler_mask(logits: torch.Tensor, banned: Sequence[int], temperature: float
 
 
 @contextmanager
-def _sampler_head(model, banned: Sequence[int], temperature: float, top_k: int, top_p: float):
-    """The actor's model with `sampler_mask` on its output projection's logits for the block (a forward hook, which
-    the logprob pass's own head, wrapped around that projection, runs): that pass then scores the distribution the
-    engine sampled from."""
-    hook = model.get_output_embeddings().register_forward_hook(
+def _sampler_head(actor, banned: Sequence[int], temperature: float, top_k: int, top_p: float):
+    """The actor at `temperature` with `sampler_mask` on its output projection's logits for the block (a forward
+    hook, which the logprob pass's own head, wrapped around that projection, runs): that pass then scores the
+    distribution the engine sampled from. Temperature 1 and the plain head come back however the block ends."""
+    actor.set_temperature(temperature)
+    hook = actor.model.get_output_embeddings().register_forward_hook(
         lambda _module, _inputs, logits: sampler_mask(logits, banned, temperature, top_k, top_p))
     try:
         yield
     finally:
         hook.remove()
+        actor.set_temperature(1.0)
 
 
 def lora_checkpoint(config: Config):
