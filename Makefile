@@ -7,6 +7,12 @@
 VENV ?= .venv
 PY   := $(VENV)/bin/python
 
+# Two pytest workers (pytest-xdist), one per core of the 2-core CI machine: one process runs an engine test or a
+# learning run at about one core on average (measured), so a second worker uses the other. Tests that share an engine
+# or a Ray cluster stay together in one worker (tests/conftest.py, distribution_unit). More workers run more engines at
+# once: raise WORKERS only with the cores and memory for it.
+WORKERS ?= 2
+PARALLEL := -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
 FAST := not vllm and not sglang and not ray and not slow and not gpu and not full
 
 .PHONY: setup demo test test-all test-fast bench
@@ -17,13 +23,13 @@ demo: setup
 	PYTHON=$(PY) bash examples/qwen2_5_vl_grpo.sh
 
 test: setup
-	$(PY) -m pytest tests -m "not full"
+	$(PY) -m pytest tests -m "not full" $(PARALLEL)
 
 test-all: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests $(PARALLEL)
 
 test-fast: setup
-	$(PY) -m pytest tests -m "$(FAST)"
+	$(PY) -m pytest tests -m "$(FAST)" $(PARALLEL)
 
 bench: setup
 	$(PY) benchmarks/bench_position_ids.py

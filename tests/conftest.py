@@ -13,17 +13,75 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _ENGINE_MODULES = {"vllm": "vllm", "sglang": "sglang", "ray": "ray"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the units' marks (tests/rollout's own order comes after)
 def pytest_collection_modifyitems(config, items):
+    """Engine and GPU markers skip with the reason; under `pytest -n N --dist loadgroup` (make test) the tests are
+    put into the units the workers take (`distribution_units`)."""
+    if _distributed_by_group(config):
+        items[:] = distribution_units(items)
     for item in items:
         for marker, module in _ENGINE_MODULES.items():
             if marker in item.keywords and importlib.util.find_spec(module) is None:
-                item.add_marker(pytest.mark.skip(reason=f"{module} is not installed (run `make test`, which installs it)"))
+                item.add_marker(pytest.mark.skip(
+                    reason=f"{module} is not installed (run `make test`, which installs it)"))
         gpu = item.get_closest_marker("gpu")
         if gpu is not None:
             needed, found = gpu.kwargs.get("devices", 1), _cuda_devices()
             if found < needed:
                 item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA device(s), found {found}: a CUDA-only "
                                                         "path, run on a GPU machine"))
+
+
+def pytest_collection_finish(session):
+    """Under --dist loadgroup every test must carry its unit in its id (pytest-xdist appends `@unit`): where a
+    pytest release stops taking that, tests/rollout's shared engines would be started on every worker at once."""
+    items = session.items
+    if _distributed_by_group(session.config) and items and "@" not in items[0].nodeid:
+        raise pytest.UsageError("pytest-xdist did not group the tests (--dist loadgroup): this pytest is newer than "
+                                "the range pyproject.toml's test extra allows; run `make setup`")
+
+
+def _distributed_by_group(config) -> bool:
+    """pytest-xdist runs the session with --dist loadgroup (a worker sees it as its `loadgroup` option)."""
+    return config.pluginmanager.hasplugin("xdist") and bool(
+        getattr(config.option, "dist", "no") == "loadgroup" or getattr(config.option, "loadgroup", False))
+
+
+def distribution_unit(item) -> str:
+    """The work unit of a test when the suite runs on several workers: tests/rollout as one (its shared engines are
+    started once per process and closed after their last user, tests/rollout/conftest.py); a test that uses a
+    module-scoped fixture (an engine, a Ray cluster, a run's artifacts) with its module, which then sets it up once;
+    the other Ray tests as one (one Ray cluster at a time); the other slow tests alone (end-to-end runs that share
+    nothing with their neighbours); everything else by module."""
+    path = item.nodeid.split("::")[0]
+    if path.startswith("tests/rollout/"):
+        return "rollout"
+    scoped = [defs[-1].scope for defs in item._fixtureinfo.name2fixturedefs.values() if defs]
+    if any(scope in ("module", "class", "package") for scope in scoped):
+        return path
+    if item.get_closest_marker("ray") is not None:
+        return "ray"
+    if item.get_closest_marker("slow") is not None:
+        return "slow:" + item.nodeid.replace("[", "(").replace("]", ")").replace("@", "_")
+    return path
+
+
+def distribution_units(items: list) -> list:
+    """`items` marked with their unit (xdist_group) and reordered unit by unit, the costliest first so that no long
+    run starts last: the slow runs, then tests/rollout and the Ray tests, then the rest in collection order. Within a
+    unit the collection order is kept."""
+    units: dict[str, list] = {}
+    for item in items:
+        unit = distribution_unit(item)
+        item.add_marker(pytest.mark.xdist_group(unit))
+        units.setdefault(unit, []).append(item)
+
+    def rank(entry: tuple[int, str]) -> tuple[int, int]:
+        index, unit = entry
+        return (0 if unit.startswith("slow:") else 1 if unit in ("rollout", "ray") else 2, index)
+
+    order = sorted(enumerate(units), key=rank)
+    return [item for _, unit in order for item in units[unit]]
 
 
 def _cuda_devices() -> int:

@@ -160,7 +160,7 @@ def test_a_failed_backend_run_exits_2_naming_the_backend_and_its_log(tmp_path, t
                    "--out", str(out)])
     err = capsys.readouterr().err
     assert status == 2
-    message = " ".join(err.split())  # the error line is wrapped to the terminal width
+    message = next(line for line in err.splitlines() if line.startswith("error: "))  # one line, never wrapped
     assert f"side A hf: the validation run exited with status 2; its log: {out / 'val_a_hf.log'}" in message
     assert "no prompt column 'prompt'" in (out / "val_a_hf.log").read_text(), "the child's own error is kept"
     assert "[A hf] " in err, "the run's output is shown as it comes"

@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     console = Console()
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # an error line stays one line: the paths in it copy whole
     out = Path(args.out)
     if args.gate:
         return run_gate_mode(args, out, err)
