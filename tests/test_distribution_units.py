@@ -1,0 +1,53 @@
+"""How make test's two workers split the suite (tests/conftest.py, `distribution_units`): what shares an engine or a
+Ray cluster stays in one worker's unit, the long runs go first."""
+
+from __future__ import annotations
+
+from tests.conftest import distribution_unit, distribution_units
+
+pytest_plugins = ["pytester"]
+
+ALPHA = """
+import pytest
+
+@pytest.fixture(scope="module")
+def engine():
+    return object()
+
+def test_plain():
+    pass
+
+@pytest.mark.slow
+def test_slow_with_the_modules_engine(engine):
+    pass
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_slow_alone(backend):
+    pass
+
+@pytest.mark.ray
+def test_ray():
+    pass
+"""
+
+
+def test_units_keep_shared_engines_together_and_put_the_long_runs_first(pytester):
+    pytester.makeini("[pytest]\nmarkers =\n  slow: s\n  ray: r\n")
+    pytester.makepyfile(**{
+        "tests/rollout/test_engine": "def test_one():\n    pass\n\ndef test_two():\n    pass\n",
+        "tests/alpha/test_alpha": ALPHA,
+        "tests/beta/test_beta": "import pytest\n\n@pytest.mark.ray\ndef test_ray_too():\n    pass\n"})
+    items, _ = pytester.inline_genitems("tests")
+    units = {item.nodeid.split("::")[1]: distribution_unit(item) for item in items}
+    assert units["test_one"] == units["test_two"] == "rollout", "tests/rollout shares its engines: one worker"
+    assert units["test_slow_with_the_modules_engine"] == units["test_plain"] == "tests/alpha/test_alpha.py", \
+        "a module-scoped fixture keeps its users in one unit, set up once"
+    assert units["test_ray"] == units["test_ray_too"] == "ray", "one Ray cluster at a time"
+    alone = [unit for name, unit in units.items() if name.startswith("test_slow_alone")]
+    assert len(set(alone)) == 2 and all(unit.startswith("slow:") and "[" not in unit for unit in alone), alone
+
+    ordered = [item.nodeid.split("::")[1] for item in distribution_units(items)]
+    assert ordered[:2] == ["test_slow_alone[vllm]", "test_slow_alone[sglang]"], ordered
+    assert set(ordered[2:6]) == {"test_one", "test_two", "test_ray", "test_ray_too"}, ordered
+    assert ordered[6:] == ["test_plain", "test_slow_with_the_modules_engine"], "the rest in collection order"
