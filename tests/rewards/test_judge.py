@@ -132,6 +132,7 @@ def test_a_launched_judge_starts_with_the_model_familys_settings(engine, flag, t
     if engine == "sglang":
         assert server_flags[server_flags.index("--device") + 1] == "cpu" and env["SGLANG_USE_CPU_ENGINE"] == "1"
         assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env, "the judge reads logprobs after the logit bias"
+        assert int(server_flags[server_flags.index("--nccl-port") + 1]) > 0, "drawn by vlmrl, not by SGLang"
     else:
         assert "--enforce-eager" in server_flags and env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                                              "VLLM_CPU_KVCACHE_SPACE": "1"}

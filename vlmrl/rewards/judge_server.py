@@ -91,9 +91,9 @@ def server_command(config: JudgeServerConfig, model_path: str, *, seed: int, top
     rollout.dtype = options.resolved_dtype(family, on_cuda)
     env = {"CUDA_VISIBLE_DEVICES": config.cuda_visible_devices} if config.cuda_visible_devices else {}
     if config.engine == "sglang":
-        from vlmrl.rollout.sglang import engine_args, server_env
+        from vlmrl.rollout.sglang import engine_args, server_env, with_own_nccl_port
 
-        args = engine_args(model_path, options, family, on_cuda, "sglang")
+        args = with_own_nccl_port(engine_args(model_path, options, family, on_cuda, "sglang"))
         return MODULES["sglang"], flags(args), {**server_env(config.sglang, on_cuda), **env}
     from vlmrl.rollout.vllm import engine_kwargs
 

@@ -105,6 +105,14 @@ def engine_args(model_path: str, options: BackendOptions, family: ModelFamily | 
     return args
 
 
+def with_own_nccl_port(args: dict[str, Any]) -> dict[str, Any]:
+    """`args` with an nccl_port drawn by vlmrl (`free_port_below_ephemeral`: the OS's randomness, not the global
+    `random` a vLLM engine in this process seeds) unless the user's engine_kwargs set one."""
+    from vlmrl.utils.servers import free_port_below_ephemeral
+
+    return args if args.get("nccl_port") else {**args, "nccl_port": free_port_below_ephemeral()}
+
+
 # ---------------------------------------------------------------------------------------------------- shared logic
 
 
@@ -125,7 +133,8 @@ class SGLangCommon(RolloutBackend):
         engine must run with no multimodal cache instead: flush_cache after a sync then drops everything old."""
         if not self.salt_mm_hashes and self.rollout.sglang.vlm_cache_size_mb:
             raise ValueError(
-                f"{self.name}: rollout.sglang.vlm_cache_size_mb={self.rollout.sglang.vlm_cache_size_mb} on {family.name}: after a weight sync "
+                f"{self.name}: rollout.sglang.vlm_cache_size_mb={self.rollout.sglang.vlm_cache_size_mb} on "
+                f"{family.name}: after a weight sync "
                 "the multimodal cache would serve features of the old vision weights, and the salted mm_hashes that "
                 f"prevent it crash SGLang's scheduler on {family.name} images; set vlm_cache_size_mb=0")
 
@@ -226,7 +235,8 @@ class SGLangCommon(RolloutBackend):
 
     def start_args(self) -> dict[str, Any]:
         """The arguments this backend starts its engine (or server) with; notes what sleep will do."""
-        args = engine_args(self.model_path, self.options, self.processor.family, self.on_cuda, self.name)
+        args = with_own_nccl_port(engine_args(self.model_path, self.options, self.processor.family, self.on_cuda,
+                                              self.name))
         self.memory_saver = bool(args["enable_memory_saver"])
         self.weights_backed_up = bool(args.get("enable_weights_cpu_backup", False))
         return args
@@ -336,8 +346,8 @@ class SGLangBackend(SGLangCommon):
         if watchdog is not None:
             watchdog.stop()  # it SIGQUITs this process when a child dies; our health check reports it instead
         self.engine_pids = list(engine.get_all_child_pids())
-        logger.info("sglang: engine up on %s (%s), processes %s", self.model_path, self.options.resolved_dtype(self.processor.family),
-                    self.engine_pids)
+        logger.info("sglang: engine up on %s (%s), processes %s", self.model_path,
+                    self.options.resolved_dtype(self.processor.family), self.engine_pids)
         return engine
 
     def _health(self) -> str | None:

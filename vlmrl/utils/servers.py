@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -118,6 +119,30 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_below_ephemeral(low: int = 20000, attempts: int = 64) -> int:
+    """A free port under the kernel's ephemeral range (which bind(0) and connect() hand out), drawn with the OS's
+    randomness. For a port a child process binds only later (SGLang's nccl_port): SGLang draws it itself with
+    Python's global `random`, which a vLLM engine in the same process seeds with the run's seed, so two processes on
+    one machine that seeded alike drew the same port and the second engine's scheduler died on EADDRINUSE (measured:
+    two pytest workers). Falls back to an ephemeral port where the range below is too small."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    ports = range(low, ephemeral_low)
+    if len(ports) < attempts:
+        return free_port("0.0.0.0")
+    for port in random.SystemRandom().sample(ports, attempts):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    return free_port("0.0.0.0")
 
 
 def connect_host(host: str) -> str:
