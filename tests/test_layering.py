@@ -227,3 +227,14 @@ def test_the_checker_sees_a_planted_upward_arrow(tmp_path, monkeypatch):
     edges = import_edges()
     assert "vlmrl.trainer.fit" in edges["vlmrl.rollout.planted"]
     assert layer_of(unit("vlmrl.rollout.planted")) > layer_of(unit("vlmrl.trainer.fit"))
+
+
+MODULE_LINE_BUDGET = 600
+"""The longest a module of vlmrl/ may be: past it, a module usually holds two jobs (split it by role)."""
+
+
+def test_no_module_is_over_the_line_budget():
+    package = Path(vlmrl.__file__).parent
+    over = {str(path.relative_to(package.parent)): n for path in sorted(package.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MODULE_LINE_BUDGET}
+    assert not over, f"modules over {MODULE_LINE_BUDGET} lines (split them by role): {over}"

@@ -20,7 +20,8 @@ import vlmrl.rewards.judge_server
 from vlmrl.config import ConfigError, load_config
 from vlmrl.rewards.base import FAILED_KEY
 from vlmrl.rewards.config import JudgeConfig, RewardConfig
-from vlmrl.rewards.judge import Judge, JudgeError, combine, render_text, start_judge
+from vlmrl.rewards.judge import Judge, JudgeError, combine, start_judge
+from vlmrl.rewards.judge_prompt import render_text
 from vlmrl.rewards.registry import get_reward_fn
 from vlmrl.rewards.scoring import score_texts
 from vlmrl.types import RolloutRequest
