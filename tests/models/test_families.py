@@ -54,10 +54,12 @@ def test_each_embedded_model_has_its_family(tiny_model_path, tiny_qwen3_vl_path,
 
 def test_an_unsupported_model_is_refused_naming_it_and_the_supported_ones(tmp_path):
     with pytest.raises(ValueError, match=r"architecture LlavaForConditionalGeneration is not supported; vlmrl "
-                                         r"handles Qwen2.5-VL \(qwen2_vl / qwen2_5_vl\), Qwen3-VL \(qwen3_vl\) and Qwen3.5 \(qwen3_5\)"):
+                                         r"handles Qwen2.5-VL \(qwen2_vl / qwen2_5_vl\), Qwen3-VL \(qwen3_vl\), "
+                                         r"Qwen3.5 \(qwen3_5\), Qwen3-VL-MoE \(qwen3_vl_moe\) and Qwen3.5-MoE "
+                                         r"\(qwen3_5_moe\)"):
         family_of({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"]})
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl_moe"}))
-    with pytest.raises(ValueError, match=f"{tmp_path}: architecture model_type='qwen3_vl_moe' is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm4v_moe"}))
+    with pytest.raises(ValueError, match=f"{tmp_path}: architecture model_type='glm4v_moe' is not supported"):
         family_for_path(tmp_path)
     with pytest.raises(FileNotFoundError, match="is .* a Hugging Face model folder"):
         read_model_config(tmp_path / "missing")

@@ -15,9 +15,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts of a Mixture-of-Experts family (`vlmrl.models.experts` holds the layouts)."""
+
+    checkpoint_layout: str
+    """How its checkpoints hold the experts, the layout transformers, vLLM and SGLang all load: "fused-transposed"
+    (Qwen3-VL-MoE: transformers 5.19 saves the in-memory orientation, which neither engine loads, so vlmrl writes
+    and syncs the hub's) or "per-expert" (Qwen3.5-MoE, as transformers saves it)."""
+    router_class: str
+    """transformers' router module (`forward(hidden) -> (logits, top-k weights, top-k ids)`): what routing replay
+    and the routing metrics hook."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,17 @@ class ModelFamily:
     """SGLang server arguments this family needs on CPU. Qwen3.5: `mamba_radix_cache_strategy=no_buffer` (the
     default extra_buffer needs Mamba cache-state snapshots, which the CPU platform lacks) and, because no_buffer
     refuses it, `disable_overlap_schedule`."""
+    experts: Experts | None = None
+    """The routed experts (Mixture-of-Experts families); None: a dense model."""
+    sglang_deepstack_layers: int | None = None
+    """The number of deepstack embeddings SGLang's text model adds whatever the config says (None: it reads the
+    config). Qwen3-VL-MoE: 3 (sglang 0.5.23 hard-codes `range(3)`, the released models' count); a model with another
+    count kills the scheduler on its first image ("The size of tensor a (128) must match the size of tensor b (0)"
+    in `add_to_output`) or, with more, drops the extra ones silently."""
+    sglang_cpu_needs_amx: bool = False
+    """SGLang serves this family on a CPU only with Intel AMX. Qwen3.5-MoE: sglang 0.5.23's Qwen2-MoE block gates the
+    shared expert with a Triton kernel (`fused_gate_sigmoid_mul_add`) on every CPU without the AMX backend, and Triton
+    has no CPU driver ("0 active drivers"): the scheduler dies on the first forward. vLLM serves it on any CPU."""
 
     @property
     def timestamps_in_text(self) -> bool:
@@ -130,6 +154,13 @@ class ModelFamily:
                             "assumes Qwen3-VL's deepstack layers [8, 16, 24], which this model does not have (its "
                             "scheduler dies on the first image, or adds features no layer of the model computes); "
                             'add "deepstack_visual_indexes": [] to vision_config, as the released configs have')
+        deepstack = (model_config.get("vision_config") or {}).get("deepstack_visual_indexes")
+        if self.sglang_deepstack_layers is not None and sglang and deepstack is not None \
+                and len(deepstack) != self.sglang_deepstack_layers:
+            problems.append(f"{self.name} config with {len(deepstack)} deepstack layers ({deepstack}): SGLang's "
+                            f"{self.name} adds exactly {self.sglang_deepstack_layers}, as the released models have, "
+                            "whatever the config says (its scheduler dies on the first image, or drops the extra "
+                            "ones); use vllm or the hf backend for this model")
         if self.interleaved_mrope and not mrope_interleaved(model_config):
             problems.append(
                 f"{self.name} config without `mrope_interleaved: true` in text_config.rope_parameters (or "
@@ -198,6 +229,10 @@ class ModelFamily:
                 f"{self.name} runs in {self.cpu_engine_dtype} on CPU engines (vLLM asserts \"CPU GDN attention "
                 f"requires BF16\"; SGLang's CPU kernels are its twins): got dtype={dtype}. Set rollout.dtype="
                 f"{self.cpu_engine_dtype} or auto, and compare with the hf reference in the same dtype")
+        if self.sglang_cpu_needs_amx and backend.startswith("sglang") and not cpu_has_amx():
+            problems.append(
+                f"{backend} serves {self.name} on a CPU only with Intel AMX (sglang's shared-expert gate is a Triton "
+                "kernel elsewhere, and Triton has no CPU driver): use vllm or the hf backend on this CPU, or a GPU")
         text = model_config.get("text_config") or model_config
         if backend == "vllm" and self.cpu_linear_head_dim is not None:
             sizes = {key: text.get(key, self.cpu_linear_head_dim)
@@ -255,7 +290,19 @@ QWEN3_5 = ModelFamily(
     sglang_cpu_args=(("mamba_radix_cache_strategy", "no_buffer"), ("disable_overlap_schedule", True)),
 )
 
-FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL, QWEN3_5)
+QWEN3_VL_MOE = replace(
+    QWEN3_VL, name="Qwen3-VL-MoE", model_types=("qwen3_vl_moe",),
+    experts=Experts(checkpoint_layout="fused-transposed", router_class="Qwen3VLMoeTextTopKRouter"),
+    sglang_deepstack_layers=3,
+)
+
+QWEN3_5_MOE = replace(
+    QWEN3_5, name="Qwen3.5-MoE", model_types=("qwen3_5_moe",),
+    experts=Experts(checkpoint_layout="per-expert", router_class="Qwen3_5MoeTopKRouter"),
+    sglang_cpu_needs_amx=True,
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL, QWEN3_5, QWEN3_VL_MOE, QWEN3_5_MOE)
 
 
 def supported() -> str:
@@ -296,6 +343,13 @@ def family_for_path(model_dir: str | Path) -> ModelFamily:
         return family_of(read_model_config(model_dir))
     except ValueError as err:
         raise ValueError(f"{model_dir}: {err}") from None
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has Intel AMX tiles (what SGLang's CPU backend needs for some layers)."""
+    import torch
+
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def mrope_interleaved(model_config: Mapping[str, Any]) -> bool:

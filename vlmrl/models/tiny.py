@@ -15,10 +15,17 @@ Variants (pass the name wherever a model path is taken):
     (full_attention_interval 3), head_dim 64 with partial rotary 0.25 (interleaved mrope [3, 3, 2] over 16 dims),
     linear attention 1 key / 2 value heads of 128 (the only size vLLM's CPU kernel takes, as in the released
     models); vision depth 2, patch 16, no deepstack (~1.2 M params). Same tokenizer and template.
+  - ``tiny-qwen3-vl-moe``: a Qwen3-VL-MoE (Qwen3-VL-30B-A3B's architecture) on tiny-qwen3-vl's shapes (three
+    deepstack mergers, at vision layers 0-2, as the released model has three), every decoder layer a mixture of 4
+    experts, top-2, expert intermediate 48 (2 x 48 != hidden 128, so an expert tensor loaded in the wrong
+    orientation fails instead of loading silently); saved in the hub's layout (`vlmrl.models.experts`).
+  - ``tiny-qwen3.5-moe``: a Qwen3.5-MoE (Qwen3.5-35B-A3B's) on tiny-qwen3.5's shapes, the same experts plus a gated
+    shared expert (intermediate 64); saved per expert, as transformers and the released checkpoints do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -132,7 +139,19 @@ class TinyQwen3_5Spec:
     max_pixels: int
 
 
-VARIANTS: dict[str, TinySpec | TinyQwen3Spec | TinyQwen3_5Spec] = {
+@dataclass(frozen=True)
+class TinyMoESpec:
+    base: TinyQwen3Spec | TinyQwen3_5Spec
+    """The dense variant's shapes; the decoder's MLPs become mixtures of experts."""
+    experts: int
+    top_k: int
+    expert_intermediate: int
+    """Keep 2 x expert_intermediate != text_hidden: a transposed expert tensor then cannot load."""
+    shared_expert_intermediate: int = 0
+    """Qwen3.5-MoE's gated shared expert (0: none, Qwen3-VL-MoE)."""
+
+
+VARIANTS: dict[str, TinySpec | TinyQwen3Spec | TinyQwen3_5Spec | TinyMoESpec] = {
     "tiny": TinySpec(128, 2, 2, 256, (8, 12, 12), 2, 64, 2, 128, 28 * 28 * 4, 28 * 28 * 16),
     "tiny-large": TinySpec(768, 6, 6, 2048, (16, 24, 24), 4, 256, 4, 512, 28 * 28 * 4, 28 * 28 * 64),
     # Qwen3-VL's factor is 32 (patch 16 x merge 2): 4..16 merged tokens per image, as for `tiny`
@@ -141,6 +160,10 @@ VARIANTS: dict[str, TinySpec | TinyQwen3Spec | TinyQwen3_5Spec] = {
     "tiny-qwen3.5": TinyQwen3_5Spec(128, ("linear_attention", "linear_attention", "full_attention"), 2, 64, 256,
                                     0.25, (3, 3, 2), 1, 2, 128, 2, 64, 2, 128, 64, 32 * 32 * 4, 32 * 32 * 16),
 }
+# three deepstack mergers, as the released Qwen3-VL-MoE: SGLang's Qwen3-VL-MoE adds exactly three
+VARIANTS["tiny-qwen3-vl-moe"] = TinyMoESpec(dataclasses.replace(VARIANTS["tiny-qwen3-vl"], deepstack_layers=(0, 1, 2)),
+                                            4, 2, 48)
+VARIANTS["tiny-qwen3.5-moe"] = TinyMoESpec(VARIANTS["tiny-qwen3.5"], 4, 2, 48, shared_expert_intermediate=64)
 
 
 def _fingerprint(variant: str) -> str:
@@ -243,7 +266,9 @@ def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tok = _build_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    if isinstance(spec, TinyQwen3_5Spec):
+    if isinstance(spec, TinyMoESpec):
+        _build_moe(out, spec, tok, ids)
+    elif isinstance(spec, TinyQwen3_5Spec):
         _build_qwen3_5(out, spec, tok, ids)
     elif isinstance(spec, TinyQwen3Spec):
         _build_qwen3_vl(out, spec, tok, ids)
@@ -284,14 +309,19 @@ def _vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
 
 
 def _save_seeded(model_class, config, out: Path) -> None:
-    """The model built from `config` with `_seeded_init`'s weights, saved (float32 safetensors) into `out`."""
+    """The model built from `config` with `_seeded_init`'s weights, saved (float32 safetensors) into `out`, its
+    experts (MoE) in the layout its family's checkpoints use (what transformers and both engines load)."""
     import torch
+
+    from vlmrl.models.experts import save_checkpoint_layout
+    from vlmrl.models.families import family_of
 
     config.architectures = [model_class.__name__]
     torch.manual_seed(SEED)
     model = model_class(config).to(torch.float32)
     _seeded_init(model)
     model.save_pretrained(out, safe_serialization=True)
+    save_checkpoint_layout(out, family_of(config), model.config)
 
 
 def _build_qwen2_5_vl(out: Path, spec: TinySpec, tok, ids: dict[str, int]) -> None:
@@ -330,11 +360,11 @@ def _build_qwen2_5_vl(out: Path, spec: TinySpec, tok, ids: dict[str, int]) -> No
     processor.save_pretrained(out)
 
 
-def _build_qwen3_vl(out: Path, spec: TinyQwen3Spec, tok, ids: dict[str, int]) -> None:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+def _qwen3_vl_config(spec: TinyQwen3Spec, ids: dict[str, int], moe: dict | None = None):
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     assert sum(spec.mrope_section) == spec.head_dim // 2, "mrope sections must sum to head_dim / 2"
-    config = Qwen3VLConfig(
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=dict(
             vocab_size=VOCAB_SIZE, hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
             num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
@@ -343,7 +373,7 @@ def _build_qwen3_vl(out: Path, spec: TinyQwen3Spec, tok, ids: dict[str, int]) ->
             # the released checkpoints carry mrope_interleaved: the engines interleave only with it (HF always does)
             rope_parameters={"rope_type": "default", "mrope_section": list(spec.mrope_section),
                              "mrope_interleaved": True, "rope_theta": 5e6},
-            **_text_token_ids(ids),
+            **_text_token_ids(ids), **(moe or {}),
         ),
         vision_config=dict(
             depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=spec.vision_intermediate,
@@ -354,7 +384,12 @@ def _build_qwen3_vl(out: Path, spec: TinyQwen3Spec, tok, ids: dict[str, int]) ->
         **_vision_token_ids(ids),
         tie_word_embeddings=False,
     )
-    _save_seeded(Qwen3VLForConditionalGeneration, config, out)
+
+
+def _build_qwen3_vl(out: Path, spec: TinyQwen3Spec, tok, ids: dict[str, int]) -> None:
+    from transformers import Qwen3VLForConditionalGeneration
+
+    _save_seeded(Qwen3VLForConditionalGeneration, _qwen3_vl_config(spec, ids), out)
     _save_qwen3_vl_processor(out, spec.min_pixels, spec.max_pixels, tok)
 
 
@@ -373,8 +408,8 @@ def _save_qwen3_vl_processor(out: Path, min_pixels: int, max_pixels: int, tok) -
     processor.save_pretrained(out)
 
 
-def _build_qwen3_5(out: Path, spec: TinyQwen3_5Spec, tok, ids: dict[str, int]) -> None:
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+def _qwen3_5_config(spec: TinyQwen3_5Spec, ids: dict[str, int], moe: dict | None = None):
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     from vlmrl.models.families import attention_interval
 
@@ -382,7 +417,7 @@ def _build_qwen3_5(out: Path, spec: TinyQwen3_5Spec, tok, ids: dict[str, int]) -
     assert sum(spec.mrope_section) == rotary // 2, "mrope sections must sum to the rotary dims / 2"
     interval = attention_interval({"layer_types": list(spec.layer_types)})
     assert interval is not None, "SGLang builds the layers from full_attention_interval: keep layer_types periodic"
-    config = Qwen3_5Config(
+    return (Qwen3_5MoeConfig if moe else Qwen3_5Config)(
         text_config=dict(
             vocab_size=VOCAB_SIZE, hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
             num_hidden_layers=len(spec.layer_types), layer_types=list(spec.layer_types),
@@ -395,7 +430,7 @@ def _build_qwen3_5(out: Path, spec: TinyQwen3_5Spec, tok, ids: dict[str, int]) -
             rope_parameters={"rope_type": "default", "rope_theta": 1e7,
                              "partial_rotary_factor": spec.partial_rotary_factor,
                              "mrope_section": list(spec.mrope_section), "mrope_interleaved": True},
-            **_text_token_ids(ids),
+            **_text_token_ids(ids), **(moe or {}),
         ),
         vision_config=dict(
             depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=spec.vision_intermediate,
@@ -406,8 +441,31 @@ def _build_qwen3_5(out: Path, spec: TinyQwen3_5Spec, tok, ids: dict[str, int]) -
         **_vision_token_ids(ids),
         tie_word_embeddings=False,
     )
-    _save_seeded(Qwen3_5ForConditionalGeneration, config, out)
+
+
+def _build_qwen3_5(out: Path, spec: TinyQwen3_5Spec, tok, ids: dict[str, int]) -> None:
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    _save_seeded(Qwen3_5ForConditionalGeneration, _qwen3_5_config(spec, ids), out)
     _save_qwen3_vl_processor(out, spec.min_pixels, spec.max_pixels, tok)
+
+
+def _build_moe(out: Path, spec: TinyMoESpec, tok, ids: dict[str, int]) -> None:
+    """The dense variant's config with every decoder MLP a mixture of experts (`norm_topk_prob`: the engines read
+    it; transformers always renormalises the top-k weights)."""
+    moe = dict(num_experts=spec.experts, num_experts_per_tok=spec.top_k, moe_intermediate_size=spec.expert_intermediate,
+               norm_topk_prob=True)
+    if isinstance(spec.base, TinyQwen3_5Spec):
+        from transformers import Qwen3_5MoeForConditionalGeneration
+
+        moe["shared_expert_intermediate_size"] = spec.shared_expert_intermediate
+        _save_seeded(Qwen3_5MoeForConditionalGeneration, _qwen3_5_config(spec.base, ids, moe), out)
+    else:
+        from transformers import Qwen3VLMoeForConditionalGeneration
+
+        moe.update(decoder_sparse_step=1, mlp_only_layers=[])  # every layer sparse
+        _save_seeded(Qwen3VLMoeForConditionalGeneration, _qwen3_vl_config(spec.base, ids, moe), out)
+    _save_qwen3_vl_processor(out, spec.base.min_pixels, spec.base.max_pixels, tok)
 
 
 def main() -> None:

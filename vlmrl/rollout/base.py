@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from vlmrl.models.experts import ExpertShape
 from vlmrl.models.families import ModelFamily, read_model_config
 from vlmrl.rollout.config import BACKEND_SECTIONS, ENGINE_OPTIONS, SERVING_OPTIONS, RolloutConfig
 from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError, InvalidRequestError, RolloutError
@@ -271,8 +272,17 @@ class RolloutBackend(abc.ABC):
         if self._checkpoint_names is None:
             self._checkpoint_names = checkpoint_names(self.model_path)
         bucket_bytes = 0 if whole else int(self.rollout.sync_bucket_mb * 2**20)
-        return weight_sync(named_tensors, names, self._checkpoint_names, DTYPES[self.options.resolved_dtype(self.processor.family)],
-                           bucket_bytes, self.name, self.processor.family)
+        dtype = DTYPES[self.options.resolved_dtype(self.processor.family)]
+        return weight_sync(named_tensors, names, self._checkpoint_names, dtype, bucket_bytes, self.name,
+                           self.processor.family, self.expert_layout())
+
+    def expert_layout(self) -> tuple[str, ExpertShape] | None:
+        """(the layout this backend loads routed experts in, the model's expert sizes) for a Mixture-of-Experts model,
+        None for a dense one: the engines load the family's checkpoint layout (a transformers model its own)."""
+        experts = self.processor.family.experts
+        if experts is None:
+            return None
+        return experts.checkpoint_layout, ExpertShape.of(read_model_config(self.model_path))
 
     def sync_state(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Every tensor `update_weights` would load, at once: {checkpoint name: CPU tensor}."""

@@ -135,6 +135,9 @@ class HFBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------------ weights
 
+    def expert_layout(self):
+        return None  # transformers' own model: its fused expert tensors as they are
+
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None
                         ) -> None:
         sync = self.sync_plan(named_tensors, names)

@@ -63,6 +63,7 @@ class WeightSyncWorkerExtension:
 
         model = self.get_model()
         _quiet_derived_buffer_warnings(model)
+        _repack_cpu_experts_on_reload(model)
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
 
@@ -91,6 +92,32 @@ class WeightSyncWorkerExtension:
         self.model_runner.reset_lora_state()
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
+
+
+def _repack_cpu_experts_on_reload(model: torch.nn.Module) -> None:
+    """Make a reload of routed experts on vLLM's CPU MoE kernel put them in that kernel's layout.
+
+    vLLM 0.32 lays a MoE layer's weights out for its CPU grouped GEMM when it first loads them (the experts'
+    `process_weights_after_loading`: the intermediate size padded to the kernel's block, the tensors prepacked), and
+    on a reload skips that step (`UnquantizedFusedMoEMethod._setup_kernel` runs it only while the kernel does not
+    exist yet), then copies the plain tensors into the kernel's storage: a size mismatch where the intermediate size
+    is padded (the embedded MoE models), and tensors read in the wrong packing where it is not (the same shape, no
+    error, wrong outputs). Each such layer's method gets the step back on a reload (once per process; a no-op on
+    CUDA, whose kernels take the plain layout)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or "cpu" not in type(experts).__module__ or getattr(method, "_vlmrl_repacks", False):
+            continue
+        setup = method._setup_kernel
+
+        def setup_and_repack(layer, w13, w2, setup=setup, method=method):
+            setup(layer=layer, w13=w13, w2=w2)
+            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+        method._setup_kernel = setup_and_repack
+        method._vlmrl_repacks = True
 
 
 def _tied_heads(model: torch.nn.Module) -> list[torch.nn.Module]:

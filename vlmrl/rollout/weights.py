@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vlmrl.models.experts import ExpertShape, convert, convert_names
 from vlmrl.models.families import ModelFamily
 
 TIED_COPIES = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
@@ -41,7 +42,7 @@ class WeightSync:
 
 def weight_sync(named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None,
                 model_names: set[str], dtype: torch.dtype | None, bucket_bytes: int, backend: str,
-                family: ModelFamily) -> WeightSync:
+                family: ModelFamily, experts: tuple[str, ExpertShape] | None = None) -> WeightSync:
     """Plan a bucketed weight sync (rollout.sync_bucket_mb): names checked first, then tensors cast to the engine's
     `dtype` (floating ones), moved to the CPU and grouped `bucket_bytes` at a time, so host memory holds about one
     bucket however large the model. bucket_bytes <= 0: one bucket of everything.
@@ -53,10 +54,13 @@ def weight_sync(named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequen
         model_names: the checkpoint names of the engine's model (`checkpoint_names`); empty = unknown.
         dtype: the engine's dtype; None = as given.
         family: the model's family: its checkpoint names are what the engine loads.
+        experts: (the engine's expert layout, the model's expert sizes) for a Mixture-of-Experts model: transformers'
+            fused expert tensors are converted into that layout as they are read (`vlmrl.models.experts.convert`,
+            shapes checked); None = as given.
 
-    A tied copy the checkpoint does not hold (`tied_copies(family)`) is left out; one that differs from the tensor it is tied
-    to is refused (the engine has one tensor for both): before anything is sent when the values are at hand, else
-    when the copy is read.
+    A tied copy the checkpoint does not hold (`tied_copies(family)`) is left out; one that differs from the tensor it
+    is tied to is refused (the engine has one tensor for both): before anything is sent when the values are at hand,
+    else when the copy is read.
     """
     if names is None:
         named_tensors = list(named_tensors)  # references to tensors that exist anyway: no copy
@@ -64,6 +68,9 @@ def weight_sync(named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequen
         values = {family.checkpoint_name(name): tensor for name, tensor in named_tensors}
     else:
         values = None
+    if experts is not None:
+        names = convert_names(names, *experts)
+        named_tensors = convert(named_tensors, *experts)
     keys = [family.checkpoint_name(name) for name in names]
     if not keys:
         raise ValueError("update_weights got no tensors")

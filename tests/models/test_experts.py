@@ -1,0 +1,105 @@
+"""The MoE families' expert layouts (`vlmrl.models.experts`) and the embedded MoE models: the conversion both
+ways, its refusals, and that transformers, given the folder vlmrl writes, holds exactly the weights it was built
+with (transformers' own save of Qwen3-VL-MoE is the one no engine loads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vlmrl.models.experts import ExpertShape, checkpoint_layout_of, convert, convert_names, is_expert_name, to_fused
+from vlmrl.models.families import QWEN3_5_MOE, QWEN3_VL, QWEN3_VL_MOE, family_for_path, family_of
+
+SHAPE = ExpertShape(experts=3, intermediate=5, hidden=8)
+PREFIX = "model.language_model.layers.0.mlp.experts"
+
+
+def fused_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"model.language_model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=gen),
+            f"{PREFIX}.gate_up_proj": torch.randn(SHAPE.fused("gate_up_proj"), generator=gen),
+            f"{PREFIX}.down_proj": torch.randn(SHAPE.fused("down_proj"), generator=gen)}
+
+
+@pytest.mark.parametrize("layout", ["fused", "fused-transposed", "per-expert"])
+def test_every_layout_converts_back_to_the_same_tensors(layout):
+    state = fused_state()
+    converted = list(convert(state.items(), layout, SHAPE))
+    assert [name for name, _ in converted] == convert_names(state, layout, SHAPE), "names announced == names sent"
+    back = to_fused(dict(converted), "fused" if layout == "per-expert" else layout, SHAPE)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert all(is_expert_name(name) for name, _ in converted if "experts" in name)
+
+
+def test_per_expert_and_transposed_tensors_are_what_the_engines_read():
+    """Per expert: gate = the first I rows of expert e's gate_up, up = the next I, down = expert e's (H, I) slice;
+    fused-transposed: (E, H, 2I) and (E, I, H), the hub layout."""
+    state = fused_state()
+    gate_up, down = state[f"{PREFIX}.gate_up_proj"], state[f"{PREFIX}.down_proj"]
+    per = dict(convert(state.items(), "per-expert", SHAPE))
+    assert torch.equal(per[f"{PREFIX}.1.gate_proj.weight"], gate_up[1, :5])
+    assert torch.equal(per[f"{PREFIX}.1.up_proj.weight"], gate_up[1, 5:])
+    assert torch.equal(per[f"{PREFIX}.2.down_proj.weight"], down[2])
+    assert len([n for n in per if ".experts." in n]) == 3 * 3
+    hub = dict(convert(state.items(), "fused-transposed", SHAPE))
+    assert hub[f"{PREFIX}.gate_up_proj"].shape == (3, 8, 10) and hub[f"{PREFIX}.down_proj"].shape == (3, 5, 8)
+    assert hub[f"{PREFIX}.gate_up_proj"].is_contiguous()
+    assert checkpoint_layout_of(list(per)) == "per-expert" and checkpoint_layout_of(list(hub)) == "fused"
+    assert checkpoint_layout_of(["model.language_model.layers.0.mlp.up_proj.weight"]) is None
+
+
+def test_a_tensor_already_transposed_is_refused_not_transposed_again():
+    state = fused_state()
+    state[f"{PREFIX}.down_proj"] = state[f"{PREFIX}.down_proj"].transpose(1, 2)
+    with pytest.raises(ValueError, match=r"down_proj: shape \(3, 5, 8\), but transformers holds it as \(3, 8, 5\).*"
+                                         "refusing to guess its orientation"):
+        list(convert(state.items(), "fused-transposed", SHAPE))
+    with pytest.raises(ValueError, match="cannot be told from its shape"):
+        ExpertShape(experts=2, intermediate=4, hidden=8).check_orientable()
+    with pytest.raises(ValueError, match="unknown expert layout"):
+        list(convert(state.items(), "transposed", SHAPE))
+
+
+@pytest.mark.parametrize("variant, family, layout", [("tiny-qwen3-vl-moe", QWEN3_VL_MOE, "fused-transposed"),
+                                                     ("tiny-qwen3.5-moe", QWEN3_5_MOE, "per-expert")])
+def test_the_embedded_moe_models_are_saved_in_their_family_layout_and_load_as_built(variant, family, layout):
+    """The folder holds the experts in the layout the engines load (Qwen3-VL-MoE: the hub's transposed one, which
+    transformers 5.19's save_pretrained does not write), and transformers loads it to the very tensors of the
+    seeded build (a per-expert Qwen3-VL-MoE folder would load random experts without an error)."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models import tiny
+
+    path = tiny.ensure_built(variant)
+    assert family_for_path(path) is family and family.experts.checkpoint_layout == layout
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    assert family_of(model.config) is family
+    shape = ExpertShape.of(model.config)
+    assert shape == ExpertShape(4, 48, 128)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        saved = {name: f.get_tensor(name) for name in f.keys()}
+    state = model.state_dict()
+    assert to_fused(saved, layout, shape).keys() == state.keys()
+    assert all(torch.equal(to_fused(saved, layout, shape)[k], state[k]) for k in state)
+    torch.manual_seed(tiny.SEED)
+    fresh = type(model)(model.config).to(torch.float32)
+    tiny._seeded_init(fresh)
+    assert all(torch.equal(fresh.state_dict()[k], state[k]) for k in state), "reload != the seeded build"
+
+
+def test_sglang_is_refused_where_it_would_compute_another_moe_model():
+    """SGLang's Qwen3-VL-MoE adds three deepstack embeddings whatever the config says; its Qwen3.5-MoE needs AMX on
+    a CPU. Both are named before an engine starts; vLLM takes both."""
+    two = {"vision_config": {"deepstack_visual_indexes": [0, 1]},
+           "text_config": {"rope_parameters": {"mrope_interleaved": True}}}
+    assert any("adds exactly 3" in p for p in QWEN3_VL_MOE.engine_problems(two, "sglang"))
+    assert QWEN3_VL_MOE.engine_problems(two, "vllm") == [] and QWEN3_VL.engine_problems(two, "sglang") == []
+    three = {**two, "vision_config": {"deepstack_visual_indexes": [0, 1, 2]}}
+    assert QWEN3_VL_MOE.engine_problems(three, "sglang") == []
+    from vlmrl.models.families import cpu_has_amx
+
+    problems = QWEN3_5_MOE.cpu_engine_problems({}, "sglang", "bfloat16")
+    assert bool(problems) != cpu_has_amx()
+    assert QWEN3_5_MOE.cpu_engine_problems({}, "vllm", "bfloat16") == []

@@ -1,0 +1,182 @@
+"""The routed experts of Mixture-of-Experts VLMs (Qwen3-VL-MoE, Qwen3.5-MoE): their tensor layouts, and the one
+conversion between them that checkpoints and weight sync use.
+
+transformers 5.19 holds a decoder layer's routed experts as two fused 3D parameters, whatever the checkpoint held:
+
+    mlp.experts.gate_up_proj   (E, 2*I, H)   each expert's gate rows, then its up rows
+    mlp.experts.down_proj      (E, H, I)
+
+A family's checkpoints (what transformers, vLLM and SGLang all load) hold them in one of two other layouts:
+
+    fused-transposed (Qwen3-VL-MoE's released checkpoints): the same names, (E, H, 2*I) and (E, I, H). transformers
+        transposes them on load; vLLM and SGLang read fused names only this way. transformers 5.19's own
+        `save_pretrained` writes the in-memory orientation instead, which both engines fail to load.
+    per-expert (Qwen3.5-MoE's): mlp.experts.{e}.gate_proj.weight (I, H), .up_proj.weight (I, H), .down_proj.weight
+        (H, I). transformers' `save_pretrained` writes this for Qwen3.5-MoE, and fuses it again on load.
+
+Every tensor is checked against the shape the config gives before it is converted, and nothing is transposed on a
+guess: a tensor whose shape does not say its orientation (2*I == H) is refused by `check_orientable`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYOUTS = ("fused", "fused-transposed", "per-expert")
+"""fused: transformers' in-memory tensors; the other two: the checkpoint layouts above."""
+
+_FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)"
+                         r"\.weight$")
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """The routed experts' sizes of one model: E experts of intermediate size I over hidden size H."""
+
+    experts: int
+    intermediate: int
+    hidden: int
+
+    @classmethod
+    def of(cls, model_config: Mapping[str, Any] | Any) -> ExpertShape:
+        """From config.json (a dict) or a transformers config object (its text config)."""
+        if isinstance(model_config, Mapping):
+            text = model_config.get("text_config") or model_config
+            get = text.get
+        else:
+            text = getattr(model_config, "text_config", model_config)
+
+            def get(key, default=None):
+                return getattr(text, key, default)
+        # Qwen3-VL-MoE's config.json says num_local_experts (transformers 5.19 maps num_experts onto it), Qwen3.5-MoE's
+        # num_experts
+        experts = get("num_experts") or get("num_local_experts")
+        return cls(int(experts), int(get("moe_intermediate_size")), int(get("hidden_size")))
+
+    def fused(self, kind: str) -> tuple[int, int, int]:
+        """transformers' in-memory shape of `gate_up_proj` / `down_proj`."""
+        e, i, h = self.experts, self.intermediate, self.hidden
+        return (e, 2 * i, h) if kind == "gate_up_proj" else (e, h, i)
+
+    def check_orientable(self) -> None:
+        """Refuse a model whose fused gate_up tensor reads the same both ways (2*I == H): a transposed copy would load
+        into every engine without an error."""
+        if 2 * self.intermediate == self.hidden:
+            raise ValueError(f"MoE experts with 2 x moe_intermediate_size == hidden_size ({self.hidden}): the "
+                             "orientation of a fused expert tensor cannot be told from its shape")
+
+
+def is_expert_name(name: str) -> bool:
+    """A routed-expert tensor, in any layout."""
+    return bool(_FUSED.match(name) or _PER_EXPERT.match(name))
+
+
+def convert_names(names: Iterable[str], layout: str, shape: ExpertShape) -> list[str]:
+    """In-memory (fused) names -> the names `convert` gives in `layout`, in its order."""
+    out: list[str] = []
+    for name in names:
+        m = _FUSED.match(name)
+        if m is None or layout != "per-expert":
+            out.append(name)
+            continue
+        kinds = ("gate_proj", "up_proj") if m["kind"] == "gate_up_proj" else ("down_proj",)
+        out += [f"{m['prefix']}.{e}.{kind}.weight" for e in range(shape.experts) for kind in kinds]
+    return out
+
+
+def convert(named_tensors: Iterable[tuple[str, torch.Tensor]], layout: str, shape: ExpertShape
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers' in-memory tensors -> `layout`, lazily and in order (per expert: expert 0's gate, up, then expert
+    1's...; down tensors per expert). Other tensors pass as they are. A fused tensor of another shape than the
+    config's is refused, naming it: it was transposed somewhere already, or belongs to another model."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown expert layout {layout!r}; one of {LAYOUTS}")
+    for name, tensor in named_tensors:
+        m = _FUSED.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        expected = shape.fused(m["kind"])
+        if tuple(tensor.shape) != expected:
+            axes = "2 x intermediate, hidden" if m["kind"] == "gate_up_proj" else "hidden, intermediate"
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, but transformers holds it as {expected} "
+                             f"(experts, {axes}) for this config: refusing to guess its orientation")
+        if layout == "fused":
+            yield name, tensor
+        elif layout == "fused-transposed":
+            yield name, tensor.transpose(1, 2).contiguous()
+        elif m["kind"] == "gate_up_proj":
+            for e, weight in enumerate(tensor.unbind(0)):
+                gate, up = weight.chunk(2, dim=0)
+                yield f"{m['prefix']}.{e}.gate_proj.weight", gate.contiguous()
+                yield f"{m['prefix']}.{e}.up_proj.weight", up.contiguous()
+        else:
+            for e, weight in enumerate(tensor.unbind(0)):
+                yield f"{m['prefix']}.{e}.down_proj.weight", weight.contiguous()
+
+
+def to_fused(state: Mapping[str, torch.Tensor], layout: str, shape: ExpertShape) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors in `layout` -> transformers' in-memory fused ones (the inverse of `convert`), shapes
+    checked: what a test compares with the model's own parameters."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, tensor in state.items():
+        m = _PER_EXPERT.match(name)
+        if m is not None:
+            groups.setdefault(m["prefix"], {}).setdefault(int(m["expert"]), {})[m["kind"]] = tensor
+            continue
+        m = _FUSED.match(name)
+        if m is not None and layout == "fused-transposed":
+            tensor = tensor.transpose(1, 2)
+        if m is not None and tuple(tensor.shape) != shape.fused(m["kind"]):
+            raise ValueError(f"{name}: shape {tuple(state[name].shape)} does not fit the {layout} layout of this "
+                             f"config ({shape})")
+        out[name] = tensor
+    for prefix, experts in groups.items():
+        if sorted(experts) != list(range(shape.experts)):
+            raise ValueError(f"{prefix}: experts {sorted(experts)} of {shape.experts}")
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]])
+                                                     for e in range(shape.experts)])
+        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(shape.experts)])
+    return out
+
+
+def checkpoint_layout_of(names: Sequence[str]) -> str | None:
+    """The expert layout a checkpoint's tensor names show: per-expert, fused (either orientation: the names are
+    the same), or None (no routed experts)."""
+    if any(_PER_EXPERT.match(n) for n in names):
+        return "per-expert"
+    if any(_FUSED.match(n) for n in names):
+        return "fused"
+    return None
+
+
+def save_checkpoint_layout(folder: str | Path, family: Any, model_config: Any) -> None:
+    """Rewrite the experts of a folder transformers' `save_pretrained` just wrote into its family's checkpoint layout
+    (a no-op for dense families and for those transformers already saves right). Shards are rewritten one at a time,
+    atomically, with their index unchanged: a fused tensor keeps its name."""
+    experts = getattr(family, "experts", None)
+    if experts is None or experts.checkpoint_layout != "fused-transposed":
+        return
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from vlmrl.atomic import replace_atomically
+
+    shape = ExpertShape.of(model_config)
+    shape.check_orientable()
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            metadata = f.metadata()
+            state = {name: f.get_tensor(name) for name in f.keys()}
+        if not any(_FUSED.match(name) for name in state):
+            continue
+        converted = dict(convert(state.items(), "fused-transposed", shape))
+        replace_atomically(file, lambda tmp, converted=converted: save_file(converted, str(tmp), metadata=metadata))
