@@ -281,6 +281,9 @@ def cross_section_problems(config: Config) -> list[str]:
              "use sglang (one engine per worker) or vllm")
         need(r.tensor_parallel_size == 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: with "
              f"{world} devices each colocated engine runs on its worker's one device; set it to 1")
+        need(a.moe.routing_replay == "off", f"actor.moe.routing_replay={a.moe.routing_replay} runs in one trainer "
+             f"process for now (the {world} ranks' recorded routing does not reach the update's shards yet): set it "
+             "to off, or train on one device")
     if a.lora.enabled:
         need(a.lora.sync != "adapter" or r.name in ADAPTER_BACKENDS,
              f"actor.lora.sync=adapter needs a backend that serves LoRA adapters ({list(ADAPTER_BACKENDS)}); "

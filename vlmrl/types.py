@@ -199,6 +199,9 @@ class TrainBatch:
     data_sources: list[str] = field(default_factory=list)
     reward_extra: list[dict[str, float]] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    routed_experts: list[torch.Tensor | None] | None = None
+    """A MoE policy's routing per row, (MoE layers, the row's attended tokens, top-k) expert ids, recorded by the
+    old-logprob pass (`ActorCore.compute_logprobs(record_routing=True)`); None: not recorded (a dense model)."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -110,6 +110,30 @@ class OffloadConfig:
     logprob pass. It runs once per step without a backward, so the copies cost little next to its weights' memory."""
 
 
+ROUTING_REPLAY = ("off", "trainer")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-Experts policies (Qwen3-VL-MoE, Qwen3.5-MoE); ignored for a dense model."""
+
+    routing_replay: str = "off"
+    """off: the update routes each token as its router says now; trainer (R2): the old-logprob pass records each
+    token's experts and the update's forward and backward route through those (`vlmrl.actor.routing`), so the
+    importance ratio compares the same experts even once the optimizer has moved the routers (as verl's and slime's
+    router replay). Either way, mismatch/routing_changed_frac logs the share of (token, MoE layer) pairs whose
+    top-k set the update would choose differently from the old pass. Needs the old-logprob pass (more than one
+    optimizer step per batch, or rollout correction recomputing them) and one trainer process (dp = 1) for now.
+    The engine's own routing (R3, vLLM / SGLang `enable_return_routed_experts`) is GPU-only and not wired yet."""
+
+    def problems(self) -> list[str]:
+        if self.routing_replay not in ROUTING_REPLAY:
+            reason = (" (the engine's routed experts: vLLM and SGLang return them on GPUs only, and vlmrl does not "
+                      "read them yet)" if self.routing_replay == "engine" else "")
+            return [f"actor.moe.routing_replay={self.routing_replay!r} is not one of {list(ROUTING_REPLAY)}{reason}"]
+        return []
+
+
 @dataclass
 class ActorConfig:
     model_path: str = ""
@@ -192,6 +216,8 @@ class ActorConfig:
     """|trainer - engine| logprob gap above which a token counts in mismatch/over_threshold."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (lora.rank > 0) instead of full fine-tuning."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-Experts settings (routing replay)."""
 
     def policy_loss_kwargs(self) -> dict[str, float | None]:
         """The keyword arguments of `POLICY_LOSS_FNS[policy_loss]` besides the tensors: the clip range (clip_ratio
@@ -256,4 +282,4 @@ class ActorConfig:
         if self.lora.enabled and self.freeze_vision_tower and self.lora.vision != "off":
             out.append(f"actor.freeze_vision_tower=true with actor.lora.vision={self.lora.vision}: the tower's adapters "
                        "would train anyway; set one of them back")
-        return out + self.optim.problems() + self.lora.problems()
+        return out + self.optim.problems() + self.lora.problems() + self.moe.problems()

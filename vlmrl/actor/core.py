@@ -12,6 +12,7 @@ gradients then gives exactly the mini-batch's gradient, 1 micro-batch of 8 == 8 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -23,11 +24,13 @@ import torch
 from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.micro_batches import micro_batch_rows, row_spans, split_to_count
 from vlmrl.actor.policy import Policy, move_optimizer_state
+from vlmrl.actor.routing import RouterHooks
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean
 from vlmrl.algorithms.grpo import broadcast_to_tokens, kl_penalty
 from vlmrl.algorithms.logprobs import logprobs_and_entropy
 from vlmrl.algorithms.mismatch import MismatchAccumulator, modality
 from vlmrl.algorithms.policy_loss import POLICY_LOSS_FNS
+from vlmrl.models.families import family_of
 from vlmrl.types import TrainBatch
 from vlmrl.utils.sequences import chunks
 
@@ -58,6 +61,14 @@ class MicroBatch:
     """Packed: (N,) positions of the sequence whose next token is a response token (row by row)."""
     response_lengths: list[int] | None = None
     """Packed: response tokens of each row (N = their sum)."""
+    token_lengths: list[int] = field(default_factory=list)
+    """Each row's attended tokens (prompt + response) in the forward, in row order (MoE routing is kept per row)."""
+
+    def attended(self) -> torch.Tensor:
+        """The forward's flattened token mask: which of its tokens are a row's own (padding ones are not)."""
+        if self.attention_mask is None:
+            return torch.ones(self.input_ids.numel(), dtype=torch.bool, device=self.input_ids.device)
+        return self.attention_mask.reshape(-1).bool()
 
 
 def _vision_inputs(batch: TrainBatch, rows: Sequence[int], device: torch.device
@@ -96,6 +107,7 @@ def micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.device, pa
         pixel_values=pixel_values,
         image_grid_thw=grid,
         video_inputs=video_inputs,
+        token_lengths=attention[:, columns].sum(dim=1).tolist(),
     )
 
 
@@ -129,6 +141,7 @@ def packed_micro_batch(batch: TrainBatch, rows: Sequence[int], device: torch.dev
         video_inputs=video_inputs,
         response_index=torch.cat(index).to(device),
         response_lengths=lengths,
+        token_lengths=[len(t) for t in text],
     )
 
 
@@ -293,6 +306,10 @@ class ActorCore:
         # actor.offload.optimizer: AdamW's state waits in host memory between steps (with offloaded parameters it
         # lives there anyway: the optimizer steps on the CPU)
         self.offload_optimizer = config.offload.optimizer and not config.offload.params
+        experts = family_of(self.model.config).experts
+        self.routing = RouterHooks(self.model, experts.router_class) if experts is not None else None
+        """A MoE policy's router hooks: the old-logprob pass records each row's routing, the update replays it
+        (actor.moe.routing_replay=trainer) or counts where its own differs (mismatch/routing_*)."""
 
     def set_temperature(self, temperature: float) -> None:
         """Logprobs from here on are of softmax(logits / temperature)."""
@@ -344,12 +361,13 @@ class ActorCore:
     # ---- logprobs ---------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False,
+                         record_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) logprobs of the response tokens (0 on padding) and, optionally, their (B, R) entropy.
         `reference=True` uses the frozen reference (only when the KL loss is on): with LoRA, the policy itself with
         its adapters disabled. On a sharded model every rank must call it with the same number of rows (the forwards
-        are collectives)."""
+        are collectives). `record_routing` (the old-logprob pass of a MoE policy): each row's routing is kept in
+        `batch.routed_experts`, which the update replays or compares with (`routing_replay`)."""
         if reference and self.peft_config is not None:
             from vlmrl.actor.lora import adapters_disabled
 
@@ -367,17 +385,35 @@ class ActorCore:
         precision = torch.promote_types(next(model.parameters()).dtype, torch.float32)
         logprobs = torch.zeros(batch.response_mask.shape, dtype=precision)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
+        record = record_routing and self.routing is not None and not reference
+        routes: list[torch.Tensor | None] = [None] * len(batch)
         for rows in self.micro_batches(batch, range(len(batch))):
-            with self.autocast():
-                lp, ent = forward_response(model, micro_batch(batch, rows, self.device, self.config.padding_free),
-                                           self.temperature, with_entropy, chunk=self.config.logprob_chunk_size)
+            mb = micro_batch(batch, rows, self.device, self.config.padding_free)
+            with self.autocast(), (self.routing.record(mb.attended(), mb.token_lengths) if record
+                                   else contextlib.nullcontext({})) as recorded:
+                lp, ent = forward_response(model, mb, self.temperature, with_entropy,
+                                           chunk=self.config.logprob_chunk_size)
+            for position, row in enumerate(rows):
+                routes[row] = recorded.get(position)
             logprobs[rows] = _pad_to(lp.cpu(), width)
             if entropy is not None:
                 entropy[rows] = _pad_to(ent.cpu(), width)
         model.train(was_training)
         if reference and self.reference_on_host:
             model.to("cpu")
+        if record:
+            batch.routed_experts = routes
         return logprobs * batch.response_mask, (entropy * batch.response_mask if entropy is not None else None)
+
+    def routing_replay(self, batch: TrainBatch, rows: Sequence[int], mb: MicroBatch):
+        """The update forward's routing (a context): the rows' routing recorded by the old-logprob pass replayed
+        (actor.moe.routing_replay=trainer) or compared with the update's own; a dense model, or rows without a
+        recorded routing, route as the model says."""
+        routes = batch.routed_experts
+        if self.routing is None or routes is None or any(routes[row] is None for row in rows):
+            return contextlib.nullcontext()
+        return self.routing.replay([routes[row] for row in rows], mb.attended(),
+                                   use_given=self.config.moe.routing_replay == "trainer")
 
     # ---- update -----------------------------------------------------------------------------------------------------
 
@@ -448,6 +484,8 @@ class ActorCore:
         metrics["actor/empty_micro_batches"] = float(empty_micro_batches)
         if mismatch is not None:
             metrics.update(mismatch.metrics())
+        if self.routing is not None:
+            metrics.update(self.routing.take_counts())
         self.scheduler.step()
         return metrics
 
@@ -494,30 +532,31 @@ class ActorCore:
                 empty += 1
                 if not keep_empty_micro_batches:
                     continue
-            with self.autocast():
-                logprobs, entropy = forward_response(self.model, mb, self.temperature, True, bool(cfg.entropy_coeff),
-                                                     chunk=cfg.logprob_chunk_size)
-            old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
-            adv = token_adv[rows, :width].to(self.device)
-            out = loss_fn(logprobs, old, adv, mask, **loss_kwargs)
-            loss_mat = out.loss_mat
-            if loss_weights is not None:
-                loss_mat = loss_mat * loss_weights[rows, :width].to(device=self.device, dtype=loss_mat.dtype)
-            pg_loss = agg_loss(loss_mat, mask, mode, normaliser)
-            loss = pg_loss
-            # summed in the weights' precision (at least float32; a 16-bit autocast's entropy comes in float32): a
-            # float64 model then splits exactly over micro-batches, a float32 one is unchanged
-            entropy_term = agg_loss(entropy.to(precision), mask, mode, normaliser)
-            parts["actor/entropy"] += scalar(entropy_term)
-            if cfg.entropy_coeff:
-                loss = loss - cfg.entropy_coeff * entropy_term
-                parts["actor/entropy_loss"] += scalar(entropy_term)
-            if cfg.use_kl_loss:
-                ref = ref_logprobs[rows, :width].to(self.device)
-                kl_loss = agg_loss(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, mode, normaliser)
-                loss = loss + cfg.kl_loss_coef * kl_loss
-                parts["actor/kl_loss"] += scalar(kl_loss)
-            loss.backward()
+            with self.routing_replay(batch, rows, mb):  # the backward too: a recomputation routes again
+                with self.autocast():
+                    logprobs, entropy = forward_response(self.model, mb, self.temperature, True,
+                                                         bool(cfg.entropy_coeff), chunk=cfg.logprob_chunk_size)
+                old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
+                adv = token_adv[rows, :width].to(self.device)
+                out = loss_fn(logprobs, old, adv, mask, **loss_kwargs)
+                loss_mat = out.loss_mat
+                if loss_weights is not None:
+                    loss_mat = loss_mat * loss_weights[rows, :width].to(device=self.device, dtype=loss_mat.dtype)
+                pg_loss = agg_loss(loss_mat, mask, mode, normaliser)
+                loss = pg_loss
+                # summed in the weights' precision (at least float32; a 16-bit autocast's entropy comes in float32): a
+                # float64 model then splits exactly over micro-batches, a float32 one is unchanged
+                entropy_term = agg_loss(entropy.to(precision), mask, mode, normaliser)
+                parts["actor/entropy"] += scalar(entropy_term)
+                if cfg.entropy_coeff:
+                    loss = loss - cfg.entropy_coeff * entropy_term
+                    parts["actor/entropy_loss"] += scalar(entropy_term)
+                if cfg.use_kl_loss:
+                    ref = ref_logprobs[rows, :width].to(self.device)
+                    kl_loss = agg_loss(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, mode, normaliser)
+                    loss = loss + cfg.kl_loss_coef * kl_loss
+                    parts["actor/kl_loss"] += scalar(kl_loss)
+                loss.backward()
             parts["actor/pg_loss"] += scalar(pg_loss)
             m = out.metrics
             weighted = {"pg_clipfrac": m["clipfrac_low"] + m["clipfrac_high"],  # disjoint: A < 0 vs A > 0

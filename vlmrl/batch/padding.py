@@ -212,6 +212,7 @@ def upsample_to_multiple(batch: TrainBatch, multiple: int, *, eos_token_id: int,
         data_sources=list(batch.data_sources) + [PADDING_SOURCE] * missing if batch.data_sources else [],
         reward_extra=list(batch.reward_extra) + [{} for _ in range(missing)] if batch.reward_extra else [],
         finish_reasons=list(batch.finish_reasons) + [PADDING_SOURCE] * missing if batch.finish_reasons else [],
+        routed_experts=None if batch.routed_experts is None else list(batch.routed_experts) + [None] * missing,
     )
 
 

@@ -179,10 +179,11 @@ class DistributedActor:
 
     # ---- the actor's interface --------------------------------------------------------------------------------------
 
-    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False,
+                         record_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) logprobs (and optionally entropy) of the batch, each rank computing an equal contiguous slice.
-        B must divide by dp_size (upsample with padding rows first)."""
+        B must divide by dp_size (upsample with padding rows first). `record_routing` is not done across ranks yet
+        (the config refuses routing replay at dp > 1): the update then routes as the model says."""
         blocks = logprob_row_blocks(batch, self.dp_size, balanced=self.spec.actor.micro_batch_tokens > 0)
         parts = self._each("compute_logprobs",
                            [(select_rows(batch, rows), reference, with_entropy) for rows in blocks],

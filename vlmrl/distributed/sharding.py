@@ -39,6 +39,7 @@ def select_rows(batch: TrainBatch, rows: Sequence[int]) -> TrainBatch:
         data_sources=pick(batch.data_sources),
         reward_extra=pick(batch.reward_extra),
         finish_reasons=pick(batch.finish_reasons),
+        routed_experts=None if batch.routed_experts is None else pick(batch.routed_experts),
     )
 
 

@@ -49,7 +49,8 @@ def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
         is_padding=batch.is_padding[index], rewards=batch.rewards[index],
         rollout_logprobs=None if batch.rollout_logprobs is None else batch.rollout_logprobs[index],
         data_sources=pick(batch.data_sources), reward_extra=pick(batch.reward_extra),
-        finish_reasons=pick(batch.finish_reasons))
+        finish_reasons=pick(batch.finish_reasons),
+        routed_experts=None if batch.routed_experts is None else pick(batch.routed_experts))
 
 
 def trainer_logprobs(actor, batch: TrainBatch, rows: list[int], old_logprobs: torch.Tensor | None, *,

@@ -114,7 +114,7 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     old_logprobs = batch.rollout_logprobs if source == "engine" else None
     if source == "recompute":
         with timer("old_logprobs"):
-            old_logprobs, _ = actor.compute_logprobs(batch)
+            old_logprobs, _ = actor.compute_logprobs(batch, record_routing=True)  # a MoE policy's routing kept
     if cfg.trainer.drift_fraction > 0 and batch.rollout_logprobs is not None:
         with timer("drift"):  # the engine's own logprobs are no trainer measurement: the drift rows then get one
             keep_drift_samples(run, batch, None if source == "engine" else old_logprobs, step, collected.engine_version)

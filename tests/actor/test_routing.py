@@ -1,0 +1,132 @@
+"""Routing record / replay on the embedded MoE models (`vlmrl.actor.routing`, actor.moe.routing_replay): the hooks
+compute exactly transformers' routing, replaying a forward's own routing changes neither logprobs nor any gradient,
+a row's recorded routing replays onto the same tokens in any micro-batch layout (padded or packed, other rows
+beside it), and the update reports how much of the batch its own routers would route elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.batches import make_batch
+from vlmrl.actor.core import forward_response, micro_batch
+from vlmrl.actor.local import Actor
+from vlmrl.config import ActorConfig, OptimConfig
+
+CPU = torch.device("cpu")
+
+
+def moe_actor(variant: str, **moe) -> Actor:
+    from vlmrl.actor.config import MoEConfig
+    from vlmrl.models.tiny import ensure_built
+
+    config = ActorConfig(model_path=str(ensure_built(variant)), optim=OptimConfig(lr=1e-3, weight_decay=0.0),
+                         device="cpu", dtype="float32", ppo_micro_batch_size_per_gpu=3, moe=MoEConfig(**moe))
+    return Actor(config, total_steps=2, mini_batch_samples=6)
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3-vl-moe", "tiny-qwen3.5-moe"])
+def setup(request, synthetic_rows):
+    from vlmrl.data.config import DataConfig
+    from vlmrl.processors.qwen_vl import load_processor
+
+    actor = moe_actor(request.param, routing_replay="trainer")
+    processor = load_processor(actor.config.model_path, DataConfig(max_prompt_length=96))
+    # 3 prompts x 2 samples, prompt 1 text-only: rows with and without images, left and right padding
+    batch = make_batch(processor, synthetic_rows[:3], n=2, text_only_rows=(1,), prompt_length=96)
+    return actor, batch
+
+
+def _forward(actor, batch, rows, packed=False, grads=False):
+    actor.model.zero_grad(set_to_none=True)
+    mb = micro_batch(batch, rows, CPU, packed)
+    logprobs, _ = forward_response(actor.model, mb, 1.0, with_entropy=False)
+    mask = batch.response_mask[rows, : mb.response_width]
+    if not grads:
+        return logprobs.detach() * mask
+    (logprobs * mask).sum().backward()
+    return logprobs.detach() * mask, {n: p.grad.clone() for n, p in actor.model.named_parameters()
+                                      if p.grad is not None}
+
+
+def test_recording_and_replaying_its_own_routing_change_nothing(setup):
+    """Recording is transformers' routing bit for bit; replaying a forward's own routing gives the same logprobs and
+    the same gradient for every parameter (routers and fused experts included) as routing freely."""
+    actor, batch = setup
+    rows = list(range(len(batch)))
+    plain, plain_grads = _forward(actor, batch, rows, grads=True)
+    actor.compute_logprobs(batch, record_routing=True)
+    routes = batch.routed_experts
+    hooks = actor.routing
+    assert len(routes) == len(batch) and all(r.shape[0] == hooks.layers and r.shape[2] == hooks.top_k for r in routes)
+    assert [r.shape[1] for r in routes] == batch.attention_mask.sum(dim=1).tolist(), "one entry per attended token"
+    mb = micro_batch(batch, rows, CPU)
+    with hooks.replay([routes[r] for r in rows], mb.attended()):
+        replayed, replayed_grads = _forward(actor, batch, rows, grads=True)
+    assert torch.equal(replayed, plain)
+    assert replayed_grads.keys() == plain_grads.keys()
+    assert any("experts.gate_up_proj" in n for n in plain_grads) and any(".mlp.gate." in n for n in plain_grads)
+    assert all(torch.equal(replayed_grads[n], plain_grads[n]) for n in plain_grads)
+    assert hooks.take_counts() == {"mismatch/routing_changed_frac": 0.0,
+                                   "mismatch/routing_changed_tokens_frac": 0.0}
+
+
+def test_a_rows_routing_replays_onto_its_tokens_in_any_layout(setup):
+    """Routing recorded with the rows padded side by side, every id moved to another expert, replays onto the same
+    tokens packed and in another row order: the same logprobs as padded (to float32 rounding), far from the
+    model's own routing."""
+    actor, batch = setup
+    rows = list(range(len(batch)))
+    actor.compute_logprobs(batch, record_routing=True)
+    experts = actor.routing.num_experts
+    moved = [(r.to(torch.long) + 1) % experts for r in batch.routed_experts]
+    own = _forward(actor, batch, rows)
+    with actor.routing.replay(moved, micro_batch(batch, rows, CPU).attended()):
+        padded = _forward(actor, batch, rows)
+    subset = [4, 0, 3]
+    with actor.routing.replay([moved[r] for r in subset], micro_batch(batch, subset, CPU, packed=True).attended()):
+        packed = _forward(actor, batch, subset, packed=True)
+    width = packed.shape[1]
+    assert torch.allclose(packed, padded[subset, :width], atol=1e-4, rtol=0)
+    assert (padded - own).abs().max() > 0.1, "moving every expert id changed nothing: the replay is not used"
+    # the first MoE layer sees the recorded hidden states, where no moved set is the router's own; later layers see
+    # what the moved experts computed, and may choose anything there
+    assert actor.routing.take_counts()["mismatch/routing_changed_frac"] >= 1 / actor.routing.layers
+    with pytest.raises(ValueError, match="recorded tokens for a forward of"):
+        with actor.routing.replay(moved[:2], micro_batch(batch, rows, CPU).attended()):
+            pass
+
+
+def test_the_update_reports_the_routing_its_routers_would_change(setup):
+    """The update replays the old pass's routing (routing_replay=trainer): with the routers as they were, no token
+    would route elsewhere (0.0); with the routers moved after the old pass, the update names the share of (token,
+    MoE layer) pairs and of tokens its own routers would send to other experts."""
+    actor, batch = setup
+    old, _ = actor.compute_logprobs(batch, record_routing=True)
+    saved = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    advantages = torch.zeros(len(batch))
+    try:
+        for p in actor.optimizer.param_groups:
+            p["lr"] = 0.0
+        metrics = actor.update(batch, old, advantages)
+        assert metrics["mismatch/routing_changed_frac"] == 0.0
+        assert metrics["actor/ratio_min"] == metrics["actor/ratio_max"] == 1.0
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for router in actor.routing.routers:
+                router.weight.add_(torch.randn(router.weight.shape, generator=gen) * router.weight.std())
+        metrics = actor.update(batch, old, advantages)
+        assert 0.0 < metrics["mismatch/routing_changed_frac"] <= metrics["mismatch/routing_changed_tokens_frac"]
+    finally:
+        with torch.no_grad():
+            for n, p in actor.model.named_parameters():
+                p.copy_(saved[n])
+
+
+def test_a_dense_model_has_no_routing_and_engine_replay_is_refused(tiny_model_path):
+    from vlmrl.actor.config import MoEConfig
+
+    config = ActorConfig(model_path=tiny_model_path, device="cpu", dtype="float32")
+    assert Actor(config, total_steps=1, mini_batch_samples=4).routing is None
+    assert "GPUs only" in MoEConfig(routing_replay="engine").problems()[0]
+    assert MoEConfig(routing_replay="trainer").problems() == []

@@ -1,0 +1,144 @@
+"""The routers of a Mixture-of-Experts model: what they chose (record) and choosing for them (replay).
+
+Each MoE decoder layer's router (`ModelFamily.experts.router_class`; transformers' `forward(hidden) -> (logits,
+top-k weights, top-k ids)`) gets a forward that computes exactly what transformers computes (softmax over the
+router logits in float32, the top-k of it, the top-k weights renormalised) and, by mode:
+
+    record   keeps each layer's top-k ids of the attended tokens, per row of the batch;
+    replay   uses given ids instead of its own top-k (the weights are the router's own probabilities at those ids,
+             renormalised, so the router still learns), and counts where its own top-k would have differed.
+
+Ids are kept per row and per attended token (prompt and response, in order), not per forward: a row's routing
+recorded in one micro-batch layout (padded, packed, other rows beside it) replays in any other. Padding tokens
+route as their own router says; their outputs are never read.
+
+This is routing replay as verl (Megatron's `RouterReplay`, modes record / replay), slime and miles run it: the R2
+variant records in the old-logprob pass and replays in the update, so the update's ratio compares the same experts;
+the R3 variant takes the ids the rollout engine used (vLLM / SGLang `enable_return_routed_experts`, GPU only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+
+def routers_of(model: torch.nn.Module, router_class: str) -> list[torch.nn.Module]:
+    """The model's router modules of that class, in module order (= decoder layer order)."""
+    return [m for m in model.modules() if type(m).__name__ == router_class]
+
+
+class RouterHooks:
+    """Record / replay on every router of a model (see the module's docstring). Outside `record` / `replay` the
+    routers compute transformers' routing unchanged."""
+
+    def __init__(self, model: torch.nn.Module, router_class: str):
+        self.routers = routers_of(model, router_class)
+        if not self.routers:
+            raise ValueError(f"no {router_class} module in {type(model).__name__}: not a MoE model of this family")
+        self.top_k = int(self.routers[0].top_k)
+        self.num_experts = int(self.routers[0].num_experts)
+        self._mode: str | None = None
+        self._calls: list[torch.Tensor | None] = [None] * len(self.routers)
+        """This forward's top-k ids per layer (own choice), (tokens, k)."""
+        self._replay: list[torch.Tensor] | None = None
+        self.changed = torch.zeros((), dtype=torch.long)
+        """replay: (token, layer) pairs of attended tokens whose own top-k SET differed from the replayed one."""
+        self.compared = torch.zeros((), dtype=torch.long)
+        self.changed_tokens = torch.zeros((), dtype=torch.long)
+        self.compared_tokens = torch.zeros((), dtype=torch.long)
+        self._attended: torch.Tensor | None = None
+        self._counted: list[bool] = [False] * len(self.routers)
+        self._token_changed: torch.Tensor | None = None
+        self._use_given = True
+        for index, router in enumerate(self.routers):
+            router.forward = partial(self._forward, index, router)
+
+    @property
+    def layers(self) -> int:
+        return len(self.routers)
+
+    def _forward(self, index: int, router: torch.nn.Module, hidden_states: torch.Tensor):
+        hidden = hidden_states.reshape(-1, router.hidden_dim)
+        logits = F.linear(hidden, router.weight)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        own = torch.topk(probs, router.top_k, dim=-1).indices
+        ids = own
+        if self._mode == "replay":
+            assert self._replay is not None and self._attended is not None
+            given = self._replay[index].to(own.device)
+            if self._use_given:
+                ids = own.clone()
+                ids[self._attended] = given
+            self._count(index, own[self._attended], given)
+        elif self._mode == "record":
+            self._calls[index] = own.detach()
+        weights = probs.gather(-1, ids)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(logits.dtype), ids
+
+    def _count(self, index: int, own: torch.Tensor, given: torch.Tensor) -> None:
+        """Counts each micro-batch's layer once (a recomputing backward calls the router again)."""
+        if self._counted[index]:
+            return
+        self._counted[index] = True
+        differs = (own.sort(dim=-1).values != given.sort(dim=-1).values).any(dim=-1)
+        self.changed += int(differs.sum())
+        self.compared += differs.numel()
+        self._token_changed = differs if self._token_changed is None else self._token_changed | differs
+        if all(self._counted):
+            self.changed_tokens += int(self._token_changed.sum())
+            self.compared_tokens += self._token_changed.numel()
+
+    @contextmanager
+    def record(self, attended: torch.Tensor, lengths: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
+        """Within: forwards record. Yields {row position in the micro-batch: (layers, its attended tokens, k) ids},
+        filled when the block ends. `attended`: the forward's flattened token mask (padded: attention_mask; packed:
+        all ones); `lengths`: each row's attended tokens, in order."""
+        out: dict[int, torch.Tensor] = {}
+        self._mode, self._calls = "record", [None] * self.layers
+        try:
+            yield out
+            if any(c is None for c in self._calls):
+                raise RuntimeError("a router did not run in the recorded forward")
+            mask = attended.reshape(-1).bool().to(self._calls[0].device)
+            per_layer = [c[mask].to(torch.int16).cpu() for c in self._calls]  # type: ignore[index]
+            stacked = torch.stack(per_layer)  # (layers, attended tokens, k)
+            for position, part in enumerate(torch.split(stacked, list(lengths), dim=1)):
+                out[position] = part.clone()
+        finally:
+            self._mode, self._calls = None, [None] * self.layers
+
+    @contextmanager
+    def replay(self, rows: Sequence[torch.Tensor], attended: torch.Tensor, use_given: bool = True) -> Iterator[None]:
+        """Within: forwards route the attended tokens through the given experts. `rows`: each row's (layers, its
+        attended tokens, k) ids, in the forward's row order; `attended` as in `record`. `use_given=False`: the
+        routers route as they would, only counting where they differ from the given ids (the metrics without
+        replay)."""
+        ids = torch.cat([r.to(torch.long) for r in rows], dim=1)  # (layers, attended tokens, k)
+        mask = attended.reshape(-1).bool()
+        if int(mask.sum()) != ids.shape[1]:
+            raise ValueError(f"routing replay: {ids.shape[1]} recorded tokens for a forward of {int(mask.sum())}")
+        self._use_given = use_given
+        self._mode, self._replay, self._attended = "replay", list(ids.to(mask.device).unbind(0)), mask
+        self._counted, self._token_changed = [False] * self.layers, None
+        try:
+            yield
+        finally:
+            self._mode, self._replay, self._attended = None, None, None
+
+    def take_counts(self) -> dict[str, float]:
+        """Fractions of replayed (token, layer) pairs and of tokens (any layer) whose own top-k set differed from the
+        replayed one, since the last call; {} when nothing was replayed."""
+        if int(self.compared) == 0:
+            return {}
+        out = {"mismatch/routing_changed_frac": float(self.changed) / float(self.compared),
+               "mismatch/routing_changed_tokens_frac": float(self.changed_tokens) / max(float(self.compared_tokens),
+                                                                                         1.0)}
+        for counter in (self.changed, self.compared, self.changed_tokens, self.compared_tokens):
+            counter.zero_()
+        return out
