@@ -105,6 +105,12 @@ class ModelFamily:
     refuses it, `disable_overlap_schedule`."""
     experts: Experts | None = None
     """The routed experts (Mixture-of-Experts families); None: a dense model."""
+    float32_in_engines: tuple[str, ...] = ()
+    """Name parts of parameters the engines keep in float32 whatever their dtype: weight sync sends these in float32
+    (a bfloat16 copy would round them, and the engine would then compute otherwise than from the checkpoint it
+    loaded). Qwen3.5: the Gated DeltaNet decay `linear_attn.A_log` (vLLM 0.32 holds it in float32 in a bfloat16
+    engine; measured: pushed as bfloat16, the tiny Qwen3.5-MoE's greedy outputs no longer equal its freshly loaded
+    ones)."""
     sglang_deepstack_layers: int | None = None
     """The number of deepstack embeddings SGLang's text model adds whatever the config says (None: it reads the
     config). Qwen3-VL-MoE: 3 (sglang 0.5.23 hard-codes `range(3)`, the released models' count); a model with another
@@ -286,6 +292,7 @@ QWEN3_5 = ModelFamily(
     linear_attention_projections=("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
     cpu_engine_dtype="bfloat16",
     cpu_linear_head_dim=128,
+    float32_in_engines=("linear_attn.A_log",),
     deepstack_free=True,
     sglang_cpu_args=(("mamba_radix_cache_strategy", "no_buffer"), ("disable_overlap_schedule", True)),
 )

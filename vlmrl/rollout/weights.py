@@ -115,7 +115,9 @@ def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], keys: list[str],
             raise ValueError(f"{backend}: weight {read} is {name!r}, not the announced {key!r}")
         tensor = tensor.detach()
         if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)  # on the trainer's device: half the bytes to move for a bf16 engine
+            # on the trainer's device: half the bytes to move for a bf16 engine; float32 where the engine keeps it
+            keep = any(part in key for part in family.float32_in_engines)
+            tensor = tensor.to(torch.promote_types(dtype, torch.float32) if keep else dtype)
         tensor = tensor.to("cpu").contiguous()
         if key in sources or key in dropped:
             prints[key] = _fingerprint(tensor)

@@ -1,0 +1,110 @@
+"""The engine contract of a MoE family (subclassed per engine in this folder): the engine gives transformers'
+outputs, and a weight sync lands every kind of MoE tensor (each expert's gate, up and down projections, the router,
+Qwen3.5-MoE's shared expert and its gate) in the engine's own layout, checked against transformers with the same
+weights, and the originals bring the first outputs back exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.rollout.helpers import GREEDY, LOGPROB_TOL, clone_state, greedy_problems
+from vlmrl.types import SamplingParams
+
+ONE = SamplingParams(temperature=0.0, max_new_tokens=4, top_logprobs=5)
+
+
+def rolled_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every layer's experts rolled by one (expert e gets expert e+1's weights): a different model that only a
+    sync landing every expert of every layer, in the right orientation and order, reproduces."""
+    return {k: (v.roll(1, dims=0) if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v).clone()
+            for k, v in state.items()}
+
+
+def moved(state: dict[str, torch.Tensor], name_part: str, rows: slice | None = None, scale: float = 0.3,
+          seed: int = 5) -> dict[str, torch.Tensor]:
+    """The state with the tensors named like `name_part` (optionally only rows `rows` of their dim 1: the gate or
+    the up half of a fused gate_up) shifted by `scale` x their spread."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        t = t.clone()
+        if name_part in name:
+            noise = scale * t.float().std() * torch.randn(t.shape, generator=gen)
+            if rows is None:
+                t = t + noise.to(t.dtype)
+            else:
+                t[:, rows] += noise[:, rows].to(t.dtype)
+        out[name] = t
+    return out
+
+
+class MoEContract:
+    """Fixtures: `backend` (module-scoped engine), `hf` (the reference in the engine's dtype), `batch`."""
+
+    def like_hf_problems(self, hf, requests, results, backend) -> list[str]:
+        """How the engine's greedy results differ from what HF (with its current weights) gives (empty: they do
+        not): float32, token for token and to float rounding."""
+        return greedy_problems(hf.generate(requests, GREEDY), results, backend.name, LOGPROB_TOL)
+
+    def original_state(self, hf) -> dict[str, torch.Tensor]:
+        """The weights a trainer holds for the model the engine loaded (its float32 master weights)."""
+        return clone_state(hf.model)
+
+    def kinds(self, hf) -> dict[str, tuple[str, slice | None]]:
+        """{what: (name part, rows)}: every kind of MoE tensor this family's layers have."""
+        inter = hf.model.config.text_config.moe_intermediate_size
+        kinds = {"expert gate projections": ("experts.gate_up_proj", slice(0, inter)),
+                 "expert up projections": ("experts.gate_up_proj", slice(inter, 2 * inter)),
+                 "expert down projections": ("experts.down_proj", None),
+                 "routers": (".mlp.gate.weight", None)}
+        if getattr(hf.model.config.text_config, "shared_expert_intermediate_size", 0):
+            kinds.update({"shared experts": (".mlp.shared_expert.", None),
+                          "shared expert gates": (".mlp.shared_expert_gate.", None)})
+        return kinds
+
+    def test_rolled_experts_sync_in_buckets_like_hf_and_restore(self, backend, hf, batch):
+        """Every layer's experts rolled, pushed in buckets of 0.25 MiB (expert tensors straddling buckets): the
+        engine gives transformers' outputs with the same weights; the originals bring its first outputs back."""
+        first = backend.generate(batch, GREEDY)
+        original = self.original_state(hf)
+        rolled = rolled_experts(original)
+        size = backend.rollout.sync_bucket_mb
+        backend.rollout.sync_bucket_mb = 0.25
+        try:
+            assert len(list(backend.sync_plan(rolled.items()).buckets)) >= 4
+            backend.update_weights(rolled.items())
+            hf.update_weights(rolled.items())
+            try:
+                after = backend.generate(batch, GREEDY)
+                problems = self.like_hf_problems(hf, batch, after, backend)
+            finally:
+                hf.update_weights(original.items())
+            assert not problems, "engine with rolled experts != HF with them:\n" + "\n".join(problems)
+            assert sum(a.response_ids != b.response_ids for a, b in zip(first, after)) >= len(batch) // 2
+        finally:
+            backend.update_weights(original.items())
+            backend.rollout.sync_bucket_mb = size
+        restored = backend.generate(batch, GREEDY)
+        assert [r.response_ids for r in restored] == [r.response_ids for r in first]
+
+    def test_every_kind_of_moe_tensor_lands(self, backend, hf, batch):
+        """Each kind pushed alone (every layer) moves the engine's first-token logprobs, as it moves HF's."""
+        requests = batch[:2] + batch[3:4]
+        first = backend.generate(requests, ONE)
+        original = self.original_state(hf)
+        unmoved = []
+        try:
+            for what, (part, rows) in self.kinds(hf).items():
+                state = moved(original, part, rows)
+                backend.update_weights(state.items())
+                after = backend.generate(requests, ONE)
+                shift = max(abs(x.response_logprobs[0] - y.response_logprobs[0]) for x, y in zip(first, after))
+                if shift < 1e-3:
+                    unmoved.append(f"{what} ({shift:.1e})")
+            assert not unmoved, f"pushing these MoE tensors changed nothing in the engine: {unmoved}"
+        finally:
+            backend.update_weights(original.items())
+        restored = backend.generate(requests, ONE)
+        assert [r.response_ids for r in restored] == [r.response_ids for r in first]
+        assert all(max(abs(a - b) for a, b in zip(x.response_logprobs, y.response_logprobs)) < 1e-5
+                   for x, y in zip(first, restored))

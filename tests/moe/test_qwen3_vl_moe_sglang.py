@@ -1,0 +1,50 @@
+"""SGLang (in-process Engine, float32, CPU) on the embedded Qwen3-VL-MoE against transformers: greedy == HF token
+for token on nine requests with 0-2 images, expert weight sync in the hub's layout, and a config SGLang would
+compute another model from (not three deepstack layers) refused before it starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.moe.contract import MoEContract
+from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_problems
+from tests.rollout.qwen3_5.conftest import edited_copy
+from vlmrl.rollout.errors import RolloutError
+from vlmrl.rollout.registry import get_backend
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module")
+def backend(qwen3_vl_moe_path):
+    with get_backend("sglang", qwen3_vl_moe_path, dtype="float32", max_model_len=1024, timeout_s=300) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def hf(hf_qwen3_vl_moe):
+    return hf_qwen3_vl_moe
+
+
+@pytest.fixture(scope="module")
+def batch(moe_batch):
+    return moe_batch
+
+
+class TestSGLangQwen3VLMoE(MoEContract):
+    def test_greedy_equals_hf(self, backend, batch, hf_qwen3_vl_moe_greedy):
+        """Nine requests with 0, 1 and 2 images: HF's ids token for token, its logprobs to float rounding."""
+        results = backend.generate(batch, GREEDY)
+        problems = greedy_problems(hf_qwen3_vl_moe_greedy, results, backend.name, LOGPROB_TOL)
+        assert not problems, "\n".join(problems)
+
+
+def test_two_deepstack_layers_are_refused_before_the_engine(backend, qwen3_vl_moe_path, tmp_path):
+    """SGLang's Qwen3-VL-MoE adds three deepstack embeddings whatever the config says (its scheduler died on the
+    first image with two): such a config is named before SGLang starts."""
+    def two(config):
+        config["vision_config"]["deepstack_visual_indexes"] = [0, 1]
+
+    with pytest.raises(RolloutError, match="adds exactly 3, as the released models have"):
+        get_backend("sglang", edited_copy(qwen3_vl_moe_path, tmp_path / "two", two), dtype="float32",
+                    max_model_len=1024)

@@ -1,0 +1,38 @@
+"""A launched SGLang HTTP server (float32, CPU) on the embedded Qwen3-VL-MoE: greedy == HF token for token, and the
+expert sync (safetensors shards on disk, in the hub's layout) lands."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.moe.contract import MoEContract
+from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_problems, sglang_server
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module")
+def backend(qwen3_vl_moe_path, tmp_path_factory):
+    yield from sglang_server(qwen3_vl_moe_path, tmp_path_factory, "sglang-server-qwen3-vl-moe")
+
+
+@pytest.fixture(scope="module")
+def hf(hf_qwen3_vl_moe):
+    return hf_qwen3_vl_moe
+
+
+@pytest.fixture(scope="module")
+def batch(moe_batch):
+    return moe_batch
+
+
+class TestSGLangServerQwen3VLMoE(MoEContract):
+    def test_greedy_equals_hf(self, backend, batch, hf_qwen3_vl_moe_greedy):
+        """Nine requests with 0, 1 and 2 images: HF's ids token for token, its logprobs to float rounding."""
+        results = backend.generate(batch, GREEDY)
+        problems = greedy_problems(hf_qwen3_vl_moe_greedy, results, backend.name, LOGPROB_TOL)
+        assert not problems, "\n".join(problems)
+
+    # the per-kind pushes are the in-process engine's test (the same update path in SGLang); here the rolled
+    # experts, bucketed, through the server's disk shards
+    test_every_kind_of_moe_tensor_lands = None
