@@ -1,6 +1,6 @@
 """What examples/qwen2_5_vl_grpo.sh asks Python: which recipe a model takes, and the finished run's curve.
 
-    python examples/recipe.py pick MODEL_PATH DEVICES   # prints: demo|qwen2_5_vl_geo3k|qwen3_vl_geo3k|qwen3_5_geo3k ENGINE OUTPUT_DIR
+    python examples/recipe.py pick MODEL_PATH DEVICES   # prints: demo|<family>_geo3k ENGINE OUTPUT_DIR
     python examples/recipe.py curve ARG ...             # validation accuracy by step, from the run's metrics.jsonl
 """
 
@@ -27,15 +27,16 @@ def pick(model: str, devices: str) -> str:
     if not devices and (not model or is_embedded(model) or wrote_demo):
         engine = "vllm" if importlib.util.find_spec("vllm") else "hf"
         return f"demo {engine} outputs/demo" + (f"-{model}" if model not in ("", "tiny") and not wrote_demo else "")
-    recipes = {"Qwen3-VL": "qwen3_vl_geo3k", "Qwen3.5": "qwen3_5_geo3k"}
+    recipes = {"Qwen3-VL": "qwen3_vl_geo3k", "Qwen3.5": "qwen3_5_geo3k", "Qwen3-VL-MoE": "qwen3_vl_moe_geo3k",
+               "Qwen3.5-MoE": "qwen3_5_moe_geo3k"}
     if model and (Path(model).expanduser() / "config.json").exists():
         from vlmrl.models.families import family_for_path
 
         family = family_for_path(Path(model).expanduser()).name
     elif re.search(r"qwen3[-_.]?vl", model, re.IGNORECASE):  # a hub id (downloaded later)
-        family = "Qwen3-VL"
+        family = "Qwen3-VL-MoE" if re.search(r"-A\d+B", model, re.IGNORECASE) else "Qwen3-VL"
     elif re.search(r"qwen3[-_.]5", model, re.IGNORECASE):
-        family = "Qwen3.5"
+        family = "Qwen3.5-MoE" if re.search(r"-A\d+B", model, re.IGNORECASE) else "Qwen3.5"
     else:  # another hub id, or none: the default Qwen2.5-VL
         family = "Qwen2.5-VL"
     recipe = recipes.get(family, "qwen2_5_vl_geo3k")

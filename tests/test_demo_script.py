@@ -55,6 +55,8 @@ def test_an_embedded_name_runs_the_demo_on_that_model(model, output):
 
 @pytest.mark.parametrize("model, recipe", [("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl_geo3k"),
                                            ("Qwen/Qwen3.5-9B", "qwen3_5_geo3k"),
+                                           ("Qwen/Qwen3-VL-30B-A3B-Instruct", "qwen3_vl_moe_geo3k"),
+                                           ("Qwen/Qwen3.5-35B-A3B", "qwen3_5_moe_geo3k"),
                                            ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl_geo3k")])
 def test_a_hub_id_picks_its_familys_recipe_by_name(model, recipe):
     args = dry_run(MODEL_PATH=model)
@@ -96,6 +98,24 @@ def test_the_qwen3_5_recipe_loads_with_slimes_geo3k_settings():
     assert config.data.train_batch_size * config.rollout.n == 512 and not config.actor.use_kl_loss
     assert (config.actor.clip_ratio, config.actor.clip_ratio_high) == (0.2, 0.28)
     assert not config.actor.padding_free
+
+
+def test_the_moe_recipes_load_with_their_anchors_settings(tmp_path):
+    """EasyR1's Qwen3-VL-30B-A3B geo3k run and the Qwen3.5 geo3k settings on the 35B-A3B; a local MoE folder picks
+    its family's recipe by its config.json; routing replay off at dp = 8 (vlmrl records routing in one process)."""
+    from vlmrl.models.tiny import ensure_built
+
+    vl = load_config([f"config={ROOT / 'examples' / 'configs' / 'qwen3_vl_moe_geo3k.yaml'}"], check_model=False)
+    assert (vl.actor.optim.lr, vl.rollout.n, vl.actor.kl_loss_coef, vl.actor.dtype) == (1e-6, 5, 0.01, "bfloat16")
+    assert (vl.data.train_batch_size, vl.actor.ppo_mini_batch_size) == (512, 128)
+    q35 = load_config([f"config={ROOT / 'examples' / 'configs' / 'qwen3_5_moe_geo3k.yaml'}"], check_model=False)
+    assert (q35.rollout.n, q35.rollout.temperature, q35.actor.optim.weight_decay) == (8, 0.8, 0.1)
+    for config in (vl, q35):
+        assert config.actor.moe.routing_replay == "off" and config.data.max_pixels % (32 * 32) == 0
+    for variant, recipe in [("tiny-qwen3-vl-moe", "qwen3_vl_moe_geo3k"), ("tiny-qwen3.5-moe", "qwen3_5_moe_geo3k")]:
+        folder = tmp_path / recipe / "policy"
+        shutil.copytree(ensure_built(variant), folder)
+        assert value(dry_run(MODEL_PATH=str(folder)), "config") == f"examples/configs/{recipe}.yaml"
 
 
 def test_recipe_overlays_stack_on_the_demo_and_on_the_geo3k_recipe():
