@@ -130,3 +130,23 @@ def test_a_dense_model_has_no_routing_and_engine_replay_is_refused(tiny_model_pa
     assert Actor(config, total_steps=1, mini_batch_samples=4).routing is None
     assert "GPUs only" in MoEConfig(routing_replay="engine").problems()[0]
     assert MoEConfig(routing_replay="trainer").problems() == []
+
+
+def test_lora_on_a_moe_policy_adapts_attention_and_syncs_every_expert_merged(setup):
+    """The default LoRA targets on a MoE model: attention (and Qwen3.5's linear attention and shared expert), never
+    the fused experts (parameters, not Linear layers) or the routers, which stay frozen; the merged weights a sync
+    sends carry every expert tensor under the model's own names, in the layout the engines convert from."""
+    from vlmrl.actor.config import LoraConfig
+
+    actor, _ = setup
+    path = actor.config.model_path
+    config = ActorConfig(model_path=path, device="cpu", dtype="float32", lora=LoraConfig(rank=4, alpha=8))
+    lora = Actor(config, total_steps=1, mini_batch_samples=6)
+    trainable = [n for n, p in lora.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert not any(".experts." in n or ".mlp.gate." in n for n in trainable)
+    merged = dict(lora.named_tensors())
+    assert merged.keys() == dict(actor.model.state_dict()).keys()
+    experts = [n for n in merged if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(experts) == 2 * actor.routing.layers
+    assert lora.routing is not None and lora.routing.layers == actor.routing.layers

@@ -43,6 +43,8 @@ def single_process(config: ActorConfig, mini_batch_samples: int) -> Actor:
     actor.model.double()  # float64 like the workers (the optimizer holds the same parameter objects)
     if actor.reference is not None:
         actor.reference.double()
+    if actor.routing is not None:  # as the workers load a float64 MoE model (vlmrl.actor.policy.load_policy)
+        actor.model.set_experts_implementation("eager")
     return actor
 
 
@@ -175,9 +177,10 @@ def test_dp2_matches_dp1_in_every_mode_with_padding_rows_and_correction_weights(
 
 
 # Qwen3.5 is a variant (marker `full`, make test-all): the third family of the same step; its text-only forward runs
-# the tower and gives every vision tensor a gradient in tests/distributed/test_vision.py (in make test).
-@pytest.mark.parametrize("tiny_family", ["tiny", "tiny-qwen3-vl", pytest.param("tiny-qwen3.5", marks=pytest.mark.full)],
-                         indirect=True)
+# the tower and gives every vision tensor a gradient in tests/distributed/test_vision.py (in make test). Qwen3-VL-MoE:
+# dp=2 == dp=1 with FSDP2 over the fused expert tensors and the routers.
+@pytest.mark.parametrize("tiny_family", ["tiny", "tiny-qwen3-vl", pytest.param("tiny-qwen3.5", marks=pytest.mark.full),
+                                         "tiny-qwen3-vl-moe"], indirect=True)
 def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray_cluster, tiny_family, synthetic_rows):
     # rank 0: prompts 0-1 with images; rank 1: prompts 2-3 without; one mini-batch. Without the dummy vision forward
     # on rank 1 its workers abort in the first sharded forward (gloo collective mismatch). Both families: Qwen3-VL's
@@ -200,6 +203,11 @@ def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray
     assert moved, "the images on rank 0 should have trained the vision tower"
     mergers = {n for n in weights if "deepstack_merger_list" in n}
     assert mergers <= moved, f"deepstack mergers the step left untouched: {sorted(mergers - moved)}"
+    # a MoE model: FSDP2 shards the fused (experts, ...) tensors and the routers like any weight; every layer's
+    # experts and router trained, equal to one process (assert_same_weights above)
+    experts = {n for n in weights if ".mlp.experts." in n or ".mlp.gate." in n}
+    untouched = {n for n in experts if torch.equal(weights[n], start[n])}
+    assert not untouched, f"MoE tensors the step left untouched: {sorted(untouched)}"
 
 
 def _rows(batch, rows):

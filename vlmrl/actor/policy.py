@@ -46,9 +46,15 @@ def load_policy(model_path: str, dtype: torch.dtype, device: torch.device) -> to
     from transformers import AutoModelForImageTextToText
 
     from vlmrl.actor.packing import add_row_boundaries
+    from vlmrl.models.families import family_for_path
     from vlmrl.models.tiny import resolve_model_path
 
-    model = AutoModelForImageTextToText.from_pretrained(resolve_model_path(model_path), dtype=dtype)
+    path = resolve_model_path(model_path)
+    extra = {}
+    if dtype == torch.float64 and family_for_path(path).experts is not None:
+        # transformers' default experts kernel (torch's grouped_mm) has no float64; its eager loop computes the same
+        extra["experts_implementation"] = "eager"
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **extra)
     add_row_boundaries(model)  # linear-attention layers (Qwen3.5) keep a packed forward's rows apart
     return model.to(device)
 
