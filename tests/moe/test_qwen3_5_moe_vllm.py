@@ -5,7 +5,7 @@ sync in the per-expert layout lands and restores. SGLang is refused on CPUs with
 Why not greedy token for token, as for Qwen3-VL-MoE in float32: in bfloat16 a router's top-k is decided by rounding
 wherever two experts nearly tie, and a token routed through another expert continues differently without any
 near-tie in its output distribution. transformers itself routes some token of each of the nine prompts differently
-in float32 and bfloat16 (measured with tests/moe/helpers.py's `unsettled_routing_before`), and vLLM's greedy then
+in float32 and bfloat16 (measured with `vlmrl.alignment.routing.transformers_routing`), and vLLM's greedy then
 splits from HF's on 7 of 9 requests at 12 tokens. That is the train/inference mismatch routing replay exists for;
 on the engine side it is not a defect. The rule instead: over the engine's own tokens, its mean |logprob - HF
 bfloat16| is at most twice transformers' own float32-vs-bfloat16 mean gap on the same tokens (the triangle

@@ -36,3 +36,37 @@ class TestVLLMQwen3VLMoE(MoEContract):
         results = backend.generate(batch, GREEDY)
         problems = greedy_problems(hf_qwen3_vl_moe_greedy, results, backend.name, LOGPROB_TOL)
         assert not problems, "\n".join(problems)
+
+
+def test_the_engines_routing_is_transformers_routing(backend, hf, batch):
+    """vLLM's own routers, captured on the CPU engine, route every token of the nine requests (expanded prompt and
+    response, images included) through transformers' experts in every MoE layer; a pair may differ only where
+    transformers' choice was a float32 near-tie (its k-th and (k+1)-th router probabilities within 1e-5)."""
+    from vlmrl.alignment.routing import compare_routing, differing_sets, transformers_routing
+
+    pairs = backend.generate_with_routing(batch, GREEDY)
+    for request, (result, engine) in zip(batch, pairs):
+        ours, margins = transformers_routing(hf, request, result.response_ids[:-1])
+        assert engine.shape == ours.shape, "one routing per token the engine ran"
+        differs = differing_sets(engine, ours)
+        assert (margins[differs] < 1e-5).all(), compare_routing(engine, ours).describe()
+
+
+def test_a_router_moved_in_the_engine_shows_as_routing_from_its_layer(backend, hf, batch):
+    """Only the second MoE layer's router moved in the engine: the comparison with transformers names layer 1 as
+    the first whose routing differs, with the first layer's routing untouched."""
+    from tests.moe.contract import moved
+    from tests.rollout.helpers import clone_state
+    from vlmrl.alignment.routing import compare_routing, differing_sets, transformers_routing
+
+    original = clone_state(hf.model)
+    backend.update_weights(moved(original, "layers.1.mlp.gate.weight", scale=2.0).items())
+    try:
+        ((result, engine),) = backend.generate_with_routing(batch[3:4], GREEDY)
+    finally:
+        backend.update_weights(original.items())
+    ours, _ = transformers_routing(hf, batch[3], result.response_ids[:-1])
+    agreement = compare_routing(engine, ours)
+    assert agreement.first_layer == 1 and agreement.differing_tokens > 0, agreement.describe()
+    assert not differing_sets(engine, ours)[0].any()
+    assert "the first MoE layer that differs: 1" in agreement.describe()

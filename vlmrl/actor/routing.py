@@ -55,6 +55,7 @@ class RouterHooks:
         self._counted: list[bool] = [False] * len(self.routers)
         self._token_changed: torch.Tensor | None = None
         self._use_given = True
+        self._margins: list[torch.Tensor | None] | None = None
         for index, router in enumerate(self.routers):
             router.forward = partial(self._forward, index, router)
 
@@ -77,6 +78,9 @@ class RouterHooks:
             self._count(index, own[self._attended], given)
         elif self._mode == "record":
             self._calls[index] = own.detach()
+            if self._margins is not None:
+                top = torch.topk(probs, min(router.top_k + 1, probs.shape[-1]), dim=-1).values.detach()
+                self._margins[index] = top[:, -2] - top[:, -1] if top.shape[-1] > router.top_k else top[:, -1]
         weights = probs.gather(-1, ids)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights.to(logits.dtype), ids
@@ -95,12 +99,16 @@ class RouterHooks:
             self.compared_tokens += self._token_changed.numel()
 
     @contextmanager
-    def record(self, attended: torch.Tensor, lengths: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
+    def record(self, attended: torch.Tensor, lengths: Sequence[int], margins: bool = False
+               ) -> Iterator[dict]:
         """Within: forwards record. Yields {row position in the micro-batch: (layers, its attended tokens, k) ids},
         filled when the block ends. `attended`: the forward's flattened token mask (padded: attention_mask; packed:
-        all ones); `lengths`: each row's attended tokens, in order."""
-        out: dict[int, torch.Tensor] = {}
+        all ones); `lengths`: each row's attended tokens, in order. `margins`: also "margins", {row position:
+        (layers, tokens) float32}, each token's k-th minus (k+1)-th router probability (how near a tie its choice
+        was)."""
+        out: dict = {}
         self._mode, self._calls = "record", [None] * self.layers
+        self._margins = [None] * self.layers if margins else None
         try:
             yield out
             if any(c is None for c in self._calls):
@@ -110,8 +118,11 @@ class RouterHooks:
             stacked = torch.stack(per_layer)  # (layers, attended tokens, k)
             for position, part in enumerate(torch.split(stacked, list(lengths), dim=1)):
                 out[position] = part.clone()
+            if self._margins is not None:
+                gaps = torch.stack([m[mask].float().cpu() for m in self._margins])  # type: ignore[index]
+                out["margins"] = dict(enumerate(torch.split(gaps, list(lengths), dim=1)))
         finally:
-            self._mode, self._calls = None, [None] * self.layers
+            self._mode, self._calls, self._margins = None, [None] * self.layers, None
 
     @contextmanager
     def replay(self, rows: Sequence[torch.Tensor], attended: torch.Tensor, use_given: bool = True) -> Iterator[None]:

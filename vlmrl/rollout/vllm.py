@@ -13,6 +13,7 @@ docs/engines.md ("vLLM") has the measurements behind each of these.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -49,7 +50,43 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
-class WeightSyncWorkerExtension:
+class RoutingCaptureExtension:
+    """The MoE routing a vLLM engine computes (mixed into the worker with the weight-sync extension): each router's
+    top-k ids as vLLM's own routed-experts capture takes them (`BaseRouter.capture_fn`, the logical ids before any
+    expert-parallel mapping), appended per forward. vLLM's own capture (`enable_return_routed_experts`) needs its
+    V2 model runner and Triton, so on a CPU this is the only way to see the engine's routing."""
+
+    def vlmrl_capture_routing(self, on: bool) -> int:
+        """Start (clearing what was kept) or stop capturing; returns the number of MoE layers bound."""
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        self._vlmrl_routing = []
+        bound = 0
+        for module in self.get_model().modules():
+            if isinstance(module, MoERunner) and isinstance(module.router, BaseRouter):
+                module.router.set_capture_fn(functools.partial(self._vlmrl_capture, module.layer_id) if on else None)
+                bound += 1
+        return bound
+
+    def _vlmrl_capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        self._vlmrl_routing.append((layer_id, topk_ids.detach().to("cpu", torch.int16).clone()))
+
+    def vlmrl_take_routing(self) -> bytes:
+        """What was captured since the last call, as safetensors bytes of one (MoE layers, tokens, k) int16 tensor:
+        every forward's tokens in the order the engine ran them."""
+        from safetensors.torch import save
+
+        per_layer: dict[int, list[torch.Tensor]] = {}
+        for layer_id, ids in self._vlmrl_routing:
+            per_layer.setdefault(layer_id, []).append(ids)
+        self._vlmrl_routing = []
+        if not per_layer:
+            return save({"routing": torch.zeros((0, 0, 0), dtype=torch.int16)})
+        return save({"routing": torch.stack([torch.cat(per_layer[layer]) for layer in sorted(per_layer)])})
+
+
+class WeightSyncWorkerExtension(RoutingCaptureExtension):
     """Mixed into vLLM's worker class (`worker_extension_cls`); `self` is the worker.
 
     A sync is begin, one load per bucket, finish: vLLM's own in-place reload (`reload_weights`) split into its three
@@ -398,6 +435,38 @@ class VLLMBackend(RolloutBackend):
 
         self._runner.call("finish the weight update", finish, timeout)
         logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: DEBUG
+
+    def generate_with_routing(self, requests: Sequence[RolloutRequest], sampling: SamplingParams
+                              ) -> list[tuple[RolloutResult, torch.Tensor]]:
+        """A MoE model's results with the routing the engine computed for them: each request alone (n = 1, the
+        prefix cache reset so that every prompt token is computed), as (result, (MoE layers, expanded prompt +
+        response - 1 tokens, k) expert ids) - every token the engine ran, the last sampled one never is. For
+        comparing the engine's routing with the trainer's (`vlmrl.alignment.routing`); the engine's own capture
+        (`enable_return_routed_experts`) needs a GPU."""
+        from safetensors.torch import load
+
+        if self.processor.family.experts is None:
+            raise ValueError(f"vllm: {self.processor.family.name} is not a Mixture-of-Experts model: no routing")
+        if sampling.n != 1:
+            raise ValueError("vllm: generate_with_routing takes one sample per request (n=1)")
+        timeout = self.rollout.timeout_s
+        layers = self._runner.call("capture routing", lambda: self.llm.collective_rpc("vlmrl_capture_routing",
+                                                                                       args=(True,)), timeout)[0]
+        if not layers:
+            raise RuntimeError("vllm: no MoE router to capture in the engine's model")
+        out = []
+        try:
+            for request in requests:
+                self._runner.call("reset the prefix cache", self.llm.reset_prefix_cache, timeout)
+                self._runner.call("clear the routing", lambda: self.llm.collective_rpc("vlmrl_take_routing"), timeout)
+                (result,) = self.generate([request], sampling)
+                blob = self._runner.call("read the routing",
+                                         lambda: self.llm.collective_rpc("vlmrl_take_routing")[0], timeout)
+                out.append((result, load(blob)["routing"].to(torch.long)))
+        finally:
+            self._runner.call("stop capturing routing",
+                              lambda: self.llm.collective_rpc("vlmrl_capture_routing", args=(False,)), timeout)
+        return out
 
     def serves_adapters(self) -> bool:
         return self.options.lora_rank > 0
