@@ -132,6 +132,10 @@ class ValidationRecord:
     softmax(logits / T) over the tokens the request allows (its banned image/video placeholders left out), after
     top-k and top-p, as vLLM computes its processed logprobs. An engine whose `response_logprobs` match
     these returned processed logprobs instead of raw ones (cause `processed_logprobs`)."""
+    routing: dict[str, Any] | None = None
+    """A MoE model's routing of this sample, when the side recorded it (the trainer side; vllm with
+    rollout.vllm.capture_routing): the top-k expert ids of every token of the expanded prompt and the response, per
+    MoE layer (`vlmrl.alignment.routing.encode_routing`: shape and base64 int16 bytes). None otherwise."""
 
 
 _RECORD_FIELDS = {f.name for f in fields(ValidationRecord)}

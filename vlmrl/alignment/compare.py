@@ -155,8 +155,22 @@ def _artifact_paths(args: argparse.Namespace, out: Path) -> list[Path]:
 # ---------------------------------------------------------------------------------------------------- --backends
 
 
-def _side_overrides(overrides: list[str], backend: str, run_dir: Path) -> list[str]:
-    return [*overrides, "trainer.val_only=true", f"rollout.name={backend}", f"trainer.output_dir={run_dir}"]
+def _side_overrides(overrides: list[str], backend: str, run_dir: Path, moe: bool = False) -> list[str]:
+    """A side's validate-only overrides; a MoE model's vllm side records its routing (cause `routing`) unless the
+    overrides say otherwise."""
+    routing = (["rollout.vllm.capture_routing=true"] if moe and backend == "vllm"
+               and not any(o.startswith("rollout.vllm.capture_routing=") for o in overrides) else [])
+    return [*overrides, *routing, "trainer.val_only=true", f"rollout.name={backend}", f"trainer.output_dir={run_dir}"]
+
+
+def _is_moe(config: Config) -> bool:
+    from vlmrl.models.families import family_for_path
+    from vlmrl.models.tiny import resolve_model_path
+
+    try:
+        return family_for_path(resolve_model_path(config.actor.model_path)).experts is not None
+    except (OSError, ValueError):
+        return False
 
 
 def run_timeout_s(config: Config) -> float:
@@ -194,6 +208,7 @@ def run_backends(backends: list[str], overrides: list[str], out_dir: Path, drill
                 check_config(configs[-1], drill=drill)
         except (ConfigError, TrainerSideError) as err:
             raise UsageError(str(err)) from None
+    moe = _is_moe(configs[0])
     if configs[0].rollout.val_top_logprobs == 0 and TRAINER not in backends:
         logger.warning("rollout.val_top_logprobs=0: divergences cannot be judged near-tie or real (set it to 5)")
     paths = {}
@@ -209,15 +224,15 @@ def run_backends(backends: list[str], overrides: list[str], out_dir: Path, drill
             reference = paths[1 - i]
             logger.info("side %s: the trainer scores %s's samples teacher-forced in its own process -> %s",
                         side.upper(), engine, path)
-            arguments = [*_side_overrides(overrides, engine, run_dir), "--reference", str(reference), "--out",
+            arguments = [*_side_overrides(overrides, engine, run_dir, moe), "--reference", str(reference), "--out",
                          str(path), *(["--drill-down"] if drill else [])]
             _validate_in_subprocess(arguments, f"{side.upper()} {backend}", log, run_timeout_s(config),
                                     cpu_env(config.rollout), module=SIDE_MODULE)
         else:
             logger.info("side %s: validating %s with %s in its own process -> %s", side.upper(),
                         config.actor.model_path, backend, path)
-            _validate_in_subprocess(_side_overrides(overrides, backend, run_dir), f"{side.upper()} {backend}", log,
-                                    run_timeout_s(config), cpu_env(config.rollout))
+            _validate_in_subprocess(_side_overrides(overrides, backend, run_dir, moe), f"{side.upper()} {backend}",
+                                    log, run_timeout_s(config), cpu_env(config.rollout))
             _take_artifact(run_dir, backend, path)
         logger.info("side %s: %s done in %.1f s", side.upper(), backend, time.perf_counter() - started)
         paths[i] = path

@@ -61,6 +61,11 @@ class Cause(str, Enum):
     """Identical responses whose logprobs differ by more than float32 rounding but within the lower-precision band
     (`Thresholds.drift_tolerance`), on sides that computed in different dtypes (a bfloat16 trainer against a
     float32 engine): expected, and allowed by default."""
+    ROUTING = "routing"
+    """A MoE model whose sides routed some token before the gap (the split, or the token whose logprob differs most)
+    through other experts (both artifacts recorded their routing): the largest train/inference mismatch a MoE
+    model adds, what routing replay (actor.moe.routing_replay) removes from the update. The explanation names the
+    first such token and the first MoE layer whose routing differs."""
     PROCESSED_LOGPROBS = "processed_logprobs"
     """Identical responses whose logprobs on one side are of the distribution that side sampled from, not the raw
     model's: they match the trainer's `tempered_logprobs` (softmax(logits / T) over the tokens the request allows,
@@ -78,6 +83,7 @@ CAUSE_LABELS = {
     Cause.REWARD_DISAGREEMENT: "reward disagreement on equal text",
     Cause.LOGPROB_DRIFT: "logprob drift on equal tokens",
     Cause.PROCESSED_LOGPROBS: "temperature-processed logprobs",
+    Cause.ROUTING: "MoE routing",
     Cause.PRECISION: "precision (dtype band)",
 }
 
@@ -105,6 +111,9 @@ class Thresholds:
     """Largest allowed fraction of samples whose logprobs differ within the dtype band (1.0 = expected)."""
     max_processed_logprobs: float = 0.0
     """Largest allowed fraction of samples whose logprobs are temperature-processed on one side."""
+    max_routing: float = 1.0
+    """Largest allowed fraction of samples whose gap follows tokens routed through other experts (1.0 = reported,
+    never failing: in bfloat16 a MoE model's routing flips at near-tied routers by design)."""
     drift_tolerance: float = 0.1
     """Per-token |logprob delta| (nats) above which an otherwise identical sample counts as logprob drift."""
     max_mean_logprob_delta: float = 0.05
@@ -177,6 +186,9 @@ class SampleDiff:
     tempered_max_delta: float | None = None
     """max |logprob - the other side's tempered logprob| when a side recorded `tempered_logprobs` (the trainer side,
     of the distribution the engine sampled from); None otherwise."""
+    routing: Any = None
+    """`vlmrl.alignment.routing.RoutingAgreement` over the tokens before the gap, when both sides recorded routing
+    and it differs there; None otherwise."""
     cause: Cause | None = None
     explanation: str = ""
 
@@ -380,6 +392,8 @@ def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool, thresholds
             margin = split.margin_a + split.margin_b
             if margin <= thresholds.near_tie_margin:
                 return Cause.NEAR_TIE, f"{where}; each in the other's top-k, margins add to {margin:.4f} nats"
+        if sample.routing is not None:
+            return Cause.ROUTING, f"{where}; before it, {sample.routing.describe()}"
             return Cause.REAL_DIVERGENCE, f"{where}; in each other's top-k but margins add to {margin:.3f} nats"
         missing = " and ".join(side for side, ok in (("B's token not in A's top-k", split.b_in_top_a),
                                                       ("A's token not in B's top-k", split.a_in_top_b)) if not ok)
@@ -405,6 +419,9 @@ def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool, thresholds
         return Cause.PROCESSED_LOGPROBS, (
             f"same {sample.length_a} tokens, logprobs up to {drift:.4g} nats apart: {headers.processed}, so they are "
             "of the distribution it sampled (temperature, the placeholder ban, top-k/top-p), not the raw model's")
+    if beyond and sample.routing is not None:
+        return Cause.ROUTING, (f"same {sample.length_a} tokens, logprobs up to {drift:.4g} nats apart; before the "
+                               f"largest gap, {sample.routing.describe()}")
     if beyond:
         return Cause.LOGPROB_DRIFT, (
             f"same {sample.length_a} tokens, but logprobs differ by up to {drift:.4g} nats (mean "
@@ -442,6 +459,13 @@ def diff_sample(a: ValidationRecord, b: ValidationRecord, greedy: bool, threshol
     if split_at is not None and split_at < min(len(a.response_ids), len(b.response_ids)):
         sample.divergence = judge_divergence(a, b, split_at)
     sample.tempered_max_delta = _tempered_delta(a, b, common)
+    if a.routing is not None and b.routing is not None:
+        from vlmrl.alignment.routing import routing_before
+
+        # the logit of response token j sits at expanded position P - 1 + j and depends on every token up to it
+        gap_at = split_at if sample.divergence is not None else (int(np.argmax(deltas)) if common else None)
+        if gap_at is not None:
+            sample.routing = routing_before(a.routing, b.routing, a.expanded_prompt_length - 1 + gap_at)
     rewards_differ = abs(sample.reward_delta) > thresholds.reward_tolerance or any(
         abs(v) > thresholds.reward_tolerance for v in extra_deltas.values()) or parts_a.keys() != parts_b.keys()
     sample.cause, sample.explanation = _classify(sample, greedy, rewards_differ, thresholds, headers)
@@ -513,6 +537,7 @@ def evaluate_checks(comparison: Comparison, thresholds: Thresholds) -> list[Chec
         Cause.LOGPROB_DRIFT: thresholds.max_logprob_drift,
         Cause.PROCESSED_LOGPROBS: thresholds.max_processed_logprobs,
         Cause.PRECISION: thresholds.max_precision,
+        Cause.ROUTING: thresholds.max_routing,
     }
     checks = []
     for cause, limit in limits.items():

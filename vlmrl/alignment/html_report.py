@@ -36,6 +36,7 @@ _CAUSE_COLOURS = {
     Cause.LOGPROB_DRIFT: "#4d7c0f",
     Cause.PROCESSED_LOGPROBS: "#0f766e",
     Cause.PRECISION: "#64748b",
+    Cause.ROUTING: "#1d4ed8",
 }
 
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")

@@ -5,8 +5,11 @@ pair when their top-k SETS are equal (the order within a set does not change the
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -72,3 +75,25 @@ def transformers_routing(hf, request, response_ids, hooks=None) -> tuple[torch.T
     with torch.no_grad(), hooks.record(torch.ones(length, dtype=torch.bool), [length], margins=True) as recorded:
         hf.model(**inputs, use_cache=False)
     return recorded[0].to(torch.long), recorded["margins"][0]
+
+
+def encode_routing(routing: torch.Tensor) -> dict[str, Any]:
+    """(layers, tokens, k) ids -> what an artifact record holds: {"shape": [...], "int16": base64 bytes}."""
+    array = routing.to(torch.int16).contiguous().numpy()
+    return {"shape": list(array.shape), "int16": base64.b64encode(array.tobytes()).decode("ascii")}
+
+
+def decode_routing(stored: dict[str, Any]) -> torch.Tensor:
+    """The inverse of `encode_routing`."""
+    array = np.frombuffer(base64.b64decode(stored["int16"]), dtype=np.int16).reshape(stored["shape"])
+    return torch.from_numpy(array.astype(np.int64))
+
+
+def routing_before(a: dict[str, Any] | None, b: dict[str, Any] | None, position: int) -> RoutingAgreement | None:
+    """How two records' routings differ over the tokens up to `position` (of the expanded prompt + response: what
+    a logit at that position depends on); None when a side has none or they agree there."""
+    if a is None or b is None:
+        return None
+    left, right = decode_routing(a)[:, : position + 1], decode_routing(b)[:, : position + 1]
+    agreement = compare_routing(left, right)
+    return agreement if agreement.first_token is not None else None

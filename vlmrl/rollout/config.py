@@ -62,6 +62,10 @@ class VLLMConfig:
     Generator does not use offset' when a seeded request's prefill is split across steps."""
     enable_prefix_caching: bool = True
     """Reuse KV of shared prompt prefixes (the n samples of a prompt); reset after every weight update."""
+    capture_routing: bool = False
+    """Validation artifacts of a MoE model record the routing the engine computed for each sample (its own routers,
+    captured one request at a time: slower; needs rollout.val_n=1), so that compare can tell where a logprob gap
+    follows tokens routed through other experts (cause `routing`). compare sets it for a MoE model's vllm side."""
     enable_sleep_mode: bool | None = None
     """Start vLLM with sleep mode, so the engine frees its GPU memory (weights, KV cache) while the actor trains and
     takes it back for the weight sync and the next rollout. null = on when the engine shares a GPU with training

@@ -170,6 +170,7 @@ def _score(actor, config: Config, processor, calls, requests, results, rewards, 
     only). Returns (records, (batch, first sample's position) per call, the scored results)."""
     import torch
 
+    from vlmrl.alignment.routing import encode_routing
     from vlmrl.batch.padding import pad_results, scored_batch
     from vlmrl.types import RolloutResult
 
@@ -182,6 +183,8 @@ def _score(actor, config: Config, processor, calls, requests, results, rewards, 
         sampled = None
     scored: list[RolloutResult] = []
     tempered: list[list[float] | None] = []
+    routes: list = []  # a MoE policy's routing of each scored sample (one process), for compare's `routing` cause
+    record_routing = getattr(actor, "routing", None) is not None
     batches = []  # (batch, first sample's position) per call, for the drill-down
     start = 0
     for call in calls:
@@ -194,7 +197,7 @@ def _score(actor, config: Config, processor, calls, requests, results, rewards, 
                              pad_token_id=processor.pad_token_id)
         actor.set_temperature(1.0)
         with torch.no_grad():
-            raw = actor.compute_logprobs(batch)[0]
+            raw = actor.compute_logprobs(batch, record_routing=record_routing)[0]
         hot = None
         if sampled is not None:
             with torch.no_grad(), _sampler_head(actor, processor.banned_token_ids, *sampled):
@@ -204,10 +207,12 @@ def _score(actor, config: Config, processor, calls, requests, results, rewards, 
             length = len(result.response_ids)
             scored.append(replace(result, response_logprobs=raw[i, :length].double().tolist()))
             tempered.append(None if hot is None else hot[i, :length].double().tolist())
+            routes.append(batch.routed_experts[i] if record_routing else None)
         start += len(rows)
     out_records = records_from_rollout(requests, scored, rewards, processor, parts)
-    for record, values in zip(out_records, tempered):
+    for record, values, routing in zip(out_records, tempered, routes):
         record.tempered_logprobs = values
+        record.routing = None if routing is None else encode_routing(routing)
     return out_records, batches, scored
 
 

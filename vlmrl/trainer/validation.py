@@ -122,13 +122,21 @@ def run_validation(parts: RunComponents, *, step: int = 0, artifact_path: str | 
     sampling = validation_sampling(config, config.rollout.val_top_logprobs if artifact_path else 0)
     results: list[RolloutResult] = []
     answers: list[str] = []  # what the reward reads: the response, or an agent trajectory's last assistant turn
+    routings: list = []
+    capture = artifact_path is not None and parts.agent is None and captures_routing(config, running, processor,
+                                                                                     sampling)
     for call in requests.calls:
         if parts.agent is not None:
             rolled = parts.agent.run(call, sampling, policy_version=step)
             results.extend(rolled.results)
             answers.extend(rolled.final_answers)
         else:
-            generated = running.generate(call, sampling)
+            if capture:
+                pairs = running.generate_with_routing(call, sampling)
+                generated = [result for result, _ in pairs]
+                routings.extend(routing for _, routing in pairs)
+            else:
+                generated = running.generate(call, sampling)
             results.extend(generated)
             answers.extend(response_texts(processor.tokenizer, generated))
     filtered, reward_fn = requests.filtered, parts.reward_fn
@@ -141,6 +149,11 @@ def run_validation(parts: RunComponents, *, step: int = 0, artifact_path: str | 
     path = None
     if artifact_path is not None:
         records = records_from_rollout(requests, results, scores.values, processor, scores.parts)
+        if routings:
+            from vlmrl.alignment.routing import encode_routing
+
+            for record, routing in zip(records, routings, strict=True):
+                record.routing = encode_routing(routing)
         engine, version = engine_info(running.name)
         meta = ArtifactMeta(
             backend=running.name, engine=engine, engine_version=version, model_path=config.actor.model_path,
@@ -152,6 +165,19 @@ def run_validation(parts: RunComponents, *, step: int = 0, artifact_path: str | 
         path = write_artifact(artifact_path, meta, records)
         logger.info("validation artifact: %s (%d samples)", path, len(records))
     return ValidationResult(metrics, path, records)
+
+
+def captures_routing(config, running, processor, sampling) -> bool:
+    """rollout.vllm.capture_routing on a MoE model's vllm backend, one sample per request: each validation sample's
+    routing goes into the artifact (`VLLMBackend.generate_with_routing`)."""
+    if not (config.rollout.vllm.capture_routing and processor.family.experts is not None
+            and hasattr(running, "generate_with_routing")):
+        return False
+    if sampling.n != 1:
+        logger.warning("rollout.vllm.capture_routing needs one sample per request (rollout.val_n=1); the artifact "
+                       "records no routing")
+        return False
+    return True
 
 
 def validation_metrics(requests: Sequence[RolloutRequest], results: Sequence[RolloutResult], scores: Sequence[float],
