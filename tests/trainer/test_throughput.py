@@ -191,3 +191,30 @@ def test_docstring_examples_hold():
 
     failures, tried = doctest.testmod(throughput)
     assert tried > 0 and failures == 0
+
+
+def test_a_moe_layer_counts_the_experts_a_token_runs_through_as_verl_does():
+    """tiny-qwen3-vl-moe: per MoE layer, top-k of the E experts' gate, up and down projections and the router (verl's
+    `hidden x top-k x moe_intermediate x 3 + hidden x experts`), counted on the instantiated model's own tensors; the
+    vision side as Qwen3-VL's (three deepstack mergers)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from vlmrl.models.tiny import ensure_built
+
+    config = AutoConfig.from_pretrained(ensure_built("tiny-qwen3-vl-moe"))
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config)
+    f = model_flops(config)
+    lm = model.model.language_model
+    text = config.text_config
+    per_layer_experts = sum(p.numel() for n, p in lm.layers[0].mlp.named_parameters() if "experts" in n)
+    active = per_layer_experts * text.num_experts_per_tok // text.num_experts
+    router = lm.layers[0].mlp.gate.weight.numel()
+    attention = _linear_params(lm.layers[0].self_attn)
+    expected = (active + router + attention) * text.num_hidden_layers + lm.embed_tokens.weight.numel() \
+        + model.lm_head.weight.numel()
+    assert f.text_params == expected
+    visual = model.model.visual
+    merger_params = sum(_linear_params(m) for m in [visual.merger, *visual.deepstack_merger_list])
+    per_patch = visual.patch_embed.proj.weight.numel() + _linear_params(visual.blocks) + merger_params / 4
+    assert f.vision_params == per_patch

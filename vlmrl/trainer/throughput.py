@@ -139,19 +139,29 @@ def _as_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
 
 
 def model_flops(model_config: Mapping[str, Any] | Any) -> ModelFlops | None:
-    """`ModelFlops` of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL config (config.json as a dict, or a transformers config);
-    None for another model type (no MFU then). Fields a config.json may omit take transformers' defaults when it is
-    loaded through AutoConfig (as `throughput_metrics` does)."""
+    """`ModelFlops` of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE config (config.json as a dict, or a
+    transformers config); None for another model type (no MFU then). Fields a config.json may omit take transformers'
+    defaults when it is loaded through AutoConfig (as `throughput_metrics` does). A MoE layer counts the experts a
+    token runs through and its router, as verl's flops counter does for Qwen MoE models (`hidden x top-k x
+    moe_intermediate x 3 + hidden x experts`); layers in `mlp_only_layers` are dense."""
     config = _as_dict(model_config)
     model_type = config.get("model_type")
-    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         return None
     text = _as_dict(config.get("text_config") or config)
     h, heads, layers = text["hidden_size"], text["num_attention_heads"], text["num_hidden_layers"]
     kv_heads = text.get("num_key_value_heads") or heads
     head_dim = text.get("head_dim") or h // heads
     attention_params = h * (heads * head_dim + 2 * kv_heads * head_dim + heads * head_dim)  # q, k, v, o
-    text_params = (3 * h * text["intermediate_size"] + attention_params) * layers + 2 * text["vocab_size"] * h
+    dense_mlp = 3 * h * text["intermediate_size"]
+    mlp_params = dense_mlp * layers
+    if model_type == "qwen3_vl_moe":
+        experts = text.get("num_experts") or text["num_local_experts"]
+        sparse = [i for i in range(layers) if i not in (text.get("mlp_only_layers") or [])
+                  and (i + 1) % (text.get("decoder_sparse_step") or 1) == 0]
+        moe_mlp = 3 * h * text["num_experts_per_tok"] * text["moe_intermediate_size"] + h * experts
+        mlp_params = moe_mlp * len(sparse) + dense_mlp * (layers - len(sparse))
+    text_params = mlp_params + attention_params * layers + 2 * text["vocab_size"] * h
     flops = ModelFlops(text_params=text_params, text_attention=head_dim * heads * layers)
     vision = config.get("vision_config")
     if not vision:
