@@ -270,6 +270,9 @@ def cross_section_problems(config: Config) -> list[str]:
              f"a mini-batch of {derived.mini_batch_samples} samples (ppo_mini_batch_size * rollout.n) does not "
              f"split into micro-batches of actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}: "
              f"pick a divisor of {derived.mini_batch_samples}")
+    need(a.moe.routing_replay != "engine" or (r.name == "vllm" and r.vllm.capture_routing),
+         "actor.moe.routing_replay=engine replays the rollout engine's routing, which vlmrl reads from vLLM's own "
+         "routers: set rollout.name=vllm and rollout.vllm.capture_routing=true")
     world = derived.world_size
     if world > 1:
         need(derived.mini_batch_samples % world == 0,

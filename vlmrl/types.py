@@ -120,6 +120,9 @@ class RolloutResult:
     """'stop' (EOS or stop token, kept in response_ids), 'length' (max_new_tokens reached) or 'abort'."""
     top_logprobs: list[dict[int, float]] | None = None
     """Per position {token_id: logprob} of the top-k tokens when SamplingParams.top_logprobs > 0."""
+    routed_experts: torch.Tensor | None = None
+    """A MoE model's routing as the engine computed it, (MoE layers, tokens the engine ran: expanded prompt + response
+    - 1, top-k) expert ids, when the backend captured it (rollout.vllm.capture_routing); else None."""
 
 
 @dataclass
@@ -171,6 +174,9 @@ class Sample:
     finish_reason: str = "stop"
     policy_version: int = 0
     """Version of the policy that produced the response (partial rollout tags carried-over samples)."""
+    routed_experts: torch.Tensor | None = None
+    """The engine's routing of this trajectory's attended tokens (prompt + response), (MoE layers, tokens, top-k); -1
+    where the engine ran none (the last response token); None when not captured."""
 
 
 @dataclass

@@ -123,13 +123,21 @@ def test_the_update_reports_the_routing_its_routers_would_change(setup):
                 p.copy_(saved[n])
 
 
-def test_a_dense_model_has_no_routing_and_engine_replay_is_refused(tiny_model_path):
+def test_a_dense_model_has_no_routing_and_engine_replay_needs_the_engines_capture(tiny_model_path):
+    import pytest as _pytest
+
     from vlmrl.actor.config import MoEConfig
+    from vlmrl.config import ConfigError, load_config
 
     config = ActorConfig(model_path=tiny_model_path, device="cpu", dtype="float32")
     assert Actor(config, total_steps=1, mini_batch_samples=4).routing is None
-    assert "GPUs only" in MoEConfig(routing_replay="engine").problems()[0]
-    assert MoEConfig(routing_replay="trainer").problems() == []
+    assert MoEConfig(routing_replay="trainer").problems() == MoEConfig(routing_replay="engine").problems() == []
+    assert "is not one of" in MoEConfig(routing_replay="r3").problems()[0]
+    base = ["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic",
+            "actor.moe.routing_replay=engine"]
+    with _pytest.raises(ConfigError, match="set rollout.name=vllm and rollout.vllm.capture_routing=true"):
+        load_config([*base, "rollout.name=sglang"], check_model=False)
+    load_config([*base, "rollout.name=vllm", "rollout.vllm.capture_routing=true"], check_model=False)
 
 
 def test_lora_on_a_moe_policy_adapts_attention_and_syncs_every_expert_merged(setup):

@@ -70,3 +70,56 @@ def test_a_router_moved_in_the_engine_shows_as_routing_from_its_layer(backend, h
     assert agreement.first_layer == 1 and agreement.differing_tokens > 0, agreement.describe()
     assert not differing_sets(engine, ours)[0].any()
     assert "the first MoE layer that differs: 1" in agreement.describe()
+
+
+def test_engine_routing_replay_scores_with_the_engines_experts(backend, hf, batch):
+    """actor.moe.routing_replay=engine (R3): samples drawn with the engine's routing captured, and the trainer's
+    logprob pass routed through it. On the same weights the trainer equals the engine's logprobs (float32). With the
+    engine's layer-1 router nudged (0.1 std: the top-k flips where two experts nearly tie, as bfloat16 rounding
+    flips them, while the mixing weights barely move), the trainer that replays the engine's experts sits closer to
+    the engine's logprobs on average than the trainer routing on its own, and reports the share of (token, layer)
+    pairs it would route elsewhere."""
+    from tests.moe.contract import moved
+    from tests.rollout.helpers import clone_state
+    from vlmrl.actor.config import MoEConfig
+    from vlmrl.actor.local import Actor
+    from vlmrl.batch.padding import pad_results, scored_batch
+    from vlmrl.config import ActorConfig
+    from vlmrl.types import SamplingParams
+
+    requests = batch[2:6]  # text and images
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    processor = hf.processor
+
+    def rollout():
+        backend.rollout.vllm.capture_routing = True
+        try:
+            results = backend.generate(requests, sampling)
+        finally:
+            backend.rollout.vllm.capture_routing = False
+        assert all(r.routed_experts is not None for r in results)
+        samples = pad_results([processor.prompt_inputs(r) for r in requests], results, prompt_length=160,
+                              response_length=6, pad_token_id=processor.pad_token_id, policy_version=0)
+        return scored_batch(samples, [0.0] * len(samples), [{}] * len(samples), multiple=1,
+                            eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
+
+    def gap(actor, rows):
+        logprobs, _ = actor.compute_logprobs(rows)
+        return float(((logprobs - rows.rollout_logprobs).abs() * rows.response_mask).sum() / rows.response_mask.sum())
+
+    actors = {mode: Actor(ActorConfig(model_path=backend.model_path, device="cpu", dtype="float32",
+                                      moe=MoEConfig(routing_replay=mode)), total_steps=1, mini_batch_samples=8)
+              for mode in ("off", "engine")}
+    same = rollout()
+    assert gap(actors["engine"], same) < 1e-5 and actors["engine"].routing.take_counts()[
+        "mismatch/routing_changed_frac"] == 0.0
+
+    original = clone_state(hf.model)
+    backend.update_weights(moved(original, "layers.1.mlp.gate.weight", scale=0.1).items())
+    try:
+        drifted = rollout()
+    finally:
+        backend.update_weights(original.items())
+    replayed, own = gap(actors["engine"], drifted), gap(actors["off"], drifted)
+    assert replayed < own, f"replaying the engine's experts did not bring the trainer closer ({replayed} vs {own})"
+    assert actors["engine"].routing.take_counts()["mismatch/routing_changed_frac"] > 0

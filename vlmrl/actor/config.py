@@ -110,7 +110,7 @@ class OffloadConfig:
     logprob pass. It runs once per step without a backward, so the copies cost little next to its weights' memory."""
 
 
-ROUTING_REPLAY = ("off", "trainer")
+ROUTING_REPLAY = ("off", "trainer", "engine")
 
 
 @dataclass
@@ -124,13 +124,15 @@ class MoEConfig:
     router replay). Either way, mismatch/routing_changed_frac logs the share of (token, MoE layer) pairs whose
     top-k set the update would choose differently from the old pass. Needs the old-logprob pass (more than one
     optimizer step per batch, or rollout correction recomputing them) and one trainer process (dp = 1) for now.
-    The engine's own routing (R3, vLLM / SGLang `enable_return_routed_experts`) is GPU-only and not wired yet."""
+    engine (R3): the routing the rollout engine computed for each sample replaces the trainer's in the old-logprob
+    pass and in the update, so the trainer's logprobs are of the experts the engine sampled with (verl's, slime's
+    and miles's rollout routing replay). The engine's routing comes from vLLM's own routers captured per sample
+    (rollout.name=vllm with rollout.vllm.capture_routing=true: one request and one sample at a time, in eager mode;
+    vLLM's and SGLang's `enable_return_routed_experts` return it on GPUs but are not read yet); dp = 1."""
 
     def problems(self) -> list[str]:
         if self.routing_replay not in ROUTING_REPLAY:
-            reason = (" (the engine's routed experts: vLLM and SGLang return them on GPUs only, and vlmrl does not "
-                      "read them yet)" if self.routing_replay == "engine" else "")
-            return [f"actor.moe.routing_replay={self.routing_replay!r} is not one of {list(ROUTING_REPLAY)}{reason}"]
+            return [f"actor.moe.routing_replay={self.routing_replay!r} is not one of {list(ROUTING_REPLAY)}"]
         return []
 
 

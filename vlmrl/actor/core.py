@@ -385,12 +385,15 @@ class ActorCore:
         precision = torch.promote_types(next(model.parameters()).dtype, torch.float32)
         logprobs = torch.zeros(batch.response_mask.shape, dtype=precision)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
-        record = record_routing and self.routing is not None and not reference
+        engine = self.config.moe.routing_replay == "engine" and not reference
+        record = record_routing and self.routing is not None and not reference and not engine
         routes: list[torch.Tensor | None] = [None] * len(batch)
         for rows in self.micro_batches(batch, range(len(batch))):
             mb = micro_batch(batch, rows, self.device, self.config.padding_free)
-            with self.autocast(), (self.routing.record(mb.attended(), mb.token_lengths) if record
-                                   else contextlib.nullcontext({})) as recorded:
+            context = (self.routing.record(mb.attended(), mb.token_lengths) if record
+                       else self.routing_replay(batch, rows, mb) if engine else contextlib.nullcontext({}))
+            with self.autocast(), context as recorded:
+                recorded = recorded if record else {}
                 lp, ent = forward_response(model, mb, self.temperature, with_entropy,
                                            chunk=self.config.logprob_chunk_size)
             for position, row in enumerate(rows):
@@ -410,10 +413,12 @@ class ActorCore:
         (actor.moe.routing_replay=trainer) or compared with the update's own; a dense model, or rows without a
         recorded routing, route as the model says."""
         routes = batch.routed_experts
-        if self.routing is None or routes is None or any(routes[row] is None for row in rows):
+        if self.routing is None or routes is None or all(routes[row] is None for row in rows):
             return contextlib.nullcontext()
-        return self.routing.replay([routes[row] for row in rows], mb.attended(),
-                                   use_given=self.config.moe.routing_replay == "trainer")
+        given = [routes[row] if routes[row] is not None  # a padding row: no routing, its own
+                 else torch.full((self.routing.layers, length, self.routing.top_k), -1, dtype=torch.long)
+                 for row, length in zip(rows, mb.token_lengths)]
+        return self.routing.replay(given, mb.attended(), use_given=self.config.moe.routing_replay != "off")
 
     # ---- update -----------------------------------------------------------------------------------------------------
 

@@ -72,10 +72,12 @@ class RouterHooks:
         if self._mode == "replay":
             assert self._replay is not None and self._attended is not None
             given = self._replay[index].to(own.device)
+            mine = own[self._attended]
+            given = torch.where(given < 0, mine, given)  # -1: no recorded id, route as the router says
             if self._use_given:
                 ids = own.clone()
                 ids[self._attended] = given
-            self._count(index, own[self._attended], given)
+            self._count(index, mine, given)
         elif self._mode == "record":
             self._calls[index] = own.detach()
             if self._margins is not None:
@@ -127,7 +129,8 @@ class RouterHooks:
     @contextmanager
     def replay(self, rows: Sequence[torch.Tensor], attended: torch.Tensor, use_given: bool = True) -> Iterator[None]:
         """Within: forwards route the attended tokens through the given experts. `rows`: each row's (layers, its
-        attended tokens, k) ids, in the forward's row order; `attended` as in `record`. `use_given=False`: the
+        attended tokens, k) ids, in the forward's row order, -1 where a token has none (it routes as the router
+        says: an engine never runs a response's last token); `attended` as in `record`. `use_given=False`: the
         routers route as they would, only counting where they differ from the given ids (the metrics without
         replay)."""
         ids = torch.cat([r.to(torch.long) for r in rows], dim=1)  # (layers, attended tokens, k)

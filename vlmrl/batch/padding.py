@@ -139,6 +139,8 @@ def stack_samples(samples: Sequence[Sample]) -> TrainBatch:
         data_sources=[s.data_source for s in samples],
         reward_extra=[dict(s.reward_extra) for s in samples],
         finish_reasons=[s.finish_reason for s in samples],
+        routed_experts=([s.routed_experts for s in samples] if any(s.routed_experts is not None for s in samples)
+                        else None),
     )
 
 
@@ -223,11 +225,25 @@ def pad_results(prompts: Sequence[PromptInputs], results: Sequence[RolloutResult
     if not prompts or len(results) % len(prompts):
         raise ValueError(f"{len(results)} results for {len(prompts)} prompts: need the same number per prompt")
     n = len(results) // len(prompts)
-    return [pad_sample(prompts[i // n], result.response_ids, prompt_length=prompt_length,
-                       response_length=response_length, pad_token_id=pad_token_id,
-                       rollout_logprobs=result.response_logprobs, finish_reason=result.finish_reason,
-                       policy_version=policy_version)
-            for i, result in enumerate(results)]
+    samples = [pad_sample(prompts[i // n], result.response_ids, prompt_length=prompt_length,
+                          response_length=response_length, pad_token_id=pad_token_id,
+                          rollout_logprobs=result.response_logprobs, finish_reason=result.finish_reason,
+                          policy_version=policy_version)
+               for i, result in enumerate(results)]
+    for sample, result in zip(samples, results):
+        if result.routed_experts is not None:
+            sample.routed_experts = engine_routing_of(result.routed_experts, int(sample.attention_mask.sum()))
+    return samples
+
+
+def engine_routing_of(routing: torch.Tensor, tokens: int) -> torch.Tensor:
+    """An engine's routing (the tokens it ran: prompt + response - 1) fitted to a row's `tokens` attended tokens:
+    cut where the row's response was cut, -1 (route as the trainer's own router says) where the engine ran none."""
+    routing = routing[:, :tokens].to(torch.long)
+    missing = tokens - routing.shape[1]
+    if missing > 0:
+        routing = torch.cat([routing, routing.new_full((routing.shape[0], missing, routing.shape[2]), -1)], dim=1)
+    return routing
 
 
 def scored_batch(samples: Sequence[Sample], rewards: Sequence[float], reward_parts: Sequence[dict[str, float]], *,

@@ -13,6 +13,7 @@ docs/engines.md ("vLLM") has the measurements behind each of these.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -345,6 +346,8 @@ class VLLMBackend(RolloutBackend):
     # ------------------------------------------------------------------------------------------------ generate
 
     def _generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        if self._captures_routing():
+            return self._generate_routed(requests, sampling)
         from vllm import SamplingParams as VLLMSampling
         from vllm.inputs import TokensPrompt
 
@@ -438,35 +441,57 @@ class VLLMBackend(RolloutBackend):
 
     def generate_with_routing(self, requests: Sequence[RolloutRequest], sampling: SamplingParams
                               ) -> list[tuple[RolloutResult, torch.Tensor]]:
-        """A MoE model's results with the routing the engine computed for them: each request alone (n = 1, the
-        prefix cache reset so that every prompt token is computed), as (result, (MoE layers, expanded prompt +
-        response - 1 tokens, k) expert ids) - every token the engine ran, the last sampled one never is. For
-        comparing the engine's routing with the trainer's (`vlmrl.alignment.routing`); the engine's own capture
-        (`enable_return_routed_experts`) needs a GPU."""
-        from safetensors.torch import load
-
+        """A MoE model's results with the routing the engine computed for them (`_generate_routed`), as (result,
+        (MoE layers, expanded prompt + response - 1 tokens, k) expert ids) - every token the engine ran; the last
+        sampled one it never runs. For comparing the engine's routing with the trainer's (`vlmrl.alignment.routing`);
+        the engine's own capture (`enable_return_routed_experts`) needs a GPU."""
         if self.processor.family.experts is None:
             raise ValueError(f"vllm: {self.processor.family.name} is not a Mixture-of-Experts model: no routing")
-        if sampling.n != 1:
-            raise ValueError("vllm: generate_with_routing takes one sample per request (n=1)")
+        self._force_routing = True
+        try:
+            results = self.generate(requests, sampling)
+        finally:
+            self._force_routing = False
+        return [(result, result.routed_experts) for result in results]
+
+    def _captures_routing(self) -> bool:
+        return ((self.rollout.vllm.capture_routing or getattr(self, "_force_routing", False))
+                and self.processor.family.experts is not None and not getattr(self, "_capturing", False))
+
+    def _generate_routed(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        """Every sample alone (n = 1, seeded as the batch's sample would be; the prefix cache reset so that every
+        prompt token is computed), its routing captured from vLLM's own routers (`RoutingCaptureExtension`) into
+        `RolloutResult.routed_experts`. Slower than a batch: for CPU tests, compare and routing replay from the
+        engine (rollout.vllm.capture_routing); in eager mode only (a captured CUDA graph calls no Python hook)."""
+        from safetensors.torch import load
+
         timeout = self.rollout.timeout_s
         layers = self._runner.call("capture routing", lambda: self.llm.collective_rpc("vlmrl_capture_routing",
                                                                                        args=(True,)), timeout)[0]
         if not layers:
             raise RuntimeError("vllm: no MoE router to capture in the engine's model")
-        out = []
+        self._capturing = True
+        results: list[RolloutResult] = []
         try:
-            for request in requests:
-                self._runner.call("reset the prefix cache", self.llm.reset_prefix_cache, timeout)
-                self._runner.call("clear the routing", lambda: self.llm.collective_rpc("vlmrl_take_routing"), timeout)
-                (result,) = self.generate([request], sampling)
-                blob = self._runner.call("read the routing",
-                                         lambda: self.llm.collective_rpc("vlmrl_take_routing")[0], timeout)
-                out.append((result, load(blob)["routing"].to(torch.long)))
+            for position, request in enumerate(requests):
+                base = sample_seed(sampling, position)
+                draws = 1 if sampling.greedy else sampling.n
+                drawn = []
+                for i in range(draws):
+                    one = dataclasses.replace(sampling, n=1, seed=None if base is None else base + i)
+                    self._runner.call("reset the prefix cache", self.llm.reset_prefix_cache, timeout)
+                    self._runner.call("clear the routing", lambda: self.llm.collective_rpc("vlmrl_take_routing"),
+                                      timeout)
+                    (result,) = self._generate([request], one)
+                    blob = self._runner.call("read the routing",
+                                             lambda: self.llm.collective_rpc("vlmrl_take_routing")[0], timeout)
+                    drawn.append(dataclasses.replace(result, routed_experts=load(blob)["routing"].to(torch.long)))
+                results += [dataclasses.replace(drawn[i % draws], sample_index=i) for i in range(sampling.n)]
         finally:
+            self._capturing = False
             self._runner.call("stop capturing routing",
                               lambda: self.llm.collective_rpc("vlmrl_capture_routing", args=(False,)), timeout)
-        return out
+        return results
 
     def serves_adapters(self) -> bool:
         return self.options.lora_rank > 0
