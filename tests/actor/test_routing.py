@@ -105,6 +105,7 @@ def test_the_update_reports_the_routing_its_routers_would_change(setup):
     old, _ = actor.compute_logprobs(batch, record_routing=True)
     saved = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
     advantages = torch.zeros(len(batch))
+    rates = [group["lr"] for group in actor.optimizer.param_groups]
     try:
         for p in actor.optimizer.param_groups:
             p["lr"] = 0.0
@@ -118,6 +119,8 @@ def test_the_update_reports_the_routing_its_routers_would_change(setup):
         metrics = actor.update(batch, old, advantages)
         assert 0.0 < metrics["mismatch/routing_changed_frac"] <= metrics["mismatch/routing_changed_tokens_frac"]
     finally:
+        for group, rate in zip(actor.optimizer.param_groups, rates):
+            group["lr"] = rate
         with torch.no_grad():
             for n, p in actor.model.named_parameters():
                 p.copy_(saved[n])
@@ -158,3 +161,48 @@ def test_lora_on_a_moe_policy_adapts_attention_and_syncs_every_expert_merged(set
     experts = [n for n in merged if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     assert len(experts) == 2 * actor.routing.layers
     assert lora.routing is not None and lora.routing.layers == actor.routing.layers
+
+
+def test_the_load_balancing_loss_is_transformers_and_only_it_moves_the_routers_of_a_zero_advantage_update(setup):
+    """actor.moe.aux_loss_coef: the loss the hooks compute over a padded micro-batch's attended tokens equals
+    transformers' `load_balancing_loss_func` on the same forward's router logits and attention mask; an update whose
+    advantages are all 0 leaves every weight where it was, unless the loss is on: then the routers move (and
+    actor/moe_aux_loss is logged)."""
+    import importlib
+
+    from vlmrl.actor.routing import collect_aux
+
+    actor, batch = setup
+    rows = list(range(len(batch)))
+    mb = micro_batch(batch, rows, CPU)
+    module = importlib.import_module(type(actor.model).__module__)
+    inputs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                  pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw, use_cache=False)
+    with torch.no_grad(), collect_aux(actor.routing, mb.attended()) as aux:
+        out = actor.model(**inputs, output_router_logits=True)
+        ours = aux.value()
+    theirs = module.load_balancing_loss_func(out.router_logits, actor.routing.num_experts, actor.routing.top_k,
+                                             mb.attention_mask)
+    assert torch.allclose(ours, theirs.to(ours.dtype), rtol=1e-5, atol=0)
+
+    zero = torch.zeros(len(batch))
+    saved = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    rates = [group["lr"] for group in actor.optimizer.param_groups]
+    for group in actor.optimizer.param_groups:
+        group["lr"] = 1e-2
+    try:
+        metrics = actor.update(batch, None, zero)
+        assert all(torch.equal(p, saved[n]) for n, p in actor.model.named_parameters())
+        assert "actor/moe_aux_loss" not in metrics
+        actor.config.moe.aux_loss_coef = 0.01
+        metrics = actor.update(batch, None, zero)
+        moved = {n for n, p in actor.model.named_parameters() if not torch.equal(p, saved[n])}
+        routers = {n for n, _ in actor.model.named_parameters() if n.endswith(".mlp.gate.weight")}
+        assert routers <= moved and metrics["actor/moe_aux_loss"] > 0
+    finally:
+        actor.config.moe.aux_loss_coef = 0.0
+        for group, rate in zip(actor.optimizer.param_groups, rates):
+            group["lr"] = rate
+        with torch.no_grad():
+            for n, p in actor.model.named_parameters():
+                p.copy_(saved[n])

@@ -130,10 +130,20 @@ class MoEConfig:
     (rollout.name=vllm with rollout.vllm.capture_routing=true: one request and one sample at a time, in eager mode;
     vLLM's and SGLang's `enable_return_routed_experts` return it on GPUs but are not read yet); dp = 1."""
 
+    aux_loss_coef: float = 0.0
+    """Weight of the routers' load-balancing loss in the update (transformers' Switch-Transformer loss over the
+    micro-batch's attended tokens, `router_aux_loss_coef` in the models' configs: 0.001). 0: off, as the anchors' RL
+    runs keep it (verl's Qwen3-MoE bridge sets `moe_router_load_balancing_type="none"`, "default None for RL"); the
+    update's tokens are the policy's own samples, and balancing them is pretraining's concern. Logged as
+    actor/moe_aux_loss when on."""
+
     def problems(self) -> list[str]:
+        out = []
         if self.routing_replay not in ROUTING_REPLAY:
-            return [f"actor.moe.routing_replay={self.routing_replay!r} is not one of {list(ROUTING_REPLAY)}"]
-        return []
+            out.append(f"actor.moe.routing_replay={self.routing_replay!r} is not one of {list(ROUTING_REPLAY)}")
+        if self.aux_loss_coef < 0:
+            out.append(f"actor.moe.aux_loss_coef={self.aux_loss_coef} must be >= 0 (0 = off; the models' own: 0.001)")
+        return out
 
 
 @dataclass

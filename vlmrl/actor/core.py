@@ -24,7 +24,7 @@ import torch
 from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.micro_batches import micro_batch_rows, row_spans, split_to_count
 from vlmrl.actor.policy import Policy, move_optimizer_state
-from vlmrl.actor.routing import RouterHooks
+from vlmrl.actor.routing import RouterHooks, collect_aux
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean
 from vlmrl.algorithms.grpo import broadcast_to_tokens, kl_penalty
 from vlmrl.algorithms.logprobs import logprobs_and_entropy
@@ -518,6 +518,8 @@ class ActorCore:
             start["actor/entropy_loss"] = 0.0
         if cfg.use_kl_loss:
             start["actor/kl_loss"] = 0.0
+        if cfg.moe.aux_loss_coef and self.routing is not None:
+            start["actor/moe_aux_loss"] = 0.0
         compare_rollout = batch.rollout_logprobs is not None and self.temperature == 1.0
         if compare_rollout:
             start["rollout/logprob_abs_diff"] = 0.0
@@ -537,7 +539,9 @@ class ActorCore:
                 empty += 1
                 if not keep_empty_micro_batches:
                     continue
-            with self.routing_replay(batch, rows, mb):  # the backward too: a recomputation routes again
+            aux_on = bool(cfg.moe.aux_loss_coef) and self.routing is not None
+            with self.routing_replay(batch, rows, mb), (collect_aux(self.routing, mb.attended()) if aux_on
+                                                        else contextlib.nullcontext()) as aux:
                 with self.autocast():
                     logprobs, entropy = forward_response(self.model, mb, self.temperature, True,
                                                          bool(cfg.entropy_coeff), chunk=cfg.logprob_chunk_size)
@@ -561,6 +565,10 @@ class ActorCore:
                     kl_loss = agg_loss(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, mode, normaliser)
                     loss = loss + cfg.kl_loss_coef * kl_loss
                     parts["actor/kl_loss"] += scalar(kl_loss)
+                if aux_on:  # this micro-batch's share of the mini-batch's tokens, as the token-mean metrics
+                    balance = aux.value()
+                    loss = loss + cfg.moe.aux_loss_coef * share * balance
+                    parts["actor/moe_aux_loss"] += scalar(balance) * share
                 loss.backward()
             parts["actor/pg_loss"] += scalar(pg_loss)
             m = out.metrics

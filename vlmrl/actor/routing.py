@@ -56,6 +56,9 @@ class RouterHooks:
         self._token_changed: torch.Tensor | None = None
         self._use_given = True
         self._margins: list[torch.Tensor | None] | None = None
+        self._aux: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        """collect_aux: per layer (the attended tokens' router probabilities, with their graph; their own top-k)."""
+        self._aux_mask: torch.Tensor | None = None
         for index, router in enumerate(self.routers):
             router.forward = partial(self._forward, index, router)
 
@@ -83,6 +86,10 @@ class RouterHooks:
             if self._margins is not None:
                 top = torch.topk(probs, min(router.top_k + 1, probs.shape[-1]), dim=-1).values.detach()
                 self._margins[index] = top[:, -2] - top[:, -1] if top.shape[-1] > router.top_k else top[:, -1]
+        if self._aux is not None and index not in self._aux:  # a recomputing backward routes again: keep the first
+            mask = self._aux_mask if self._aux_mask is not None else torch.ones(len(own), dtype=torch.bool)
+            mask = mask.to(own.device)
+            self._aux[index] = (probs[mask], own[mask])
         weights = probs.gather(-1, ids)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights.to(logits.dtype), ids
@@ -156,3 +163,36 @@ class RouterHooks:
         for counter in (self.changed, self.compared, self.changed_tokens, self.compared_tokens):
             counter.zero_()
         return out
+
+
+class AuxLoss:
+    """`RouterHooks.collect_aux`'s result: call `value()` once the forward has run."""
+
+    def __init__(self, hooks: RouterHooks):
+        self.hooks = hooks
+
+    def value(self) -> torch.Tensor:
+        """The Switch-Transformer load-balancing loss of the forward's attended tokens, as transformers'
+        `load_balancing_loss_func` computes it from `output_router_logits` with an attention mask: over every MoE
+        layer's tokens together, E x sum over experts of (share of top-k slots routed to the expert) x (mean router
+        probability of the expert); differentiable through the router probabilities."""
+        parts = self.hooks._aux or {}
+        if len(parts) != self.hooks.layers:
+            raise RuntimeError(f"the load-balancing loss needs every router's forward: {len(parts)} of "
+                               f"{self.hooks.layers} ran")
+        probs = torch.cat([parts[i][0] for i in range(self.hooks.layers)])
+        chosen = torch.cat([parts[i][1] for i in range(self.hooks.layers)])
+        experts = self.hooks.num_experts
+        slots = F.one_hot(chosen, experts).to(probs.dtype).mean(dim=0)  # (k, E)
+        return experts * (slots * probs.mean(dim=0).unsqueeze(0)).sum()
+
+
+@contextmanager
+def collect_aux(hooks: RouterHooks, attended: torch.Tensor | None) -> Iterator[AuxLoss]:
+    """Within: the forward keeps what the load-balancing loss needs (`AuxLoss.value`). `attended`: the forward's
+    flattened token mask (None: every token)."""
+    hooks._aux, hooks._aux_mask = {}, None if attended is None else attended.reshape(-1).bool()
+    try:
+        yield AuxLoss(hooks)
+    finally:
+        hooks._aux, hooks._aux_mask = None, None
