@@ -8,7 +8,11 @@ import pytest
 from tests.moe.contract import MoEContract
 from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_problems, sglang_server
 
-pytestmark = pytest.mark.sglang
+# The module is a variant (marker `full`, make test-all; its server start alone takes 30-40 s on 2 cores): the MoE
+# model through the launched server. make test keeps Qwen3-VL-MoE's contract on in-process SGLang (the same engine
+# code and the same update_weights_from_tensor loader, tests/moe/test_qwen3_vl_moe_sglang.py) and the server's own
+# sync path (safetensors shards on disk) on the dense families (tests/rollout/test_sglang_server.py).
+pytestmark = [pytest.mark.sglang, pytest.mark.full]
 
 
 @pytest.fixture(scope="module")
