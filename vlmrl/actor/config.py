@@ -122,7 +122,8 @@ class MoEConfig:
     token's experts and the update's forward and backward route through those (`vlmrl.actor.routing`), so the
     importance ratio compares the same experts even once the optimizer has moved the routers (as verl's and slime's
     router replay). Either way, mismatch/routing_changed_frac logs the share of (token, MoE layer) pairs whose
-    top-k set the update would choose differently from the old pass. Needs the old-logprob pass (more than one
+    top-k set the update would choose differently from the old pass (with engine: the trainer's routers from the
+    engine's, in the old pass and the update). Needs the old-logprob pass (more than one
     optimizer step per batch, or rollout correction recomputing them) and one trainer process (dp = 1) for now.
     engine (R3): the routing the rollout engine computed for each sample replaces the trainer's in the old-logprob
     pass and in the update, so the trainer's logprobs are of the experts the engine sampled with (verl's, slime's
