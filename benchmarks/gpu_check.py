@@ -80,8 +80,7 @@ def build_moe_model(target: Path, tiny: bool) -> Path:
         shutil.copytree(tiny_dir, target, dirs_exist_ok=True)
         return target
     target.mkdir(parents=True, exist_ok=True)
-    ids = json.loads((tiny_dir / "config.json").read_text())
-    tokens = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    tokens = _placeholder_ids(tiny_dir)
     config = Qwen3VLMoeConfig(text_config=QWEN3_VL_30B_A3B["text"], vision_config=QWEN3_VL_30B_A3B["vision"],
                               tie_word_embeddings=False, **tokens)
     config.architectures = [Qwen3VLMoeForConditionalGeneration.__name__]
@@ -91,6 +90,18 @@ def build_moe_model(target: Path, tiny: bool) -> Path:
     model.save_pretrained(target)
     save_checkpoint_layout(target, family_of(model.config), model.config)
     del model
+    return _with_tokenizer_files(tiny_dir, target)
+
+
+def _placeholder_ids(tiny_dir: Path) -> dict[str, int]:
+    """The embedded model's image / video placeholder and delimiter ids (the config of a model built around its
+    tokenizer must name them)."""
+    ids = json.loads((tiny_dir / "config.json").read_text())
+    return {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+
+
+def _with_tokenizer_files(tiny_dir: Path, target: Path) -> Path:
+    """`target` given the embedded model's tokenizer, chat template and processor files."""
     for file in tiny_dir.iterdir():
         if file.is_file() and not file.name.endswith(".safetensors") and file.name != "config.json":
             shutil.copy2(file, target / file.name)
@@ -110,8 +121,7 @@ def build_model(target: Path, tiny: bool) -> Path:
         shutil.copytree(tiny_dir, target, dirs_exist_ok=True)
         return target
     target.mkdir(parents=True, exist_ok=True)
-    ids = json.loads((tiny_dir / "config.json").read_text())
-    tokens = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    tokens = _placeholder_ids(tiny_dir)
     config = Qwen2_5_VLConfig(text_config=QWEN25_VL_3B["text"], vision_config=QWEN25_VL_3B["vision"],
                               tie_word_embeddings=True, **tokens)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,10 +130,7 @@ def build_model(target: Path, tiny: bool) -> Path:
         model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
     model.save_pretrained(target)
     del model
-    for file in tiny_dir.iterdir():
-        if file.is_file() and not file.name.endswith(".safetensors") and file.name != "config.json":
-            shutil.copy2(file, target / file.name)
-    return target
+    return _with_tokenizer_files(tiny_dir, target)
 
 
 class GpuMemory:

@@ -62,3 +62,14 @@ def moe_batch(hf_qwen3_vl_moe):
 @pytest.fixture(scope="session")
 def hf_qwen3_vl_moe_greedy(hf_qwen3_vl_moe, moe_batch):
     return hf_qwen3_vl_moe.generate(moe_batch, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def hf(request):
+    """The module's transformers reference: Qwen3.5-MoE's (bfloat16) in a `qwen3_5_moe` module, else Qwen3-VL-MoE's."""
+    return request.getfixturevalue("hf_qwen3_5_moe" if "qwen3_5_moe" in request.module.__name__ else "hf_qwen3_vl_moe")
+
+
+@pytest.fixture(scope="module")
+def batch(moe_batch):
+    return moe_batch

@@ -108,3 +108,13 @@ class MoEContract:
         assert [r.response_ids for r in restored] == [r.response_ids for r in first]
         assert all(max(abs(a - b) for a, b in zip(x.response_logprobs, y.response_logprobs)) < 1e-5
                    for x, y in zip(first, restored))
+
+
+class Qwen3VLMoEContract(MoEContract):
+    """The contract in float32 on Qwen3-VL-MoE: greedy == HF token for token besides the sync tests."""
+
+    def test_greedy_equals_hf(self, backend, batch, hf_qwen3_vl_moe_greedy):
+        """Nine requests with 0, 1 and 2 images: HF's ids token for token, its logprobs to float rounding."""
+        results = backend.generate(batch, GREEDY)
+        problems = greedy_problems(hf_qwen3_vl_moe_greedy, results, backend.name, LOGPROB_TOL)
+        assert not problems, "\n".join(problems)

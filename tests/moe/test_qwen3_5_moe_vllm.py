@@ -32,15 +32,6 @@ def backend(qwen3_5_moe_path):
         yield started
 
 
-@pytest.fixture(scope="module")
-def hf(hf_qwen3_5_moe):
-    return hf_qwen3_5_moe
-
-
-@pytest.fixture(scope="module")
-def batch(moe_batch):
-    return moe_batch
-
 
 def drift_problems(hf32, hf16, requests, results) -> list[str]:
     """[] when the engine's mean |logprob - HF bfloat16| over its own tokens is at most twice HF float32's mean

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.moe.contract import MoEContract
-from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_problems
+from tests.moe.contract import Qwen3VLMoEContract
 from tests.rollout.qwen3_5.conftest import edited_copy
 from vlmrl.rollout.errors import RolloutError
 from vlmrl.rollout.registry import get_backend
@@ -21,22 +20,8 @@ def backend(qwen3_vl_moe_path):
         yield started
 
 
-@pytest.fixture(scope="module")
-def hf(hf_qwen3_vl_moe):
-    return hf_qwen3_vl_moe
-
-
-@pytest.fixture(scope="module")
-def batch(moe_batch):
-    return moe_batch
-
-
-class TestSGLangQwen3VLMoE(MoEContract):
-    def test_greedy_equals_hf(self, backend, batch, hf_qwen3_vl_moe_greedy):
-        """Nine requests with 0, 1 and 2 images: HF's ids token for token, its logprobs to float rounding."""
-        results = backend.generate(batch, GREEDY)
-        problems = greedy_problems(hf_qwen3_vl_moe_greedy, results, backend.name, LOGPROB_TOL)
-        assert not problems, "\n".join(problems)
+class TestSGLangQwen3VLMoE(Qwen3VLMoEContract):
+    pass
 
 
 def test_two_deepstack_layers_are_refused_before_the_engine(backend, qwen3_vl_moe_path, tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.moe.contract import MoEContract
-from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_problems, sglang_server
+from tests.moe.contract import Qwen3VLMoEContract
+from tests.rollout.helpers import sglang_server
 
 # The module is a variant (marker `full`, make test-all; its server start alone takes 30-40 s on 2 cores): the MoE
 # model through the launched server. make test keeps Qwen3-VL-MoE's contract on in-process SGLang (the same engine
@@ -20,22 +20,8 @@ def backend(qwen3_vl_moe_path, tmp_path_factory):
     yield from sglang_server(qwen3_vl_moe_path, tmp_path_factory, "sglang-server-qwen3-vl-moe")
 
 
-@pytest.fixture(scope="module")
-def hf(hf_qwen3_vl_moe):
-    return hf_qwen3_vl_moe
-
-
-@pytest.fixture(scope="module")
-def batch(moe_batch):
-    return moe_batch
-
-
-class TestSGLangServerQwen3VLMoE(MoEContract):
-    def test_greedy_equals_hf(self, backend, batch, hf_qwen3_vl_moe_greedy):
-        """Nine requests with 0, 1 and 2 images: HF's ids token for token, its logprobs to float rounding."""
-        results = backend.generate(batch, GREEDY)
-        problems = greedy_problems(hf_qwen3_vl_moe_greedy, results, backend.name, LOGPROB_TOL)
-        assert not problems, "\n".join(problems)
+class TestSGLangServerQwen3VLMoE(Qwen3VLMoEContract):
+    pass
 
     # the per-kind pushes are the in-process engine's test (the same update path in SGLang); here the rolled
     # experts, bucketed, through the server's disk shards
