@@ -391,13 +391,13 @@ class ActorCore:
         for rows in self.micro_batches(batch, range(len(batch))):
             mb = micro_batch(batch, rows, self.device, self.config.padding_free)
             context = (self.routing.record(mb.attended(), mb.token_lengths) if record
-                       else self.routing_replay(batch, rows, mb) if engine else contextlib.nullcontext({}))
+                       else self.routing_replay(batch, rows, mb) if engine else contextlib.nullcontext())
             with self.autocast(), context as recorded:
-                recorded = recorded if record else {}
                 lp, ent = forward_response(model, mb, self.temperature, with_entropy,
                                            chunk=self.config.logprob_chunk_size)
-            for position, row in enumerate(rows):
-                routes[row] = recorded.get(position)
+            if record:
+                for position, row in enumerate(rows):
+                    routes[row] = recorded[position]
             logprobs[rows] = _pad_to(lp.cpu(), width)
             if entropy is not None:
                 entropy[rows] = _pad_to(ent.cpu(), width)

@@ -166,7 +166,7 @@ class RouterHooks:
 
 
 class AuxLoss:
-    """`RouterHooks.collect_aux`'s result: call `value()` once the forward has run."""
+    """What `collect_aux` yields: call `value()` once the forward has run."""
 
     def __init__(self, hooks: RouterHooks):
         self.hooks = hooks

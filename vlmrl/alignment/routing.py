@@ -27,10 +27,6 @@ class RoutingAgreement:
     first_layer: int | None
     """The first MoE layer (in depth) whose routing differs at any token: where a drill-down starts."""
 
-    @property
-    def fraction(self) -> float:
-        return self.differing_pairs / max(self.tokens * self.layers, 1)
-
     def describe(self) -> str:
         if self.first_token is None:
             return f"same experts for all {self.tokens} tokens in all {self.layers} MoE layers"

@@ -21,7 +21,7 @@ guess: a tensor whose shape does not say its orientation (2*I == H) is refused b
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,11 +71,6 @@ class ExpertShape:
         if 2 * self.intermediate == self.hidden:
             raise ValueError(f"MoE experts with 2 x moe_intermediate_size == hidden_size ({self.hidden}): the "
                              "orientation of a fused expert tensor cannot be told from its shape")
-
-
-def is_expert_name(name: str) -> bool:
-    """A routed-expert tensor, in any layout."""
-    return bool(_FUSED.match(name) or _PER_EXPERT.match(name))
 
 
 def convert_names(names: Iterable[str], layout: str, shape: ExpertShape) -> list[str]:
@@ -148,22 +143,11 @@ def to_fused(state: Mapping[str, torch.Tensor], layout: str, shape: ExpertShape)
     return out
 
 
-def checkpoint_layout_of(names: Sequence[str]) -> str | None:
-    """The expert layout a checkpoint's tensor names show: per-expert, fused (either orientation: the names are
-    the same), or None (no routed experts)."""
-    if any(_PER_EXPERT.match(n) for n in names):
-        return "per-expert"
-    if any(_FUSED.match(n) for n in names):
-        return "fused"
-    return None
-
-
 def save_checkpoint_layout(folder: str | Path, family: Any, model_config: Any) -> None:
     """Rewrite the experts of a folder transformers' `save_pretrained` just wrote into its family's checkpoint layout
     (a no-op for dense families and for those transformers already saves right). Shards are rewritten one at a time,
     atomically, with their index unchanged: a fused tensor keeps its name."""
-    experts = getattr(family, "experts", None)
-    if experts is None or experts.checkpoint_layout != "fused-transposed":
+    if family.experts is None or family.experts.checkpoint_layout != "fused-transposed":
         return
     from safetensors import safe_open
     from safetensors.torch import save_file

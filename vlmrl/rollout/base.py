@@ -138,6 +138,7 @@ class RolloutBackend(abc.ABC):
         (rollout.vllm.engine_kwargs can ask for processed_logprobs). A validation artifact records it."""
         self._logged_once: set[str] = set()
         self._checkpoint_names: set[str] | None = None
+        self._expert_shape: ExpertShape | None = None
         self._asleep: set[str] = set()  # what sleep() gave back and no wake_up took back yet (ALL_MEMORY)
         self.weights_dropped = False
         """A sleep discarded the weights (vLLM sleep level 2, SGLang's memory saver): a full weight sync must come
@@ -282,7 +283,9 @@ class RolloutBackend(abc.ABC):
         experts = self.processor.family.experts
         if experts is None:
             return None
-        return experts.checkpoint_layout, ExpertShape.of(read_model_config(self.model_path))
+        if self._expert_shape is None:  # read once: every sync asks
+            self._expert_shape = ExpertShape.of(read_model_config(self.model_path))
+        return experts.checkpoint_layout, self._expert_shape
 
     def sync_state(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Every tensor `update_weights` would load, at once: {checkpoint name: CPU tensor}."""
