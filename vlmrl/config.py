@@ -270,9 +270,11 @@ def cross_section_problems(config: Config) -> list[str]:
              f"a mini-batch of {derived.mini_batch_samples} samples (ppo_mini_batch_size * rollout.n) does not "
              f"split into micro-batches of actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}: "
              f"pick a divisor of {derived.mini_batch_samples}")
-    need(a.moe.routing_replay != "engine" or (r.name == "vllm" and r.vllm.capture_routing),
-         "actor.moe.routing_replay=engine replays the rollout engine's routing, which vlmrl reads from vLLM's own "
-         "routers: set rollout.name=vllm and rollout.vllm.capture_routing=true")
+    need(a.moe.routing_replay != "engine" or (r.name == "vllm" and r.vllm.capture_routing)
+         or (r.name in ("sglang", "sglang-server") and r.sglang.capture_routing),
+         "actor.moe.routing_replay=engine replays the rollout engine's routing, which the engine reports only with "
+         "its capture on: set rollout.name=vllm and rollout.vllm.capture_routing=true (CPU or GPU), or "
+         "rollout.sglang.capture_routing=true (GPU)")
     world = derived.world_size
     if world > 1:
         need(derived.mini_batch_samples % world == 0,
@@ -284,9 +286,6 @@ def cross_section_problems(config: Config) -> list[str]:
              "use sglang (one engine per worker) or vllm")
         need(r.tensor_parallel_size == 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: with "
              f"{world} devices each colocated engine runs on its worker's one device; set it to 1")
-        need(a.moe.routing_replay == "off", f"actor.moe.routing_replay={a.moe.routing_replay} runs in one trainer "
-             f"process for now (the {world} ranks' recorded routing does not reach the update's shards yet): set it "
-             "to off, or train on one device")
     if a.lora.enabled:
         need(a.lora.sync != "adapter" or r.name in ADAPTER_BACKENDS,
              f"actor.lora.sync=adapter needs a backend that serves LoRA adapters ({list(ADAPTER_BACKENDS)}); "

@@ -122,7 +122,7 @@ class RolloutResult:
     """Per position {token_id: logprob} of the top-k tokens when SamplingParams.top_logprobs > 0."""
     routed_experts: torch.Tensor | None = None
     """A MoE model's routing as the engine computed it, (MoE layers, tokens the engine ran: expanded prompt + response
-    - 1, top-k) expert ids, when the backend captured it (rollout.vllm.capture_routing); else None."""
+    - 1, top-k) expert ids, when the backend captured it (`RolloutBackend.captures_routing`); else None."""
 
 
 @dataclass

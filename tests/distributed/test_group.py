@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.batches import make_batch
+from vlmrl.actor.config import MoEConfig
 from vlmrl.actor.local import Actor
 from vlmrl.algorithms.grpo import group_advantages
 from vlmrl.batch.padding import required_batch_multiple, upsample_to_multiple
@@ -187,19 +188,35 @@ def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray
     # rank 0: prompts 0-1 with images; rank 1: prompts 2-3 without; one mini-batch. Without the dummy vision forward
     # on rank 1 its workers abort in the first sharded forward (gloo collective mismatch). Both families: Qwen3-VL's
     # deepstack mergers must join rank 1's backward too.
+    # A MoE model also replays its routing (actor.moe.routing_replay=trainer): each rank records its rows' routing in
+    # the old pass, the driver gathers it in batch order and the update's shards carry it to their ranks.
     model_path, processor = tiny_family
+    moe = processor.family.experts is not None
+    overrides = {"moe": MoEConfig(routing_replay="trainer")} if moe else {}
     batch = make_batch(processor, synthetic_rows[8:12], n=2, text_only_rows=(2, 3), seed=2)
     assert all(batch.multi_modal_inputs[i] for i in range(4)) and not any(batch.multi_modal_inputs[4:])
-    reference = single_process(actor_config(model_path, micro=4), mini_batch_samples=8)
+    reference = single_process(actor_config(model_path, micro=4, **overrides), mini_batch_samples=8)
+    assert (reference.routing is not None) == moe
     start = {k: v.clone() for k, v in reference.named_tensors()}
-    with start_dp2(actor_config(model_path, micro=4), mini_batch_samples=8) as dp2:
-        old, _ = dp2.compute_logprobs(batch)
+    if moe:
+        alone = _rows(batch, range(len(batch)))
+        reference.compute_logprobs(alone, record_routing=True)
+    with start_dp2(actor_config(model_path, micro=4, **overrides), mini_batch_samples=8) as dp2:
+        old, _ = dp2.compute_logprobs(batch, record_routing=moe)
         old = perturbed(old, batch, seed=2)
         advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).double()
         got = dp2.update(batch, old, advantages)
         weights = dict(dp2.named_tensors())
+    if moe:  # the two ranks' recorded routing, gathered, is the one process's, row by row
+        assert batch.routed_experts is not None and len(batch.routed_experts) == len(batch)
+        for row, (mine, theirs) in enumerate(zip(alone.routed_experts, batch.routed_experts)):
+            assert (mine is None) == (theirs is None), row
+            assert mine is None or torch.equal(mine, theirs), f"row {row}: dp=2 recorded other experts"
     expected = reference.update(batch, old, advantages)
     assert_same_metrics(expected, got)
+    if moe:  # replayed on both sides: the counts are the global batch's (summed over ranks), equal to one process's
+        for key in ("mismatch/routing_changed_frac", "mismatch/routing_changed_tokens_frac"):
+            assert got[key] == pytest.approx(expected[key], abs=1e-12), key
     assert_same_weights(dict(reference.named_tensors()), weights, start)
     moved = {n for n in weights if "visual" in n and not torch.equal(weights[n], start[n])}
     assert moved, "the images on rank 0 should have trained the vision tower"

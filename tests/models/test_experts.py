@@ -100,3 +100,42 @@ def test_sglang_is_refused_where_it_would_compute_another_moe_model():
     problems = QWEN3_5_MOE.cpu_engine_problems({}, "sglang", "bfloat16")
     assert bool(problems) != cpu_has_amx()
     assert QWEN3_5_MOE.cpu_engine_problems({}, "vllm", "bfloat16") == []
+
+
+def test_engine_routing_rows_keep_transformers_moe_layers_in_the_trainers_order():
+    """The engines report routing per token for every decoder layer (vLLM: (tokens, layers, k) numpy; SGLang: the
+    same rows as base64 int32, encoded as its detokenizer does). `RoutingLayout` keeps the layers transformers
+    builds a sparse MoE block for (its own rule, checked on a model built from the config) as (MoE layers,
+    tokens, k), and refuses rows of another width instead of guessing."""
+    import base64
+    import json
+
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from vlmrl.models.experts import RoutingLayout
+    from vlmrl.models.tiny import ensure_built
+
+    path = ensure_built("tiny-qwen3-vl-moe")
+    raw = json.loads((path / "config.json").read_text())
+    raw["text_config"].update(num_hidden_layers=5, mlp_only_layers=[1], decoder_sparse_step=1)
+    layout = RoutingLayout.of(raw)
+    config = AutoConfig.from_pretrained(path)
+    config.text_config.num_hidden_layers, config.text_config.mlp_only_layers = 5, [1]
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    sparse = tuple(i for i, layer in enumerate(model.model.language_model.layers) if hasattr(layer.mlp, "experts"))
+    assert layout.moe_layers == sparse == (0, 2, 3, 4) and layout.top_k == config.text_config.num_experts_per_tok
+    tokens, k = 7, layout.top_k
+    rows = np.random.default_rng(0).integers(0, 4, size=(tokens, 5, k)).astype(np.int32)
+    expected = torch.as_tensor(rows[:, list(sparse)]).permute(1, 0, 2).long()
+    assert torch.equal(layout.from_engine(rows, "vllm"), expected)
+    encoded = base64.b64encode(torch.as_tensor(rows).numpy().tobytes()).decode("utf-8")  # SGLang's detokenizer
+    decoded = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    assert torch.equal(layout.from_engine(decoded, "sglang"), expected)
+    with pytest.raises(ValueError, match="expected \\(tokens, 5 layers"):
+        layout.from_engine(rows[:, :3], "vllm")
+    with pytest.raises(ValueError, match="do not divide"):
+        layout.from_engine(decoded[:-1], "sglang")
+    every = RoutingLayout.of(json.loads((ensure_built("tiny-qwen3.5-moe") / "config.json").read_text()))
+    assert every.moe_layers == tuple(range(every.hidden_layers))

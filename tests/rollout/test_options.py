@@ -168,3 +168,25 @@ def test_sleep_level_two_cannot_serve_a_lora_adapter():
         load_config([*BASE, "actor.lora.rank=8", "rollout.vllm.sleep_level=2"], check_model=False)
     load_config([*BASE, "actor.lora.rank=8", "actor.lora.sync=merged", "rollout.vllm.sleep_level=2"],
                 check_model=False)
+
+
+def test_routing_capture_starts_each_engine_with_its_own_capture_on_a_gpu_only(tmp_path):
+    """rollout.*.capture_routing on a MoE model: on a GPU both engines start with their own capture
+    (`enable_return_routed_experts`); on a CPU vLLM starts without it (vlmrl hooks its routers, one sample at a time)
+    and SGLang is refused before it starts, naming the way that works on a CPU. A dense model starts as it would."""
+    from vlmrl.models.families import QWEN3_VL_MOE
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.rollout.sglang import engine_args
+    from vlmrl.rollout.vllm import engine_kwargs
+
+    path = str(ensure_built("tiny-qwen3-vl-moe"))
+    vllm_on = options("vllm", "rollout.vllm.capture_routing=true")
+    assert engine_kwargs(path, vllm_on, QWEN3_VL_MOE, on_cuda=True)[0]["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in engine_kwargs(path, vllm_on, QWEN3_VL_MOE, on_cuda=False)[0]
+    assert "enable_return_routed_experts" not in engine_kwargs(path, options("vllm"), QWEN3_VL_MOE, True)[0]
+    assert "enable_return_routed_experts" not in engine_kwargs(path, vllm_on, QWEN2_5_VL, on_cuda=True)[0]
+    sglang_on = options("sglang", "rollout.sglang.capture_routing=true")
+    assert engine_args(path, sglang_on, QWEN3_VL_MOE, True, "sglang")["enable_return_routed_experts"] is True
+    with pytest.raises(ValueError, match="capture_routing needs a GPU.*rollout.vllm.capture_routing=true"):
+        engine_args(path, sglang_on, QWEN3_VL_MOE, False, "sglang")
+    assert "enable_return_routed_experts" not in engine_args(path, options("sglang"), QWEN3_VL_MOE, True, "sglang")

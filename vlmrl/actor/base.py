@@ -28,7 +28,7 @@ class PolicyActor(Protocol):
                          record_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) logprobs of the response tokens (0 on padding) and, optionally, their (B, R) entropy;
         `reference=True` uses the frozen reference; `record_routing`: a MoE policy's routing kept per row in
-        `batch.routed_experts` (the old-logprob pass; one process only)."""
+        `batch.routed_experts` (the old-logprob pass; sharded: gathered back in batch order)."""
         ...
 
     def needs_old_logprobs(self, batch_rows: int) -> bool:

@@ -70,10 +70,22 @@ class LoraConfig:
     """How the rollout engine gets the weights: merged (base + scaled adapter deltas as full weights; every
     backend), adapter (the adapter itself, served as a LoRA: vllm only) or auto (adapter where the backend can,
     else merged, said once in the log)."""
+    experts: bool = False
+    """Mixture-of-Experts policies: adapt the routed experts too, every language MoE layer's fused
+    mlp.experts.gate_up_proj and down_proj (PEFT's `target_parameters`: one rank-r adapter per expert); routers
+    are never adapted. Expert adapters always sync merged (base + scaled deltas, in the engines' expert layout):
+    whether vLLM serves an expert LoRA is unproven, so sync=auto picks merged and sync=adapter is refused. Needs
+    dropout=0 (PEFT has no dropout on a parameter's adapter); an error on a dense model."""
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @property
+    def may_sync_adapter(self) -> bool:
+        """sync adapter or auto, and no adapter that only a merged sync carries (lora.experts): whether a backend
+        that serves adapters is started to serve this policy's."""
+        return self.enabled and self.sync != "merged" and not self.experts
 
     def problems(self) -> list[str]:
         """What is wrong, each with what to change; empty when valid."""
@@ -88,8 +100,14 @@ class LoraConfig:
             out.append(f"actor.lora.vision={self.vision!r} is not one of {list(LORA_VISION)}")
         if self.sync not in LORA_SYNC:
             out.append(f"actor.lora.sync={self.sync!r} is not one of {list(LORA_SYNC)}")
-        if self.enabled and not self.target_modules and self.vision == "off":
-            out.append("actor.lora.target_modules is empty and lora.vision=off: nothing to adapt")
+        if self.enabled and not self.target_modules and self.vision == "off" and not self.experts:
+            out.append("actor.lora.target_modules is empty, lora.vision=off and lora.experts=false: nothing to adapt")
+        if self.enabled and self.experts and self.sync == "adapter":
+            out.append("actor.lora.experts=true syncs merged weights (whether vLLM serves an expert LoRA is unproven): "
+                       "set actor.lora.sync=auto or merged, or actor.lora.experts=false")
+        if self.enabled and self.experts and self.dropout:
+            out.append(f"actor.lora.experts=true needs actor.lora.dropout=0 (it is {self.dropout}): PEFT's adapters "
+                       "on the fused expert parameters take no dropout")
         return out
 
 
@@ -124,12 +142,13 @@ class MoEConfig:
     router replay). Either way, mismatch/routing_changed_frac logs the share of (token, MoE layer) pairs whose
     top-k set the update would choose differently from the old pass (with engine: the trainer's routers from the
     engine's, in the old pass and the update). Needs the old-logprob pass (more than one
-    optimizer step per batch, or rollout correction recomputing them) and one trainer process (dp = 1) for now.
+    optimizer step per batch, or rollout correction recomputing them); at dp > 1 each rank records its rows and
+    the rows' routing travels with them to whichever rank updates them (the metrics are the global batch's).
     engine (R3): the routing the rollout engine computed for each sample replaces the trainer's in the old-logprob
     pass and in the update, so the trainer's logprobs are of the experts the engine sampled with (verl's, slime's
-    and miles's rollout routing replay). The engine's routing comes from vLLM's own routers captured per sample
-    (rollout.name=vllm with rollout.vllm.capture_routing=true: one request and one sample at a time, in eager mode;
-    vLLM's and SGLang's `enable_return_routed_experts` return it on GPUs but are not read yet); dp = 1."""
+    and miles's rollout routing replay). The engine reports it with its capture on: rollout.vllm.capture_routing
+    (on a GPU vLLM's own `enable_return_routed_experts` in the batched generate; on a CPU vlmrl hooks the engine's
+    routers, one sample at a time) or rollout.sglang.capture_routing (SGLang's, GPU only)."""
 
     aux_loss_coef: float = 0.0
     """Weight of the routers' load-balancing loss in the update (transformers' Switch-Transformer loss over the

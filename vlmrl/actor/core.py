@@ -358,6 +358,10 @@ class ActorCore:
         """The number of micro-batches every rank runs, given this rank's: its own on a single process."""
         return count
 
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over the processes that share the update: itself on a single process."""
+        return values
+
     # ---- logprobs ---------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -490,7 +494,7 @@ class ActorCore:
         if mismatch is not None:
             metrics.update(mismatch.metrics())
         if self.routing is not None:
-            metrics.update(self.routing.take_counts())
+            metrics.update(self.routing.take_counts(total=self.sum_over_ranks))
         self.scheduler.step()
         return metrics
 

@@ -19,7 +19,7 @@ the R3 variant takes the ids the rollout engine used (vLLM / SGLang `enable_retu
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -152,17 +152,22 @@ class RouterHooks:
         finally:
             self._mode, self._replay, self._attended = None, None, None
 
-    def take_counts(self) -> dict[str, float]:
+    def take_counts(self, total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
         """Fractions of replayed (token, layer) pairs and of tokens (any layer) whose own top-k set differed from the
-        replayed one, since the last call; {} when nothing was replayed."""
-        if int(self.compared) == 0:
-            return {}
-        out = {"mismatch/routing_changed_frac": float(self.changed) / float(self.compared),
-               "mismatch/routing_changed_tokens_frac": float(self.changed_tokens) / max(float(self.compared_tokens),
-                                                                                         1.0)}
-        for counter in (self.changed, self.compared, self.changed_tokens, self.compared_tokens):
+        replayed one, since the last call; {} when nothing was replayed. `total`: sums the four counts over the
+        processes that share the update (FSDP ranks: an all-reduce, so every rank must call this), making the
+        fractions the global batch's rather than an average of the ranks' fractions."""
+        counters = (self.changed, self.compared, self.changed_tokens, self.compared_tokens)
+        counts = torch.stack([c.detach().to(torch.float64).reshape(()) for c in counters])
+        if total is not None:
+            counts = total(counts)
+        for counter in counters:
             counter.zero_()
-        return out
+        changed, compared, changed_tokens, compared_tokens = (float(c) for c in counts.cpu())
+        if compared == 0:
+            return {}
+        return {"mismatch/routing_changed_frac": changed / compared,
+                "mismatch/routing_changed_tokens_frac": changed_tokens / max(compared_tokens, 1.0)}
 
 
 class AuxLoss:

@@ -156,10 +156,14 @@ def _artifact_paths(args: argparse.Namespace, out: Path) -> list[Path]:
 
 
 def _side_overrides(overrides: list[str], backend: str, run_dir: Path, moe: bool = False) -> list[str]:
-    """A side's validate-only overrides; a MoE model's vllm side records its routing (cause `routing`) unless the
-    overrides say otherwise."""
-    routing = (["rollout.vllm.capture_routing=true"] if moe and backend == "vllm"
-               and not any(o.startswith("rollout.vllm.capture_routing=") for o in overrides) else [])
+    """A side's validate-only overrides; a MoE model's engine side records its routing (cause `routing`) unless the
+    overrides say otherwise: vllm everywhere, sglang on a GPU (its capture needs CUDA)."""
+    import torch
+
+    section = {"vllm": "vllm", "sglang": "sglang", "sglang-server": "sglang"}.get(backend)
+    key = f"rollout.{section}.capture_routing="
+    captures = section == "vllm" or (section == "sglang" and torch.cuda.is_available())
+    routing = ([f"{key}true"] if moe and captures and not any(o.startswith(key) for o in overrides) else [])
     return [*overrides, *routing, "trainer.val_only=true", f"rollout.name={backend}", f"trainer.output_dir={run_dir}"]
 
 

@@ -93,6 +93,16 @@ class ShardedActor(ActorCore):
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value.item())
 
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over every rank (a collective: every rank calls it at the same point)."""
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        total = values.to(self.device if self.device.type == "cuda" else "cpu").clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total.cpu()
+
     def clip_gradients(self) -> float:
         """The GLOBAL gradient norm over every rank's shards (a collective), clipped to config.grad_clip."""
         return clip_grad_norm(self.trainable, self.config.grad_clip)

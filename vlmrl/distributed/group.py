@@ -182,20 +182,27 @@ class DistributedActor:
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False,
                          record_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) logprobs (and optionally entropy) of the batch, each rank computing an equal contiguous slice.
-        B must divide by dp_size (upsample with padding rows first). `record_routing` is not done across ranks yet
-        (the config refuses routing replay at dp > 1): the update then routes as the model says."""
+        B must divide by dp_size (upsample with padding rows first). `record_routing` (the old-logprob pass of a MoE
+        policy): each rank records its rows' routing and the rows' routes come back into `batch.routed_experts`
+        (in batch order), so that `update` hands every row's routing to whichever rank updates that row."""
         blocks = logprob_row_blocks(batch, self.dp_size, balanced=self.spec.actor.micro_batch_tokens > 0)
         parts = self._each("compute_logprobs",
-                           [(select_rows(batch, rows), reference, with_entropy) for rows in blocks],
+                           [(select_rows(batch, rows), reference, with_entropy, record_routing) for rows in blocks],
                            "reference logprobs" if reference else "logprobs")
         order = torch.as_tensor([row for rows in blocks for row in rows], dtype=torch.long)
-        gathered = torch.cat([lp for lp, _ in parts])  # the ranks' precision: float32, or float64 for a float64 model
+        gathered = torch.cat([lp for lp, _, _ in parts])  # the ranks' precision: float32, or float64 for float64
         logprobs = torch.empty_like(batch.response_mask, dtype=gathered.dtype)
         logprobs[order] = gathered
         entropy = None
         if with_entropy:
             entropy = torch.empty_like(logprobs)
-            entropy[order] = torch.cat([ent for _, ent in parts])
+            entropy[order] = torch.cat([ent for _, ent, _ in parts])
+        if record_routing and any(routes is not None for _, _, routes in parts):
+            routed: list[torch.Tensor | None] = [None] * len(batch)
+            for rows, (_, _, routes) in zip(blocks, parts):
+                for row, route in zip(rows, routes or [None] * len(rows)):
+                    routed[row] = route
+            batch.routed_experts = routed
         return logprobs, entropy
 
     def set_temperature(self, temperature: float) -> None:

@@ -118,9 +118,13 @@ class TrainWorker:
 
     # ---- training (collectives: every rank, same calls) --------------------------------------------------------------
 
-    def compute_logprobs(self, batch: TrainBatch, reference: bool, with_entropy: bool):
+    def compute_logprobs(self, batch: TrainBatch, reference: bool, with_entropy: bool, record_routing: bool = False):
+        """(logprobs, entropy, routes): routes are the rows' recorded MoE routing (`batch.routed_experts` after a
+        recording pass, else None), for the driver to hand back with each row's update shard."""
         self._rest_engine()
-        return self.actor.compute_logprobs(batch, reference=reference, with_entropy=with_entropy)
+        logprobs, entropy = self.actor.compute_logprobs(batch, reference=reference, with_entropy=with_entropy,
+                                                        record_routing=record_routing)
+        return logprobs, entropy, batch.routed_experts if record_routing else None
 
     def update_shard(self, shard, old_from_engine: bool = False) -> dict[str, float]:
         self._rest_engine()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 LAYOUTS = ("fused", "fused-transposed", "per-expert")
@@ -164,3 +165,48 @@ def save_checkpoint_layout(folder: str | Path, family: Any, model_config: Any) -
             continue
         converted = dict(convert(state.items(), "fused-transposed", shape))
         replace_atomically(file, lambda tmp, converted=converted: save_file(converted, str(tmp), metadata=metadata))
+
+
+# ---------------------------------------------------------------------------------------------------- engine routing
+
+
+@dataclass(frozen=True)
+class RoutingLayout:
+    """How the engines report a MoE model's routing: per computed token, one row of top-k expert ids for every
+    decoder layer (`hidden_layers` rows, vLLM's and SGLang's `enable_return_routed_experts`), of which `moe_layers`
+    route through experts; vlmrl keeps those, as (MoE layers, tokens, top-k) like the trainer's own record
+    (`vlmrl.actor.routing`)."""
+
+    hidden_layers: int
+    moe_layers: tuple[int, ...]
+    top_k: int
+
+    @classmethod
+    def of(cls, model_config: Mapping[str, Any]) -> RoutingLayout:
+        """From config.json: transformers' rule for a MoE decoder layer (Qwen3-VL-MoE's `Qwen3VLMoeTextDecoderLayer`:
+        not in mlp_only_layers, and (index + 1) divisible by decoder_sparse_step; Qwen3.5-MoE has neither key, so
+        every layer)."""
+        text = model_config.get("text_config") or model_config
+        layers = int(text["num_hidden_layers"])
+        dense = set(text.get("mlp_only_layers") or ())
+        step = int(text.get("decoder_sparse_step") or 1)
+        moe = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        return cls(layers, moe, int(text["num_experts_per_tok"]))
+
+    def from_engine(self, rows: Any, source: str) -> torch.Tensor:
+        """(MoE layers, tokens, top-k) long ids from an engine's (tokens, layers, top-k) rows (a numpy array, or a
+        flat one as SGLang's base64 int32 payload decodes). Refuses rows of another shape rather than guess."""
+        ids = (rows if isinstance(rows, torch.Tensor) else torch.tensor(np.asarray(rows))).to(torch.long)
+        if ids.dim() == 1:
+            width = self.hidden_layers * self.top_k
+            if ids.numel() % width:
+                raise ValueError(f"{source}: {ids.numel()} routed-expert ids do not divide into tokens of "
+                                 f"{self.hidden_layers} layers x top-{self.top_k}")
+            ids = ids.reshape(-1, self.hidden_layers, self.top_k)
+        if ids.dim() != 3 or ids.shape[1:] not in ((self.hidden_layers, self.top_k),
+                                                   (len(self.moe_layers), self.top_k)):
+            raise ValueError(f"{source}: routed experts of shape {tuple(ids.shape)}; expected (tokens, "
+                             f"{self.hidden_layers} layers, top-{self.top_k})")
+        if ids.shape[1] == self.hidden_layers:
+            ids = ids[:, list(self.moe_layers)]
+        return ids.permute(1, 0, 2).contiguous()

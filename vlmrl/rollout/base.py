@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from vlmrl.models.experts import ExpertShape
+from vlmrl.models.experts import ExpertShape, RoutingLayout
 from vlmrl.models.families import ModelFamily, read_model_config
 from vlmrl.rollout.config import BACKEND_SECTIONS, ENGINE_OPTIONS, SERVING_OPTIONS, RolloutConfig
 from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError, InvalidRequestError, RolloutError
@@ -139,6 +139,7 @@ class RolloutBackend(abc.ABC):
         self._logged_once: set[str] = set()
         self._checkpoint_names: set[str] | None = None
         self._expert_shape: ExpertShape | None = None
+        self._routing_layout: RoutingLayout | None = None
         self._asleep: set[str] = set()  # what sleep() gave back and no wake_up took back yet (ALL_MEMORY)
         self.weights_dropped = False
         """A sleep discarded the weights (vLLM sleep level 2, SGLang's memory saver): a full weight sync must come
@@ -286,6 +287,17 @@ class RolloutBackend(abc.ABC):
         if self._expert_shape is None:  # read once: every sync asks
             self._expert_shape = ExpertShape.of(read_model_config(self.model_path))
         return experts.checkpoint_layout, self._expert_shape
+
+    def captures_routing(self) -> bool:
+        """Whether this backend's results carry the routing the engine computed (`RolloutResult.routed_experts`): a
+        MoE model with the engine's capture on (rollout.vllm.capture_routing, rollout.sglang.capture_routing)."""
+        return False
+
+    def routing_layout(self) -> RoutingLayout:
+        """How the engine reports this MoE model's routing (read from config.json once)."""
+        if self._routing_layout is None:
+            self._routing_layout = RoutingLayout.of(read_model_config(self.model_path))
+        return self._routing_layout
 
     def sync_state(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Every tensor `update_weights` would load, at once: {checkpoint name: CPU tensor}."""

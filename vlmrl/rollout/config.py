@@ -63,9 +63,12 @@ class VLLMConfig:
     enable_prefix_caching: bool = True
     """Reuse KV of shared prompt prefixes (the n samples of a prompt); reset after every weight update."""
     capture_routing: bool = False
-    """Validation artifacts of a MoE model record the routing the engine computed for each sample (its own routers,
-    captured one request at a time: slower; needs rollout.val_n=1), so that compare can tell where a logprob gap
-    follows tokens routed through other experts (cause `routing`). compare sets it for a MoE model's vllm side."""
+    """A MoE model's samples carry the routing the engine computed for them (every token's top-k experts per MoE
+    layer): what actor.moe.routing_replay=engine replays, and what validation artifacts record so that compare can
+    tell where a logprob gap follows tokens routed through other experts (cause `routing`; compare sets it for a
+    MoE model's vllm side). On a GPU: vLLM's own capture (`enable_return_routed_experts`, its V2 model runner) in
+    the normal batched generate. On a CPU (no V2 runner without Triton): vlmrl hooks the engine's routers and runs
+    one sample at a time, in eager mode: slower, for tests and compare."""
     enable_sleep_mode: bool | None = None
     """Start vLLM with sleep mode, so the engine frees its GPU memory (weights, KV cache) while the actor trains and
     takes it back for the weight sync and the next rollout. null = on when the engine shares a GPU with training
@@ -114,6 +117,10 @@ class SGLangConfig:
     runs."""
     log_level: str = "error"
     """SGLang's own log level: debug, info, warning, error or critical."""
+    capture_routing: bool = False
+    """A MoE model's samples carry the routing the engine computed for them, as rollout.vllm.capture_routing:
+    SGLang's `enable_return_routed_experts` with `return_routed_experts` on every request. GPU only: SGLang's
+    capture buffer is CUDA-host-registered, so on a CPU the engine is refused before it starts."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra SGLang server arguments, given as they are (`sglang.Engine(...)` keywords; `--flag value` for the
     server). A `json_model_override_args` merges over the model family's settings."""

@@ -15,6 +15,7 @@ only the processes its engine started. docs/engines.md ("SGLang") has the measur
 from __future__ import annotations
 
 import atexit
+import base64
 import hashlib
 import json
 import logging
@@ -25,8 +26,10 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from vlmrl.models.experts import RoutingLayout
 from vlmrl.models.families import ModelFamily, read_model_config
 from vlmrl.rollout.base import (
     BackendOptions,
@@ -83,6 +86,12 @@ def engine_args(model_path: str, options: BackendOptions, family: ModelFamily | 
                                 tp_size=r.tensor_parallel_size, mem_fraction_static=r.gpu_memory_utilization,
                                 log_level=o.log_level,
                                 enable_memory_saver=release_memory(o.enable_memory_saver, on_cuda, options.colocated))
+    if o.capture_routing and family is not None and family.experts is not None:
+        if not on_cuda:
+            raise ValueError(f"{backend}: rollout.sglang.capture_routing needs a GPU (SGLang's routed-experts "
+                             "buffer is CUDA-host-registered; its scheduler dies on a CPU): on a CPU use "
+                             "rollout.name=vllm with rollout.vllm.capture_routing=true")
+        args["enable_return_routed_experts"] = True
     if not on_cuda:
         # sleep_on_idle: an idle scheduler blocks on its sockets (waking at once on a request) instead of polling,
         # which holds a whole core on a CPU machine (measured on 2 cores: 1.01 cores idle, 0.02 with it) that the
@@ -198,6 +207,8 @@ class SGLangCommon(RolloutBackend):
             # multimodal cache is off by default, and a weight update flushes the prefix cache).
             del entries["mm_hashes"]
         body: dict[str, Any] = {**entries, "return_logprob": True}
+        if self.captures_routing():
+            body["return_routed_experts"] = True
         if not self.salt_mm_hashes:
             body.pop("mm_hashes", None)
         banned = sorted({t for r in requests for t in r.banned_token_ids})
@@ -216,8 +227,12 @@ class SGLangCommon(RolloutBackend):
         for position, request in enumerate(requests):
             own = outputs[position * draws:(position + 1) * draws]
             for i in range(sampling.n):
-                results.append(_result(own[i % draws], request, i, sampling.top_logprobs))
+                results.append(_result(own[i % draws], request, i, sampling.top_logprobs,
+                                       self.routing_layout() if self.captures_routing() else None))
         return results
+
+    def captures_routing(self) -> bool:
+        return self.rollout.sglang.capture_routing and self.processor.family.experts is not None
 
     def check_raw_logprobs(self, generate) -> None:
         """Fail start-up unless logprobs come from the raw distribution: the token forced at temperature 5 (top_p
@@ -277,8 +292,10 @@ def per_step_video_grids(processor: Any, ids: Sequence[int], mm: dict[str, Any])
     return {"video_grid_thw": split, "mrope_positions": positions, "mrope_position_delta": delta}
 
 
-def _result(out: dict, request: RolloutRequest, sample_index: int, top_k: int) -> RolloutResult:
-    """One SGLang output -> RolloutResult, with the pad-ban renormalisation undone (see the module docstring)."""
+def _result(out: dict, request: RolloutRequest, sample_index: int, top_k: int,
+            routing: RoutingLayout | None = None) -> RolloutResult:
+    """One SGLang output -> RolloutResult, with the pad-ban renormalisation undone (see the module docstring).
+    `routing`: read the output's routed experts (base64 int32 (tokens, layers, k), `return_routed_experts`)."""
     meta = out["meta_info"]
     ids = list(out["output_ids"])
     banned = set(request.banned_token_ids)
@@ -294,8 +311,16 @@ def _result(out: dict, request: RolloutRequest, sample_index: int, top_k: int) -
         tops = [top_allowed({e[1]: e[0] - shift for e in position}, top_k, request.banned_token_ids)
                 for position, shift in zip(meta["output_top_logprobs"], shifts)]
     reason = (meta.get("finish_reason") or {}).get("type")
+    routed = None
+    if routing is not None:
+        payload = meta.get("routed_experts")
+        if payload is None:
+            raise RolloutError(f"sglang: request {request.uid}: no routed experts in the output (the engine must "
+                               "start with enable_return_routed_experts)")
+        routed = routing.from_engine(np.frombuffer(base64.b64decode(payload), dtype=np.int32), "sglang")
     return RolloutResult(uid=request.uid, sample_index=sample_index, response_ids=ids, response_logprobs=logprobs,
-                         finish_reason=reason if reason in ("stop", "length") else "abort", top_logprobs=tops)
+                         finish_reason=reason if reason in ("stop", "length") else "abort", top_logprobs=tops,
+                         routed_experts=routed)
 
 
 def _quit_signal_survivor(signum, frame) -> None:

@@ -234,6 +234,8 @@ def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily 
         gpu_memory_utilization=r.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
         enable_sleep_mode=release_memory(v.enable_sleep_mode, on_cuda, options.colocated),
     )
+    if v.capture_routing and on_cuda and family is not None and family.experts is not None:
+        kwargs["enable_return_routed_experts"] = True  # its V2 model runner's capture; on a CPU: _generate_routed
     if options.lora_rank > 0:
         rank = next((x for x in VLLM_LORA_RANKS if x >= options.lora_rank), None)
         if rank is None:
@@ -346,7 +348,7 @@ class VLLMBackend(RolloutBackend):
     # ------------------------------------------------------------------------------------------------ generate
 
     def _generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
-        if self._captures_routing():
+        if self._per_sample_routing():
             return self._generate_routed(requests, sampling)
         from vllm import SamplingParams as VLLMSampling
         from vllm.inputs import TokensPrompt
@@ -395,11 +397,13 @@ class VLLMBackend(RolloutBackend):
             if sampling.top_logprobs:
                 tops = [top_allowed({t: lp.logprob for t, lp in pos.items()}, sampling.top_logprobs,
                                     request.banned_token_ids) for pos in positions]
+            routed = getattr(c, "routed_experts", None)  # enable_return_routed_experts (GPU): (tokens, layers, k)
             results.append(RolloutResult(
                 uid=request.uid, sample_index=i, response_ids=ids,
                 response_logprobs=[pos[t].logprob for pos, t in zip(positions, ids)],
                 finish_reason=c.finish_reason if c.finish_reason in ("stop", "length") else "abort",
-                top_logprobs=tops))
+                top_logprobs=tops,
+                routed_experts=None if routed is None else self.routing_layout().from_engine(routed, "vllm")))
         return results
 
     # ------------------------------------------------------------------------------------------------ weights
@@ -441,12 +445,16 @@ class VLLMBackend(RolloutBackend):
 
     def generate_with_routing(self, requests: Sequence[RolloutRequest], sampling: SamplingParams
                               ) -> list[tuple[RolloutResult, torch.Tensor]]:
-        """A MoE model's results with the routing the engine computed for them (`_generate_routed`), as (result,
-        (MoE layers, expanded prompt + response - 1 tokens, k) expert ids) - every token the engine ran; the last
-        sampled one it never runs. For comparing the engine's routing with the trainer's (`vlmrl.alignment.routing`);
-        the engine's own capture (`enable_return_routed_experts`) needs a GPU."""
+        """A MoE model's results with the routing the engine computed for them, as (result, (MoE layers, expanded
+        prompt + response - 1 tokens, k) expert ids) - every token the engine ran; the last sampled one it never
+        runs. For comparing the engine's routing with the trainer's (`vlmrl.alignment.routing`). On a GPU the
+        engine must have started with rollout.vllm.capture_routing (vLLM's own `enable_return_routed_experts` is
+        an engine setting); on a CPU the routers are hooked for this call (`_generate_routed`)."""
         if self.processor.family.experts is None:
             raise ValueError(f"vllm: {self.processor.family.name} is not a Mixture-of-Experts model: no routing")
+        if self.on_cuda and not self.captures_routing():
+            raise ValueError("vllm: the engine returns routed experts only when started with "
+                             "rollout.vllm.capture_routing=true (enable_return_routed_experts)")
         self._force_routing = True
         try:
             results = self.generate(requests, sampling)
@@ -454,8 +462,12 @@ class VLLMBackend(RolloutBackend):
             self._force_routing = False
         return [(result, result.routed_experts) for result in results]
 
-    def _captures_routing(self) -> bool:
-        return ((self.rollout.vllm.capture_routing or getattr(self, "_force_routing", False))
+    def captures_routing(self) -> bool:
+        return self.rollout.vllm.capture_routing and self.processor.family.experts is not None
+
+    def _per_sample_routing(self) -> bool:
+        """The CPU capture (`_generate_routed`): vLLM's own needs its V2 model runner, which needs Triton (a GPU)."""
+        return ((self.captures_routing() or getattr(self, "_force_routing", False)) and not self.on_cuda
                 and self.processor.family.experts is not None and not getattr(self, "_capturing", False))
 
     def _generate_routed(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:

@@ -131,12 +131,9 @@ def run_validation(parts: RunComponents, *, step: int = 0, artifact_path: str | 
             results.extend(rolled.results)
             answers.extend(rolled.final_answers)
         else:
+            generated = running.generate(call, sampling)
             if capture:
-                pairs = running.generate_with_routing(call, sampling)
-                generated = [result for result, _ in pairs]
-                routings.extend(routing for _, routing in pairs)
-            else:
-                generated = running.generate(call, sampling)
+                routings.extend(result.routed_experts for result in generated)
             results.extend(generated)
             answers.extend(response_texts(processor.tokenizer, generated))
     filtered, reward_fn = requests.filtered, parts.reward_fn
@@ -168,13 +165,13 @@ def run_validation(parts: RunComponents, *, step: int = 0, artifact_path: str | 
 
 
 def captures_routing(config, running, processor, sampling) -> bool:
-    """rollout.vllm.capture_routing on a MoE model's vllm backend, one sample per request: each validation sample's
-    routing goes into the artifact (`VLLMBackend.generate_with_routing`)."""
-    if not (config.rollout.vllm.capture_routing and processor.family.experts is not None
-            and hasattr(running, "generate_with_routing")):
+    """A MoE model's backend whose results carry the engine's routing (rollout.vllm.capture_routing,
+    rollout.sglang.capture_routing), one sample per request: each validation sample's routing goes into the
+    artifact."""
+    if processor.family.experts is None or not getattr(running, "captures_routing", lambda: False)():
         return False
     if sampling.n != 1:
-        logger.warning("rollout.vllm.capture_routing needs one sample per request (rollout.val_n=1); the artifact "
+        logger.warning("the engine's routing is recorded with one sample per request (rollout.val_n=1); the artifact "
                        "records no routing")
         return False
     return True
