@@ -206,3 +206,37 @@ def test_the_load_balancing_loss_is_transformers_and_only_it_moves_the_routers_o
         with torch.no_grad():
             for n, p in actor.model.named_parameters():
                 p.copy_(saved[n])
+
+
+def test_the_drill_down_names_the_moe_layer_whose_routing_differs(synthetic_rows):
+    """compare's --drill-down on a MoE model records both sides' routers: against a reference whose layer-1 router
+    moved, it names layer 1 as the first module and the first MoE layer whose routing differs (layer 0 routes every
+    token the same); against the same weights, every module and every token's experts agree."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.alignment.drill_down import FLOAT32_TOLERANCE, drill_down
+    from vlmrl.alignment.report import drill_down_line
+    from vlmrl.data.config import DataConfig
+    from vlmrl.models.families import QWEN3_VL_MOE
+    from vlmrl.processors.qwen_vl import load_processor
+
+    actor = moe_actor("tiny-qwen3-vl-moe")
+    batch = make_batch(load_processor(actor.config.model_path, DataConfig(max_prompt_length=96)), synthetic_rows[:1],
+                       n=1, prompt_length=96, response_length=12)
+    reference = AutoModelForImageTextToText.from_pretrained(actor.config.model_path, dtype=torch.float32).eval()
+
+    def drill():
+        return drill_down(actor, reference, batch, 0, family=QWEN3_VL_MOE, index=0, sample_index=0,
+                          tolerance=FLOAT32_TOLERANCE)
+
+    same = drill()
+    assert same.first is None and same.routing["first_layer"] is None and same.routing["differing_pairs"] == 0
+    assert "routing: the same experts at every token" in drill_down_line(same.to_dict())
+    router = reference.model.language_model.layers[1].mlp.gate.weight
+    with torch.no_grad():
+        router.mul_(-1.0)  # every token's top-k of layer 1 becomes its bottom-k
+    moved = drill()
+    assert moved.first == "model.language_model.layers.1", moved.first
+    assert moved.routing["first_layer"] == 1 and moved.routing["differing_pairs"] > 0, moved.routing
+    line = drill_down_line(moved.to_dict())
+    assert "starts at model.language_model.layers.1" in line and "routing first differs at MoE layer 1" in line

@@ -7,7 +7,8 @@ the trainer's logprob pass (`forward_response`) on the same sample, the trainer 
 actor.padding_free) and the reference padded; a single row has the same token order in both, so every watched
 module's output lines up position for position. Watched, in forward order: the vision tower's mergers (Qwen3-VL:
 its deepstack mergers too) and the tower itself, each decoder layer, the final norm, and the head (the response's
-logprobs). The first whose max |difference| exceeds `tolerance` x max |reference output| is named.
+logprobs). The first whose max |difference| exceeds `tolerance` x max |reference output| is named. On a MoE model
+both sides' routers are recorded too, and the first MoE layer (and token) whose top-k experts differ is named.
 
 The engines run other kernels in other processes, so this compares the trainer with transformers on the engine's
 weights, not with the engine itself: vLLM and SGLang expose no per-layer outputs to a client (SGLang's tensor dump
@@ -49,6 +50,10 @@ class DrillDown:
     modules: list[ModuleDiff] = field(default_factory=list)
     first: str | None = None
     """The first module whose output differs beyond tolerance; None when none does."""
+    routing: dict | None = None
+    """A MoE model: where the two sides' routers chose other experts for the sample's tokens
+    (`vlmrl.alignment.routing.RoutingAgreement` as a dict: first_layer, first_token, differing pairs); None for a
+    dense model."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,11 +150,36 @@ def drill_down(actor, reference_model: torch.nn.Module, batch, row: int, *, fami
         with actor.autocast():
             return forward_response(actor.model, trainer_mb, 1.0, False, chunk=actor.config.logprob_chunk_size)[0]
 
+    def reference_pass():
+        return forward_response(reference_model, reference_mb, 1.0, False)[0]
+
+    routes: dict[str, torch.Tensor] = {}
+    if family.experts is not None:  # the routers too: which MoE layer first sends a token to other experts
+        from vlmrl.actor.routing import RouterHooks
+
+        trainer_hooks = getattr(actor, "routing", None) or RouterHooks(actor.model, family.experts.router_class)
+        reference_hooks = RouterHooks(reference_model, family.experts.router_class)
+        trainer_pass = _recording(trainer_pass, trainer_hooks, trainer_mb, routes, "trainer")
+        reference_pass = _recording(reference_pass, reference_hooks, reference_mb, routes, "reference")
     trainer_out, trainer_lp = capture(actor.model, names, trainer_pass)
-    reference_out, reference_lp = capture(reference_model, reference_names,
-                                          lambda: forward_response(reference_model, reference_mb, 1.0, False)[0])
+    reference_out, reference_lp = capture(reference_model, reference_names, reference_pass)
     width = int(batch.response_mask[row].sum()) or 1
     trainer_out["head"] = trainer_lp[..., :width].to(torch.float64).reshape(1, -1)
     reference_out["head"] = reference_lp[..., :width].to(torch.float64).reshape(1, -1)
     modules, first = compare_modules(trainer_out, reference_out, [*map(canonical, names), "head"], tolerance)
-    return DrillDown(index, sample_index, tolerance, modules, first)
+    routing = None
+    if routes:
+        from vlmrl.alignment.routing import compare_routing
+
+        routing = asdict(compare_routing(routes["trainer"], routes["reference"]))
+    return DrillDown(index, sample_index, tolerance, modules, first, routing)
+
+
+def _recording(run, hooks, mb, routes: dict[str, torch.Tensor], side: str):
+    """`run` with the routers' choices of the micro-batch's one row kept in routes[side] ((layers, tokens, k))."""
+    def recorded():
+        with hooks.record(mb.attended(), mb.token_lengths) as out:
+            result = run()
+        routes[side] = out[0]
+        return result
+    return recorded

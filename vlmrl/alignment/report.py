@@ -163,12 +163,19 @@ def _decoding(comparison: Comparison) -> str:
 def drill_down_line(drill: dict[str, Any]) -> str:
     """One line for the trainer side's per-module comparison (`vlmrl.alignment.drill_down`)."""
     where = f"row {drill['index']} #{drill['sample_index']}"
+    routing = drill.get("routing")
+    routed = ""
+    if routing is not None:
+        routed = ("; routing: the same experts at every token" if routing["first_layer"] is None else
+                  f"; routing first differs at MoE layer {routing['first_layer']} (token {routing['first_token']}; "
+                  f"{routing['differing_pairs']} of {routing['tokens'] * routing['layers']} (token, layer) pairs)")
     if drill.get("first") is None:
         return (f"drill-down on {where}: every one of {len(drill['modules'])} modules within "
-                f"{drill['tolerance']:g} (relative) of transformers")
+                f"{drill['tolerance']:g} (relative) of transformers{routed}")
     module = next(m for m in drill["modules"] if m["name"] == drill["first"])
     return (f"drill-down on {where}: the divergence starts at {drill['first']} (max |d| {module['max_abs']:.3g}, "
-            f"{module['max_abs'] / max(module['scale'], 1e-12):.2g} of its scale; tolerance {drill['tolerance']:g})")
+            f"{module['max_abs'] / max(module['scale'], 1e-12):.2g} of its scale; tolerance {drill['tolerance']:g})"
+            f"{routed}")
 
 
 def print_summary(comparison: Comparison, console: Console | None = None, report_paths: list[Path] = ()) -> None:
