@@ -64,6 +64,15 @@ def hf_qwen3_vl_moe_greedy(hf_qwen3_vl_moe, moe_batch):
     return hf_qwen3_vl_moe.generate(moe_batch, GREEDY)
 
 
+@pytest.fixture(scope="session")
+def moe_videos(hf_qwen3_vl_moe, qwen3_vl_moe_path):
+    """(seven video requests at 2 fps, one also holding an image; HF's greedy results) on tiny-qwen3-vl-moe."""
+    from tests.rollout.video_helpers import video_batch
+
+    requests = video_batch(qwen3_vl_moe_path, 2.0)
+    return requests, hf_qwen3_vl_moe.generate(requests, GREEDY)
+
+
 @pytest.fixture(scope="module")
 def hf(request):
     """The module's transformers reference: Qwen3.5-MoE's (bfloat16) in a `qwen3_5_moe` module, else Qwen3-VL-MoE's."""

@@ -118,3 +118,10 @@ class Qwen3VLMoEContract(MoEContract):
         results = backend.generate(batch, GREEDY)
         problems = greedy_problems(hf_qwen3_vl_moe_greedy, results, backend.name, LOGPROB_TOL)
         assert not problems, "\n".join(problems)
+
+    def test_videos_equal_hf(self, backend, moe_videos):
+        """Seven video requests (one also holding an image; Qwen3-VL's timestamps in the text), frames at 2 fps,
+        through the MoE layers: HF's ids token for token, its logprobs to float rounding."""
+        requests, expected = moe_videos
+        problems = greedy_problems(expected, backend.generate(requests, GREEDY), backend.name, LOGPROB_TOL)
+        assert not problems, "\n".join(problems)
