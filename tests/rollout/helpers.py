@@ -84,7 +84,7 @@ def perturbed_vision(state: dict[str, torch.Tensor], scale: float = 0.05) -> dic
 def favouring(hf, requests: list[RolloutRequest], token_id: int, strength: float = 3.0) -> dict[str, torch.Tensor]:
     """The full state with lm_head's row for `token_id` pointed along the mean final hidden state of these
     prompts: that token then out-scores every other one by several nats (checked by the caller)."""
-    hidden = torch.cat([hf.model(**hf._model_inputs(r), output_hidden_states=True).hidden_states[-1][0]
+    hidden = torch.cat([hf.model(**hf.model_inputs(r), output_hidden_states=True).hidden_states[-1][0]
                         for r in requests])
     direction = hidden.mean(0) / hidden.mean(0).norm()
     state = clone_state(hf.model)

@@ -74,7 +74,7 @@ def test_the_videos_are_long(hf, requests):
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
     for request in requests:
-        inputs = hf._model_inputs(request)
+        inputs = hf.model_inputs(request)
         args = dict(mm_token_type_ids=inputs["mm_token_type_ids"], image_grid_thw=inputs.get("image_grid_thw"),
                     video_grid_thw=inputs["video_grid_thw"], second_per_grid_ts=inputs["second_per_grid_ts"],
                     attention_mask=inputs["attention_mask"])
@@ -87,7 +87,7 @@ def test_hf_uses_vlmrls_positions_and_its_decode_steps_continue_them(hf, request
     """The hf model's get_rope_index gives the trainer's ids (vlmrl's) with transformers' rope deltas, and generate's
     per-step logprobs (prefill, then decode steps placed by those deltas) equal one teacher-forced forward."""
     for request, result in zip(requests, hf_greedy):
-        inputs = hf._model_inputs(request)
+        inputs = hf.model_inputs(request)
         positions, deltas = hf.model.model.get_rope_index(
             inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs.get("image_grid_thw"),
             video_grid_thw=inputs["video_grid_thw"], second_per_grid_ts=inputs["second_per_grid_ts"],

@@ -66,7 +66,7 @@ def transformers_routing(hf, request, response_ids, hooks=None) -> tuple[torch.T
         hooks = getattr(hf.model, "_vlmrl_router_hooks", None)
         if hooks is None:
             hooks = hf.model._vlmrl_router_hooks = RouterHooks(hf.model, hf.processor.family.experts.router_class)
-    inputs = hf._model_inputs(request, list(response_ids))
+    inputs = hf.model_inputs(request, list(response_ids))
     length = inputs["input_ids"].shape[1]
     with torch.no_grad(), hooks.record(torch.ones(length, dtype=torch.bool), [length], margins=True) as recorded:
         hf.model(**inputs, use_cache=False)

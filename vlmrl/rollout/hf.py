@@ -62,7 +62,7 @@ class HFBackend(RolloutBackend):
 
         return self._runner.call(f"generate {len(requests)} requests", run, self.rollout.timeout_s)
 
-    def _model_inputs(self, request: RolloutRequest, response_ids: Sequence[int] = ()) -> dict[str, torch.Tensor]:
+    def model_inputs(self, request: RolloutRequest, response_ids: Sequence[int] = ()) -> dict[str, torch.Tensor]:
         """input_ids (1, L) expanded prompt (+ response), attention_mask, mm_token_type_ids (1 on image tokens, 2 on
         video tokens, as transformers' processor gives them; 0 over the response) and the image and video inputs
         (the request's frames through the model's video processor, with their timing: second_per_grid_ts)."""
@@ -81,7 +81,7 @@ class HFBackend(RolloutBackend):
     def _generate_one(self, request: RolloutRequest, position: int, sampling: SamplingParams) -> list[RolloutResult]:
         from transformers import GenerationConfig
 
-        inputs = self._model_inputs(request)
+        inputs = self.model_inputs(request)
         stop_ids = set(self.processor.eos_token_ids) | set(sampling.stop_token_ids)
         draws = 1 if sampling.greedy else sampling.n  # greedy samples are identical: compute one, repeat it
         config = GenerationConfig(
@@ -125,7 +125,7 @@ class HFBackend(RolloutBackend):
 
         @torch.no_grad()
         def run() -> list[float]:
-            inputs = self._model_inputs(request, response_ids)
+            inputs = self.model_inputs(request, response_ids)
             start = inputs["input_ids"].shape[1] - len(response_ids)
             logits = self.model(**inputs, use_cache=False).logits[0, start - 1:-1].float()  # (R, V)
             targets = torch.tensor(list(response_ids), dtype=torch.long, device=logits.device)
