@@ -286,11 +286,13 @@ def cross_section_problems(config: Config) -> list[str]:
              "use sglang (one engine per worker) or vllm")
         need(r.tensor_parallel_size == 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: with "
              f"{world} devices each colocated engine runs on its worker's one device; set it to 1")
+        need(not (a.lora.enabled and a.lora.experts), f"actor.lora.experts=true runs on one device for now (PEFT's "
+             f"expert adapters under FSDP2 are not tested yet): set it to false, or train on one device")
     if a.lora.enabled:
         need(a.lora.sync != "adapter" or r.name in ADAPTER_BACKENDS,
              f"actor.lora.sync=adapter needs a backend that serves LoRA adapters ({list(ADAPTER_BACKENDS)}); "
              f"rollout.name={r.name} gets merged weights: set actor.lora.sync=auto or merged")
-        need(r.name != "vllm" or a.lora.sync == "merged" or r.vllm.sleep_level == 1,
+        need(r.name != "vllm" or not a.lora.may_sync_adapter or r.vllm.sleep_level == 1,
              "rollout.vllm.sleep_level=2 drops the base weights, which an adapter sync (actor.lora.sync="
              f"{a.lora.sync}) never sends again: set rollout.vllm.sleep_level=1 or actor.lora.sync=merged")
     # ---- algorithm: how rollout correction and DAPO fit the rollout, data and agent sections

@@ -59,7 +59,8 @@ class LoraConfig:
     """Dropout on the adapters' input while training (0 keeps the update forward equal to the logprob pass)."""
     target_modules: list[str] = field(default_factory=lambda: list(QWEN_VL_LM_PROJECTIONS))
     """Language-model linear layers to adapt, by the last part(s) of their name (PEFT's rule); default its attention
-    and MLP projections (and on Qwen3.5 its linear-attention layers' in_proj_qkv/z/b/a and out_proj). The vision side's adapters are lora.vision's alone, whatever this and exclude_modules say."""
+    and MLP projections (and on Qwen3.5 its linear-attention layers' in_proj_qkv/z/b/a and out_proj). The vision
+    side's adapters are lora.vision's alone, whatever this and exclude_modules say."""
     exclude_modules: str = QWEN_VL_VISION
     """Regex of module names target_modules never adapts (full match); default the whole vision side, as verl's
     `.*visual.*`. lora.vision adds vision layers regardless of it."""

@@ -12,8 +12,22 @@ Names. Inside a PeftModel every weight is `base_model.model.<HF name>`; an adapt
 `adapter_tensors` work on such (name, tensor) pairs from any source, a plain model's state dict or the gathered
 shards of an FSDP2 model, so the single-process and the sharded actor sync and save through the same code.
 
+Experts (lora.experts). A MoE layer's routed experts are two fused 3D parameters, not Linear layers: PEFT adapts
+them with `target_parameters`, one ParamWrapper per parameter, nested around the experts module in the order it
+registers them (the first innermost). A layer's experts then read
+
+    <layer>.mlp.experts.base_layer.base_layer.gate_up_proj   (E, 2I, H)   the base parameters, under both wrappers
+    <layer>.mlp.experts.base_layer.base_layer.down_proj      (E, H, I)
+    <layer>.mlp.experts.base_layer.lora_A / lora_B           gate_up_proj's adapter (inner wrapper)
+    <layer>.mlp.experts.lora_A / lora_B                      down_proj's adapter (outer wrapper)
+
+and merge into `<layer>.mlp.experts.gate_up_proj` / `down_proj` with transformers' shapes, so weight sync converts
+them into the engines' expert layout (`vlmrl.models.experts`) as it converts a full model's. `apply_lora` checks
+that PEFT nested them so.
+
 The merge is PEFT's own arithmetic (`LoraLayer.get_delta_weight`: (B @ A) * scaling, in float32 for a 16-bit
-weight on CPU, then added to the base weight), so the merged weights equal `merge_and_unload()`'s.
+weight on CPU, then added to the base weight; `ParamWrapper.get_delta_weight`'s per-expert einsum for the experts),
+so the merged weights equal `merge_and_unload()`'s.
 """
 
 from __future__ import annotations
@@ -39,7 +53,15 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 # a LoRA layer's parts in a state dict: its base layer, and lora_A / lora_B with (PeftModel) or without (adapter file)
 # the adapter's name
-_LORA_PART = re.compile(r"^(?P<module>.+)\.(?P<part>base_layer\.weight|base_layer\.bias|lora_[AB](?:\.[^.]+)?\.weight)$")
+_LORA_PART = re.compile(r"^(?P<module>.+)\.(?P<part>base_layer\.weight|base_layer\.bias"
+                        r"|lora_[AB](?:\.[^.]+)?\.weight)$")
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+"""The fused expert parameters lora.experts adapts, in the order transformers' experts modules register them: PEFT's
+wrapper of the first is the innermost."""
+# an expert ParamWrapper's parts: a fused parameter under `depth` wrappers, or the lora_A / lora_B of the wrapper
+# with `depth` wrappers outside it
+_EXPERT_PART = re.compile(r"^(?P<module>.+\.mlp\.experts)(?P<depth>(?:\.base_layer)*)\."
+                          r"(?:(?P<param>gate_up_proj|down_proj)|(?P<lora>lora_[AB])(?:\.[^.]+)?\.weight)$")
 
 
 def vision_patterns(model: torch.nn.Module, vision: str) -> list[str]:
@@ -62,8 +84,8 @@ def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     """Full names of the Linear layers that get adapters. On the language side: those whose name ends with one of
     lora.target_modules (PEFT's suffix rule; the default list also takes the family's linear-attention projections,
     Qwen3.5's Gated DeltaNet in_proj_qkv/z/b/a and out_proj) and is not matched whole by lora.exclude_modules. On
-    the vision side (the family's vision tower): exactly the tower's and/or the merger's linear layers lora.vision asks for
-    (`vision_patterns`), whatever target_modules and exclude_modules say.
+    the vision side (the family's vision tower): exactly the tower's and/or the merger's linear layers lora.vision
+    asks for (`vision_patterns`), whatever target_modules and exclude_modules say.
 
     lora.vision alone decides the vision side because it alone decides what the engine serves (vLLM is started with
     tower/connector LoRA only when it is not `off`): Qwen2.5-VL's vision MLP is named gate_proj/up_proj/down_proj
@@ -90,31 +112,71 @@ def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
                        and not (exclude and exclude.fullmatch(name)))
         if adapted:
             names.append(name)
-    if not names:
+    if not names and not lora.experts:
         raise ValueError(f"actor.lora selects no Linear layer of {type(model).__name__} (target_modules="
                          f"{lora.target_modules}, exclude_modules={lora.exclude_modules!r}, vision={lora.vision})")
     return names
 
 
+def expert_parameters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
+    """Full names of the fused expert parameters that get adapters (PEFT's `target_parameters`): with lora.experts,
+    every language MoE layer's `mlp.experts.gate_up_proj` and `down_proj`; else none. A dense model is refused."""
+    from vlmrl.models.families import family_of
+
+    if not lora.experts:
+        return []
+    family = family_of(model.config)
+    if family.experts is None:
+        raise ValueError(f"actor.lora.experts=true, but {type(model).__name__} ({family.name}) is a dense model: it "
+                         "has no routed experts to adapt; set actor.lora.experts=false")
+    vision_side = family.vision_tower + "."
+    names = [f"{name}.{param}" for name, module in model.named_modules()
+             if name.endswith(".mlp.experts") and not name.startswith(vision_side)
+             for param in EXPERT_PARAMETERS if isinstance(getattr(module, param, None), torch.nn.Parameter)]
+    if not names:
+        raise ValueError(f"actor.lora.experts=true found no mlp.experts.{{{','.join(EXPERT_PARAMETERS)}}} parameter "
+                         f"in {type(model).__name__}")
+    return names
+
+
 def adapted_modules(model: torch.nn.Module) -> list[str]:
-    """HF names of the layers that carry an adapter in `model` (a PeftModel, itself or wrapped). Not the PEFT
-    config's target_modules: PEFT rewrites a long list into the shortest suffixes that select the same layers
-    (26 layers of the tiny model become 11 names such as `gate_proj`)."""
-    from peft.tuners.lora import LoraLayer
+    """HF names of the layers that carry an adapter in `model` (a PeftModel, itself or wrapped), and of the fused
+    expert parameters (`<layer>.mlp.experts.gate_up_proj`) with lora.experts. Not the PEFT config's
+    target_modules: PEFT rewrites a long list into the shortest suffixes that select the same layers (26 layers of
+    the tiny model become 11 names such as `gate_proj`)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
 
     peft_model = peft_model_of(model)
     if peft_model is None:
         return []
-    return [name.removeprefix(PEFT_PREFIX) for name, module in peft_model.named_modules()
-            if isinstance(module, LoraLayer)]
+    return [f"{name.removeprefix(PEFT_PREFIX).replace('.base_layer', '')}.{module.parameter_name}"
+            if isinstance(module, ParamWrapper) else name.removeprefix(PEFT_PREFIX)
+            for name, module in peft_model.named_modules() if isinstance(module, LoraLayer)]
 
 
 def peft_config(model: torch.nn.Module, lora: LoraConfig):
-    """The PEFT LoraConfig for this model: the resolved layer names (`target_modules`) as an explicit list."""
+    """The PEFT LoraConfig for this model: the resolved layer names (`target_modules`) and fused expert parameters
+    (`expert_parameters`, PEFT's `target_parameters`) as explicit lists."""
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                          target_modules=target_modules(model, lora), bias="none")
+                          target_modules=target_modules(model, lora) or None,
+                          target_parameters=expert_parameters(model, lora) or None, bias="none")
+
+
+def _check_expert_nesting(model: torch.nn.Module) -> None:
+    """Refuse a PeftModel whose expert wrappers nest otherwise than the merge reads them (the module docstring):
+    the wrapper with k wrappers outside it must adapt EXPERT_PARAMETERS[-1 - k], else the merged experts would
+    add one parameter's delta to the other."""
+    from peft.tuners.lora import ParamWrapper
+
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            depth = name.rsplit(".mlp.experts", 1)[-1].count(".base_layer")
+            expected = EXPERT_PARAMETERS[-1 - depth] if depth < len(EXPERT_PARAMETERS) else None
+            if module.parameter_name != expected:
+                raise RuntimeError(f"PEFT wrapped {name} for {module.parameter_name}, where vlmrl's merge reads "
+                                   f"{expected}: this PEFT release nests expert adapters otherwise")
 
 
 LORA_INIT_SEED = 0
@@ -134,12 +196,16 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(LORA_INIT_SEED)
         wrapped = get_peft_model(model, config)
+    _check_expert_nesting(wrapped)
     adapters = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
-    layers = adapted_modules(wrapped)
+    adapted = adapted_modules(wrapped)
+    experts = [n for n in adapted if _EXPERT_PART.match(n)]
+    layers = [n for n in adapted if not _EXPERT_PART.match(n)]
     vision_side = family_of(model.config).vision_tower + "."
-    logger.info("LoRA rank %d alpha %g on %d layers (%d of the vision side; vision: %s): %.3fM adapter parameters, "
+    logger.info("LoRA rank %d alpha %g on %d layers (%d of the vision side; vision: %s)%s: %.3fM adapter parameters, "
                 "base frozen", lora.rank, lora.alpha, len(layers), sum(n.startswith(vision_side) for n in layers),
-                lora.vision, adapters / 1e6)
+                lora.vision, f" and {len(experts)} fused expert parameters (synced merged)" if experts else "",
+                adapters / 1e6)
     return wrapped
 
 
@@ -183,29 +249,23 @@ def lora_scaling(lora: LoraConfig) -> float:
     return lora.alpha / lora.rank
 
 
-def _parts(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, str | None, torch.Tensor]]:
-    """(HF module or weight name, LoRA part or None, tensor) with the PeftModel prefix removed."""
-    for name, tensor in named:
-        name = name.removeprefix(PEFT_PREFIX)
-        match = _LORA_PART.match(name)
-        if match is None:
-            yield name, None, tensor
-        else:
-            yield match["module"], match["part"].split(".")[0] if "lora_" in match["part"] else match["part"], tensor
-
-
 def merged_tensors(named: Iterable[tuple[str, torch.Tensor]], scaling: float, changed_only: bool = False
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of the merged model from a PeftModel's (name, tensor) pairs: every adapted layer's weight
-    is base + scaling * B @ A (PEFT's merge), every other weight as it is (left out with `changed_only`: the base
+    is base + scaling * B @ A (PEFT's merge), every adapted fused expert parameter base + each expert's own
+    scaling * B_e @ A_e (`merge_experts`), every other weight as it is (left out with `changed_only`: the base
     never changes, so an engine that takes a partial update needs only the adapted layers).
 
     A stream in, a stream out: a layer's merged weight is made when its last part (base, A, B) is read and yielded
     at once, so with a state dict's order (a layer's parts next to each other) one layer's parts are held at a time
-    and a bucketed sync holds about one bucket, not the model. `merged_names` gives the names in the same order."""
+    (a MoE layer's experts: both fused parameters and their adapters, yielded together when the last is read) and a
+    bucketed sync holds about one bucket, not the model. `merged_names` gives the names in the same order."""
     for name, parts in _merge_events(named, changed_only):
-        yield name, (parts if isinstance(parts, torch.Tensor) else
-                     merge_weight(parts["base_layer.weight"], parts["lora_A"], parts["lora_B"], scaling))
+        if isinstance(parts, torch.Tensor):
+            yield name, parts
+        else:
+            merge, base, a, b = parts
+            yield name, merge(base, a, b, scaling)
 
 
 def merged_names(names: Iterable[str], changed_only: bool = False) -> list[str]:
@@ -215,22 +275,42 @@ def merged_names(names: Iterable[str], changed_only: bool = False) -> list[str]:
 
 
 def _merge_events(named: Iterable[tuple[str, object]], changed_only: bool) -> Iterator[tuple[str, object]]:
-    """(HF name, tensor) for a weight that passes as it is, (HF name, {part: tensor}) when a LoRA layer's three
-    parts are all read; the order of the merged stream (`merged_tensors`, `merged_names`)."""
+    """(HF name, tensor) for a weight that passes as it is, (HF name, (merge function, base, A, B)) when a LoRA
+    layer's three parts, or a MoE layer's six expert parts (two fused parameters, two adapters), are all read; the
+    order of the merged stream (`merged_tensors`, `merged_names`)."""
     pending: dict[str, dict[str, object]] = {}
-    for module, part, tensor in _parts(named):
-        if part is None or part == "base_layer.bias":
-            if not changed_only:
-                yield (module if part is None else f"{module}.bias"), tensor
+    wrappers = len(EXPERT_PARAMETERS)
+    for name, tensor in named:
+        name = name.removeprefix(PEFT_PREFIX)
+        expert = _EXPERT_PART.match(name)
+        if expert and (expert["lora"] or expert["depth"]):
+            module, depth = expert["module"], expert["depth"].count(".base_layer")
+            if (depth != wrappers) if expert["param"] else (depth >= wrappers):
+                raise ValueError(f"{name}: lora.experts wraps a MoE layer's {wrappers} fused expert parameters "
+                                 f"{EXPERT_PARAMETERS}, each once; this adapter wraps them otherwise")
+            # the wrapper with `depth` wrappers outside it adapts EXPERT_PARAMETERS[-1 - depth] (module docstring)
+            parts = pending.setdefault(module, {})
+            parts[expert["param"] or f"{EXPERT_PARAMETERS[-1 - depth]}.{expert['lora']}"] = tensor
+            if len(parts) == 3 * wrappers:
+                del pending[module]
+                for param in EXPERT_PARAMETERS:
+                    yield f"{module}.{param}", (merge_experts, parts[param], parts[f"{param}.lora_A"],
+                                                parts[f"{param}.lora_B"])
             continue
+        match = _LORA_PART.match(name)
+        if match is None or match["part"] == "base_layer.bias":
+            if not changed_only:
+                yield (name if match is None else f"{match['module']}.bias"), tensor
+            continue
+        module, part = match["module"], match["part"].split(".")[0] if "lora_" in match["part"] else match["part"]
         parts = pending.setdefault(module, {})
         parts[part] = tensor
         if len(parts) == 3:
             del pending[module]
-            yield f"{module}.weight", parts
+            yield f"{module}.weight", (merge_weight, parts["base_layer.weight"], parts["lora_A"], parts["lora_B"])
     if pending:
-        raise ValueError(f"LoRA layers with missing parts: {sorted(pending)[:3]} (each needs base_layer.weight, "
-                         "lora_A and lora_B)")
+        raise ValueError(f"LoRA layers with missing parts: {sorted(pending)[:3]} (each needs its base weight, "
+                         "lora_A and lora_B; a MoE layer's experts both fused parameters and both adapters)")
 
 
 def merge_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -241,6 +321,22 @@ def merge_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: 
     delta = ((b.float() @ a.float()) * scaling).to(b.dtype) if low else (b @ a) * scaling
     merged = base.clone()
     merged += delta
+    return merged
+
+
+def merge_experts(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """base + delta as PEFT merges a fused expert parameter (`ParamWrapper.get_delta_weight`, then `merge`): expert
+    e's delta is scaling * B_e @ A_e, A_e = rows e*r..(e+1)*r of a, B_e = the columns of b at e, e + E, ... (b's
+    columns are (r, E) flattened); the einsum is PEFT's own, the delta is cast to the base's dtype and added to (a
+    copy of) it. base (E, out, in) as transformers holds the experts (not `is_transposed`), a (E * r, in),
+    b (out, E * r)."""
+    experts = base.shape[0]
+    delta = torch.einsum("o r e, e r i -> e o i", b.reshape(b.shape[0], -1, experts),
+                         a.reshape(experts, -1, a.shape[-1])) * scaling
+    if delta.shape != base.shape:
+        raise ValueError(f"an expert adapter's delta {tuple(delta.shape)} does not fit its base {tuple(base.shape)}")
+    merged = base.clone()
+    merged += delta.to(base.dtype)
     return merged
 
 
@@ -268,7 +364,8 @@ def write_adapter(folder: str | Path, named: Iterable[tuple[str, torch.Tensor]],
     tensors = adapter_tensors(named)
     save_file(tensors, str(folder / ADAPTER_WEIGHTS))
     settings = config.to_dict()
-    settings["target_modules"] = sorted(settings["target_modules"])
+    if settings["target_modules"]:  # None with lora.experts alone
+        settings["target_modules"] = sorted(settings["target_modules"])
     (folder / ADAPTER_CONFIG).write_text(json.dumps(settings, indent=1, default=str))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -323,14 +420,19 @@ class LoraSync:
     def unservable(self) -> str:
         """Why the engine's LoRA serving would ignore or refuse some of the adapters ("" when it takes them all):
         an adapter on the output head (vLLM 0.32 refuses it at load: "expected target modules in {...}"), or on the
-        vision side while lora.vision=off, which starts vLLM without tower/connector LoRA (`vlmrl.rollout.registry.backend_options`):
-        vLLM then loads the adapter and drops its vision layers without a word, and serves a policy the trainer is
-        not training."""
+        vision side while lora.vision=off, which starts vLLM without tower/connector LoRA
+        (`vlmrl.rollout.registry.backend_options`): vLLM then loads the adapter and drops its vision layers without a
+        word, and serves a policy the trainer is not training. Or adapters on the routed experts (lora.experts):
+        whether vLLM serves those is unproven."""
         head = [m for m in self.adapted if m == "lm_head" or m.endswith(".lm_head")]
         vision = [m for m in self.adapted if m.startswith(self.vision_side)] if self.lora.vision == "off" else []
+        experts = [m for m in self.adapted if _EXPERT_PART.match(m)]
         why = []
         if head:
             why.append(f"an adapter on {head} cannot be served as a LoRA")
+        if experts:
+            why.append(f"{len(experts)} expert adapters (actor.lora.experts) sync merged: serving them as a LoRA is "
+                       "unproven")
         if vision:
             why.append(f"{len(vision)} vision-side adapters (e.g. {vision[0]}) would be ignored by an engine started "
                        "for actor.lora.vision=off (no tower/connector LoRA)")

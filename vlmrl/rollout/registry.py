@@ -55,7 +55,7 @@ def backend_options(rollout: RolloutConfig, name: str, *, max_model_len: int, se
     or auto), with tower/connector LoRA for lora.vision; nothing otherwise."""
     from vlmrl.rollout.base import BackendOptions
 
-    serves = lora is not None and lora.enabled and lora.sync != "merged" and name in ADAPTER_BACKENDS
+    serves = lora is not None and lora.may_sync_adapter and name in ADAPTER_BACKENDS
     return BackendOptions(rollout=rollout, max_model_len=max_model_len, seed=seed, colocated=colocated,
                           lora_rank=lora.rank if serves else 0, lora_vision=serves and lora.vision != "off")
 
