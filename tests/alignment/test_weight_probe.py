@@ -67,6 +67,15 @@ def test_half_an_update_is_partial():
     assert "landed partly" in record.explanation
 
 
+def test_an_engine_that_moved_as_far_as_the_trainer_but_against_it_is_partial_not_stale():
+    """Half a model's layers synced can move a small model's probe as far as the trainer moved it, the other way
+    (measured on the tiny GLM-4.1V: landed fraction -0.72, the engine 0.05 nats against the trainer's 0.07): the
+    sync landed partly; stale is an engine that stayed where it was."""
+    record = again(-0.75)
+    assert record.landed_fraction == pytest.approx(-0.75, abs=0.01)
+    assert record.verdict == PARTIAL and "landed partly" in record.explanation
+
+
 def test_a_landed_fraction_near_one_with_one_token_far_off_is_partial():
     """Most of the update landed, but one token sits 5e-4 nats off, within the tolerance but 125x the noise: part of
     the model missed it."""

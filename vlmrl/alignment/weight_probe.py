@@ -61,6 +61,8 @@ SGLang's fp32 samples scored by the trainer, 32 rows): one lucky first probe mus
 BAND_NOISE = 0.03
 """The same with a bfloat16 side (0.029: vLLM's bfloat16 samples on the demo's model)."""
 STALE_BELOW = 0.25
+"""Stale: the engine made less than this of the trainer's movement along it (the landed fraction) AND moved less
+than this of the trainer's largest movement at all (an engine that moved against the trainer has synced something)."""
 LANDED_BAND = (0.75, 1.33)
 
 
@@ -164,7 +166,9 @@ def judge(step: int, engine_version: int, token_ids: list[int], engine_logprobs:
     how_far = (f"beyond the {tolerance:g}-nat tolerance" if beyond else
                f"{gap / noise:.0f}x the {noise:.3g} nats it sits at when in sync")
     since = f"since step {reference.step}'s probe" if reference is not None else ""
-    if resolved and math.isfinite(gap) and fraction < STALE_BELOW:
+    # stale: the engine made little of the trainer's movement, both along it (the fraction) and in size: a partial
+    # sync of a small model can move the engine as much as the trainer but against it (fraction < 0)
+    if resolved and math.isfinite(gap) and fraction < STALE_BELOW and engine_moved < STALE_BELOW * trainer_moved:
         verdict = STALE
         explanation = (f"{since} the trainer moved up to {trainer_moved:.3g} nats {where}, the engine "
                        f"{engine_moved:.3g} (landed fraction {fraction:.2f}; gap {gap:.3g}): the sync did not land")
