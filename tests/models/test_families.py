@@ -31,13 +31,20 @@ def test_doctests():
 
 
 @pytest.fixture(scope="module")
-def built(tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path):
+def glm_path() -> str:
+    from vlmrl.models.tiny import ensure_built
+
+    return str(ensure_built("tiny-glm4v"))
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path, glm_path):
     """{family name: (folder, model)} for the embedded models."""
     from transformers import AutoModelForImageTextToText
 
     return {family_for_path(path).name: (Path(path), AutoModelForImageTextToText.from_pretrained(path,
                                                                                                    dtype=torch.float32))
-            for path in (tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path)}
+            for path in (tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path, glm_path)}
 
 
 def test_each_embedded_model_has_its_family(tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path):
@@ -55,8 +62,8 @@ def test_each_embedded_model_has_its_family(tiny_model_path, tiny_qwen3_vl_path,
 def test_an_unsupported_model_is_refused_naming_it_and_the_supported_ones(tmp_path):
     with pytest.raises(ValueError, match=r"architecture LlavaForConditionalGeneration is not supported; vlmrl "
                                          r"handles Qwen2.5-VL \(qwen2_vl / qwen2_5_vl\), Qwen3-VL \(qwen3_vl\), "
-                                         r"Qwen3.5 \(qwen3_5\), Qwen3-VL-MoE \(qwen3_vl_moe\) and Qwen3.5-MoE "
-                                         r"\(qwen3_5_moe\)"):
+                                         r"Qwen3.5 \(qwen3_5\), Qwen3-VL-MoE \(qwen3_vl_moe\), Qwen3.5-MoE "
+                                         r"\(qwen3_5_moe\) and GLM-4.1V \(glm4v\)"):
         family_of({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"]})
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm4v_moe"}))
     with pytest.raises(ValueError, match=f"{tmp_path}: architecture model_type='glm4v_moe' is not supported"):
@@ -176,3 +183,29 @@ def test_cpu_engine_problems_name_the_dtype_and_head_size_vllm_takes(tiny_qwen3_
     assert QWEN3_5.cpu_engine_problems(small, "sglang", "bfloat16") == []
     (head,) = QWEN3_5.cpu_engine_problems(small, "vllm", "bfloat16")
     assert "{'linear_key_head_dim': 32}" in head
+
+
+def test_a_glm4v_config_without_attention_bias_is_a_vllm_problem_that_the_overrides_settle(glm_path):
+    """transformers' GLM-4.1V text attention has q/k/v biases whatever the config says (a model built from a config
+    with attention_bias false still has them); vLLM builds them only when text_config says attention_bias: true.
+    Such a config is a vLLM problem (not SGLang's, measured equal to HF without it), and the family's engine
+    overrides carry the flag."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from vlmrl.models.families import GLM4V
+
+    good = read_model_config(glm_path)
+    assert family_for_path(glm_path) is GLM4V and good["text_config"]["attention_bias"] is True
+    assert GLM4V.engine_problems(good) == [] and GLM4V.engine_overrides(good) == {}
+    bad = copy.deepcopy(good)
+    del bad["text_config"]["attention_bias"]
+    problems = GLM4V.engine_problems(bad, "vllm")
+    assert len(problems) == 1 and '"attention_bias": true' in problems[0]
+    assert GLM4V.engine_problems(bad, "sglang") == []
+    assert GLM4V.engine_overrides(bad) == {"text_config": {"attention_bias": True}}
+    config = AutoConfig.from_pretrained(glm_path)
+    config.text_config.attention_bias = False
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    attention = model.model.language_model.layers[0].self_attn
+    assert all(getattr(attention, p).bias is not None for p in ("q_proj", "k_proj", "v_proj"))

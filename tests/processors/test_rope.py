@@ -1,6 +1,6 @@
 """mrope position ids: equal to transformers' get_rope_index on generated batches and real requests, for both embedded
-families (Qwen2.5-VL's `Qwen2_5_VLModel.get_rope_index`, Qwen3-VL's `Qwen3VLModel.get_rope_index` and Qwen3.5's
-`Qwen3_5Model.get_rope_index`)."""
+families (Qwen2.5-VL's `Qwen2_5_VLModel.get_rope_index`, Qwen3-VL's `Qwen3VLModel.get_rope_index`, Qwen3.5's
+`Qwen3_5Model.get_rope_index` and GLM-4.1V's `Glm4vModel.get_rope_index`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ PLACEMENTS = ("first", "middle", "last")
 PADDINGS = ("left", "left", "right", "none")
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3-vl", "tiny-qwen3.5"])
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-glm4v"])
 def model_path(request):
     from vlmrl.models.tiny import ensure_built
 
@@ -40,7 +40,10 @@ def hf_model(model_path):
 def _row(rng: random.Random, processor, num_images: int, placement: str) -> tuple[list[int], list[list[int]]]:
     """Expanded ids of one prompt: text, then `num_images` images (patch grids of different sizes) placed first,
     in the middle or last, each wrapped in vision start/end tokens as the chat template does."""
-    vision_start, vision_end = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    # the delimiters the chat template puts around an image (GLM-4.1V: <|begin_of_image|> / <|end_of_image|>)
+    start, end = ("<|vision_start|>", "<|vision_end|>") if processor.family.image_placeholder == "<|image_pad|>" else (
+        "<|begin_of_image|>", "<|end_of_image|>")
+    vision_start, vision_end = processor.tokenizer.convert_tokens_to_ids([start, end])
 
     def text(min_len: int) -> list[int]:
         return [rng.randrange(20, 700) for _ in range(rng.randint(min_len, 6))]

@@ -37,6 +37,8 @@ SHARED = {
     ("vllm", "tiny-qwen3.5"): {"dtype": "bfloat16"},
     ("sglang", "tiny-qwen3.5"): {"dtype": "bfloat16"},
     ("sglang-server", "tiny-qwen3.5"): {"dtype": "bfloat16"},
+    ("vllm", "tiny-glm4v"): {},
+    ("sglang", "tiny-glm4v"): {},
 }
 ENGINE_FIXTURES = {
     "vllm_qwen2_5_vl": ("vllm", "tiny"),
@@ -47,6 +49,8 @@ ENGINE_FIXTURES = {
     "vllm_qwen3_5": ("vllm", "tiny-qwen3.5"),
     "sglang_qwen3_5": ("sglang", "tiny-qwen3.5"),
     "sglang_server_qwen3_5": ("sglang-server", "tiny-qwen3.5"),
+    "vllm_glm4v": ("vllm", "tiny-glm4v"),
+    "sglang_glm4v": ("sglang", "tiny-glm4v"),
 }
 VIDEO_ENGINE_FIXTURES = {"video_vllm": "vllm", "video_sglang": "sglang"}
 """The shared engine of a backend on the module's current `video_model_path` family."""
@@ -179,6 +183,16 @@ def sglang_qwen3_5(shared_engines):
 @pytest.fixture(scope="module")
 def sglang_server_qwen3_5(shared_engines):
     return shared_engines.get("sglang-server", "tiny-qwen3.5")
+
+
+@pytest.fixture(scope="module")
+def vllm_glm4v(shared_engines):
+    return shared_engines.get("vllm", "tiny-glm4v")
+
+
+@pytest.fixture(scope="module")
+def sglang_glm4v(shared_engines):
+    return shared_engines.get("sglang", "tiny-glm4v")
 
 
 def _embedded_name(model_path: str) -> str:

@@ -121,6 +121,20 @@ class ModelFamily:
     shared expert with a Triton kernel (`fused_gate_sigmoid_mul_add`) on every CPU without the AMX backend, and Triton
     has no CPU driver ("0 active drivers"): the scheduler dies on the first forward. vLLM serves it on any CPU."""
 
+    image_placeholder: str = "<|image_pad|>"
+    """The token that stands for one image in the prompt ids vlmrl sends (one per image: the engines expand it), and
+    that the trainer's ids repeat once per merged patch (config.json's image_token_id names it too)."""
+    video_placeholder: str = "<|video_pad|>"
+    """The same for a video."""
+    image_bound_copies: int = 1
+    """How many copies of an image the image processor's pixel bounds (`size.shortest_edge` / `longest_edge`) count:
+    GLM-4.1V's compares them with t x h x w where an image is t = 2 temporal copies, so an image's own h x w bounds
+    are half the config's; Qwen's compare h x w."""
+    text_attention_bias: bool = False
+    """transformers' text attention of this family always has q/k/v biases, and vLLM builds them only when the text
+    config says `attention_bias: true` (GLM-4.1V: vLLM's glm4.py reads it with default false and then loads the
+    checkpoint's biases into nothing, without an error; measured 0.22 nats off transformers on text alone)."""
+
     @property
     def timestamps_in_text(self) -> bool:
         """A video's timing is `<x.x seconds>` text per temporal patch, its grid split per temporal patch
@@ -167,6 +181,14 @@ class ModelFamily:
                             f"{self.name} adds exactly {self.sglang_deepstack_layers}, as the released models have, "
                             "whatever the config says (its scheduler dies on the first image, or drops the extra "
                             "ones); use vllm or the hf backend for this model")
+        text = model_config.get("text_config") or model_config
+        vllm = backend is None or backend == "vllm"
+        if self.text_attention_bias and vllm and text.get("attention_bias") is not True:
+            problems.append(f"{self.name} config without `attention_bias: true` in text_config: transformers' "
+                            f"{self.name} text attention always has q/k/v biases, vLLM builds them only when the "
+                            "config says so (and then drops the checkpoint's biases without an error: about 0.2 nats "
+                            'per token off the trainer). The released configs carry it; add "attention_bias": true '
+                            "to text_config in config.json.")
         if self.interleaved_mrope and not mrope_interleaved(model_config):
             problems.append(
                 f"{self.name} config without `mrope_interleaved: true` in text_config.rope_parameters (or "
@@ -212,6 +234,8 @@ class ModelFamily:
                 overrides["text_config"]["rope_scaling"] = rope
         if self.deepstack_free and (model_config.get("vision_config") or {}).get("deepstack_visual_indexes") != []:
             overrides["vision_config"] = {"deepstack_visual_indexes": []}
+        if self.text_attention_bias and text.get("attention_bias") is not True:
+            overrides.setdefault("text_config", {})["attention_bias"] = True
         interval = attention_interval(text)
         if self.linear_attention is not None and interval is not None \
                 and text.get("full_attention_interval") != interval:
@@ -309,7 +333,20 @@ QWEN3_5_MOE = replace(
     sglang_cpu_needs_amx=True,
 )
 
-FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL, QWEN3_5, QWEN3_VL_MOE, QWEN3_5_MOE)
+GLM4V = ModelFamily(
+    name="GLM-4.1V",
+    model_types=("glm4v",),
+    checkpoint_prefixes=(),  # saved as it sits in memory: model.language_model.*, model.visual.*
+    vision_tower="model.visual",
+    vision_mergers=("merger",),  # after its `downsample` convolution: the projector into the language model
+    interleaved_mrope=False,  # its mrope sections rotate contiguously, over a partial rotary (as the engines do)
+    image_placeholder="<|image|>",
+    video_placeholder="<|video|>",
+    image_bound_copies=2,
+    text_attention_bias=True,
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL, QWEN3_5, QWEN3_VL_MOE, QWEN3_5_MOE, GLM4V)
 
 
 def supported() -> str:

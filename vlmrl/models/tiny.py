@@ -140,6 +140,27 @@ class TinyQwen3_5Spec:
 
 
 @dataclass(frozen=True)
+class TinyGlm4vSpec:
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    head_dim: int
+    text_intermediate: int
+    partial_rotary_factor: float
+    mrope_section: tuple[int, int, int]
+    vision_depth: int
+    vision_hidden: int
+    vision_heads: int
+    vision_intermediate: int
+    vision_image_size: int
+    """Side of the square its learned position embeddings cover (image_size / patch 14 patches a side), interpolated
+    to each image's grid."""
+    min_pixels: int
+    max_pixels: int
+    """Per image (h x w); GLM-4.1V's image processor counts an image's two temporal copies, so its config says 2x."""
+
+
+@dataclass(frozen=True)
 class TinyMoESpec:
     base: TinyQwen3Spec | TinyQwen3_5Spec
     """The dense variant's shapes; the decoder's MLPs become mixtures of experts."""
@@ -151,7 +172,7 @@ class TinyMoESpec:
     """Qwen3.5-MoE's gated shared expert (0: none, Qwen3-VL-MoE)."""
 
 
-VARIANTS: dict[str, TinySpec | TinyQwen3Spec | TinyQwen3_5Spec | TinyMoESpec] = {
+VARIANTS: dict[str, TinySpec | TinyQwen3Spec | TinyQwen3_5Spec | TinyMoESpec | TinyGlm4vSpec] = {
     "tiny": TinySpec(128, 2, 2, 256, (8, 12, 12), 2, 64, 2, 128, 28 * 28 * 4, 28 * 28 * 16),
     "tiny-large": TinySpec(768, 6, 6, 2048, (16, 24, 24), 4, 256, 4, 512, 28 * 28 * 4, 28 * 28 * 64),
     # Qwen3-VL's factor is 32 (patch 16 x merge 2): 4..16 merged tokens per image, as for `tiny`
@@ -164,6 +185,28 @@ VARIANTS: dict[str, TinySpec | TinyQwen3Spec | TinyQwen3_5Spec | TinyMoESpec] = 
 VARIANTS["tiny-qwen3-vl-moe"] = TinyMoESpec(dataclasses.replace(VARIANTS["tiny-qwen3-vl"], deepstack_layers=(0, 1, 2)),
                                             4, 2, 48)
 VARIANTS["tiny-qwen3.5-moe"] = TinyMoESpec(VARIANTS["tiny-qwen3.5"], 4, 2, 48, shared_expert_intermediate=64)
+# GLM-4.1V: partial rotary 0.5 (32 of head_dim 64), mrope sections over it [4, 6, 6]; patch 14 x merge 2 as `tiny`
+VARIANTS["tiny-glm4v"] = TinyGlm4vSpec(128, 2, 2, 64, 256, 0.5, (4, 6, 6), 2, 64, 2, 128, 56,
+                                       28 * 28 * 4, 28 * 28 * 16)
+
+GLM_SPECIAL_TOKENS = [
+    "<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+    "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|video|>",
+    "<think>", "</think>", "<|begin_of_box|>", "<|end_of_box|>",
+]
+# GLM-4.1V's chat template reduced to what a prompt needs (no tool calls): images and videos as content parts
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{%- for msg in messages %}"
+    "{%- if msg.role == 'system' %}<|system|>\n{{ msg.content }}"
+    "{%- elif msg.role == 'user' %}<|user|>\n"
+    "{% if msg.content is string %}{{ msg.content }}{%- else %}{%- for item in msg.content %}"
+    "{%- if item.type == 'video' or 'video' in item %}<|begin_of_video|><|video|><|end_of_video|>"
+    "{%- elif item.type == 'image' or 'image' in item or 'image_url' in item %}"
+    "<|begin_of_image|><|image|><|end_of_image|>"
+    "{%- elif item.type == 'text' %}{{ item.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- elif msg.role == 'assistant' %}<|assistant|>\n{{ msg.content }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def _fingerprint(variant: str) -> str:
@@ -175,6 +218,8 @@ def _fingerprint(variant: str) -> str:
                          transformers.__version__]).encode())
     for name in ("vocab.json", "merges.txt"):
         h.update((ASSETS / name).read_bytes())
+    if isinstance(VARIANTS[variant], TinyGlm4vSpec):
+        h.update(json.dumps([GLM_SPECIAL_TOKENS, GLM_CHAT_TEMPLATE]).encode())
     return h.hexdigest()[:12]
 
 
@@ -245,16 +290,18 @@ def ensure_built(variant: str = "tiny") -> Path:
     return target
 
 
-def _build_tokenizer():
+def _build_tokenizer(special: list[str] = SPECIAL_TOKENS, template: str = CHAT_TEMPLATE, eos: str = "<|im_end|>",
+                     **extra):
+    """The embedded byte-level BPE with a family's special tokens and chat template (Qwen's by default)."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
     vocab = json.loads((ASSETS / "vocab.json").read_text())
     merges = [tuple(line.split(" ")) for line in (ASSETS / "merges.txt").read_text().splitlines()[1:] if line]
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
-                         pad_token="<|endoftext|>", errors="replace", model_max_length=4096)
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
-    tok.chat_template = CHAT_TEMPLATE
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token=eos,
+                         pad_token="<|endoftext|>", errors="replace", model_max_length=4096, **extra)
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in special], special_tokens=True)
+    tok.chat_template = template
     assert len(tok) <= VOCAB_SIZE, len(tok)
     return tok
 
@@ -264,6 +311,9 @@ def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
     spec = VARIANTS[variant]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if isinstance(spec, TinyGlm4vSpec):
+        _build_glm4v(out, spec)
+        return out
     tok = _build_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     if isinstance(spec, TinyMoESpec):
@@ -466,6 +516,52 @@ def _build_moe(out: Path, spec: TinyMoESpec, tok, ids: dict[str, int]) -> None:
         moe.update(decoder_sparse_step=1, mlp_only_layers=[])  # every layer sparse
         _save_seeded(Qwen3VLMoeForConditionalGeneration, _qwen3_vl_config(spec.base, ids, moe), out)
     _save_qwen3_vl_processor(out, spec.base.min_pixels, spec.base.max_pixels, tok)
+
+
+def _build_glm4v(out: Path, spec: TinyGlm4vSpec) -> None:
+    """A GLM-4.1V (`glm4v`) with GLM's special tokens, chat template and stop tokens (EOS, <|user|>,
+    <|observation|>). Its config carries `text_config.attention_bias: true`, as the released ones do: transformers'
+    GLM-4.1V text attention always has q/k/v biases, and vLLM builds them only when the config says so."""
+    from transformers import GenerationConfig, Glm4vConfig, Glm4vForConditionalGeneration, Glm4vProcessor
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+
+    tok = _build_tokenizer(GLM_SPECIAL_TOKENS, GLM_CHAT_TEMPLATE, eos="<|endoftext|>",
+                           extra_special_tokens={"image_token": "<|image|>", "video_token": "<|video|>"})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in GLM_SPECIAL_TOKENS}
+    stops = [ids["<|endoftext|>"], ids["<|user|>"], ids["<|observation|>"]]
+    rotary = int(spec.head_dim * spec.partial_rotary_factor)
+    assert sum(spec.mrope_section) == rotary // 2, "mrope sections must sum to the rotary dims / 2"
+    config = Glm4vConfig(
+        text_config=dict(
+            vocab_size=VOCAB_SIZE, hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
+            num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
+            num_key_value_heads=spec.text_heads, head_dim=spec.head_dim, max_position_embeddings=4096,
+            rms_norm_eps=1e-5, attention_bias=True, eos_token_id=stops, pad_token_id=ids["<|endoftext|>"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": spec.partial_rotary_factor,
+                             "mrope_section": list(spec.mrope_section)}),
+        vision_config=dict(depth=spec.vision_depth, hidden_size=spec.vision_hidden, num_heads=spec.vision_heads,
+                           intermediate_size=spec.vision_intermediate, image_size=spec.vision_image_size,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                           out_hidden_size=spec.text_hidden),
+        image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+        image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
+        video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"],
+        tie_word_embeddings=False,
+    )
+    _save_seeded(Glm4vForConditionalGeneration, config, out)
+    config_path = out / "config.json"  # transformers 5.19 leaves attention_bias out of the saved text_config
+    saved = json.loads(config_path.read_text())
+    saved["text_config"]["attention_bias"] = True
+    config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    size = {"shortest_edge": 2 * spec.min_pixels, "longest_edge": 2 * spec.max_pixels}  # counts t = 2 copies
+    image_processor = Glm4vImageProcessorPil(size=size, patch_size=14, temporal_patch_size=2, merge_size=2)
+    video_processor = Glm4vVideoProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2)
+    Glm4vProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                   chat_template=GLM_CHAT_TEMPLATE).save_pretrained(out)
+    tok.save_pretrained(out)
+    GenerationConfig(eos_token_id=stops, pad_token_id=ids["<|endoftext|>"], do_sample=False).save_pretrained(out)
 
 
 def main() -> None:

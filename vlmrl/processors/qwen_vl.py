@@ -1,8 +1,10 @@
-"""The Qwen-VL processor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): dataset row -> RolloutRequest, multi_modal_inputs, expanded ids, mrope ids.
+"""The processor of the Qwen-VL-style families (Qwen2/2.5-VL, Qwen3-VL, Qwen3.5, their MoE models, GLM-4.1V):
+dataset row -> RolloutRequest, multi_modal_inputs, expanded ids, mrope ids. What differs per family (placeholder
+tokens, pixel bounds, timing of videos) is read from its `vlmrl.models.families.ModelFamily`.
 
-One request serves every backend: prompt ids hold ONE `<|image_pad|>` per image (the form vLLM and SGLang take; they
-expand it themselves, so expanded ids would be expanded twice: a corrupted prompt, or a hang in SGLang), the images
-are already resized, and the pad tokens no backend may sample are named.
+One request serves every backend: prompt ids hold ONE image placeholder (`<|image_pad|>`, GLM's `<|image|>`) per
+image (the form vLLM and SGLang take; they expand it themselves, so expanded ids would be expanded twice: a corrupted
+prompt, or a hang in SGLang), the images are already resized, and the pad tokens no backend may sample are named.
 The trainer side (expanded ids, pixel values, 3D position ids) is derived from the same request here.
 """
 
@@ -70,8 +72,8 @@ class Processor:
         self.tokenizer = hf_processor.tokenizer
         self.image_processor = hf_processor.image_processor
         vocab = self.tokenizer.convert_tokens_to_ids
-        self.image_token_id: int = int(model_config.get("image_token_id", vocab("<|image_pad|>")))
-        self.video_token_id: int = int(model_config.get("video_token_id", vocab("<|video_pad|>")))
+        self.image_token_id: int = int(model_config.get("image_token_id", vocab(family.image_placeholder)))
+        self.video_token_id: int = int(model_config.get("video_token_id", vocab(family.video_placeholder)))
         self.banned_token_ids: list[int] = [self.image_token_id, self.video_token_id]
         self.eos_token_ids: list[int] = _eos_ids(generation_config, self.tokenizer.eos_token_id)
         pad = self.tokenizer.pad_token_id
@@ -90,13 +92,15 @@ class Processor:
         """Config bounds, checked to lie within the model's: the engines run the model's image processor, which
         must find our resized images already valid (else it resizes again and the two sides disagree)."""
         size = self.image_processor.size
-        model_min, model_max = int(size["shortest_edge"]), int(size["longest_edge"])
+        copies = self.family.image_bound_copies  # GLM-4.1V's bounds count an image's 2 temporal copies
+        model_min, model_max = int(size["shortest_edge"]) // copies, int(size["longest_edge"]) // copies
         low = self.config.min_pixels if self.config.min_pixels is not None else model_min
         high = self.config.max_pixels if self.config.max_pixels is not None else model_max
         if not model_min <= low <= high <= model_max:
             raise ValueError(
                 f"min_pixels={low}, max_pixels={high} must lie within the model's image processor bounds "
-                f"[{model_min}, {model_max}] (preprocessor size shortest_edge/longest_edge); the engines would "
+                f"[{model_min}, {model_max}] (preprocessor size shortest_edge/longest_edge"
+                f"{f' / {copies}, the copies of an image they count' if copies > 1 else ''}); the engines would "
                 "resize the images again. Change min_pixels/max_pixels or the model's processor config."
             )
         if self.config.max_image_pixels < high:  # the model's bound, when data.max_pixels is null
@@ -140,11 +144,14 @@ class Processor:
         text = self.hf_processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         found = prompt_ids.count(self.image_token_id)
+        family = self.family
         if found != len(images):  # e.g. a literal <|image_pad|> typed in the prompt text
-            self._bad_image(index, f"the rendered prompt holds {found} <|image_pad|> tokens for {len(images)} images")
+            self._bad_image(index, f"the rendered prompt holds {found} {family.image_placeholder} tokens for "
+                                   f"{len(images)} images")
         found = prompt_ids.count(self.video_token_id)
         if found != len(videos):
-            self._bad_image(index, f"the rendered prompt holds {found} <|video_pad|> tokens for {len(videos)} videos")
+            self._bad_image(index, f"the rendered prompt holds {found} {family.video_placeholder} tokens for "
+                                   f"{len(videos)} videos")
         expanded = (len(prompt_ids) - len(images) + sum(self.image_token_count(im) for im in images)
                     - len(videos) + sum(self.video.token_count(v) for v in videos))
         if expanded > self.config.max_prompt_length:
@@ -217,7 +224,8 @@ class Processor:
             rows = [] if grid is None else grid.tolist()
             count = sum(1 for t in prompt_ids if t == token)
             if count != len(rows):
-                raise ValueError(f"{count} <|{name}_pad|> tokens in the prompt ids but {len(rows)} {name} grids")
+                placeholder = getattr(self.family, f"{name}_placeholder")
+                raise ValueError(f"{count} {placeholder} tokens in the prompt ids but {len(rows)} {name} grids")
             grids[token] = iter(rows)
         merge = self.spatial_merge_size**2
         expanded: list[int] = []

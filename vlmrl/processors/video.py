@@ -294,9 +294,10 @@ class VideoSupport:
         self.model_type = str(model_config.get("model_type", ""))
         self.tokenizer = hf_processor.tokenizer
         vocab = self.tokenizer.convert_tokens_to_ids
-        self.video_token_id = int(model_config.get("video_token_id", vocab("<|video_pad|>")))
-        self.vision_start_id = int(model_config.get("vision_start_token_id", vocab("<|vision_start|>")))
-        self.vision_end_id = int(model_config.get("vision_end_token_id", vocab("<|vision_end|>")))
+        self.video_token_id = int(model_config.get("video_token_id", vocab(family.video_placeholder)))
+        # the delimiters a Qwen3-VL video repeats around each temporal patch (None in a family without them)
+        self.vision_start_id: int | None = _token_id(model_config, "vision_start_token_id", vocab("<|vision_start|>"))
+        self.vision_end_id: int | None = _token_id(model_config, "vision_end_token_id", vocab("<|vision_end|>"))
         self.video_bounds: tuple[int, int] | None = None
         """Pixels of all frames of a video together, (min, max): the model's video processor's, where its bounds
         are per video (`ModelFamily.video_bounds_per_video`); None where they are per frame (`bounds`)."""
@@ -413,3 +414,8 @@ class VideoSupport:
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid,
                 "second_per_grid_ts": seconds}
 
+
+def _token_id(model_config: dict, key: str, fallback: int | None) -> int | None:
+    """config.json's id for `key`, else the tokenizer's for its usual token; None when neither names one."""
+    value = model_config.get(key, fallback)
+    return None if value is None else int(value)
