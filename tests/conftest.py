@@ -111,7 +111,7 @@ def tiny_qwen3_5_path() -> str:
     return str(ensure_built("tiny-qwen3.5"))
 
 
-TINY_FAMILIES = ("tiny", "tiny-qwen3-vl", "tiny-qwen3.5")
+TINY_FAMILIES = ("tiny", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-glm4v")
 """One embedded model per supported family: Qwen2.5-VL, Qwen3-VL and Qwen3.5."""
 
 

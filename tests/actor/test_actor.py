@@ -94,17 +94,21 @@ def test_one_micro_batch_of_8_equals_eight_of_1(family_batch):
     assert big_metrics["actor/grad_norm"] == pytest.approx(small_metrics["actor/grad_norm"], rel=1e-10)
     assert big_metrics["actor/grad_norm"] > 0
     assert big_grads.keys() == small_grads.keys() and any("visual" in name for name in big_grads)
-    # transformers' Gated DeltaNet (Qwen3.5) runs its delta rule in float32 whatever the model's dtype: there the
-    # float64 update agrees to float32 rounding of each gradient's scale (measured: 1.8e-7 of it at most)
-    float32_inside = family_of(big.model.config).linear_attention is not None
-    rel = 1e-6 if float32_inside else 1e-9
+    # transformers' Gated DeltaNet (Qwen3.5) runs its delta rule in float32 whatever the model's dtype, and GLM-4.1V
+    # interpolates its learned vision position embeddings in float32 (grid_sample): there the float64 update agrees
+    # to float32 rounding of each gradient's scale (measured: 1.8e-7 and 5.9e-8 of it at most)
+    family = family_of(big.model.config)
+
+    def float32_inside(name: str) -> bool:
+        return family.linear_attention is not None or "visual.embeddings.position_embedding" in name
+
     for name, grad in big_grads.items():
-        if float32_inside:
-            assert (grad - small_grads[name]).abs().max() <= rel * grad.abs().max() + 1e-12, name
+        if float32_inside(name):
+            assert (grad - small_grads[name]).abs().max() <= 1e-6 * grad.abs().max() + 1e-12, name
         else:
-            assert torch.allclose(grad, small_grads[name], rtol=rel, atol=1e-12), name
+            assert torch.allclose(grad, small_grads[name], rtol=1e-9, atol=1e-12), name
     for (name, p), (_, q) in zip(big.model.named_parameters(), small.model.named_parameters()):
-        assert torch.allclose(p, q, rtol=rel, atol=1e-12), name
+        assert torch.allclose(p, q, rtol=1e-6 if float32_inside(name) else 1e-9, atol=1e-12), name
 
 
 def test_padding_rows_change_no_gradient(tiny_model_path, processor, batch):

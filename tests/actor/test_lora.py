@@ -295,3 +295,43 @@ def test_qwen3_5_merged_weights_equal_peft_merge_and_a_step_trains_the_linear_at
     moved = {n for n, p in actor.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
     assert any(".linear_attn.in_proj_qkv.lora_" in n for n in moved), sorted(moved)[:5]
     assert any(".linear_attn.out_proj.lora_" in n for n in moved)
+
+
+def test_glm4v_lora_adapts_its_fused_mlp_and_its_tower_and_merges_as_peft(synthetic_rows):
+    """GLM-4.1V's language MLP is one fused gate_up_proj: the default targets take it beside q/k/v/o and down_proj,
+    and lora.vision=tower+merger adds its vision blocks and its projector (never the `downsample` convolution).
+    The merged weights equal PEFT's merge_and_unload exactly, and a step trains the language and vision adapters."""
+    from peft import get_peft_model
+
+    from vlmrl.actor.lora import lora_scaling, peft_config
+    from vlmrl.data.config import DataConfig
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.processors.qwen_vl import load_processor
+
+    path = str(ensure_built("tiny-glm4v"))
+    model = _base_model(path)
+    lora = LoraConfig(rank=4, alpha=8, vision="tower+merger")
+    names = target_modules(model, lora)
+    language = {n.rsplit(".", 1)[1] for n in names if n.startswith("model.language_model.")}
+    assert language == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert {n for n in names if n.startswith("model.visual.merger.")} == {
+        f"model.visual.merger.{p}" for p in ("proj", "gate_proj", "up_proj", "down_proj")}
+    assert "model.visual.blocks.0.attn.qkv" in names and not any("downsample" in n for n in names)
+    wrapped = get_peft_model(model, peft_config(_base_model(path), lora))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    ours = dict(merged_tensors(wrapped.state_dict().items(), lora_scaling(lora)))
+    theirs = copy.deepcopy(wrapped).merge_and_unload().state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+    data = make_batch(load_processor(path, DataConfig(max_prompt_length=64)), synthetic_rows[:4], n=2,
+                      text_only_rows=(2,))
+    actor = lora_actor(path, vision="tower+merger")
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters() if p.requires_grad}
+    _step(actor, data)
+    moved = {n for n, p in actor.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
+    assert any(".mlp.gate_up_proj.lora_" in n for n in moved), sorted(moved)[:5]
+    assert any(".visual.blocks." in n for n in moved) and any(".visual.merger." in n for n in moved)

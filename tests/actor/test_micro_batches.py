@@ -320,3 +320,54 @@ def test_qwen3_5_packed_update_equals_the_padded_update(tiny_qwen3_5_path, qwen3
         assert (grads[name] - grad).abs().max().item() <= 1e-6 * scale + 1e-12, name
     for (name, p), (_, q) in zip(base.model.named_parameters(), new.model.named_parameters()):
         assert torch.allclose(p, q, rtol=1e-6, atol=1e-9), name
+
+
+# ---- the packed forward on GLM-4.1V (3D mrope over a partial rotary, learned vision position embeddings) ----------
+
+
+@pytest.fixture(scope="module")
+def glm4v_batches(synthetic_rows):
+    """`family_batches` of the embedded GLM-4.1V."""
+    from vlmrl.models.tiny import ensure_built
+
+    return str(ensure_built("tiny-glm4v")), family_batches(str(ensure_built("tiny-glm4v")), synthetic_rows)
+
+
+@pytest.mark.parametrize("kind", ["plain", "padding-rows"])
+def test_glm4v_packed_and_chunked_logprobs_equal_the_padded_pass(glm4v_batches, kind):
+    """transformers' GLM-4.1V text model takes the (4, 1, T) ids of a pack as Qwen's do (row 0: text positions, for
+    the packed mask): packed logprobs and entropy, and logprobs computed in chunks of 2 positions, equal the
+    padded pass; without the text row the rows would attend across each other."""
+    path, batches = glm4v_batches
+    data = batches[kind]
+    actor = Actor(actor_config(path, ppo_micro_batch_size_per_gpu=3), total_steps=1, mini_batch_samples=8)
+    expected, expected_entropy = actor.compute_logprobs(data, with_entropy=True)
+    actor.config.padding_free, actor.config.logprob_chunk_size = True, 2
+    got, entropy = actor.compute_logprobs(data, with_entropy=True)
+    assert (expected[data.response_mask > 0] != 0).all()
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    assert torch.allclose(entropy, expected_entropy, atol=1e-5), (entropy - expected_entropy).abs().max()
+
+    from vlmrl.actor.core import forward_response
+
+    rows = [0, 4, 6]  # an image row, a text-only row, an image row
+    mb = micro_batch(data, rows, actor.device, packed=True)
+    mb.position_ids = mb.position_ids[1:]  # mrope ids only: one causal mask over the whole pack
+    with torch.no_grad():
+        leaky, _ = forward_response(actor.model.eval(), mb, 1.0, False)
+    mask = data.response_mask[rows, :mb.response_width]
+    assert not torch.allclose(leaky[1:] * mask[1:], expected[rows[1:], :mb.response_width], atol=1e-3)
+
+
+def test_glm4v_packed_update_equals_the_padded_update(glm4v_batches):
+    path, batches = glm4v_batches
+    data = batches["padding-rows"]
+    base, base_metrics, base_grads = _update(path, data, ppo_micro_batch_size_per_gpu=2)
+    new, metrics, grads = _update(path, data, ppo_micro_batch_size_per_gpu=2, micro_batch_tokens=150,
+                                  padding_free=True)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl"):
+        assert metrics[key] == pytest.approx(base_metrics[key], rel=1e-7, abs=1e-10), key
+    assert base_metrics["actor/grad_norm"] > 0 and grads.keys() == base_grads.keys()
+    assert any("visual.merger" in name for name in grads)  # the projector is trained through the pack too
+    for name, grad in base_grads.items():
+        assert torch.allclose(grads[name], grad, rtol=1e-6, atol=1e-10), name

@@ -24,7 +24,8 @@ def file_digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-qwen3-vl-moe", "tiny-qwen3.5-moe"])
+@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-qwen3-vl-moe", "tiny-qwen3.5-moe",
+                                     "tiny-glm4v"])
 def test_rebuild_is_byte_identical(tmp_path, variant):
     a = file_digests(build(tmp_path / "a", variant))
     b = file_digests(build(tmp_path / "b", variant))

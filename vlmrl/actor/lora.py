@@ -99,7 +99,7 @@ def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     vision = vision_patterns(model, lora.vision)
     targets = list(lora.target_modules)
     if targets == QWEN_VL_LM_PROJECTIONS:  # the default: every projection of the family's language layers
-        targets += family.linear_attention_projections
+        targets += family.linear_attention_projections + family.fused_projections
     exclude = re.compile(lora.exclude_modules) if lora.exclude_modules else None
     names = []
     for name, module in model.named_modules():

@@ -86,6 +86,9 @@ class ModelFamily:
     projections (`linear_attention_projections`)."""
     linear_attention_projections: tuple[str, ...] = ()
     """The Linear layers of a linear-attention mixer (transformers-5 names): what LoRA adapts there."""
+    fused_projections: tuple[str, ...] = ()
+    """Language-model projections under names of their own that the default LoRA targets adapt besides Qwen's
+    q/k/v/o and gate/up/down (GLM-4.1V's MLP is one fused `gate_up_proj`)."""
     cpu_engine_dtype: str | None = None
     """The one dtype vLLM and SGLang run this family in on CPU (None: any). Qwen3.5: bfloat16, since vLLM's CPU Gated
     DeltaNet op asserts it ("CPU GDN attention requires BF16"). rollout.dtype=auto then means it on CPU, for every
@@ -344,6 +347,7 @@ GLM4V = ModelFamily(
     video_placeholder="<|video|>",
     image_bound_copies=2,
     text_attention_bias=True,
+    fused_projections=("gate_up_proj",),
 )
 
 FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL, QWEN3_5, QWEN3_VL_MOE, QWEN3_5_MOE, GLM4V)
