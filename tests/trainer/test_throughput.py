@@ -116,7 +116,7 @@ def _tiny_qwen2_vl_config():
                                         "temporal_patch_size": 2})
 
 
-@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl", "qwen2-vl"])
+@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl", "qwen2-vl", "tiny-glm4v"])
 def test_the_formula_counts_the_models_own_matmul_weights(variant):
     # every nn.Linear a token or a patch goes through (and the patch embedding's Conv3d, and the embedding as EasyR1
     # counts it), counted on the instantiated model: the config is read right for each family
@@ -133,6 +133,8 @@ def test_the_formula_counts_the_models_own_matmul_weights(variant):
     visual = model.model.visual
     mergers = [visual.merger, *getattr(visual, "deepstack_merger_list", [])]
     merger_params = sum(_linear_params(m) for m in mergers)
+    if hasattr(visual, "downsample"):  # GLM-4.1V: a stride-m convolution per merged token before its merger
+        merger_params += visual.downsample.weight.numel()
     m2 = config.vision_config.spatial_merge_size ** 2
     per_patch = visual.patch_embed.proj.weight.numel() + _linear_params(visual.blocks) + merger_params / m2
     assert f.vision_params == per_patch

@@ -139,14 +139,14 @@ def _as_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
 
 
 def model_flops(model_config: Mapping[str, Any] | Any) -> ModelFlops | None:
-    """`ModelFlops` of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE config (config.json as a dict, or a
+    """`ModelFlops` of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / GLM-4.1V config (config.json as a dict, or a
     transformers config); None for another model type (no MFU then). Fields a config.json may omit take transformers'
     defaults when it is loaded through AutoConfig (as `throughput_metrics` does). A MoE layer counts the experts a
     token runs through and its router, as verl's flops counter does for Qwen MoE models (`hidden x top-k x
     moe_intermediate x 3 + hidden x experts`); layers in `mlp_only_layers` are dense."""
     config = _as_dict(model_config)
     model_type = config.get("model_type")
-    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"):
         return None
     text = _as_dict(config.get("text_config") or config)
     h, heads, layers = text["hidden_size"], text["num_attention_heads"], text["num_hidden_layers"]
@@ -168,6 +168,16 @@ def model_flops(model_config: Mapping[str, Any] | Any) -> ModelFlops | None:
         return flops
     v = _as_dict(vision)
     m = v["spatial_merge_size"]
+    if model_type == "glm4v":
+        # every block full attention with a SwiGLU MLP; then a m x m stride-m convolution (dim -> out) per merged
+        # token and the merger (proj out x out, SwiGLU over the tower's intermediate size) per merged token
+        dim, out, inner = v["hidden_size"], v["out_hidden_size"], v["intermediate_size"]
+        patch_embed = dim * v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2
+        merger_per_patch = dim * out + (out * out + 3 * out * inner) / (m * m)
+        return ModelFlops(
+            text_params=text_params, text_attention=head_dim * heads * layers,
+            vision_params=patch_embed + (4 * dim * dim + 3 * dim * inner) * v["depth"] + merger_per_patch,
+            vision_width=dim, vision_full_layers=v["depth"], vision_window_layers=0, window=0, merge_size=m)
     if model_type == "qwen2_vl":  # embed_dim is the tower's width, hidden_size the language model's
         dim, out, mergers = v["embed_dim"], v["hidden_size"], 1
         mlp = 2 * dim * int(dim * v["mlp_ratio"])  # fc1 / fc2
