@@ -181,8 +181,10 @@ def test_dp2_matches_dp1_in_every_mode_with_padding_rows_and_correction_weights(
 # the tower and gives every vision tensor a gradient in tests/distributed/test_vision.py (in make test). Qwen3-VL-MoE:
 # dp=2 == dp=1 with FSDP2 over the fused expert tensors and the routers; it is Qwen3-VL with experts (the same tower,
 # three deepstack mergers, the same text-only rank), so the dense Qwen3-VL case is a variant (`full`) beside it.
+# GLM-4.1V: its tower (learned position embeddings, the downsample convolution) on a text-only rank.
 @pytest.mark.parametrize("tiny_family", ["tiny", pytest.param("tiny-qwen3-vl", marks=pytest.mark.full),
-                                         pytest.param("tiny-qwen3.5", marks=pytest.mark.full), "tiny-qwen3-vl-moe"],
+                                         pytest.param("tiny-qwen3.5", marks=pytest.mark.full), "tiny-qwen3-vl-moe",
+                                         "tiny-glm4v"],
                          indirect=True)
 def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray_cluster, tiny_family, synthetic_rows):
     # rank 0: prompts 0-1 with images; rank 1: prompts 2-3 without; one mini-batch. Without the dummy vision forward
