@@ -40,7 +40,8 @@ def value(args: list[str], key: str) -> str:
 
 
 @pytest.mark.parametrize("model, output", [("tiny", "outputs/demo"), ("tiny-qwen3-vl", "outputs/demo-tiny-qwen3-vl"),
-                                           ("tiny-qwen3.5", "outputs/demo-tiny-qwen3.5")])
+                                           ("tiny-qwen3.5", "outputs/demo-tiny-qwen3.5"),
+                                           ("tiny-glm4v", "outputs/demo-tiny-glm4v")])
 def test_an_embedded_name_runs_the_demo_on_that_model(model, output):
     args = dry_run(MODEL_PATH=model, ROLLOUT="hf")
     assert value(args, "config") == "examples/configs/tiny_synthetic.yaml"
@@ -50,13 +51,15 @@ def test_an_embedded_name_runs_the_demo_on_that_model(model, output):
     from vlmrl.processors.qwen_vl import load_processor
 
     processor = load_processor(model, config.data)  # the demo's pixel bounds fit this model's processor
-    assert processor.family.name == {"tiny-qwen3-vl": "Qwen3-VL", "tiny-qwen3.5": "Qwen3.5"}.get(model, "Qwen2.5-VL")
+    assert processor.family.name == {"tiny-qwen3-vl": "Qwen3-VL", "tiny-qwen3.5": "Qwen3.5",
+                                     "tiny-glm4v": "GLM-4.1V"}.get(model, "Qwen2.5-VL")
 
 
 @pytest.mark.parametrize("model, recipe", [("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl_geo3k"),
                                            ("Qwen/Qwen3.5-9B", "qwen3_5_geo3k"),
                                            ("Qwen/Qwen3-VL-30B-A3B-Instruct", "qwen3_vl_moe_geo3k"),
                                            ("Qwen/Qwen3.5-35B-A3B", "qwen3_5_moe_geo3k"),
+                                           ("zai-org/GLM-4.1V-9B-Thinking", "glm4_1v_geo3k"),
                                            ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl_geo3k")])
 def test_a_hub_id_picks_its_familys_recipe_by_name(model, recipe):
     args = dry_run(MODEL_PATH=model)
@@ -89,6 +92,22 @@ def test_the_qwen3_vl_recipe_loads_and_fits_the_models_image_bounds():
     assert (config.actor.optim.lr, config.rollout.n, config.actor.kl_loss_coef) == (1e-6, 5, 0.01)
 
 
+def test_the_glm4_1v_recipe_loads_with_verls_settings_and_fits_the_released_bounds(tmp_path):
+    """verl's run_glm41v_9b.sh settings; the pixel bounds fit GLM-4.1V-9B's image processor (12544..9633792 over
+    an image's two temporal copies: 6272..4816896 per image) on 28-pixel sides; a local GLM-4.1V folder picks it."""
+    from vlmrl.models.tiny import ensure_built
+
+    config = load_config([f"config={ROOT / 'examples' / 'configs' / 'glm4_1v_geo3k.yaml'}"], check_model=False)
+    assert config.data.min_pixels is None and 6272 <= config.data.max_pixels <= 4816896
+    assert config.data.max_pixels % (28 * 28) == 0
+    assert (config.data.train_batch_size, config.actor.ppo_mini_batch_size, config.rollout.n) == (32, 32, 5)
+    assert (config.actor.optim.lr, config.actor.kl_loss_coef, config.actor.kl_loss_type) == (1e-6, 0.01,
+                                                                                             "low_var_kl")
+    folder = tmp_path / "glm" / "policy"
+    shutil.copytree(ensure_built("tiny-glm4v"), folder)
+    assert value(dry_run(MODEL_PATH=str(folder)), "config") == "examples/configs/glm4_1v_geo3k.yaml"
+
+
 def test_the_qwen3_5_recipe_loads_with_slimes_geo3k_settings():
     config = load_config([f"config={ROOT / 'examples' / 'configs' / 'qwen3_5_geo3k.yaml'}"], check_model=False)
     assert config.data.min_pixels is None and config.data.max_pixels % (32 * 32) == 0
@@ -102,7 +121,7 @@ def test_the_qwen3_5_recipe_loads_with_slimes_geo3k_settings():
 
 def test_the_moe_recipes_load_with_their_anchors_settings(tmp_path):
     """EasyR1's Qwen3-VL-30B-A3B geo3k run and the Qwen3.5 geo3k settings on the 35B-A3B; a local MoE folder picks
-    its family's recipe by its config.json; routing replay off at dp = 8 (vlmrl records routing in one process)."""
+    its family's recipe by its config.json; routing replay R2 (the trainer's own routing, recorded on every rank)."""
     from vlmrl.models.tiny import ensure_built
 
     vl = load_config([f"config={ROOT / 'examples' / 'configs' / 'qwen3_vl_moe_geo3k.yaml'}"], check_model=False)
@@ -111,7 +130,7 @@ def test_the_moe_recipes_load_with_their_anchors_settings(tmp_path):
     q35 = load_config([f"config={ROOT / 'examples' / 'configs' / 'qwen3_5_moe_geo3k.yaml'}"], check_model=False)
     assert (q35.rollout.n, q35.rollout.temperature, q35.actor.optim.weight_decay) == (8, 0.8, 0.1)
     for config in (vl, q35):
-        assert config.actor.moe.routing_replay == "off" and config.data.max_pixels % (32 * 32) == 0
+        assert config.actor.moe.routing_replay == "trainer" and config.data.max_pixels % (32 * 32) == 0
     for variant, recipe in [("tiny-qwen3-vl-moe", "qwen3_vl_moe_geo3k"), ("tiny-qwen3.5-moe", "qwen3_5_moe_geo3k")]:
         folder = tmp_path / recipe / "policy"
         shutil.copytree(ensure_built(variant), folder)

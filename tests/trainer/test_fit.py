@@ -275,13 +275,14 @@ def test_two_device_run_goes_through_the_same_loop(tiny_model_path, tmp_path):
 # families of the same learning run. make test keeps the default model's (the demo as `make demo` runs it). Their training
 # paths run in make test through their actor, engine, sync and compare tests and tests/trainer/test_qwen3_vl.py and
 # test_qwen3_5.py (the fit loop with a bfloat16 rollout and a float32 trainer: train, checkpoint, validate-only).
-STEPS = {"tiny": 120, "tiny-qwen3-vl": 150, "tiny-qwen3.5": 120, "tiny-qwen3-vl-moe": 150}
+STEPS = {"tiny": 120, "tiny-qwen3-vl": 150, "tiny-qwen3.5": 120, "tiny-qwen3-vl-moe": 150, "tiny-glm4v": 150}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", pytest.param("tiny-qwen3-vl", marks=pytest.mark.full),
                                    pytest.param("tiny-qwen3.5", marks=pytest.mark.full),
-                                   pytest.param("tiny-qwen3-vl-moe", marks=pytest.mark.full)])
+                                   pytest.param("tiny-qwen3-vl-moe", marks=pytest.mark.full),
+                                   pytest.param("tiny-glm4v", marks=pytest.mark.full)])
 def test_demo_config_learns_the_synthetic_task(tmp_path, model):
     """The no-argument demo's recipe, and the same on the embedded Qwen3-VL and Qwen3.5 (`MODEL_PATH=...`):
     validation accuracy rises >= 0.3 above its step-0 value (after the format warm-up, which trains on random labels

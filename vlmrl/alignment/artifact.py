@@ -86,6 +86,11 @@ class ArtifactMeta:
     """The dtype the side computed in, resolved (never `auto`): what the engine reports or started with
     (`RolloutBackend.dtype`), the actor's compute dtype on the trainer side. Empty in artifacts written before
     headers recorded it: then rollout.dtype of `config`, where `auto` is unknown (`vlmrl.alignment.precision`)."""
+    engine_problems: list[str] = field(default_factory=list)
+    """Why this side's engine computed something other than transformers, as its model family names it
+    (`ModelFamily.engine_problems`: a config.json without a setting the engine reads, the engine started without
+    vlmrl's override through rollout.family_engine_settings=false). Empty for a correctly started engine, the hf
+    backend, the trainer, and in artifacts written before headers recorded it."""
     logprobs_mode: str = ""
     """What the side's `response_logprobs` are of: `raw_logprobs` (the rollout contract, and the trainer side), or
     the engine's own mode where it was started otherwise (vLLM's `processed_logprobs`, through

@@ -193,6 +193,9 @@ def print_summary(comparison: Comparison, console: Console | None = None, report
         more = len(settings) - len(shown)
         console.print("settings that differ: " + "; ".join(f"{k}: {a!r} vs {b!r}" for k, a, b in shown)
                       + (f" (+{more} more in the report)" if more else ""))
+    for label, meta in ((comparison.label_a, comparison.meta_a), (comparison.label_b, comparison.meta_b)):
+        for problem in meta.engine_problems:
+            console.print(f"{label}'s engine was started without a setting its model needs: {problem}", markup=False)
     console.print(_samples_table(comparison))
     console.print(f"logprobs over common prefixes: max |delta| {_fmt(comparison.max_abs_logprob_delta, 6)}, "
                   f"mean |delta| {_fmt(comparison.mean_abs_logprob_delta, 6)} nats")

@@ -106,7 +106,7 @@ class SGLangServerBackend(SGLangCommon):
             raise RolloutError(f"{self.name}: GET {self.url}/server_info: HTTP {info.status_code}: cannot check the "
                                "server's engine settings")
         given = json.loads(info.json().get("json_model_override_args") or "{}")
-        problems = self.processor.family.engine_problems(merged(model_config, given))
+        problems = self.processor.family.engine_problems(merged(model_config, given), self.name)
         if problems:
             needed = json.dumps(self.processor.family.engine_overrides(model_config))
             raise RolloutError(

@@ -157,11 +157,22 @@ def run_validation(parts: RunComponents, *, step: int = 0, artifact_path: str | 
             dataset=DatasetIdentity(paths=[str(f) for f in dataset.files], rows=len(dataset),
                                     fingerprint=file_fingerprint(dataset.files)),
             sampling=asdict(sampling), config=to_dict(config), step=step, dtype=running.dtype,
-            logprobs_mode=running.logprobs_mode,
+            logprobs_mode=running.logprobs_mode, engine_problems=engine_problems_of(config, running, processor),
             weights=weights_fingerprint(config.actor.model_path) if config.trainer.val_only else "")
         path = write_artifact(artifact_path, meta, records)
         logger.info("validation artifact: %s (%d samples)", path, len(records))
     return ValidationResult(metrics, path, records)
+
+
+def engine_problems_of(config, running, processor) -> list[str]:
+    """What the family says the engine computes otherwise than transformers on this model: only an engine started
+    without vlmrl's settings (rollout.family_engine_settings=false) can have any, since vlmrl refuses to start one
+    whose problems its overrides leave."""
+    if running.name not in ("vllm", "sglang", "sglang-server") or config.rollout.family_engine_settings:
+        return []
+    from vlmrl.models.families import read_model_config
+
+    return processor.family.engine_problems(read_model_config(running.model_path), running.name)
 
 
 def captures_routing(config, running, processor, sampling) -> bool:
