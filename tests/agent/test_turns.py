@@ -57,3 +57,25 @@ def test_tool_text_cannot_inject_special_tokens(tiny_processor):
     specials = [tiny_processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
     # only the turn's own structure: <|im_start|>user ... <|im_end|> <|im_start|>assistant
     assert [t for t in ids if t in specials] == [specials[0], specials[1], specials[0]]
+
+
+def test_glm4v_tool_turns_read_as_its_template_renders_them():
+    """GLM-4.1V (template format): its template puts nothing after an assistant message, and a tool reply is an
+    `<|observation|>` turn; the model stops on <|observation|> itself, so the tool turn continues after it (not
+    repeating it), with one <|image|> per reply image. Qwen2.5's format is refused on GLM's tokenizer."""
+    from vlmrl.models.tiny import ensure_built
+
+    processor = load_processor(str(ensure_built("tiny-glm4v")))
+    render = renderer(processor, "template")
+    replies = [ToolReply("first", [IMAGE]), ToolReply("second")]
+    prompt = [{"role": "user", "content": "q"}]
+    tool_messages = [{"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "first"}]},
+                     {"role": "tool", "content": [{"type": "text", "text": "second"}]}]
+    expected = _render(processor, prompt + [{"role": "assistant", "content": "call"}] + tool_messages, True)
+    generated = _render(processor, prompt, True) + "call<|observation|>"
+    assert generated + render.tool_turn_text(replies, "<|observation|>") == expected
+    ids = render.tool_turn_ids(replies, processor.tokenizer.convert_tokens_to_ids("<|observation|>"))
+    assert ids.count(processor.image_token_id) == 1
+    assert render.tool_turn_text(replies, "<|endoftext|>").startswith("<|observation|>\n")
+    with pytest.raises(ValueError, match="set agent.tool_turn_format=template"):
+        renderer(processor, "qwen2.5")

@@ -3,9 +3,10 @@
 Two formats (`agent.tool_turn_format`): "qwen2.5", Qwen2.5's tool format whatever the checkpoint's template says (all
 replies of one assistant turn share one user turn of `<tool_response>...</tool_response>` blocks, images inside), and
 "template", one `tool` message per reply rendered by the checkpoint's own chat template. Either way the turn starts
-with what the template puts after an assistant message's content (`<|im_end|>\n` for Qwen; the generated stop token
-is not repeated) and ends with the template's generation prompt, so the whole conversation reads exactly as the chat
-template would render it. Every token of a tool turn gets response_mask 0. The rendered turn: docs/agent.md."""
+with what the template puts after an assistant message's content (`<|im_end|>\n` for Qwen, nothing for GLM-4.1V,
+whose tool turn opens with the stop token `<|observation|>`; a generated stop token is not repeated) and ends with
+the template's generation prompt, so the whole conversation reads exactly as the chat template would render it.
+Every token of a tool turn gets response_mask 0. The rendered turn: docs/agent.md."""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ class TurnRenderer:
         self.tokenizer = tokenizer
         self.image_token_id = image_token_id
         self.turn_format = turn_format
+        if turn_format == "qwen2.5" and tokenizer.convert_tokens_to_ids("<|im_start|>") is None:
+            raise ValueError("agent.tool_turn_format=qwen2.5 writes tool turns in Qwen2.5's tokens (<|im_start|>, "
+                             "<|vision_start|><|image_pad|>), which this model's tokenizer does not have: set "
+                             "agent.tool_turn_format=template (the checkpoint's own chat template renders them)")
         self.assistant_suffix, self.generation_prompt = self._template_pieces()
         # special tokens a tool's text must not be able to inject (an <|image_pad|> without an image breaks the step)
         specials = [tok for tok in tokenizer.get_added_vocab() if tok.startswith("<|") and tok.endswith("|>")]
@@ -62,8 +67,6 @@ class TurnRenderer:
     def tool_turn_text(self, replies: list[ToolReply], last_token_text: str) -> str:
         """The text of one tool turn that follows an assistant turn ending in `last_token_text`."""
         suffix = self.assistant_suffix
-        if last_token_text and suffix.startswith(last_token_text):
-            suffix = suffix[len(last_token_text):]  # the model generated the end-of-turn token itself
         if self.turn_format == "qwen2.5":
             body = "<|im_start|>user"
             for reply in replies:
@@ -79,7 +82,12 @@ class TurnRenderer:
             if not full.startswith(base):
                 raise ValueError("the chat template renders a tool message by changing earlier messages")
             body = full[len(base):]
-        return suffix + body
+        text = suffix + body
+        if last_token_text and text.startswith(last_token_text):
+            # the model generated it itself: Qwen's end-of-turn <|im_end|>, or GLM's <|observation|>, a stop token
+            # that opens the tool turn (its template puts nothing after an assistant message)
+            text = text[len(last_token_text):]
+        return text
 
     def tool_turn_ids(self, replies: list[ToolReply], last_token_id: int) -> list[int]:
         """Token ids of one tool turn, with one `<|image_pad|>` per reply image (unexpanded)."""

@@ -194,7 +194,8 @@ GLM_SPECIAL_TOKENS = [
     "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|video|>",
     "<think>", "</think>", "<|begin_of_box|>", "<|end_of_box|>",
 ]
-# GLM-4.1V's chat template reduced to what a prompt needs (no tool calls): images and videos as content parts
+# GLM-4.1V's chat template reduced to what a prompt needs: images and videos as content parts, tool replies as
+# <|observation|> turns (the agent loop's `template` tool-turn format)
 GLM_CHAT_TEMPLATE = (
     "[gMASK]<sop>{%- for msg in messages %}"
     "{%- if msg.role == 'system' %}<|system|>\n{{ msg.content }}"
@@ -204,7 +205,11 @@ GLM_CHAT_TEMPLATE = (
     "{%- elif item.type == 'image' or 'image' in item or 'image_url' in item %}"
     "<|begin_of_image|><|image|><|end_of_image|>"
     "{%- elif item.type == 'text' %}{{ item.text }}{%- endif %}{%- endfor %}{%- endif %}"
-    "{%- elif msg.role == 'assistant' %}<|assistant|>\n{{ msg.content }}{%- endif %}{%- endfor %}"
+    "{%- elif msg.role == 'assistant' %}<|assistant|>\n{{ msg.content }}"
+    "{%- elif msg.role == 'tool' or msg.role == 'observation' %}<|observation|>\n"
+    "{% if msg.content is string %}{{ msg.content }}{%- else %}{%- for item in msg.content %}"
+    "{%- if item.type == 'image' or 'image' in item %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{%- elif item.type == 'text' %}{{ item.text }}{%- endif %}{%- endfor %}{%- endif %}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
