@@ -1,0 +1,66 @@
+"""The fit loop on the embedded GLM-4.1V: a short run on vLLM trains, syncs the engine's weights and saves a
+checkpoint that is a complete GLM-4.1V folder (GLM's processor, tokens and template, attention_bias in its config,
+the names the engines load); validate-only on SGLang from that checkpoint leaves it untouched and writes the
+artifact."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.trainer.test_fit import base_args
+from vlmrl.alignment.artifact import read_artifact
+from vlmrl.config import load_config
+from vlmrl.trainer.fit import fit
+from vlmrl.trainer.metrics import read_metrics
+
+pytestmark = [pytest.mark.vllm, pytest.mark.sglang]
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _names(folder: Path) -> set[str]:
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def test_train_on_vllm_checkpoint_and_validate_only_on_sglang(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.processors.qwen_vl import load_processor
+
+    base = str(ensure_built("tiny-glm4v"))
+    out = tmp_path / "run"
+    fit(load_config(base_args(base, out, "rollout.name=vllm", "rollout.dtype=float32", "trainer.total_steps=2",
+                              "trainer.save_freq=2", "trainer.val_before_train=false")))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2] and "val/accuracy" in rows[-1]
+    assert all(row["reward/failures"] == 0 for row in rows)
+    latest = out / "checkpoints" / "latest"
+    assert os.readlink(latest) == "global_step_2"
+    assert _names(latest) == _names(Path(base))
+    assert json.loads((latest / "config.json").read_text())["text_config"]["attention_bias"] is True
+    processor = load_processor(str(latest))
+    assert processor.family.name == "GLM-4.1V" and processor.image_factor == 28
+    trained = AutoModelForImageTextToText.from_pretrained(str(latest), dtype=torch.float32).state_dict()
+    initial = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32).state_dict()
+    moved = [n for n in initial if not torch.equal(initial[n], trained[n])]
+    assert any(".visual." in n for n in moved) and any("language_model" in n for n in moved)
+
+    before = _digests(latest)
+    val = tmp_path / "val"
+    metrics = fit(load_config(base_args(str(latest), val, "trainer.val_only=true", "data.train_files=",
+                                        "rollout.name=sglang", "rollout.dtype=float32")))
+    assert _digests(latest) == before
+    meta, records = read_artifact(val / "validation_sglang_step2.jsonl")
+    assert meta.backend == "sglang" and meta.step == 2 and sorted(r.index for r in records) == list(range(8))
+    assert metrics["val/accuracy"] == sum(r.reward_extra["accuracy"] for r in records) / len(records)
