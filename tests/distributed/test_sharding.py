@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.batches import make_batch
-from vlmrl.actor.core import mean_metrics
+from vlmrl.actor.step_metrics import mean_metrics
 from vlmrl.batch.padding import required_batch_multiple, upsample_to_multiple
 from vlmrl.distributed.sharding import (
     engine_hosts,

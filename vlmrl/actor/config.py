@@ -183,6 +183,12 @@ class ActorConfig:
     response); with padding_free: the rows' summed lengths), sharded ranks are given rows of equal token totals; a
     row longer than the budget runs alone (with a warning). 0 = fixed rows (ppo_micro_batch_size_per_gpu). Changes
     memory and speed, not the update."""
+    share_vision: bool = True
+    """Encode each distinct image (and video) of a forward once: the rows of a micro-batch that carry the same
+    pixels (the n samples of a GRPO prompt) share one vision-tower forward, and the backward sums the shared
+    features' gradients (`vlmrl.actor.vision_share`). Same logprobs, losses and gradients as one tower forward per row
+    (exact in float64), less vision compute the more rows of a group share a micro-batch. false: a tower forward
+    per row, as verl and EasyR1 run it. Logs actor/vision_items and actor/vision_items_encoded per update."""
     padding_free: bool = False
     """Packed forward (verl's use_remove_padding, EasyR1's padding_free): a micro-batch's rows run as one sequence
     without padding, attention kept within each row and each row's own 3D position ids. Same logprobs; no compute

@@ -25,6 +25,8 @@ from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.micro_batches import micro_batch_rows, row_spans, split_to_count
 from vlmrl.actor.policy import Policy, move_optimizer_state
 from vlmrl.actor.routing import RouterHooks, collect_aux
+from vlmrl.actor.step_metrics import mean_metrics
+from vlmrl.actor.vision_share import VisionCounts, shared_vision
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean
 from vlmrl.algorithms.grpo import broadcast_to_tokens, kl_penalty
 from vlmrl.algorithms.logprobs import logprobs_and_entropy
@@ -249,32 +251,6 @@ def mini_batch_scales(response_mask: torch.Tensor, mini_batch_rows: int, mode: s
     return normalisers, tokens
 
 
-def combine_metric(key: str, total: float | None, value: float) -> float:
-    """Fold `value` into a running metric: *_min / *_max keep the extreme, every other key sums (averaged later)."""
-    if total is None:
-        return value
-    if key.endswith("_min"):
-        return min(total, value)
-    if key.endswith("_max"):
-        return max(total, value)
-    return total + value
-
-
-def is_extreme(key: str) -> bool:
-    """A metric combined by min / max, not averaged."""
-    return key.endswith(("_min", "_max"))
-
-
-def mean_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Average each metric over `parts` (optimizer steps, or dp ranks), a part without the key counting as 0;
-    *_min / *_max take the extreme (`combine_metric`)."""
-    totals: dict[str, float] = {}
-    for metrics in parts:
-        for key, value in metrics.items():
-            totals[key] = combine_metric(key, totals.get(key), value)
-    return {key: value if is_extreme(key) else value / len(parts) for key, value in totals.items()}
-
-
 class ActorCore:
     """What the single-process actor (`vlmrl.actor.local.Actor`) and one FSDP rank's actor
     (`vlmrl.distributed.actor.ShardedActor`) share: a policy built by `vlmrl.actor.policy.build_policy`, the logprob
@@ -310,6 +286,8 @@ class ActorCore:
         self.routing = RouterHooks(self.model, experts.router_class) if experts is not None else None
         """A MoE policy's router hooks: the old-logprob pass records each row's routing, the update replays it
         (actor.moe.routing_replay=trainer) or counts where its own differs (mismatch/routing_*)."""
+        self.vision_counts = VisionCounts()
+        """The images and videos the update's forwards carried and encoded (actor.share_vision)."""
 
     def set_temperature(self, temperature: float) -> None:
         """Logprobs from here on are of softmax(logits / temperature)."""
@@ -318,6 +296,14 @@ class ActorCore:
     def forward_dtype(self) -> torch.dtype:
         """What the forward computes in: the lower of the weights' dtype and the autocast compute dtype."""
         return self.compute_dtype if self.compute_dtype in (torch.bfloat16, torch.float16) else self.dtype
+
+    def forward_context(self, model: torch.nn.Module, counts: VisionCounts | None = None):
+        """What a forward of `model` runs in: mixed precision (`autocast`) and, with actor.share_vision, the vision
+        tower once per distinct image (`vlmrl.actor.vision_share`); `counts` adds up its images."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.autocast())
+        stack.enter_context(shared_vision(model, counts, enabled=self.config.share_vision))
+        return stack
 
     def autocast(self):
         """Mixed precision for a forward (and its backward) when compute and weight dtypes differ."""
@@ -396,7 +382,7 @@ class ActorCore:
             mb = micro_batch(batch, rows, self.device, self.config.padding_free)
             context = (self.routing.record(mb.attended(), mb.token_lengths) if record
                        else self.routing_replay(batch, rows, mb) if engine else contextlib.nullcontext())
-            with self.autocast(), context as recorded:
+            with self.forward_context(model), context as recorded:
                 lp, ent = forward_response(model, mb, self.temperature, with_entropy,
                                            chunk=self.config.logprob_chunk_size)
             if record:
@@ -495,6 +481,7 @@ class ActorCore:
             metrics.update(mismatch.metrics())
         if self.routing is not None:
             metrics.update(self.routing.take_counts(total=self.sum_over_ranks))
+        metrics.update(self.vision_counts.take(total=self.sum_over_ranks))
         self.scheduler.step()
         return metrics
 
@@ -546,7 +533,7 @@ class ActorCore:
             aux_on = bool(cfg.moe.aux_loss_coef) and self.routing is not None
             with self.routing_replay(batch, rows, mb), (collect_aux(self.routing, mb.attended()) if aux_on
                                                         else contextlib.nullcontext()) as aux:
-                with self.autocast():
+                with self.forward_context(self.model, self.vision_counts):
                     logprobs, entropy = forward_response(self.model, mb, self.temperature, True,
                                                          bool(cfg.entropy_coeff), chunk=cfg.logprob_chunk_size)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from vlmrl.actor.core import mean_metrics, needs_old_logprobs
+from vlmrl.actor.core import needs_old_logprobs
+from vlmrl.actor.step_metrics import mean_metrics
 from vlmrl.distributed.sharding import (
     engine_hosts,
     logprob_row_blocks,

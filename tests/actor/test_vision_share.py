@@ -1,0 +1,126 @@
+"""The vision tower once per distinct image of a forward (actor.share_vision, `vlmrl.actor.vision_share`): on every
+family the shared forward gives the per-row forward's logprobs, loss and every gradient (float64: the language
+model's to its summation order; the tower's to float32 rounding, since transformers rotates the tower's queries and
+keys in float32 whatever the model's dtype), padded or packed, with chunked logprobs and with LoRA on the tower;
+only identical images are shared, and the update counts what it carried and what it encoded."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.actor.test_actor import actor_config
+from tests.batches import make_batch
+from vlmrl.actor.local import Actor
+from vlmrl.actor.vision_share import VisionCounts, distinct, shared_vision
+from vlmrl.algorithms.grpo import group_advantages
+
+FAMILIES = ["tiny", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-glm4v"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, synthetic_rows):
+    """(model path, batch: 3 prompts x 3 samples, prompt 1 text-only) of each family."""
+    from vlmrl.data.config import DataConfig
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.processors.qwen_vl import load_processor
+
+    path = str(ensure_built(request.param))
+    processor = load_processor(path, DataConfig(max_prompt_length=64))
+    return path, make_batch(processor, synthetic_rows[:3], n=3, text_only_rows=(1,), seed=3)
+
+
+def _update(path, batch, share: bool, **overrides):
+    actor = Actor(actor_config(path, share_vision=share, **overrides), total_steps=1, mini_batch_samples=len(batch))
+    actor.model.to(torch.float64)  # only the summation order of shared gradients may differ
+    old, _ = actor.compute_logprobs(batch)
+    advantages = group_advantages(batch.rewards, batch.uids, batch.is_padding).to(torch.float64)
+    metrics = actor.update(batch, old.to(torch.float64) + 0.01 * batch.response_mask, advantages)
+    grads = {name: p.grad.clone() for name, p in actor.model.named_parameters() if p.grad is not None}
+    return old, metrics, grads
+
+
+def _assert_same(shared, per_row, what: str):
+    (old_a, metrics_a, grads_a), (old_b, metrics_b, grads_b) = shared, per_row
+    assert torch.allclose(old_a, old_b, rtol=0, atol=1e-12), f"{what}: logprobs"
+    for key in ("actor/pg_loss", "actor/entropy"):
+        assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-10, abs=1e-13), f"{what}: {key}"
+    # the norm takes the tower's gradients too: float32 rounding (below)
+    assert metrics_a["actor/grad_norm"] == pytest.approx(metrics_b["actor/grad_norm"], rel=1e-7), what
+    assert grads_a.keys() == grads_b.keys() and any("visual" in name for name in grads_a)
+    for name, grad in grads_b.items():
+        if "visual" in name:
+            # transformers applies the tower's rotary in float32 whatever the model's dtype (`.float()` in
+            # apply_rotary_pos_emb_vision): one backward through the shared features and three summed afterwards
+            # round there differently, at float32's ~1e-7 of the gradient's scale (measured up to 5e-8)
+            assert (grads_a[name] - grad).abs().max() <= 1e-6 * grad.abs().max(), f"{what}: {name}"
+        else:
+            assert torch.allclose(grads_a[name], grad, rtol=1e-9, atol=1e-13), f"{what}: {name}"
+
+
+def test_shared_encoding_equals_the_per_row_forward_in_every_family(family):
+    """One micro-batch of 9 rows: 6 carry an image (2 prompts x 3 samples), and the tower encodes 2."""
+    path, batch = family
+    shared = _update(path, batch, share=True, ppo_micro_batch_size_per_gpu=9)
+    per_row = _update(path, batch, share=False, ppo_micro_batch_size_per_gpu=9)
+    _assert_same(shared, per_row, path)
+    assert (shared[1]["actor/vision_items"], shared[1]["actor/vision_items_encoded"]) == (6.0, 2.0)
+    assert (per_row[1]["actor/vision_items"], per_row[1]["actor/vision_items_encoded"]) == (6.0, 6.0)
+
+
+@pytest.mark.parametrize("overrides", [dict(padding_free=True, logprob_chunk_size=2),
+                                       dict(micro_batch_tokens=200, padding_free=True)], ids=["packed", "budget"])
+def test_packed_and_budgeted_micro_batches_share_what_they_hold(tiny_qwen3_vl_path, synthetic_rows, overrides):
+    """Packed (Qwen3-VL: deepstack features scattered into the pack) and token-budget micro-batches: the rows of a
+    group that land together share; the update equals the per-row one either way."""
+    from vlmrl.data.config import DataConfig
+    from vlmrl.processors.qwen_vl import load_processor
+
+    batch = make_batch(load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=64)), synthetic_rows[:3], n=3,
+                       text_only_rows=(1,), seed=3)
+    shared = _update(tiny_qwen3_vl_path, batch, share=True, ppo_micro_batch_size_per_gpu=9, **overrides)
+    per_row = _update(tiny_qwen3_vl_path, batch, share=False, ppo_micro_batch_size_per_gpu=9, **overrides)
+    _assert_same(shared, per_row, str(overrides))
+    assert shared[1]["actor/vision_items_encoded"] < shared[1]["actor/vision_items"] == 6.0
+
+
+def test_lora_on_the_tower_trains_the_same_adapters(tiny_model_path, synthetic_rows, processor):
+    from vlmrl.actor.config import LoraConfig
+
+    batch = make_batch(processor, synthetic_rows[:3], n=3, text_only_rows=(1,), seed=3)
+    lora = LoraConfig(rank=4, alpha=8, vision="tower+merger")
+    shared = _update(tiny_model_path, batch, share=True, ppo_micro_batch_size_per_gpu=9, lora=copy.deepcopy(lora))
+    per_row = _update(tiny_model_path, batch, share=False, ppo_micro_batch_size_per_gpu=9, lora=copy.deepcopy(lora))
+    _assert_same(shared, per_row, "lora")
+    assert any("visual.blocks" in name and "lora_" in name for name in shared[2])
+
+
+def test_only_identical_images_are_shared(tiny_model_path, processor):
+    """Rows of one group whose images differ (an agent turn that added one, or another image of the same size) share
+    only the identical ones: the distinct set is decided by grid and pixels, exactly."""
+    from tests.processors.helpers import image_row, noise_image
+
+    a, b = noise_image(112, 84, seed=1), noise_image(112, 84, seed=2)  # the same size: the same grid
+    requests = [processor.build_request(image_row("<image>?", [image])) for image in (a, b)]
+    inputs = [processor.multi_modal_inputs(r) for r in requests]
+    pixels = [inputs[0]["pixel_values"], inputs[1]["pixel_values"], inputs[0]["pixel_values"]]
+    grids = torch.cat([inputs[0]["image_grid_thw"], inputs[1]["image_grid_thw"], inputs[0]["image_grid_thw"]])
+    assert distinct(pixels, grids) == ([0, 1], [0, 1, 0])
+    nudged = pixels[2].clone()
+    nudged[0, 0] += 1e-6
+    assert distinct([pixels[0], nudged], grids[:2].clone()) == ([0, 1], [0, 1])
+
+    actor = Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=2)
+    model = actor.model.eval()
+    counts = VisionCounts()
+    owner = model.model
+    with torch.no_grad(), shared_vision(model, counts):
+        out = owner.get_image_features(torch.cat(pixels), grids)
+    reference = owner.get_image_features(torch.cat(pixels), grids)  # outside the block: the class's method again
+    assert counts.take() == {"actor/vision_items": 3.0, "actor/vision_items_encoded": 2.0}
+    assert [tuple(t.shape) for t in out.pooler_output] == [tuple(t.shape) for t in reference.pooler_output]
+    for ours, theirs in zip(out.pooler_output, reference.pooler_output):
+        assert torch.allclose(ours, theirs, atol=1e-6)
+    assert torch.equal(out.pooler_output[0], out.pooler_output[2]) and "get_image_features" not in vars(owner)

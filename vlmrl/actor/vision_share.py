@@ -1,0 +1,118 @@
+"""The vision tower once per distinct image (or video) of a forward, not once per row.
+
+In GRPO every prompt is sampled n times, and each of its n rows carries the prompt's images. A micro-batch that holds
+several rows of one group would run the tower n times on identical pixels. `shared_vision(model)` makes the model's
+forwards encode each distinct image once: inside the block, the model's `get_image_features` /
+`get_video_features` (transformers' hook between the pixels and the language model, the same in every family vlmrl
+trains) groups the forward's images by content (the same patch grid and the same pixel values, compared exactly),
+runs the tower on one of each, and hands every row the features of its image. Where an image's features feed several
+rows, autograd sums their gradients into the one tower forward, as it does for any reused tensor; the tower's
+per-image computation does not depend on the other images of the call (attention stays within an image or frame), so
+logprobs, losses and gradients equal the per-row forward's up to the summation order of the shared features'
+gradients (exact in float64 on the embedded models, tests/actor/test_vision_share.py).
+
+Everything stays inside the model's own forward, so a sharded (FSDP2) model gathers its tower's weights as it always
+does, every rank still runs the tower once per forward, and the always-on wrapper's guarantee is untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+ENCODERS = ("get_image_features", "get_video_features")
+"""transformers' per-family methods that run the vision tower on a forward's pixels (their outputs' `pooler_output`
+is a tuple of per-image or per-video features, Qwen3-VL's `deepstack_features` a list of such tuples)."""
+
+
+@dataclass
+class VisionCounts:
+    """How many images / videos the forwards inside the block carried and how many the tower encoded."""
+
+    items: int = 0
+    encoded: int = 0
+
+    def take(self, total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+        """The metrics since the last call ({} when no forward carried an image or video). `total`: sums the counts
+        over the processes that share the update (FSDP ranks: a collective, so every rank calls this)."""
+        counts = torch.tensor([self.items, self.encoded], dtype=torch.float64)
+        if total is not None:
+            counts = total(counts)
+        self.items = self.encoded = 0
+        items, encoded = (float(c) for c in counts.cpu())
+        if not items:
+            return {}
+        return {"actor/vision_items": items, "actor/vision_items_encoded": encoded}
+
+
+def encoder_owner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose forward calls `get_image_features` (transformers' `...Model` inside the
+    `...ForConditionalGeneration`), through vlmrl's and PEFT's wrappers; None for a model without one."""
+    for module in model.modules():
+        if callable(getattr(type(module), "get_image_features", None)) and hasattr(module, "language_model") \
+                and not hasattr(module, "lm_head"):
+            return module
+    return None
+
+
+@contextmanager
+def shared_vision(model: torch.nn.Module, counts: VisionCounts | None = None, enabled: bool = True) -> Iterator[None]:
+    """Within the block, `model`'s forwards encode each distinct image and video once (see the module docstring).
+    `counts` adds up what they carried and encoded. `enabled=False`: the per-row forward, still counted."""
+    owner = encoder_owner(model)
+    if owner is None:
+        yield
+        return
+    patched = []
+    for name in ENCODERS:
+        original = getattr(owner, name, None)
+        if original is None or name in vars(owner):  # absent, or already wrapped by an enclosing block
+            continue
+        setattr(owner, name, partial(_encode_distinct, original, counts, enabled))
+        patched.append(name)
+    try:
+        yield
+    finally:
+        for name in patched:
+            delattr(owner, name)  # back to the class's method
+
+
+def _encode_distinct(original: Callable, counts: VisionCounts | None, enabled: bool, pixel_values: torch.Tensor,
+                     grid_thw: torch.Tensor, *args, **kwargs):
+    """`original(pixel_values, grid_thw, ...)` on one of each distinct (grid, pixels) item, its per-item outputs
+    handed back in the call's item order."""
+    sizes = [int(n) for n in grid_thw.prod(-1).tolist()]
+    chunks = torch.split(pixel_values, sizes)
+    firsts, slot = distinct(chunks, grid_thw) if enabled else (list(range(len(sizes))), list(range(len(sizes))))
+    if counts is not None:
+        counts.items += len(sizes)
+        counts.encoded += len(firsts)
+    if len(firsts) == len(sizes):
+        return original(pixel_values, grid_thw, *args, **kwargs)
+    out = original(torch.cat([chunks[i] for i in firsts]), grid_thw[firsts], *args, **kwargs)
+    out.pooler_output = tuple(out.pooler_output[s] for s in slot)
+    deepstack = getattr(out, "deepstack_features", None)
+    if deepstack is not None:  # Qwen3-VL: per deepstack layer, the same per-item split
+        out.deepstack_features = [tuple(layer[s] for s in slot) for layer in deepstack]
+    return out
+
+
+def distinct(chunks: tuple[torch.Tensor, ...] | list[torch.Tensor], grid_thw: torch.Tensor
+             ) -> tuple[list[int], list[int]]:
+    """(the index of the first item of each distinct (grid, pixels), each item's position among those firsts)."""
+    firsts: list[int] = []
+    slot: list[int] = []
+    grids = [tuple(g) for g in grid_thw.tolist()]
+    for i, chunk in enumerate(chunks):
+        for position, first in enumerate(firsts):
+            if grids[first] == grids[i] and torch.equal(chunks[first], chunk):
+                slot.append(position)
+                break
+        else:
+            slot.append(len(firsts))
+            firsts.append(i)
+    return firsts, slot
