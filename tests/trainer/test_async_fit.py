@@ -242,13 +242,14 @@ def test_what_the_async_placement_cannot_run_with_is_refused_at_load(settings, s
                      "algorithm.rollout_correction=token_tis", *settings])
 
 
-# The demo learns in the asynchronous placement, in make test: on vLLM with its engine in a rollout worker of its own
-# (a Ray actor: the placement as a cluster runs it), the trainer waiting for each sync; on SGLang with the engine on
-# the rollout thread and staged syncs (the trainer never waits for the engine between validations).
+# The demo learns in the asynchronous placement: on vLLM with its engine in a rollout worker of its own (a Ray actor:
+# the placement as a cluster runs it), the trainer waiting for each sync, in make test; on SGLang with the engine on
+# the rollout thread and staged syncs as a variant (marker `full`, make test-all: 150-270 s on 2 cores, the longest
+# test of the suite). make test keeps SGLang's asynchronous path with staged syncs in the short run below.
 @pytest.mark.slow
 @pytest.mark.parametrize(("backend", "workers", "staged"), [
     pytest.param("vllm", 1, False, marks=[pytest.mark.vllm, pytest.mark.ray]),
-    pytest.param("sglang", 0, True, marks=[pytest.mark.sglang])])
+    pytest.param("sglang", 0, True, marks=[pytest.mark.sglang, pytest.mark.full])])
 def test_the_demo_learns_in_the_async_placement(tmp_path, backend, workers, staged):
     """The demo's recipe with the rollout one step ahead (max_staleness=1, token_tis correction): validation
     accuracy rises >= 0.3 above its step-0 value within the demo's 150 steps, every batch within the bound."""
@@ -269,3 +270,24 @@ def test_the_demo_learns_in_the_async_placement(tmp_path, backend, workers, stag
     if staged:  # every step but those that validate (and the last) staged its sync
         rows = read_metrics(out / "metrics.jsonl")
         assert sum(r.get("async/sync_staged", 0.0) for r in rows) >= len(consumed) * 0.8, len(consumed)
+
+
+@pytest.mark.sglang
+def test_sglang_on_the_rollout_thread_with_staged_syncs_stays_in_step(tmp_path):
+    """The asynchronous placement on SGLang (the engine on the rollout thread, staged syncs, one step of staleness):
+    every batch within the bound and most a step behind, the syncs between validations staged (the trainer never
+    waited for the engine), and the saving step's weight probe finds the engine in sync with the trainer."""
+    from tests.trainer.test_fit import ROOT
+
+    out = tmp_path / "sglang"
+    fit(load_config([f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic.yaml'}", "rollout.name=sglang", ASYNC,
+                     "trainer.async_rollout.max_staleness=1", "algorithm.rollout_correction=token_tis",
+                     "trainer.async_rollout.staged_sync=true", "trainer.total_steps=6", "trainer.save_freq=6",
+                     "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.format_warmup_steps=0",
+                     f"trainer.output_dir={out}"]))
+    consumed = _consumed(out)
+    assert len(consumed) == 6 and all(c["staleness"] <= 1 for c in consumed)
+    assert sum(c["staleness"] for c in consumed) >= 3
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+    assert sum(r.get("async/sync_staged", 0.0) for r in rows) >= 4
+    assert rows[-1]["weight_probe/in_sync"] == 1.0
