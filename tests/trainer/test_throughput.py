@@ -43,9 +43,11 @@ def test_qwen2_5_vl_3b_by_hand():
     # merged grid in 4 x 4 windows from the corner, sides 4, 4, 4, 2 -> sum of squared window sizes (16 + 16 + 16 +
     # 4)^2 x 2^4 = 43,264 patches^2; full attention over the frame 784^2
     text = 6 * 3_396_861_952 * 1024 + 12 * 73_728 * 1024 ** 2
-    vision = 6 * 640_645_120 * 784 + 12 * 1280 * (4 * 784 ** 2 + 28 * 43_264)
+    # (the patch embedding's backward makes no gradient for the pixels: 4 x its parameters, not 6 x)
+    vision = 6 * 640_645_120 * 784 - 2 * 1_505_280 * 784 + 12 * 1280 * (4 * 784 ** 2 + 28 * 43_264)
     assert f.update_flops([1024], [[1, 28, 28]]) == pytest.approx(text + vision, rel=1e-12)
-    assert f.vision_flops([[1, 28, 28]], trains=False) == pytest.approx(vision / 3, rel=1e-12)
+    forward = 2 * 640_645_120 * 784 + 4 * 1280 * (4 * 784 ** 2 + 28 * 43_264)
+    assert f.vision_flops([[1, 28, 28]], trains=False) == pytest.approx(forward, rel=1e-12)
 
 
 def easyr1_llama_flops(config: dict, tokens_sum: int, batch_seqlens: list[int], delta_time: float) -> float:
@@ -174,7 +176,8 @@ def test_step_throughput_without_a_peak_or_formula_and_with_a_frozen_tower():
     expected = (f.text_flops([1000]) + f.vision_flops([[1, 28, 28]])) * 2 / (4.0 * 8) / 1e15
     assert trained["throughput/mfu_actor"] == pytest.approx(expected)
     assert frozen["throughput/mfu_actor"] == pytest.approx(
-        (f.text_flops([1000]) + f.vision_flops([[1, 28, 28]]) / 3) * 2 / (4.0 * 8) / 1e15)
+        (f.text_flops([1000]) + f.vision_flops([[1, 28, 28]], trains=False)) * 2 / (4.0 * 8) / 1e15)
+    assert f.vision_flops([[1, 28, 28]], trains=False) < f.vision_flops([[1, 28, 28]]) / 2.9  # the forward's share
     assert model_flops({"model_type": "llava"}) is None
 
 
@@ -220,3 +223,62 @@ def test_a_moe_layer_counts_the_experts_a_token_runs_through_as_verl_does():
     merger_params = sum(_linear_params(m) for m in [visual.merger, *visual.deepstack_merger_list])
     per_patch = visual.patch_embed.proj.weight.numel() + _linear_params(visual.blocks) + merger_params / 4
     assert f.vision_params == per_patch
+
+
+def _counted(run) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        run()
+    return counter.get_total_flops()
+
+
+# Qwen3-VL's and Qwen3.5's own are variants of the same count on Qwen3-VL-MoE (its tower and deepstack are
+# Qwen3-VL's) and GLM-4.1V; the MoE model counts the experts a token runs through.
+@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl-moe", "tiny-glm4v"])
+def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(variant):
+    """torch's FlopCounterMode on the model's own forward and backward (eager attention and experts, so that every
+    matmul is one it counts): a row with an image, and a text-only row, equal `ModelFlops.update_flops` exactly,
+    but for one declared difference: EasyR1's formula counts the embedding as a matmul (6 x V x h per token), the
+    counter sees a lookup. The tower alone on larger grids (Qwen2.5-VL's windows: 4 windows a frame; a video of two
+    temporal patches on Qwen3-VL-MoE, attending within each, its deepstack mergers in the loss) equals
+    `vision_flops` exactly."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.processors.helpers import image_row, noise_image
+    from vlmrl.data.config import DataConfig
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.processors.qwen_vl import load_processor
+
+    path = str(ensure_built(variant))
+    processor = load_processor(path, DataConfig(max_prompt_length=256))
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    if processor.family.experts is not None:
+        model.set_experts_implementation("eager")  # the routed tokens only, as the formula counts
+    flops = model_flops(model.config)
+    text = model.config.text_config
+    for images in ([noise_image(112, 112, seed=1)], []):
+        request = processor.build_request(image_row("<image>" * len(images) + "Say what you see.", images))
+        prompt = processor.prompt_inputs(request)
+        ids = prompt.input_ids[None]
+
+        def step():
+            model(input_ids=ids, position_ids=prompt.position_ids[:, None], **prompt.multi_modal_inputs
+                  ).logits.sum().backward()
+
+        grids = prompt.multi_modal_inputs["image_grid_thw"].tolist() if images else []
+        embedding = 6 * text.vocab_size * text.hidden_size * ids.shape[1]
+        assert _counted(step) == flops.update_flops([ids.shape[1]], grids) - embedding, (variant, len(images))
+    tower = model.model.visual
+    patch = model.config.vision_config
+    width = patch.in_channels * patch.temporal_patch_size * patch.patch_size ** 2
+    # GLM-4.1V's tower takes a video's frames as one grid row each (its get_video_features flattens them)
+    for grid in ([1, 16, 16], [1, 8, 12] if variant == "tiny-glm4v" else [2, 8, 12]):
+        pixels = torch.randn(grid[0] * grid[1] * grid[2], width)
+
+        def encode():
+            out = tower(pixels, grid_thw=torch.tensor([grid]))
+            outputs = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]  # every merger's
+            sum(o.sum() for o in outputs).backward()
+
+        assert _counted(encode) == flops.vision_flops([grid]), (variant, grid)

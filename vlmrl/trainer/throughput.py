@@ -17,11 +17,13 @@ Model FLOPs (`ModelFlops`, from the model's config) follow EasyR1's flops counte
 token: 6 x (its matmul parameters: q, k, v, o and the three SwiGLU projections of every layer, plus the embedding
 and the LM head, V x h each, as EasyR1 counts them) per token, plus 12 x head_dim x heads x layers x sum(s^2) for
 attention (s = a row's tokens; no halving for the causal mask, as EasyR1 and PaLM's MFU). Unlike EasyR1 they include
-the vision tower: 6 x its matmul parameters per patch (patch embedding, blocks, the mergers' share) plus
-12 x width x sum(s^2) for its attention, s = a frame's patches in full-attention blocks and a window's in
-Qwen2.5-VL's windowed ones; x 1/3 (forward only) when the tower does not train (actor.freeze_vision_tower, or LoRA
-without lora.vision). Model FLOPs: a recomputed forward (gradient checkpointing) or the old-logprob pass is not work
-the update needed, so neither counts.
+the vision tower: 6 x its matmul parameters per patch (patch embedding, blocks, the mergers' share; 4 x for the patch
+embedding, whose backward needs no gradient for the pixels) plus 12 x width x sum(s^2) for its attention, s = a
+frame's patches in full-attention blocks and a window's in Qwen2.5-VL's windowed ones; the forward's share only
+(2 x and 4 x) when the tower does not train (actor.freeze_vision_tower, or LoRA without lora.vision). Held to torch's
+FlopCounterMode on the embedded models' forward and backward (tests/trainer/test_throughput.py): equal, but for the
+embedding, which EasyR1 counts as a matmul and the counter sees as a lookup. Model FLOPs: a recomputed forward
+(gradient checkpointing) or the old-logprob pass is not work the update needed, so neither counts.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ class ModelFlops:
     vision_params: int = 0
     """Matmul parameters one vision patch passes through: patch embedding, every block, and the mergers' share
     (a merger runs once per merge_size^2 patches). 0 = no vision tower."""
+    vision_input_params: int = 0
+    """The patch embedding's share of vision_params: its backward computes only the weight gradient (the pixels need
+    none), so it costs 4x its parameters per patch, not 6x (torch's FlopCounterMode counts it so)."""
     vision_width: int = 0
     """head_dim x heads of a vision block (its hidden size)."""
     vision_full_layers: int = 0
@@ -119,9 +124,10 @@ class ModelFlops:
                 rows, cols = _window_sides(h // self.merge_size, self.window), _window_sides(w // self.merge_size,
                                                                                             self.window)
                 windowed += t * sum(r * r for r in rows) * sum(c * c for c in cols) * self.merge_size ** 4
-        attention = 12.0 * self.vision_width * (self.vision_full_layers * full + self.vision_window_layers * windowed)
-        both = 6.0 * self.vision_params * patches + attention
-        return both if trains else both / 3.0
+        attention = 4.0 * self.vision_width * (self.vision_full_layers * full + self.vision_window_layers * windowed)
+        forward = 2.0 * self.vision_params * patches + attention
+        backward = 4.0 * (self.vision_params - 0.5 * self.vision_input_params) * patches + 2.0 * attention
+        return forward + backward if trains else forward
 
     def update_flops(self, seqlens: Iterable[int], grids: Iterable[Sequence[int]], vision_trains: bool = True
                      ) -> float:
@@ -177,7 +183,8 @@ def model_flops(model_config: Mapping[str, Any] | Any) -> ModelFlops | None:
         return ModelFlops(
             text_params=text_params, text_attention=head_dim * heads * layers,
             vision_params=patch_embed + (4 * dim * dim + 3 * dim * inner) * v["depth"] + merger_per_patch,
-            vision_width=dim, vision_full_layers=v["depth"], vision_window_layers=0, window=0, merge_size=m)
+            vision_input_params=patch_embed, vision_width=dim, vision_full_layers=v["depth"],
+            vision_window_layers=0, window=0, merge_size=m)
     if model_type == "qwen2_vl":  # embed_dim is the tower's width, hidden_size the language model's
         dim, out, mergers = v["embed_dim"], v["hidden_size"], 1
         mlp = 2 * dim * int(dim * v["mlp_ratio"])  # fc1 / fc2
@@ -190,8 +197,8 @@ def model_flops(model_config: Mapping[str, Any] | Any) -> ModelFlops | None:
     full = len(v.get("fullatt_block_indexes") or []) if model_type == "qwen2_5_vl" else v["depth"]
     return ModelFlops(
         text_params=text_params, text_attention=head_dim * heads * layers,
-        vision_params=patch_embed + (4 * dim * dim + mlp) * v["depth"] + merger_per_patch, vision_width=dim,
-        vision_full_layers=full, vision_window_layers=v["depth"] - full,
+        vision_params=patch_embed + (4 * dim * dim + mlp) * v["depth"] + merger_per_patch,
+        vision_input_params=patch_embed, vision_width=dim, vision_full_layers=full, vision_window_layers=v["depth"] - full,
         window=v["window_size"] // m // v["patch_size"] if model_type == "qwen2_5_vl" else 0, merge_size=m)
 
 
