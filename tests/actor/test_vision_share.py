@@ -124,3 +124,26 @@ def test_only_identical_images_are_shared(tiny_model_path, processor):
     for ours, theirs in zip(out.pooler_output, reference.pooler_output):
         assert torch.allclose(ours, theirs, atol=1e-6)
     assert torch.equal(out.pooler_output[0], out.pooler_output[2]) and "get_image_features" not in vars(owner)
+
+
+def test_videos_and_images_of_a_group_are_shared_on_qwen3_vl(tiny_qwen3_vl_path):
+    """Qwen3-VL video rows (timestamps in the text; the tower encodes a video through get_image_features, one grid row
+    per temporal patch), one prompt holding an image and a video, one text-only: with n = 3 every video and image
+    is encoded once per prompt, and the update equals the per-row one."""
+    from tests.processors.helpers import noise_image
+    from vlmrl.data.config import DataConfig
+    from vlmrl.data.synthetic import generate_rows
+    from vlmrl.processors.qwen_vl import load_processor
+
+    processor = load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=256))
+    rows = generate_rows("last_colour", 2, seed=5, split="train")
+    rows[1] = dict(rows[1], prompt=[{"role": "user", "content": "<image>then <video>: the colour at the end?"}],
+                   images=[noise_image(64, 96, 2)])
+    rows.append({"prompt": [{"role": "user", "content": "Name a colour."}]})
+    batch = make_batch(processor, rows, n=3, prompt_length=256)
+    shared = _update(tiny_qwen3_vl_path, batch, share=True, ppo_micro_batch_size_per_gpu=9)
+    per_row = _update(tiny_qwen3_vl_path, batch, share=False, ppo_micro_batch_size_per_gpu=9)
+    _assert_same(shared, per_row, "qwen3-vl video")
+    items, encoded = shared[1]["actor/vision_items"], shared[1]["actor/vision_items_encoded"]
+    assert per_row[1]["actor/vision_items"] == items and per_row[1]["actor/vision_items_encoded"] == items
+    assert encoded * 3 == items, (items, encoded)  # every item of a prompt, once for its 3 samples

@@ -68,11 +68,12 @@ def shared_vision(model: torch.nn.Module, counts: VisionCounts | None = None, en
         yield
         return
     patched = []
+    busy = [False]  # Qwen3-VL's get_video_features calls get_image_features: the inner call passes straight through
     for name in ENCODERS:
         original = getattr(owner, name, None)
         if original is None or name in vars(owner):  # absent, or already wrapped by an enclosing block
             continue
-        setattr(owner, name, partial(_encode_distinct, original, counts, enabled))
+        setattr(owner, name, partial(_encode_distinct, original, counts, enabled, busy))
         patched.append(name)
     try:
         yield
@@ -81,10 +82,21 @@ def shared_vision(model: torch.nn.Module, counts: VisionCounts | None = None, en
             delattr(owner, name)  # back to the class's method
 
 
-def _encode_distinct(original: Callable, counts: VisionCounts | None, enabled: bool, pixel_values: torch.Tensor,
-                     grid_thw: torch.Tensor, *args, **kwargs):
+def _encode_distinct(original: Callable, counts: VisionCounts | None, enabled: bool, busy: list[bool],
+                     pixel_values: torch.Tensor, grid_thw: torch.Tensor, *args, **kwargs):
     """`original(pixel_values, grid_thw, ...)` on one of each distinct (grid, pixels) item, its per-item outputs
     handed back in the call's item order."""
+    if busy[0]:
+        return original(pixel_values, grid_thw, *args, **kwargs)
+    busy[0] = True
+    try:
+        return _encode(original, counts, enabled, pixel_values, grid_thw, *args, **kwargs)
+    finally:
+        busy[0] = False
+
+
+def _encode(original: Callable, counts: VisionCounts | None, enabled: bool, pixel_values: torch.Tensor,
+            grid_thw: torch.Tensor, *args, **kwargs):
     sizes = [int(n) for n in grid_thw.prod(-1).tolist()]
     chunks = torch.split(pixel_values, sizes)
     firsts, slot = distinct(chunks, grid_thw) if enabled else (list(range(len(sizes))), list(range(len(sizes))))
