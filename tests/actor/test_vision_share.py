@@ -147,3 +147,22 @@ def test_videos_and_images_of_a_group_are_shared_on_qwen3_vl(tiny_qwen3_vl_path)
     items, encoded = shared[1]["actor/vision_items"], shared[1]["actor/vision_items_encoded"]
     assert per_row[1]["actor/vision_items"] == items and per_row[1]["actor/vision_items_encoded"] == items
     assert encoded * 3 == items, (items, encoded)  # every item of a prompt, once for its 3 samples
+
+
+def test_packed_budgets_keep_a_prompts_samples_together(tiny_model_path, processor, synthetic_rows):
+    """With packing and a token budget, a prompt's samples that fit one pack are planned into it (so its image is
+    encoded once), where the plan without sharing balances rows across packs; padded plans are left as they are."""
+    batch = make_batch(processor, synthetic_rows[:4], n=3, seed=3)
+    budget = 3 * max(int(n) for n in batch.attention_mask.sum(dim=1)) + 10
+    plans = {}
+    for share in (False, True):
+        actor = Actor(actor_config(tiny_model_path, share_vision=share, padding_free=True, micro_batch_tokens=budget),
+                      total_steps=1, mini_batch_samples=len(batch))
+        plans[share] = actor.micro_batches(batch, range(len(batch)))
+    for micro in plans[True]:
+        assert all(batch.uids[i] == batch.uids[micro[0]] for i in micro) or len(
+            {batch.uids[i] for i in micro}) * 3 == len(micro), micro  # whole groups only
+    groups = {uid: {i for i in range(len(batch)) if batch.uids[i] == uid} for uid in set(batch.uids)}
+    assert all(any(rows <= set(micro) for micro in plans[True]) for rows in groups.values())
+    split = sum(1 for rows in groups.values() if not any(rows <= set(micro) for micro in plans[False]))
+    assert split > 0, "the rows' own balance split no group: nothing was shown"

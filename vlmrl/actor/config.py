@@ -188,7 +188,8 @@ class ActorConfig:
     pixels (the n samples of a GRPO prompt) share one vision-tower forward, and the backward sums the shared
     features' gradients (`vlmrl.actor.vision_share`). Same logprobs, losses and gradients as one tower forward per row
     (exact in float64), less vision compute the more rows of a group share a micro-batch. false: a tower forward
-    per row, as verl and EasyR1 run it. Logs actor/vision_items and actor/vision_items_encoded per update."""
+    per row, as verl and EasyR1 run it. Logs actor/vision_items and actor/vision_items_encoded per update. With
+    padding_free and micro_batch_tokens, a prompt's samples that fit one pack are planned together."""
     padding_free: bool = False
     """Packed forward (verl's use_remove_padding, EasyR1's padding_free): a micro-batch's rows run as one sequence
     without padding, attention kept within each row and each row's own 3D position ids. Same logprobs; no compute

@@ -43,8 +43,8 @@ def cost(spans: Sequence[tuple[int, int]], packed: bool) -> int:
     return len(spans) * (max(p for p, _ in spans) + max(r for _, r in spans))
 
 
-def plan_micro_batches(spans: Sequence[tuple[int, int]], budget: int, packed: bool, min_count: int = 1
-                       ) -> list[list[int]]:
+def plan_micro_batches(spans: Sequence[tuple[int, int]], budget: int, packed: bool, min_count: int = 1,
+                       groups: Sequence[object] | None = None) -> list[list[int]]:
     """Positions 0..len(spans)-1 grouped into micro-batches that each cost <= budget (a lone overlong row excepted),
     as few as found, at least `min_count` (<= len(spans); sharded ranks must run the same number of forwards).
 
@@ -52,8 +52,14 @@ def plan_micro_batches(spans: Sequence[tuple[int, int]], budget: int, packed: bo
     response length (in bands of 256) and prompt length, cut into runs greedily, so each run pads to rows of about
     its own lengths.
 
+    `groups` (a group key per position: the GRPO prompt a row samples): the rows of a group that fit the budget
+    together are planned as one unit, so that they share their vision encoding (`vlmrl.actor.vision_share`); a group
+    over the budget is planned row by row (its rows then share within each micro-batch they land in).
+
     >>> plan_micro_batches([(2, 2), (2, 1), (9, 9), (1, 1)], budget=8, packed=True)
     [[0], [1, 3], [2]]
+    >>> plan_micro_batches([(2, 2), (2, 1), (2, 2), (1, 1)], budget=8, packed=True, groups="abab")
+    [[0, 2], [1, 3]]
     """
     n = len(spans)
     if not 1 <= min_count <= max(n, 1):
@@ -64,22 +70,39 @@ def plan_micro_batches(spans: Sequence[tuple[int, int]], budget: int, packed: bo
                        "its own (raise the budget to keep memory predictable)", len(overlong),
                        [sum(spans[i]) for i in overlong], budget)
     rest = [i for i in range(n) if i not in overlong]
+    units = _units(rest, spans, budget, packed, groups)
     if packed:
-        sets = fewest_bins_under([sum(spans[i]) for i in rest], budget)
-        plan = [[rest[j] for j in s] for s in sets]
+        sets = fewest_bins_under([sum(sum(spans[i]) for i in unit) for unit in units], budget)
+        plan = [[i for j in s for i in units[j]] for s in sets]
     else:
         plan, run = [], []
         # rows of about the same response length (256-token bands), and within a band of about the same prompt
         # length: a run pads to its longest prompt plus its longest response
-        for i in sorted(rest, key=lambda i: (spans[i][1] // 256, spans[i][0], i)):
-            if run and cost([spans[j] for j in run + [i]], packed) > budget:
+        for unit in sorted(units, key=lambda u: (max(spans[i][1] for i in u) // 256, max(spans[i][0] for i in u),
+                                                 u[0])):
+            if run and cost([spans[j] for j in run + unit], packed) > budget:
                 plan.append(run)
                 run = []
-            run.append(i)
+            run += unit
         if run:
             plan.append(run)
     plan = plan + [[i] for i in overlong]
     return split_to_count([sorted(mb) for mb in plan], spans, min_count, packed)
+
+
+def _units(rows: Sequence[int], spans: Sequence[tuple[int, int]], budget: int, packed: bool,
+           groups: Sequence[object] | None) -> list[list[int]]:
+    """What the planner places whole: each row alone, or with `groups` each group whose rows fit the budget
+    together (its rows alone when they do not)."""
+    if groups is None:
+        return [[i] for i in rows]
+    by_group: dict[object, list[int]] = {}
+    for i in rows:
+        by_group.setdefault(groups[i], []).append(i)
+    units = []
+    for members in by_group.values():
+        units += [members] if cost([spans[i] for i in members], packed) <= budget else [[i] for i in members]
+    return units
 
 
 def split_to_count(plan: list[list[int]], spans: Sequence[tuple[int, int]], count: int, packed: bool
@@ -99,15 +122,18 @@ def split_to_count(plan: list[list[int]], spans: Sequence[tuple[int, int]], coun
 
 
 def micro_batch_rows(batch: TrainBatch, rows: Sequence[int], rows_per_micro_batch: int, budget: int, packed: bool,
-                     min_count: int = 1) -> list[list[int]]:
-    """The micro-batches (batch row indices) of `rows`: fixed runs of `rows_per_micro_batch` when budget is 0, else
-    token-budget packs (`plan_micro_batches`)."""
+                     min_count: int = 1, keep_groups: bool = False) -> list[list[int]]:
+    """The micro-batches (batch row indices) of `rows`: fixed runs of `rows_per_micro_batch` when budget is 0 (a
+    prompt's samples are adjacent rows), else token-budget packs (`plan_micro_batches`; `keep_groups`: a prompt's
+    samples that fit together kept together, by their uids)."""
     rows = list(rows)
     if budget <= 0:
         return chunks(rows, rows_per_micro_batch)
     spans = row_spans(batch)
     local = [spans[i] for i in rows]
-    return [[rows[j] for j in mb] for mb in plan_micro_batches(local, budget, packed, min(min_count, len(rows)))]
+    groups = [batch.uids[i] for i in rows] if keep_groups else None
+    return [[rows[j] for j in mb] for mb in plan_micro_batches(local, budget, packed, min(min_count, len(rows)),
+                                                                groups)]
 
 
 def balanced_row_blocks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
