@@ -211,7 +211,10 @@ def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray
     # the old pass, the driver gathers it in batch order and the update's shards carry it to their ranks.
     model_path, processor = tiny_family
     moe = processor.family.experts is not None
+    # The vision encoding is shared (actor.share_vision): rank 0's one micro-batch holds both samples of prompts 0
+    # and 1, as dp=1's does, so FSDP2 runs the tower once per image on the rank that has images.
     overrides = {"moe": MoEConfig(routing_replay="trainer")} if moe else {}
+    overrides["share_vision"] = True
     batch = make_batch(processor, synthetic_rows[8:12], n=2, text_only_rows=(2, 3), seed=2)
     assert all(batch.multi_modal_inputs[i] for i in range(4)) and not any(batch.multi_modal_inputs[4:])
     reference = single_process(actor_config(model_path, micro=4, **overrides), mini_batch_samples=8)
@@ -233,6 +236,8 @@ def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray
             assert mine is None or torch.equal(mine, theirs), f"row {row}: dp=2 recorded other experts"
     expected = reference.update(batch, old, advantages)
     assert_same_metrics(expected, got)
+    assert got["actor/vision_items"] == expected["actor/vision_items"] == 4.0
+    assert got["actor/vision_items_encoded"] == expected["actor/vision_items_encoded"] == 2.0
     if moe:  # replayed on both sides: the counts are the global batch's (summed over ranks), equal to one process's
         for key in ("mismatch/routing_changed_frac", "mismatch/routing_changed_tokens_frac"):
             assert got[key] == pytest.approx(expected[key], abs=1e-12), key
