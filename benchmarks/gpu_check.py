@@ -13,6 +13,7 @@ Step figures come from the run's metrics.jsonl (timing/*, throughput/*).
     python benchmarks/gpu_check.py --tiny --backends vllm --steps 1   # CPU dry check of the script itself
     python benchmarks/gpu_check.py --moe              # a Qwen3-VL-30B-A3B of 4 decoder layers instead (~3 B params)
     python benchmarks/gpu_check.py --moe --tiny --backends vllm --steps 1   # its CPU dry check (tiny-qwen3-vl-moe)
+    python benchmarks/gpu_check.py --per-row-vision   # also each backend with the tower once per row (share_vision)
 
 --moe: Qwen3-VL-30B-A3B's config (128 experts, top-8, expert intermediate 768, its full 27-layer vision tower with
 three deepstack mergers) cut to 4 decoder layers so that the trainer (AdamW state included) and a colocated engine
@@ -171,7 +172,8 @@ ASYNC = ["trainer.async_rollout.enable=true", "trainer.async_rollout.max_stalene
 machine both share GPU 0)."""
 
 
-def run_backend(name: str, model_dir: Path, out: Path, args, placement: list[str] | None = None) -> dict:
+def run_backend(name: str, model_dir: Path, out: Path, args, placement: list[str] | None = None,
+                label: str | None = None) -> dict:
     overrides = [
         "config=examples/configs/tiny_synthetic.yaml", f"actor.model_path={model_dir}", f"rollout.name={name}",
         f"trainer.total_steps={args.steps}", "trainer.format_warmup_steps=0", "trainer.val_before_train=false",
@@ -189,8 +191,9 @@ def run_backend(name: str, model_dir: Path, out: Path, args, placement: list[str
         proc = subprocess.Popen([sys.executable, "-m", "vlmrl.train", *overrides], cwd=ROOT, env=env)
         code = proc.wait()
     wall = time.perf_counter() - start
+    backend = name + (label if label is not None else " async" if placement else "")
     if code != 0:
-        return {"backend": name + (" async" if placement else ""), "error": f"exit code {code} (see {out})"}
+        return {"backend": backend, "error": f"exit code {code} (see {out})"}
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [m for m in lines if "timing/step" in m and "timing/update" in m]
     last = steps[1:] or steps  # the first step pays compilation / CUDA-graph capture
@@ -198,7 +201,7 @@ def run_backend(name: str, model_dir: Path, out: Path, args, placement: list[str
     mfu = [m["throughput/mfu_actor"] for m in last if m.get("throughput/mfu_actor") is not None]
     train_mib = memory.peaks.get(proc.pid, 0)
     rollout_mib = sum(v for pid, v in memory.peaks.items() if pid != proc.pid)
-    return {"backend": name + (" async" if placement else ""), "steps": len(steps),
+    return {"backend": backend, "steps": len(steps),
             "samples_per_s": sum(m["batch/real_rows"] for m in last) / sum(m["timing/step"] for m in last),
             "step_s": mean("timing/step"), "rollout_s": mean("timing/rollout"),
             "update_s": mean("timing/update"), "sync_s": mean("timing/weight_sync"),
@@ -226,6 +229,9 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--async", dest="async_placement", action="store_true",
                         help="also the asynchronous placement (a rollout worker on its own GPU) after each backend")
+    parser.add_argument("--per-row-vision", action="store_true",
+                        help="also each backend with actor.share_vision=false (the tower once per row): the update "
+                             "time with the vision encoding shared across a prompt's samples against it")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="vlmrl-gpu-check-"))
     start = time.perf_counter()
@@ -242,6 +248,14 @@ def main() -> None:
             continue
         results.append(run_backend(name, model_dir, out / name, args))
         print(json.dumps(results[-1]), flush=True)
+        if args.per_row_vision:
+            shared = results[-1]
+            results.append(run_backend(name, model_dir, out / f"{name}-per-row-vision", args,
+                                       ["actor.share_vision=false"], label=" per-row vision"))
+            print(json.dumps(results[-1]), flush=True)
+            if "error" not in results[-1] and "error" not in shared:
+                print(f"{name}: update time per-row vision / shared {results[-1]['update_s'] / shared['update_s']:.2f}x",
+                      flush=True)
         if args.async_placement:
             results.append(run_backend(name, model_dir, out / f"{name}-async", args, ASYNC))
             print(json.dumps(results[-1]), flush=True)
