@@ -23,7 +23,10 @@ frame's patches in full-attention blocks and a window's in Qwen2.5-VL's windowed
 (2 x and 4 x) when the tower does not train (actor.freeze_vision_tower, or LoRA without lora.vision). Held to torch's
 FlopCounterMode on the embedded models' forward and backward (tests/trainer/test_throughput.py): equal, but for the
 embedding, which EasyR1 counts as a matmul and the counter sees as a lookup. Model FLOPs: a recomputed forward
-(gradient checkpointing) or the old-logprob pass is not work the update needed, so neither counts.
+(gradient checkpointing) or the old-logprob pass is not work the update needed, so neither counts. They count the
+tower once per row, as EasyR1 reports them, also where actor.share_vision encodes a prompt's image once for its n
+samples (actor/vision_items_encoded of actor/vision_items): the work done is then lower than the model FLOPs by the
+shared rows' vision share, and the MFU above the hardware's own utilisation by as much.
 """
 
 from __future__ import annotations
