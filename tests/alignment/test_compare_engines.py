@@ -86,12 +86,37 @@ def hf_vs_vllm(setup):
     return compare_in_process("hf,vllm", overrides, out), out
 
 
-def _validate(overrides, backend, path):
+def validate_side(overrides, backend, path):
+    """A validate-only pass of `backend` with these overrides, in this process: the artifact's path (what a side of
+    `compare --backends` writes). Every engine-compare module validates its sides with it."""
     from vlmrl.config import load_config
     from vlmrl.trainer.validation import validate_with
 
     config = load_config([*overrides, "trainer.val_only=true", f"rollout.name={backend}"])
     return validate_with(config, backend, artifact_path=path).artifact_path
+
+
+_validate = validate_side
+
+
+def read_report(out: Path) -> dict:
+    """The compare tool's report.json in `out`."""
+    return json.loads((out / "report.json").read_text())
+
+
+def family_setup(tmp_path_factory, variant: str, *extra: str):
+    """(folder, the overrides every side shares, the model) of an engine-compare module on an embedded family: the
+    colour set (6 image rows larger than the model's max_pixels + 1 text row), by-length rewards, top-5 logprobs."""
+    from vlmrl.models.tiny import ensure_built
+
+    root = tmp_path_factory.mktemp(f"alignment_{variant}")
+    data = write_colour_set(root)
+    model = ensure_built(variant)
+    overrides = [f"actor.model_path={model}", f"data.val_files={data}", "data.max_prompt_length=128",
+                 "data.max_response_length=16", *extra, "rollout.val_top_logprobs=5",
+                 f"trainer.output_dir={root / 'run'}", f"reward.function={root / 'rewards.py'}:by_length",
+                 "rollout.timeout_s=300"]
+    return root, overrides, model
 
 
 def compare_in_process(backends: str, overrides: list[str], out: Path, *options: str) -> int:

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
-from tests.alignment.test_compare_engines import compare_in_process, write_colour_set
+from tests.alignment.test_compare_engines import compare_in_process, family_setup
+from tests.alignment.test_compare_engines import read_report as _report
+from tests.alignment.test_compare_engines import validate_side as _validate
 from vlmrl.alignment.compare import main
 
 pytestmark = pytest.mark.vllm  # every test reuses the `compare --backends hf,vllm` run
@@ -19,16 +20,8 @@ pytestmark = pytest.mark.vllm  # every test reuses the `compare --backends hf,vl
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vlmrl.models.tiny import ensure_built
-
-    root = tmp_path_factory.mktemp("alignment_glm4v")
-    data = write_colour_set(root)
-    model = ensure_built("tiny-glm4v")
-    overrides = [f"actor.model_path={model}", f"data.val_files={data}", "data.max_prompt_length=128",
-                 "data.max_response_length=16", "rollout.dtype=float32", "rollout.val_top_logprobs=5",
-                 f"trainer.output_dir={root / 'run'}", f"reward.function={root / 'rewards.py'}:by_length",
-                 "rollout.timeout_s=300"]
-    return root, overrides, model
+    """The colour set and the overrides every side shares (float32 engines)."""
+    return family_setup(tmp_path_factory, "tiny-glm4v", "rollout.dtype=float32")
 
 
 @pytest.fixture(scope="module")
@@ -36,18 +29,6 @@ def hf_vs_vllm(setup):
     root, overrides, _ = setup
     out = root / "hf_vs_vllm"
     return compare_in_process("hf,vllm", overrides, out), out
-
-
-def _validate(overrides, backend, path):
-    from vlmrl.config import load_config
-    from vlmrl.trainer.validation import validate_with
-
-    config = load_config([*overrides, "trainer.val_only=true", f"rollout.name={backend}"])
-    return validate_with(config, backend, artifact_path=path).artifact_path
-
-
-def _report(out: Path) -> dict:
-    return json.loads((out / "report.json").read_text())
 
 
 def test_hf_vs_vllm_fp32_is_aligned_and_exact(hf_vs_vllm):

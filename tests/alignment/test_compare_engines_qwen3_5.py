@@ -12,12 +12,11 @@ full_attention_interval or deepstack_visual_indexes) stop the engine before any 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from tests.alignment.test_compare_engines import compare_in_process, write_colour_set
+from tests.alignment.test_compare_engines import compare_in_process, family_setup
+from tests.alignment.test_compare_engines import read_report as _report
+from tests.alignment.test_compare_engines import validate_side as _validate
 from vlmrl.alignment.artifact import read_artifact
 from vlmrl.alignment.compare import main
 
@@ -29,18 +28,9 @@ ALIGNED_CAUSES = {"exact", "near_tie", "logprob_drift"}
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vlmrl.models.tiny import ensure_built
-
-    root = tmp_path_factory.mktemp("alignment_qwen3_5")
-    data = write_colour_set(root)
-    model = ensure_built("tiny-qwen3.5")
     # rollout.dtype stays `auto` (the demo's): every CPU backend resolves it to bfloat16 for Qwen3.5, and the
     # artifacts' headers must say so
-    overrides = [f"actor.model_path={model}", f"data.val_files={data}", "data.max_prompt_length=128",
-                 "data.max_response_length=16", "rollout.val_top_logprobs=5",
-                 f"trainer.output_dir={root / 'run'}", f"reward.function={root / 'rewards.py'}:by_length",
-                 "rollout.timeout_s=300"]
-    return root, overrides, model
+    return family_setup(tmp_path_factory, "tiny-qwen3.5")
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +38,6 @@ def hf_vs_vllm(setup):
     root, overrides, _ = setup
     out = root / "hf_vs_vllm"
     return compare_in_process("hf,vllm", overrides, out), out
-
-
-def _validate(overrides, backend, path):
-    from vlmrl.config import load_config
-    from vlmrl.trainer.validation import validate_with
-
-    config = load_config([*overrides, "trainer.val_only=true", f"rollout.name={backend}"])
-    return validate_with(config, backend, artifact_path=path).artifact_path
-
-
-def _report(out: Path) -> dict:
-    return json.loads((out / "report.json").read_text())
 
 
 def _causes(report: dict) -> dict[str, int]:

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.alignment.test_compare_engines import compare_in_process, write_colour_set
+from tests.alignment.test_compare_engines import compare_in_process, family_setup
+from tests.alignment.test_compare_engines import read_report as _report
+from tests.alignment.test_compare_engines import validate_side as _validate
 from vlmrl.alignment.compare import main
 
 pytestmark = pytest.mark.vllm  # every test reuses the `compare --backends hf,vllm` run
@@ -25,18 +27,8 @@ pytestmark = pytest.mark.vllm  # every test reuses the `compare --backends hf,vl
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A small verl-schema parquet (6 image rows, larger than the model's max_pixels, + 1 text row) and the
-    overrides every side shares."""
-    from vlmrl.models.tiny import ensure_built
-
-    root = tmp_path_factory.mktemp("alignment_qwen3_vl")
-    data = write_colour_set(root)
-    model = ensure_built("tiny-qwen3-vl")
-    overrides = [f"actor.model_path={model}", f"data.val_files={data}", "data.max_prompt_length=128",
-                 "data.max_response_length=16", "rollout.dtype=float32", "rollout.val_top_logprobs=5",
-                 f"trainer.output_dir={root / 'run'}", f"reward.function={root / 'rewards.py'}:by_length",
-                 "rollout.timeout_s=300"]
-    return root, overrides, model
+    """The colour set and the overrides every side shares (float32 engines)."""
+    return family_setup(tmp_path_factory, "tiny-qwen3-vl", "rollout.dtype=float32")
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +48,6 @@ def flagless(setup) -> Path:
     del config["text_config"]["rope_parameters"]["mrope_interleaved"]
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
-
-
-def _validate(overrides, backend, path):
-    from vlmrl.config import load_config
-    from vlmrl.trainer.validation import validate_with
-
-    config = load_config([*overrides, "trainer.val_only=true", f"rollout.name={backend}"])
-    return validate_with(config, backend, artifact_path=path).artifact_path
-
-
-def _report(out: Path) -> dict:
-    return json.loads((out / "report.json").read_text())
 
 
 def test_hf_vs_vllm_fp32_is_aligned_and_exact(hf_vs_vllm):
