@@ -212,15 +212,20 @@ def qwen3_batches(tiny_qwen3_vl_path, synthetic_rows):
 
 
 @pytest.mark.parametrize("kind", ["plain", "padding-rows"])
-def test_qwen3_vl_packed_logprobs_equal_the_padded_pass(tiny_qwen3_vl_path, qwen3_batches, kind):
-    """transformers' Qwen3-VL text model takes the same (4, 1, T) ids as Qwen2.5-VL's (row 0: text positions, from
-    which it builds the packed mask); the deepstack features land on the packed sequence's image tokens. Packs mix
-    rows with images and text-only rows; without the text row the rows would attend across each other."""
-    data = qwen3_batches[kind]
-    actor = Actor(actor_config(tiny_qwen3_vl_path, ppo_micro_batch_size_per_gpu=3), total_steps=1,
-                  mini_batch_samples=8)
+@pytest.mark.parametrize("family", ["tiny-qwen3-vl", "tiny-glm4v"])
+def test_packed_and_chunked_logprobs_equal_the_padded_pass(family, qwen3_batches, glm4v_batches, kind):
+    """transformers' Qwen3-VL and GLM-4.1V text models take the same (4, 1, T) ids as Qwen2.5-VL's (row 0: text
+    positions, from which they build the packed mask); Qwen3-VL's deepstack features land on the packed sequence's
+    image tokens, GLM-4.1V's partial-rotary mrope reads the three rows after it. Packs mix rows with images and
+    text-only rows, logprobs come 2 positions at a time; without the text row the rows would attend across each
+    other."""
+    from vlmrl.models.tiny import ensure_built
+
+    path = str(ensure_built(family))
+    data = (qwen3_batches if family == "tiny-qwen3-vl" else glm4v_batches[1])[kind]
+    actor = Actor(actor_config(path, ppo_micro_batch_size_per_gpu=3), total_steps=1, mini_batch_samples=8)
     expected, expected_entropy = actor.compute_logprobs(data, with_entropy=True)
-    actor.config.padding_free = True
+    actor.config.padding_free, actor.config.logprob_chunk_size = True, 2
     got, entropy = actor.compute_logprobs(data, with_entropy=True)
     assert (expected[data.response_mask > 0] != 0).all()
     assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
@@ -331,32 +336,6 @@ def glm4v_batches(synthetic_rows):
     from vlmrl.models.tiny import ensure_built
 
     return str(ensure_built("tiny-glm4v")), family_batches(str(ensure_built("tiny-glm4v")), synthetic_rows)
-
-
-@pytest.mark.parametrize("kind", ["plain", "padding-rows"])
-def test_glm4v_packed_and_chunked_logprobs_equal_the_padded_pass(glm4v_batches, kind):
-    """transformers' GLM-4.1V text model takes the (4, 1, T) ids of a pack as Qwen's do (row 0: text positions, for
-    the packed mask): packed logprobs and entropy, and logprobs computed in chunks of 2 positions, equal the
-    padded pass; without the text row the rows would attend across each other."""
-    path, batches = glm4v_batches
-    data = batches[kind]
-    actor = Actor(actor_config(path, ppo_micro_batch_size_per_gpu=3), total_steps=1, mini_batch_samples=8)
-    expected, expected_entropy = actor.compute_logprobs(data, with_entropy=True)
-    actor.config.padding_free, actor.config.logprob_chunk_size = True, 2
-    got, entropy = actor.compute_logprobs(data, with_entropy=True)
-    assert (expected[data.response_mask > 0] != 0).all()
-    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
-    assert torch.allclose(entropy, expected_entropy, atol=1e-5), (entropy - expected_entropy).abs().max()
-
-    from vlmrl.actor.core import forward_response
-
-    rows = [0, 4, 6]  # an image row, a text-only row, an image row
-    mb = micro_batch(data, rows, actor.device, packed=True)
-    mb.position_ids = mb.position_ids[1:]  # mrope ids only: one causal mask over the whole pack
-    with torch.no_grad():
-        leaky, _ = forward_response(actor.model.eval(), mb, 1.0, False)
-    mask = data.response_mask[rows, :mb.response_width]
-    assert not torch.allclose(leaky[1:] * mask[1:], expected[rows[1:], :mb.response_width], atol=1e-3)
 
 
 def test_glm4v_packed_update_equals_the_padded_update(glm4v_batches):
