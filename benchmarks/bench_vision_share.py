@@ -6,7 +6,7 @@ images are ~1000 patches; the default 20 x 20 merged = 1600 patches) and ~40 tex
 (short, so that the vision share of the step shows; geo3k's are ~300). One GRPO update (one optimizer step over all
 rows, micro-batches of n rows so that a prompt's samples share a forward); both sides start from the same weights
 and must give the same pg_loss and grad norm (rel 1e-5). Reported per n: update time of each side and their ratio,
-and the vision FLOPs (`vlmrl.trainer.throughput.ModelFlops.vision_flops`, forward + backward) of what each side
+and the vision FLOPs (`vlmrl.models.flops.ModelFlops.vision_flops`, forward + backward) of what each side
 encodes.
 
     .venv/bin/python benchmarks/bench_vision_share.py                  # --model tiny --prompts 2 --side 20
@@ -83,8 +83,8 @@ def main() -> None:
     from transformers import AutoModelForImageTextToText
 
     from vlmrl.data.config import DataConfig
+    from vlmrl.models.flops import model_flops
     from vlmrl.processors.qwen_vl import load_processor
-    from vlmrl.trainer.throughput import model_flops
 
     tmp = tempfile.mkdtemp(prefix="vlmrl-bench-vision-")
     try:

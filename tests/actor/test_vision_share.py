@@ -68,6 +68,21 @@ def test_shared_encoding_equals_the_per_row_forward_in_every_family(family):
     _assert_same(shared, per_row, path)
     assert (shared[1]["actor/vision_items"], shared[1]["actor/vision_items_encoded"]) == (6.0, 2.0)
     assert (per_row[1]["actor/vision_items"], per_row[1]["actor/vision_items_encoded"]) == (6.0, 6.0)
+    # the tower's model FLOPs of what the rows carried and of what was encoded (one image per prompt)
+    from transformers import AutoConfig
+
+    from vlmrl.models.flops import model_flops
+
+    flops = model_flops(AutoConfig.from_pretrained(path))
+    if flops is None:  # a family without a FLOPs formula (Qwen3.5): counts only
+        assert "actor/vision_tflops" not in shared[1]
+        return
+    grids = {batch.uids[i]: m["image_grid_thw"].tolist() for i, m in enumerate(batch.multi_modal_inputs)
+             if "image_grid_thw" in m}
+    per_prompt = [flops.vision_flops(g) / 1e12 for g in grids.values()]
+    assert shared[1]["actor/vision_tflops"] == pytest.approx(3 * sum(per_prompt), rel=1e-9)
+    assert shared[1]["actor/vision_tflops_encoded"] == pytest.approx(sum(per_prompt), rel=1e-9)
+    assert per_row[1]["actor/vision_tflops_encoded"] == pytest.approx(per_row[1]["actor/vision_tflops"], rel=1e-12)
 
 
 @pytest.mark.parametrize("overrides", [dict(padding_free=True, logprob_chunk_size=2),

@@ -9,13 +9,8 @@ import random
 import pytest
 import torch
 
-from vlmrl.trainer.throughput import (
-    ModelFlops,
-    batch_shapes,
-    device_peak_flops,
-    model_flops,
-    step_throughput,
-)
+from vlmrl.models.flops import ModelFlops, model_flops
+from vlmrl.trainer.throughput import batch_shapes, device_peak_flops, step_throughput
 
 # Qwen/Qwen2.5-VL-3B-Instruct's architecture fields (benchmarks/gpu_check.py builds the same model)
 QWEN25_VL_3B = {
@@ -179,6 +174,15 @@ def test_step_throughput_without_a_peak_or_formula_and_with_a_frozen_tower():
         (f.text_flops([1000]) + f.vision_flops([[1, 28, 28]], trains=False)) * 2 / (4.0 * 8) / 1e15)
     assert f.vision_flops([[1, 28, 28]], trains=False) < f.vision_flops([[1, 28, 28]]) / 2.9  # the forward's share
     assert model_flops({"model_type": "llava"}) is None
+    # shared vision encodings: the work done beside the model FLOPs, less the tower's saved FLOPs
+    saved = 0.5 * f.vision_flops([[1, 28, 28]]) * 2
+    shared = step_throughput(f, [1000], [[1, 28, 28]], peak_flops=1e15, ppo_epochs=2, vision_flops_saved=saved,
+                             **args)
+    assert shared["throughput/mfu_actor"] == trained["throughput/mfu_actor"]
+    done = (f.text_flops([1000]) * 2 + f.vision_flops([[1, 28, 28]]) * 2 - saved) / (4.0 * 8)
+    assert shared["throughput/actor_tflops_done_per_gpu"] == pytest.approx(done / 1e12)
+    assert shared["throughput/mfu_actor_done"] == pytest.approx(done / 1e15)
+    assert "throughput/mfu_actor_done" not in trained
 
 
 def test_batch_shapes_count_real_rows_images_and_videos():

@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -33,6 +34,7 @@ from vlmrl.algorithms.logprobs import logprobs_and_entropy
 from vlmrl.algorithms.mismatch import MismatchAccumulator, modality
 from vlmrl.algorithms.policy_loss import POLICY_LOSS_FNS
 from vlmrl.models.families import family_of
+from vlmrl.models.flops import model_flops
 from vlmrl.types import TrainBatch
 from vlmrl.utils.sequences import chunks
 
@@ -286,8 +288,11 @@ class ActorCore:
         self.routing = RouterHooks(self.model, experts.router_class) if experts is not None else None
         """A MoE policy's router hooks: the old-logprob pass records each row's routing, the update replays it
         (actor.moe.routing_replay=trainer) or counts where its own differs (mismatch/routing_*)."""
-        self.vision_counts = VisionCounts()
-        """The images and videos the update's forwards carried and encoded (actor.share_vision)."""
+        flops = model_flops(self.model.config)
+        trains = not config.freeze_vision_tower and not (config.lora.enabled and config.lora.vision == "off")
+        self.vision_counts = VisionCounts(
+            flops=partial(flops.vision_flops, trains=trains) if flops is not None and flops.vision_params else None)
+        """The images and videos the update's forwards carried and encoded (actor.share_vision), and their FLOPs."""
 
     def set_temperature(self, temperature: float) -> None:
         """Logprobs from here on are of softmax(logits / temperature)."""

@@ -31,22 +31,39 @@ is a tuple of per-image or per-video features, Qwen3-VL's `deepstack_features` a
 
 @dataclass
 class VisionCounts:
-    """How many images / videos the forwards inside the block carried and how many the tower encoded."""
+    """How many images / videos the forwards inside the block carried and how many the tower encoded, and with
+    `flops` (grids -> the tower's model FLOPs of encoding them: `vlmrl.models.flops.ModelFlops.vision_flops`) what
+    those would cost and what was run."""
 
+    flops: Callable[[list[list[int]]], float] | None = None
     items: int = 0
     encoded: int = 0
+    flops_items: float = 0.0
+    flops_encoded: float = 0.0
+
+    def add(self, grids: list[list[int]], firsts: list[int]) -> None:
+        self.items += len(grids)
+        self.encoded += len(firsts)
+        if self.flops is not None:
+            self.flops_items += self.flops(grids)
+            self.flops_encoded += self.flops([grids[i] for i in firsts])
 
     def take(self, total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
         """The metrics since the last call ({} when no forward carried an image or video). `total`: sums the counts
         over the processes that share the update (FSDP ranks: a collective, so every rank calls this)."""
-        counts = torch.tensor([self.items, self.encoded], dtype=torch.float64)
+        counts = torch.tensor([self.items, self.encoded, self.flops_items / 1e12, self.flops_encoded / 1e12],
+                              dtype=torch.float64)
         if total is not None:
             counts = total(counts)
         self.items = self.encoded = 0
-        items, encoded = (float(c) for c in counts.cpu())
+        self.flops_items = self.flops_encoded = 0.0
+        items, encoded, tflops, tflops_encoded = (float(c) for c in counts.cpu())
         if not items:
             return {}
-        return {"actor/vision_items": items, "actor/vision_items_encoded": encoded}
+        out = {"actor/vision_items": items, "actor/vision_items_encoded": encoded}
+        if self.flops is not None:
+            out.update({"actor/vision_tflops": tflops, "actor/vision_tflops_encoded": tflops_encoded})
+        return out
 
 
 def encoder_owner(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -101,8 +118,7 @@ def _encode(original: Callable, counts: VisionCounts | None, enabled: bool, pixe
     chunks = torch.split(pixel_values, sizes)
     firsts, slot = distinct(chunks, grid_thw) if enabled else (list(range(len(sizes))), list(range(len(sizes))))
     if counts is not None:
-        counts.items += len(sizes)
-        counts.encoded += len(firsts)
+        counts.add([[int(x) for x in g] for g in grid_thw.tolist()], firsts)
     if len(firsts) == len(sizes):
         return original(pixel_values, grid_thw, *args, **kwargs)
     out = original(torch.cat([chunks[i] for i in firsts]), grid_thw[firsts], *args, **kwargs)

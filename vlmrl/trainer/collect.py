@@ -157,7 +157,8 @@ def agent_rollout(run: Run, step: int, sampling: SamplingParams) -> Rollout:
                    run.engine_version)
 
 
-def step_metrics(collected: StepBatch, run: Run, timer: PhaseTimer) -> dict[str, float]:
+def step_metrics(collected: StepBatch, run: Run, timer: PhaseTimer, actor_metrics: dict[str, float] | None = None
+                 ) -> dict[str, float]:
     """Metrics beyond batch_metrics and the actor's: reward failures and timeouts (timeouts are failures too),
     filtered prompts, groups with signal, the response tokens per second of the step so far, and the step's tokens/s
     per GPU and the update's MFU (vlmrl.trainer.throughput)."""
@@ -171,7 +172,7 @@ def step_metrics(collected: StepBatch, run: Run, timer: PhaseTimer) -> dict[str,
         "batch/groups_with_signal": _share_of_groups_with_signal(batch),
         "epoch": float(run.data_state()["epoch"]),
         "throughput/response_tokens_per_s": tokens / max(timer.elapsed(), 1e-9),
-        **throughput_metrics(run.config, batch, timer.elapsed(), timer.seconds["update"]),
+        **throughput_metrics(run.config, batch, timer.elapsed(), timer.seconds["update"], actor_metrics),
     }
 
 

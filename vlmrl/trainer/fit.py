@@ -133,7 +133,7 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
 
     def step_out() -> dict[str, float]:  # once the sync is done: throughput over rollout -> weight sync, as EasyR1's
         return {**batch_metrics(batch), **actor_metrics, **collected.rollout_metrics, **loss_metrics,
-                **step_metrics(collected, run, timer)}
+                **step_metrics(collected, run, timer, actor_metrics)}
 
     return run.placement.sync(run, step, timer, step_out)
 

@@ -26,7 +26,8 @@ embedding, which EasyR1 counts as a matmul and the counter sees as a lookup. Mod
 (gradient checkpointing) or the old-logprob pass is not work the update needed, so neither counts. They count the
 tower once per row, as EasyR1 reports them, also where actor.share_vision encodes a prompt's image once for its n
 samples (actor/vision_items_encoded of actor/vision_items): the work done is then lower than the model FLOPs by the
-shared rows' vision share, and the MFU above the hardware's own utilisation by as much.
+shared rows' vision share, logged beside them as throughput/actor_tflops_done_per_gpu and throughput/mfu_actor_done
+(the update's actor/vision_tflops minus actor/vision_tflops_encoded taken off).
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+from vlmrl.models.flops import ModelFlops, model_flops
 
 if TYPE_CHECKING:
     from vlmrl.config import Config
@@ -85,131 +87,15 @@ def device_peak_flops(device_name: str | None) -> float | None:
     return DEVICE_PEAK_FLOPS[max(found, key=len)] if found else None
 
 
-@dataclass(frozen=True)
-class ModelFlops:
-    """What a model's forward + backward costs, per token and per vision patch (`model_flops` reads it from the
-    config). FLOPs of one pass over some rows: `update_flops`."""
-
-    text_params: int
-    """Matmul parameters one language-model token passes through (EasyR1's dense_N)."""
-    text_attention: int
-    """head_dim x heads x layers: attention FLOPs are 12 x this x s^2 for a row of s tokens (forward + backward)."""
-    vision_params: int = 0
-    """Matmul parameters one vision patch passes through: patch embedding, every block, and the mergers' share
-    (a merger runs once per merge_size^2 patches). 0 = no vision tower."""
-    vision_input_params: int = 0
-    """The patch embedding's share of vision_params: its backward computes only the weight gradient (the pixels need
-    none), so it costs 4x its parameters per patch, not 6x (torch's FlopCounterMode counts it so)."""
-    vision_width: int = 0
-    """head_dim x heads of a vision block (its hidden size)."""
-    vision_full_layers: int = 0
-    """Vision blocks attending over a whole frame (all of them for Qwen2-VL and Qwen3-VL)."""
-    vision_window_layers: int = 0
-    """Qwen2.5-VL's blocks attending within windows of `window` x `window` merged tokens."""
-    window: int = 0
-    """Window side in merged tokens (Qwen2.5-VL: window_size / spatial_merge_size / patch_size)."""
-    merge_size: int = 1
-    """spatial_merge_size: a merged (language-model) token is merge_size x merge_size patches."""
-
-    def text_flops(self, seqlens: Iterable[int]) -> float:
-        """Forward + backward FLOPs of the language model over rows of these token counts (EasyR1's formula)."""
-        seqlens = list(seqlens)
-        return 6.0 * self.text_params * sum(seqlens) + 12.0 * self.text_attention * sum(s * s for s in seqlens)
-
-    def vision_flops(self, grids: Iterable[Sequence[int]], trains: bool = True) -> float:
-        """Forward + backward (forward only when the tower does not train) FLOPs of the vision tower over images
-        and videos of these (t, h, w) patch grids."""
-        patches = full = windowed = 0
-        for t, h, w in grids:
-            patches += t * h * w
-            full += t * (h * w) ** 2  # attention within each frame (transformers' cu_seqlens)
-            if self.vision_window_layers:
-                rows, cols = _window_sides(h // self.merge_size, self.window), _window_sides(w // self.merge_size,
-                                                                                            self.window)
-                windowed += t * sum(r * r for r in rows) * sum(c * c for c in cols) * self.merge_size ** 4
-        attention = 4.0 * self.vision_width * (self.vision_full_layers * full + self.vision_window_layers * windowed)
-        forward = 2.0 * self.vision_params * patches + attention
-        backward = 4.0 * (self.vision_params - 0.5 * self.vision_input_params) * patches + 2.0 * attention
-        return forward + backward if trains else forward
-
-    def update_flops(self, seqlens: Iterable[int], grids: Iterable[Sequence[int]], vision_trains: bool = True
-                     ) -> float:
-        """Model FLOPs of one forward + backward over rows with these token counts and vision grids."""
-        return self.text_flops(seqlens) + self.vision_flops(grids, vision_trains)
-
-
-def _window_sides(length: int, window: int) -> list[int]:
-    """Qwen2.5-VL tiles a frame's merged grid into windows from its top-left corner: full windows, then the rest."""
-    return [window] * (length // window) + ([length % window] if length % window else [])
-
-
-def _as_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
-    return dict(config) if isinstance(config, Mapping) else config.to_dict()
-
-
-def model_flops(model_config: Mapping[str, Any] | Any) -> ModelFlops | None:
-    """`ModelFlops` of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / GLM-4.1V config (config.json as a dict, or a
-    transformers config); None for another model type (no MFU then). Fields a config.json may omit take transformers'
-    defaults when it is loaded through AutoConfig (as `throughput_metrics` does). A MoE layer counts the experts a
-    token runs through and its router, as verl's flops counter does for Qwen MoE models (`hidden x top-k x
-    moe_intermediate x 3 + hidden x experts`); layers in `mlp_only_layers` are dense."""
-    config = _as_dict(model_config)
-    model_type = config.get("model_type")
-    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"):
-        return None
-    text = _as_dict(config.get("text_config") or config)
-    h, heads, layers = text["hidden_size"], text["num_attention_heads"], text["num_hidden_layers"]
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or h // heads
-    attention_params = h * (heads * head_dim + 2 * kv_heads * head_dim + heads * head_dim)  # q, k, v, o
-    dense_mlp = 3 * h * text["intermediate_size"]
-    mlp_params = dense_mlp * layers
-    if model_type == "qwen3_vl_moe":
-        experts = text.get("num_experts") or text["num_local_experts"]
-        sparse = [i for i in range(layers) if i not in (text.get("mlp_only_layers") or [])
-                  and (i + 1) % (text.get("decoder_sparse_step") or 1) == 0]
-        moe_mlp = 3 * h * text["num_experts_per_tok"] * text["moe_intermediate_size"] + h * experts
-        mlp_params = moe_mlp * len(sparse) + dense_mlp * (layers - len(sparse))
-    text_params = mlp_params + attention_params * layers + 2 * text["vocab_size"] * h
-    flops = ModelFlops(text_params=text_params, text_attention=head_dim * heads * layers)
-    vision = config.get("vision_config")
-    if not vision:
-        return flops
-    v = _as_dict(vision)
-    m = v["spatial_merge_size"]
-    if model_type == "glm4v":
-        # every block full attention with a SwiGLU MLP; then a m x m stride-m convolution (dim -> out) per merged
-        # token and the merger (proj out x out, SwiGLU over the tower's intermediate size) per merged token
-        dim, out, inner = v["hidden_size"], v["out_hidden_size"], v["intermediate_size"]
-        patch_embed = dim * v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2
-        merger_per_patch = dim * out + (out * out + 3 * out * inner) / (m * m)
-        return ModelFlops(
-            text_params=text_params, text_attention=head_dim * heads * layers,
-            vision_params=patch_embed + (4 * dim * dim + 3 * dim * inner) * v["depth"] + merger_per_patch,
-            vision_input_params=patch_embed, vision_width=dim, vision_full_layers=v["depth"],
-            vision_window_layers=0, window=0, merge_size=m)
-    if model_type == "qwen2_vl":  # embed_dim is the tower's width, hidden_size the language model's
-        dim, out, mergers = v["embed_dim"], v["hidden_size"], 1
-        mlp = 2 * dim * int(dim * v["mlp_ratio"])  # fc1 / fc2
-    else:
-        dim, out = v["hidden_size"], v["out_hidden_size"]
-        mlp = (3 if model_type == "qwen2_5_vl" else 2) * dim * v["intermediate_size"]  # SwiGLU vs fc1 / fc2
-        mergers = 1 + len(v.get("deepstack_visual_indexes") or [])  # Qwen3-VL: a merger per deepstack layer too
-    patch_embed = dim * v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2
-    merger_per_patch = mergers * dim * (dim * m * m + out)  # (dim m^2)^2 + dim m^2 out, once per m^2 patches
-    full = len(v.get("fullatt_block_indexes") or []) if model_type == "qwen2_5_vl" else v["depth"]
-    return ModelFlops(
-        text_params=text_params, text_attention=head_dim * heads * layers,
-        vision_params=patch_embed + (4 * dim * dim + mlp) * v["depth"] + merger_per_patch,
-        vision_input_params=patch_embed, vision_width=dim, vision_full_layers=full, vision_window_layers=v["depth"] - full,
-        window=v["window_size"] // m // v["patch_size"] if model_type == "qwen2_5_vl" else 0, merge_size=m)
-
-
 def step_throughput(flops: ModelFlops | None, seqlens: Sequence[int], grids: Sequence[Sequence[int]], *,
                     step_seconds: float, update_seconds: float, gpus: int, ppo_epochs: int = 1,
-                    peak_flops: float | None = None, vision_trains: bool = True) -> dict[str, float]:
+                    peak_flops: float | None = None, vision_trains: bool = True,
+                    vision_flops_saved: float = 0.0) -> dict[str, float]:
     """The throughput/* metrics of the module docstring for a step whose real rows have these token counts and
-    vision grids. Without `flops` only the token figures; without `peak_flops` no MFU.
+    vision grids. Without `flops` only the token figures; without `peak_flops` no MFU. `vision_flops_saved`: the
+    tower's FLOPs the update did not run because rows shared an encoding (actor/vision_tflops minus
+    actor/vision_tflops_encoded): then also throughput/actor_tflops_done_per_gpu and throughput/mfu_actor_done, of
+    the work done.
 
     >>> f = ModelFlops(text_params=1_000_000, text_attention=0)
     >>> step_throughput(f, [600, 400], [], step_seconds=2.0, update_seconds=0.5, gpus=2, peak_flops=1e11)
@@ -219,10 +105,16 @@ def step_throughput(flops: ModelFlops | None, seqlens: Sequence[int], grids: Seq
     out = {"throughput/tokens": tokens, "throughput/tokens_per_s_per_gpu": tokens / max(step_seconds * gpus, 1e-9)}
     if flops is None or update_seconds <= 0:
         return out
-    achieved = flops.update_flops(seqlens, grids, vision_trains) * ppo_epochs / (update_seconds * gpus)
+    model = flops.update_flops(seqlens, grids, vision_trains) * ppo_epochs
+    achieved = model / (update_seconds * gpus)
     out["throughput/actor_tflops_per_gpu"] = achieved / 1e12
     if peak_flops:
         out["throughput/mfu_actor"] = achieved / peak_flops
+    if vision_flops_saved > 0:
+        done = (model - vision_flops_saved) / (update_seconds * gpus)
+        out["throughput/actor_tflops_done_per_gpu"] = done / 1e12
+        if peak_flops:
+            out["throughput/mfu_actor_done"] = done / peak_flops
     return out
 
 
@@ -264,14 +156,20 @@ def _run_peak(configured: float | None, device: str) -> float | None:
     return peak
 
 
-def throughput_metrics(config: Config, batch: TrainBatch, step_seconds: float, update_seconds: float
-                       ) -> dict[str, float]:
+def throughput_metrics(config: Config, batch: TrainBatch, step_seconds: float, update_seconds: float,
+                       actor_metrics: Mapping[str, float] | None = None) -> dict[str, float]:
     """A run's throughput/* metrics for one step's batch; the model's FLOPs and the device's peak are looked up once
-    per run (and logged)."""
+    per run (and logged). `actor_metrics` (the update's): the vision FLOPs its shared encodings saved."""
     a = config.actor
     seqlens, grids = batch_shapes(batch.attention_mask, batch.is_padding, batch.multi_modal_inputs)
     vision_trains = not a.freeze_vision_tower and not (a.lora.enabled and a.lora.vision == "off")
     return step_throughput(_run_flops(a.model_path), seqlens, grids, step_seconds=step_seconds,
                            update_seconds=update_seconds, gpus=config.derived.world_size, ppo_epochs=a.ppo_epochs,
                            peak_flops=_run_peak(config.trainer.device_peak_flops, a.device),
-                           vision_trains=vision_trains)
+                           vision_trains=vision_trains, vision_flops_saved=_saved(actor_metrics or {}))
+
+
+def _saved(actor_metrics: Mapping[str, float]) -> float:
+    """The tower's FLOPs the update's shared encodings saved, from its actor/vision_tflops(_encoded)."""
+    saved = actor_metrics.get("actor/vision_tflops", 0.0) - actor_metrics.get("actor/vision_tflops_encoded", 0.0)
+    return max(saved, 0.0) * 1e12
