@@ -111,8 +111,8 @@ def tiny_qwen3_5_path() -> str:
     return str(ensure_built("tiny-qwen3.5"))
 
 
-TINY_FAMILIES = ("tiny", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-glm4v")
-"""One embedded model per supported family: Qwen2.5-VL, Qwen3-VL and Qwen3.5."""
+TINY_FAMILIES = ("tiny", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-glm4v", "tiny-internvl")
+"""One embedded model per supported family: Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V and InternVL3.5."""
 
 
 @pytest.fixture(scope="session", params=TINY_FAMILIES)

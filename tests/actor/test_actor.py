@@ -53,17 +53,20 @@ def test_logprobs_equal_transformers_own_position_computation(family_batch):
     ours, _ = actor.compute_logprobs(batch)
     hook.remove()
     assert seen and all("mm_token_type_ids" not in kw for kw in seen)
-    assert all(kw["position_ids"].shape == (3, *kw["input_ids"].shape) for kw in seen)
+    rows = 3 if processor.family.mrope else None  # a 1-D family (InternVL) gets one row of positions
+    assert all(kw["position_ids"].shape == ((rows,) if rows else ()) + kw["input_ids"].shape for kw in seen)
     model = actor.model.eval()
     p_len = batch.prompt_length
     for row in range(len(batch)):
         # transformers computes mrope positions itself when told which tokens are image tokens
         ids = batch.input_ids[row : row + 1]
         mm = batch.multi_modal_inputs[row]
+        inputs = processor.family.forward_inputs(dict(
+            input_ids=ids, attention_mask=batch.attention_mask[row : row + 1],
+            mm_token_type_ids=(ids == processor.image_token_id).int(), pixel_values=mm.get("pixel_values"),
+            image_grid_thw=mm.get("image_grid_thw")))
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=batch.attention_mask[row : row + 1],
-                           mm_token_type_ids=(ids == processor.image_token_id).int(),
-                           pixel_values=mm.get("pixel_values"), image_grid_thw=mm.get("image_grid_thw")).logits
+            logits = model(**inputs).logits
         logprobs = torch.log_softmax(logits[0, p_len - 1 : -1], dim=-1)
         expected = logprobs.gather(-1, batch.input_ids[row, p_len:, None])[:, 0] * batch.response_mask[row]
         assert torch.allclose(ours[row], expected, atol=1e-5), f"row {row}"
@@ -90,6 +93,11 @@ def _one_update(tiny_model_path, batch, micro: int, dtype=torch.float64):
     return actor, metrics, grads
 
 
+def _vision(name: str) -> bool:
+    """A parameter of the vision side (Qwen and GLM: model.visual; InternVL: model.vision_tower)."""
+    return "visual" in name or "vision_tower" in name
+
+
 def test_one_micro_batch_of_8_equals_eight_of_1(family_batch):
     tiny_model_path, _, batch = family_batch
     big, big_metrics, big_grads = _one_update(tiny_model_path, batch, micro=8)
@@ -97,7 +105,7 @@ def test_one_micro_batch_of_8_equals_eight_of_1(family_batch):
     assert big_metrics["actor/pg_loss"] == pytest.approx(small_metrics["actor/pg_loss"], abs=1e-12)
     assert big_metrics["actor/grad_norm"] == pytest.approx(small_metrics["actor/grad_norm"], rel=1e-10)
     assert big_metrics["actor/grad_norm"] > 0
-    assert big_grads.keys() == small_grads.keys() and any("visual" in name for name in big_grads)
+    assert big_grads.keys() == small_grads.keys() and any(_vision(name) for name in big_grads)
     # transformers' Gated DeltaNet (Qwen3.5) runs its delta rule in float32 whatever the model's dtype, and GLM-4.1V
     # interpolates its learned vision position embeddings in float32 (grid_sample): there the float64 update agrees
     # to float32 rounding of each gradient's scale (measured: 1.8e-7 and 5.9e-8 of it at most)
@@ -247,7 +255,7 @@ def test_a_float64_model_trains_in_float64(tiny_model_path, processor, batch):
     assert metrics["actor/pg_loss"] == pytest.approx(expected.item(), rel=1e-10, abs=1e-15)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     trained = {n: p.grad for n, p in actor.model.named_parameters() if p.grad is not None}
-    assert trained.keys() == grads.keys() and any("visual" in n for n in grads)
+    assert trained.keys() == grads.keys() and any(_vision(n) for n in grads)
     for name, grad in trained.items():
         assert grad.dtype == torch.float64 and torch.allclose(grad, grads[name], rtol=1e-8, atol=1e-13), name
 

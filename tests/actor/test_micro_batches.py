@@ -206,14 +206,23 @@ def family_batches(model_path: str, synthetic_rows) -> dict:
 
 
 @pytest.fixture(scope="module")
+def internvl_batches(synthetic_rows):
+    """`family_batches` of the embedded InternVL3.5 (tiles, 1-D positions)."""
+    from vlmrl.models.tiny import ensure_built
+
+    return family_batches(str(ensure_built("tiny-internvl")), synthetic_rows)
+
+
+@pytest.fixture(scope="module")
 def qwen3_batches(tiny_qwen3_vl_path, synthetic_rows):
     """`family_batches` of the embedded Qwen3-VL (its own 32-px image grids)."""
     return family_batches(tiny_qwen3_vl_path, synthetic_rows)
 
 
 @pytest.mark.parametrize("kind", ["plain", "padding-rows"])
-@pytest.mark.parametrize("family", ["tiny-qwen3-vl", "tiny-glm4v"])
-def test_packed_and_chunked_logprobs_equal_the_padded_pass(family, qwen3_batches, glm4v_batches, kind):
+@pytest.mark.parametrize("family", ["tiny-qwen3-vl", "tiny-glm4v", "tiny-internvl"])
+def test_packed_and_chunked_logprobs_equal_the_padded_pass(family, qwen3_batches, glm4v_batches, internvl_batches,
+                                                           kind):
     """transformers' Qwen3-VL and GLM-4.1V text models take the same (4, 1, T) ids as Qwen2.5-VL's (row 0: text
     positions, from which they build the packed mask); Qwen3-VL's deepstack features land on the packed sequence's
     image tokens, GLM-4.1V's partial-rotary mrope reads the three rows after it. Packs mix rows with images and
@@ -222,7 +231,8 @@ def test_packed_and_chunked_logprobs_equal_the_padded_pass(family, qwen3_batches
     from vlmrl.models.tiny import ensure_built
 
     path = str(ensure_built(family))
-    data = (qwen3_batches if family == "tiny-qwen3-vl" else glm4v_batches[1])[kind]
+    data = {"tiny-qwen3-vl": qwen3_batches, "tiny-glm4v": glm4v_batches[1],
+            "tiny-internvl": internvl_batches}[family][kind]
     actor = Actor(actor_config(path, ppo_micro_batch_size_per_gpu=3), total_steps=1, mini_batch_samples=8)
     expected, expected_entropy = actor.compute_logprobs(data, with_entropy=True)
     actor.config.padding_free, actor.config.logprob_chunk_size = True, 2
@@ -235,7 +245,10 @@ def test_packed_and_chunked_logprobs_equal_the_padded_pass(family, qwen3_batches
 
     rows = [0, 4, 6]  # an image row, a text-only row, an image row
     mb = micro_batch(data, rows, actor.device, packed=True)
-    mb.position_ids = mb.position_ids[1:]  # mrope ids only: one causal mask over the whole pack
+    if family != "tiny-internvl":
+        mb.position_ids = mb.position_ids[1:]  # mrope ids only: one causal mask over the whole pack
+    else:  # 1-D positions restart with each row as the text row does: count on through the pack instead
+        mb.position_ids = torch.arange(mb.input_ids.shape[1]).expand(4, 1, -1)
     with torch.no_grad():
         leaky, _ = forward_response(actor.model.eval(), mb, 1.0, False)
     mask = data.response_mask[rows, :mb.response_width]

@@ -14,13 +14,17 @@ from vlmrl.models.families import family_of
 
 
 def _forward(model, mb):
-    return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                 pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw, use_cache=False).logits
+    inputs = family_of(model.config).forward_inputs(dict(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+        pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw))
+    return model(**inputs, use_cache=False).logits
 
 
 def _vision(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    tower = family_of(model.config).vision_tower + "."
-    return {n: p for n, p in model.named_parameters() if n.startswith(tower)}
+    """The tower's parameters, and a projector's outside it (InternVL)."""
+    family = family_of(model.config)
+    prefixes = tuple(p + "." for p in (family.vision_tower, family.vision_projector) if p)
+    return {n: p for n, p in model.named_parameters() if n.startswith(prefixes)}
 
 
 def test_text_only_forward_runs_the_tower_and_changes_nothing(tiny_family, synthetic_rows):

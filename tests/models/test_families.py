@@ -38,13 +38,20 @@ def glm_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def built(tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path, glm_path):
+def internvl_path() -> str:
+    from vlmrl.models.tiny import ensure_built
+
+    return str(ensure_built("tiny-internvl"))
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path, glm_path, internvl_path):
     """{family name: (folder, model)} for the embedded models."""
     from transformers import AutoModelForImageTextToText
 
     return {family_for_path(path).name: (Path(path), AutoModelForImageTextToText.from_pretrained(path,
                                                                                                    dtype=torch.float32))
-            for path in (tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path, glm_path)}
+            for path in (tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path, glm_path, internvl_path)}
 
 
 def test_each_embedded_model_has_its_family(tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path):
@@ -63,7 +70,7 @@ def test_an_unsupported_model_is_refused_naming_it_and_the_supported_ones(tmp_pa
     with pytest.raises(ValueError, match=r"architecture LlavaForConditionalGeneration is not supported; vlmrl "
                                          r"handles Qwen2.5-VL \(qwen2_vl / qwen2_5_vl\), Qwen3-VL \(qwen3_vl\), "
                                          r"Qwen3.5 \(qwen3_5\), Qwen3-VL-MoE \(qwen3_vl_moe\), Qwen3.5-MoE "
-                                         r"\(qwen3_5_moe\) and GLM-4.1V \(glm4v\)"):
+                                         r"\(qwen3_5_moe\), GLM-4.1V \(glm4v\) and InternVL3.5 \(internvl\)"):
         family_of({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"]})
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm4v_moe"}))
     with pytest.raises(ValueError, match=f"{tmp_path}: architecture model_type='glm4v_moe' is not supported"):
@@ -90,6 +97,10 @@ def test_vision_paths_name_the_tower_and_every_merger(built):
     for name, (folder, model) in built.items():
         family = family_for_path(folder)
         tower = model.get_submodule(family.vision_tower)
+        if family.vision_projector is not None:  # InternVL: the projector after the tower, outside it
+            assert tower is model.model.vision_tower and not family.vision_mergers, name
+            assert model.get_submodule(family.vision_projector) is model.model.multi_modal_projector
+            continue
         assert tower is model.model.visual, name
         merger_params = {n for path in family.vision_mergers for n, _ in tower.get_submodule(path).named_parameters()}
         assert merger_params, name

@@ -25,7 +25,7 @@ def file_digests(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-qwen3-vl-moe", "tiny-qwen3.5-moe",
-                                     "tiny-glm4v"])
+                                     "tiny-glm4v", "tiny-internvl"])
 def test_rebuild_is_byte_identical(tmp_path, variant):
     a = file_digests(build(tmp_path / "a", variant))
     b = file_digests(build(tmp_path / "b", variant))

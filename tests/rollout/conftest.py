@@ -39,6 +39,7 @@ SHARED = {
     ("sglang-server", "tiny-qwen3.5"): {"dtype": "bfloat16"},
     ("vllm", "tiny-glm4v"): {},
     ("sglang", "tiny-glm4v"): {},
+    ("vllm", "tiny-internvl"): {},
 }
 ENGINE_FIXTURES = {
     "vllm_qwen2_5_vl": ("vllm", "tiny"),
@@ -51,6 +52,7 @@ ENGINE_FIXTURES = {
     "sglang_server_qwen3_5": ("sglang-server", "tiny-qwen3.5"),
     "vllm_glm4v": ("vllm", "tiny-glm4v"),
     "sglang_glm4v": ("sglang", "tiny-glm4v"),
+    "vllm_internvl": ("vllm", "tiny-internvl"),
 }
 VIDEO_ENGINE_FIXTURES = {"video_vllm": "vllm", "video_sglang": "sglang"}
 """The shared engine of a backend on the module's current `video_model_path` family."""
@@ -193,6 +195,11 @@ def vllm_glm4v(shared_engines):
 @pytest.fixture(scope="module")
 def sglang_glm4v(shared_engines):
     return shared_engines.get("sglang", "tiny-glm4v")
+
+
+@pytest.fixture(scope="module")
+def vllm_internvl(shared_engines):
+    return shared_engines.get("vllm", "tiny-internvl")
 
 
 def _embedded_name(model_path: str) -> str:

@@ -76,16 +76,19 @@ def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def perturbed_vision(state: dict[str, torch.Tensor], scale: float = 0.05) -> dict[str, torch.Tensor]:
     """The full state with only the vision tower's weights shifted (seeded)."""
     gen = torch.Generator().manual_seed(7)
-    return {name: (t + scale * torch.randn(t.shape, generator=gen) if ".visual." in f".{name}" else t.clone())
-            for name, t in state.items()}
+    vision = (".visual.", ".vision_tower.", ".multi_modal_projector.")  # Qwen, GLM; InternVL's tower and projector
+    return {name: (t + scale * torch.randn(t.shape, generator=gen) if any(v in f".{name}" for v in vision)
+                   else t.clone()) for name, t in state.items()}
 
 
 @torch.no_grad()
-def favouring(hf, requests: list[RolloutRequest], token_id: int, strength: float = 3.0) -> dict[str, torch.Tensor]:
+def favouring(hf, requests: list[RolloutRequest], token_id: int, strength: float = 3.0, last_only: bool = False
+              ) -> dict[str, torch.Tensor]:
     """The full state with lm_head's row for `token_id` pointed along the mean final hidden state of these
-    prompts: that token then out-scores every other one by several nats (checked by the caller)."""
+    prompts (`last_only`: of their last positions, the ones that predict the first token): that token then
+    out-scores every other one by several nats (checked by the caller)."""
     hidden = torch.cat([hf.model(**hf.model_inputs(r), output_hidden_states=True).hidden_states[-1][0]
-                        for r in requests])
+                        [-1 if last_only else 0:] for r in requests])
     direction = hidden.mean(0) / hidden.mean(0).norm()
     state = clone_state(hf.model)
     state["lm_head.weight"][token_id] = strength * direction
@@ -177,6 +180,9 @@ class EngineContract:
     min_buckets = 10
     """Buckets of 0.25 MiB the shifted model must fill (a dozen for a 3.4 MB float32 model)."""
     favour_strength = 3.0
+    favour_last_positions = False
+    """Point the favoured row along the prompts' last positions only, not all of them (a family whose image tokens
+    outnumber the text and pull the mean elsewhere)."""
     """How far lm_head's pad-token row is pushed along the prompts' mean hidden state (`favouring`)."""
     probe_scale = 0.02
     """How far (in each tensor's std) the weight-probe test moves every weight of the trainer."""
@@ -214,12 +220,18 @@ class EngineContract:
         assert_logprobs_match_hf(hf, batch, results, 4, self.logprob_tol, backend.name)
 
     def test_stop_token_ends_response(self, backend, batch):
-        """An extra stop token ends the response right after it (kept), with finish_reason 'stop'."""
-        (own,) = backend.generate([batch[3]], GREEDY)
-        reference = own.response_ids
-        position = next(i for i in range(2, len(reference)) if reference[i] not in reference[:i])
+        """An extra stop token ends the response right after it (kept), with finish_reason 'stop'. The stop token is
+        the first token at position >= 2 not generated before it, in the first image request whose greedy response
+        has one (an untrained model may repeat one token)."""
+        for request in [r for r in batch if r.images] + [r for r in batch if not r.images]:
+            (own,) = backend.generate([request], GREEDY)
+            reference = own.response_ids
+            position = next((i for i in range(2, len(reference)) if reference[i] not in reference[:i]), None)
+            if position is not None:
+                break
+        assert position is not None, "every greedy response repeats its first tokens"
         sampling = dataclasses.replace(GREEDY, stop_token_ids=[reference[position]])
-        (result,) = backend.generate([batch[3]], sampling)
+        (result,) = backend.generate([request], sampling)
         assert result.response_ids == reference[:position + 1]
         assert result.finish_reason == "stop"
 
@@ -239,7 +251,7 @@ class EngineContract:
         for every prompt; the backend never samples it (T=1), and its logprobs are still the raw ones."""
         pad = hf.processor.image_token_id
         original = clone_state(hf.model)
-        favoured = favouring(hf, batch, pad, self.favour_strength)
+        favoured = favouring(hf, batch, pad, self.favour_strength, self.favour_last_positions)
         hf.update_weights(favoured.items())
         try:
             unbanned = hf.generate([without_ban(r) for r in batch], SamplingParams(temperature=0.0, max_new_tokens=1))

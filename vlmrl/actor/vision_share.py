@@ -100,9 +100,12 @@ def shared_vision(model: torch.nn.Module, counts: VisionCounts | None = None, en
 
 
 def _encode_distinct(original: Callable, counts: VisionCounts | None, enabled: bool, busy: list[bool],
-                     pixel_values: torch.Tensor, grid_thw: torch.Tensor, *args, **kwargs):
+                     pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None, *args, **kwargs):
     """`original(pixel_values, grid_thw, ...)` on one of each distinct (grid, pixels) item, its per-item outputs
-    handed back in the call's item order."""
+    handed back in the call's item order. Without a grid (a tiles family, InternVL: `pixel_values` (tiles, C, S,
+    S), the tower's batch dimension), each tile is an item."""
+    if grid_thw is None:
+        return _encode_tiles(original, counts, enabled, pixel_values, *args, **kwargs)
     if busy[0]:
         return original(pixel_values, grid_thw, *args, **kwargs)
     busy[0] = True
@@ -110,6 +113,22 @@ def _encode_distinct(original: Callable, counts: VisionCounts | None, enabled: b
         return _encode(original, counts, enabled, pixel_values, grid_thw, *args, **kwargs)
     finally:
         busy[0] = False
+
+
+def _encode_tiles(original: Callable, counts: VisionCounts | None, enabled: bool, pixel_values: torch.Tensor,
+                  *args, **kwargs):
+    """Tiles: the tower runs on one of each distinct tile; its projected features (tiles, tokens, H) are indexed
+    back into the call's tile order."""
+    tiles = list(pixel_values)
+    ones = torch.ones(len(tiles), 3, dtype=torch.long)
+    firsts, slot = distinct(tiles, ones) if enabled else (list(range(len(tiles))), list(range(len(tiles))))
+    if counts is not None:
+        counts.add(ones.tolist(), firsts)
+    if len(firsts) == len(tiles):
+        return original(pixel_values=pixel_values, *args, **kwargs)
+    out = original(pixel_values=pixel_values[firsts], *args, **kwargs)
+    out.pooler_output = out.pooler_output[torch.tensor(slot, device=out.pooler_output.device)]
+    return out
 
 
 def _encode(original: Callable, counts: VisionCounts | None, enabled: bool, pixel_values: torch.Tensor,

@@ -32,6 +32,11 @@ class VisionAlwaysOn(nn.Module):
         # paths, not modules: a module attribute would register the tower a second time (state-dict names twice)
         self.family = family_of(model.config)
         vision = model.config.vision_config
+        if self.family.image_layout == "tiles":  # pixel_values rows are whole (C, S, S) tiles
+            side = vision.image_size
+            self.tile_shape = (int(vision.num_channels), *(int(x) for x in (side if isinstance(side, (list, tuple))
+                                                                             else (side, side))))
+            return
         self.merge = int(vision.spatial_merge_size)
         # pixel_values rows are flattened patches: channels x temporal patch x patch x patch
         self.patch_dim = int(vision.in_channels * vision.temporal_patch_size * vision.patch_size**2)
@@ -52,10 +57,18 @@ class VisionAlwaysOn(nn.Module):
                 image_grid_thw: torch.Tensor | None = None, **kwargs):
         """input_ids (b, l); pixel_values (patches, patch_dim) and image_grid_thw (images, 3) or None; the rest
         (attention_mask, position_ids (3, b, l), use_cache, logits_to_keep...) is passed through."""
+        grid = {} if image_grid_thw is None else {"image_grid_thw": image_grid_thw}  # tiles: no grid
         if pixel_values is not None or kwargs.get("pixel_values_videos") is not None:  # the tower runs anyway
-            return self.model(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs)
+            return self.model(input_ids=input_ids, pixel_values=pixel_values, **grid, **kwargs)
         from vlmrl.actor.lora import base_model_of
 
+        if self.family.image_layout == "tiles":  # one dummy tile through the tower and the projector
+            hf = base_model_of(self.model)
+            tower = hf.get_submodule(self.family.vision_tower)
+            dummy = torch.zeros(1, *self.tile_shape, dtype=tower.dtype, device=input_ids.device)
+            features = hf.model.get_image_features(pixel_values=dummy, return_dict=True).pooler_output
+            embeds = hf.get_input_embeddings()(input_ids) + 0.0 * features.sum()
+            return self.model(input_ids=None, inputs_embeds=embeds, **kwargs)
         # run before the decoder, like a real image, so that every rank all-gathers blocks in the same order
         dummy_grid = torch.tensor([[1, self.merge, self.merge]], device=input_ids.device)
         hf = base_model_of(self.model)  # with LoRA the wrapped model is a PeftModel around the HF model

@@ -137,12 +137,40 @@ class ModelFamily:
     """transformers' text attention of this family always has q/k/v biases, and vLLM builds them only when the text
     config says `attention_bias: true` (GLM-4.1V: vLLM's glm4.py reads it with default false and then loads the
     checkpoint's biases into nothing, without an error; measured 0.22 nats off transformers on text alone)."""
+    image_layout: str = "patches"
+    """How an image reaches the model. "patches": resized to a multiple of patch x merge, `pixel_values` (patches,
+    C*T*p*p) with a (t, h, w) `image_grid_thw` per image, one placeholder per merged patch (Qwen-VL, GLM-4.1V).
+    "tiles": cut into square tiles by its aspect ratio (+ a thumbnail), `pixel_values` (tiles, C, S, S) with no
+    grid, the placeholder expanded to `<img>` + tokens-per-tile x tiles placeholders + `</img>` (InternVL)."""
+    mrope: bool = True
+    """Position ids are 3-D mrope (t, h, w) rows; False: plain 1-D positions (InternVL's Qwen3). vlmrl's batches
+    keep three rows either way (equal rows for 1-D) and the forward takes the first."""
+    vision_projector: str | None = None
+    """Module path of a projector that sits OUTSIDE the vision tower (InternVL's `model.multi_modal_projector`);
+    None: the projectors are the tower's own mergers (`vision_mergers`)."""
+    sglang_prompt_ids: bool = True
+    """SGLang takes this family's requests as prompt ids + images. False (InternVL): sglang 0.5.23 has no native
+    class for transformers' InternVL format; its Transformers fallback serves it from chat TEXT only (an id list
+    reaches the HF processor as text: "expected string or bytes-like object, got 'int'")."""
 
     @property
     def timestamps_in_text(self) -> bool:
         """A video's timing is `<x.x seconds>` text per temporal patch, its grid split per temporal patch
         (`video_timing == "timestamps"`, Qwen3-VL)."""
         return self.video_timing == "timestamps"
+
+    def forward_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """vlmrl's model inputs -> the keyword arguments this family's transformers forward takes. vlmrl keeps one
+        shape for every family: position ids as 3 mrope rows ((3, b, l); packed (4, 1, T), row 0 the text
+        positions), and an `image_grid_thw` row per image. A 1-D family gets the first row ((b, l); packed the text
+        row); a tiles family gets no grid (its `pixel_values` rows are whole tiles) and no `mm_token_type_ids`."""
+        out = dict(inputs)
+        if not self.mrope and out.get("position_ids") is not None:
+            out["position_ids"] = out["position_ids"][0]
+        if self.image_layout == "tiles":
+            out.pop("image_grid_thw", None)
+            out.pop("mm_token_type_ids", None)
+        return out
 
     def checkpoint_name(self, name: str) -> str:
         """A transformers-5 in-memory parameter name -> the name in this family's checkpoints (what engines load).
@@ -169,6 +197,11 @@ class ModelFamily:
         """
         problems = []
         sglang = backend is None or backend.startswith("sglang")
+        if not self.sglang_prompt_ids and sglang:
+            problems.append(f"SGLang serves {self.name} only through its Transformers fallback and only from chat "
+                            "text (sglang 0.5.23 has no native class for this format, and the fallback hands prompt "
+                            "ids to the HF processor as text); vlmrl sends one request form, prompt ids + images, to "
+                            "every engine: use vllm or the hf backend for this model")
         if self.linear_attention is not None and sglang:
             problems += _attention_interval_problems(self.name, model_config)
         if self.deepstack_free and sglang and (model_config.get("vision_config") or {}).get(
@@ -350,7 +383,26 @@ GLM4V = ModelFamily(
     fused_projections=("gate_up_proj",),
 )
 
-FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL, QWEN3_5, QWEN3_VL_MOE, QWEN3_5_MOE, GLM4V)
+INTERNVL = ModelFamily(
+    name="InternVL3.5",
+    model_types=("internvl",),
+    # transformers 5 saves the pre-5 layout, which both engines load: language_model.model.*, language_model.lm_head,
+    # vision_tower.*, multi_modal_projector.*
+    checkpoint_prefixes=(("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+                         ("model.vision_tower.", "vision_tower."),
+                         ("model.multi_modal_projector.", "multi_modal_projector.")),
+    vision_tower="model.vision_tower",
+    vision_mergers=(),  # no merger inside the tower: pixel shuffle, then the projector below
+    vision_projector="model.multi_modal_projector",
+    interleaved_mrope=False,
+    image_placeholder="<IMG_CONTEXT>",
+    video_placeholder="<video>",
+    image_layout="tiles",
+    mrope=False,
+    sglang_prompt_ids=False,
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL, QWEN3_5, QWEN3_VL_MOE, QWEN3_5_MOE, GLM4V, INTERNVL)
 
 
 def supported() -> str:

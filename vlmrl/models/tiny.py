@@ -21,6 +21,8 @@ Variants (pass the name wherever a model path is taken):
     orientation fails instead of loading silently); saved in the hub's layout (`vlmrl.models.experts`).
   - ``tiny-qwen3.5-moe``: a Qwen3.5-MoE (Qwen3.5-35B-A3B's) on tiny-qwen3.5's shapes, the same experts plus a gated
     shared expert (intermediate 64); saved per expert, as transformers and the released checkpoints do.
+  - ``tiny-glm4v`` and ``tiny-internvl``: GLM-4.1V and InternVL3.5 with their own tokens and templates (the latter
+    in `vlmrl.models.tiny_internvl`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vlmrl.models.tiny_internvl import INTERNVL_CHAT_TEMPLATE, INTERNVL_SPECIAL_TOKENS, NORM_BIAS, TinyInternVLSpec
 from vlmrl.utils.paths import cache_root
 
 if TYPE_CHECKING:  # torch is imported where a model is built: the launcher resolves names without it
@@ -172,7 +175,7 @@ class TinyMoESpec:
     """Qwen3.5-MoE's gated shared expert (0: none, Qwen3-VL-MoE)."""
 
 
-VARIANTS: dict[str, TinySpec | TinyQwen3Spec | TinyQwen3_5Spec | TinyMoESpec | TinyGlm4vSpec] = {
+VARIANTS: dict[str, TinySpec | TinyQwen3Spec | TinyQwen3_5Spec | TinyMoESpec | TinyGlm4vSpec | TinyInternVLSpec] = {
     "tiny": TinySpec(128, 2, 2, 256, (8, 12, 12), 2, 64, 2, 128, 28 * 28 * 4, 28 * 28 * 16),
     "tiny-large": TinySpec(768, 6, 6, 2048, (16, 24, 24), 4, 256, 4, 512, 28 * 28 * 4, 28 * 28 * 64),
     # Qwen3-VL's factor is 32 (patch 16 x merge 2): 4..16 merged tokens per image, as for `tiny`
@@ -188,6 +191,8 @@ VARIANTS["tiny-qwen3.5-moe"] = TinyMoESpec(VARIANTS["tiny-qwen3.5"], 4, 2, 48, s
 # GLM-4.1V: partial rotary 0.5 (32 of head_dim 64), mrope sections over it [4, 6, 6]; patch 14 x merge 2 as `tiny`
 VARIANTS["tiny-glm4v"] = TinyGlm4vSpec(128, 2, 2, 64, 256, 0.5, (4, 6, 6), 2, 64, 2, 128, 56,
                                        28 * 28 * 4, 28 * 28 * 16)
+# InternVL3.5: 64-pixel tiles of 8-pixel patches, pixel shuffle 0.5 (16 tokens a tile), up to 4 tiles + a thumbnail
+VARIANTS["tiny-internvl"] = TinyInternVLSpec(128, 2, 2, 64, 256, 64, 2, 2, 128, 64, 8, 0.5, 4)
 
 GLM_SPECIAL_TOKENS = [
     "<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
@@ -225,6 +230,8 @@ def _fingerprint(variant: str) -> str:
         h.update((ASSETS / name).read_bytes())
     if isinstance(VARIANTS[variant], TinyGlm4vSpec):
         h.update(json.dumps([GLM_SPECIAL_TOKENS, GLM_CHAT_TEMPLATE]).encode())
+    if isinstance(VARIANTS[variant], TinyInternVLSpec):
+        h.update(json.dumps([INTERNVL_SPECIAL_TOKENS, INTERNVL_CHAT_TEMPLATE, NORM_BIAS]).encode())
     return h.hexdigest()[:12]
 
 
@@ -319,6 +326,11 @@ def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
     if isinstance(spec, TinyGlm4vSpec):
         _build_glm4v(out, spec)
         return out
+    if isinstance(spec, TinyInternVLSpec):
+        from vlmrl.models.tiny_internvl import build_internvl
+
+        build_internvl(out, spec)
+        return out
     tok = _build_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     if isinstance(spec, TinyMoESpec):
@@ -337,16 +349,18 @@ def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
     return out
 
 
-def _seeded_init(model: torch.nn.Module) -> None:
+def _seeded_init(model: torch.nn.Module, norm_bias: float = 1.0) -> None:
     """Every parameter from one seeded generator (independent of module init order); a wider init than default
-    so the untrained model's outputs are not near-uniform (greedy comparisons need clear argmaxes)."""
+    so the untrained model's outputs are not near-uniform (greedy comparisons need clear argmaxes). Norm weights
+    are 1; norm biases `norm_bias` (InternVL's LayerNorms: 0, else a bias of 1 everywhere gives every image token
+    one shared direction and the model repeats one token after any image)."""
     import torch
 
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if "norm" in name and p.dim() == 1:
-                p.fill_(1.0)
+                p.fill_(norm_bias if name.endswith(".bias") else 1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.08 if p.dim() >= 2 else 0.02))
     model.eval()
@@ -363,7 +377,7 @@ def _vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
                 vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
 
 
-def _save_seeded(model_class, config, out: Path) -> None:
+def _save_seeded(model_class, config, out: Path, norm_bias: float = 1.0) -> None:
     """The model built from `config` with `_seeded_init`'s weights, saved (float32 safetensors) into `out`, its
     experts (MoE) in the layout its family's checkpoints use (what transformers and both engines load)."""
     import torch
@@ -374,7 +388,7 @@ def _save_seeded(model_class, config, out: Path) -> None:
     config.architectures = [model_class.__name__]
     torch.manual_seed(SEED)
     model = model_class(config).to(torch.float32)
-    _seeded_init(model)
+    _seeded_init(model, norm_bias)
     model.save_pretrained(out, safe_serialization=True)
     save_checkpoint_layout(out, family_of(config), model.config)
 

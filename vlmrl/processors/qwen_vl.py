@@ -54,10 +54,14 @@ def load_processor(model_path: str, config: DataConfig | None = None) -> Process
     model_config = read_model_config(path)
     hf_processor = AutoProcessor.from_pretrained(str(path))
     generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
-    processor = Processor(hf_processor, model_config, generation, config, family)
-    logger.info("processor for %s (%s): images %d..%d pixels, factor %d, max_prompt_length %d", path,
-                family.name, processor.min_pixels, processor.max_pixels,
-                processor.image_factor, processor.config.max_prompt_length)
+    if family.image_layout == "tiles":
+        from vlmrl.processors.tiles import TilesProcessor
+
+        processor: Processor = TilesProcessor(hf_processor, model_config, generation, config, family)
+    else:
+        processor = Processor(hf_processor, model_config, generation, config, family)
+    logger.info("processor for %s (%s): %s, max_prompt_length %d", path, family.name, processor.image_summary(),
+                processor.config.max_prompt_length)
     return processor
 
 
@@ -79,14 +83,27 @@ class Processor:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = int(pad if pad is not None else generation_config.get("pad_token_id",
                                                                                        self.eos_token_ids[0]))
+        self._image_setup(model_config)
+        self.video = VideoSupport(hf_processor, model_config, config, self.image_factor, family)
+        """Frame sampling, video inputs, video token counts (`vlmrl.processors.video`)."""
+
+    def _image_setup(self, model_config: dict) -> None:
+        """The image facts of the family's layout (here "patches": patch and merge sizes, pixel bounds)."""
         self.patch_size: int = int(self.image_processor.patch_size)
         self.spatial_merge_size: int = int(self.image_processor.merge_size)
         self.temporal_patch_size: int = int(self.image_processor.temporal_patch_size)
         self.image_factor: int = self.patch_size * self.spatial_merge_size
         """Resized image sides are multiples of this (qwen-vl-utils' rule): the model's patch size x merge size."""
         self.min_pixels, self.max_pixels = self._pixel_bounds()
-        self.video = VideoSupport(hf_processor, model_config, config, self.image_factor, family)
-        """Frame sampling, video inputs, video token counts (`vlmrl.processors.video`)."""
+
+    def prepare_image(self, image: Any, what: str) -> Any:
+        """A decoded dataset image -> the image every backend gets (here resized within the pixel bounds to
+        multiples of `image_factor`, RGB)."""
+        return resize_image(image, self.min_pixels, self.max_pixels, self.image_factor, what)
+
+    def image_summary(self) -> str:
+        """How images are prepared, for the log."""
+        return f"images {self.min_pixels}..{self.max_pixels} pixels, factor {self.image_factor}"
 
     def _pixel_bounds(self) -> tuple[int, int]:
         """Config bounds, checked to lie within the model's: the engines run the model's image processor, which
@@ -137,8 +154,7 @@ class Processor:
         for i, source in enumerate(sources):
             try:
                 loaded = load_image(source, self.config)
-                images.append(resize_image(loaded, self.min_pixels, self.max_pixels, self.image_factor,
-                                           source_name(source)))
+                images.append(self.prepare_image(loaded, source_name(source)))
             except ImageInputError as err:
                 self._bad_image(index, f"image {i}: {err}")
         text = self.hf_processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -227,17 +243,20 @@ class Processor:
                 placeholder = getattr(self.family, f"{name}_placeholder")
                 raise ValueError(f"{count} {placeholder} tokens in the prompt ids but {len(rows)} {name} grids")
             grids[token] = iter(rows)
-        merge = self.spatial_merge_size**2
         expanded: list[int] = []
         for token in prompt_ids:
             if token == self.video_token_id and timed:
                 expanded.extend(self.video.expansion(next(videos), next(grids[token])))
             elif token in grids:
-                t, h, w = next(grids[token])
-                expanded.extend([token] * (t * h * w // merge))
+                expanded.extend(self._expansion(token, next(grids[token])))
             else:
                 expanded.append(token)
         return expanded
+
+    def _expansion(self, token: int, grid: Sequence[int]) -> list[int]:
+        """The tokens one placeholder of an image / video with this (t, h, w) grid stands for: one per merged patch."""
+        t, h, w = grid
+        return [token] * (t * h * w // self.spatial_merge_size**2)
 
     def prompt_inputs(self, request: RolloutRequest) -> PromptInputs:
         """Expand a request's prompt and compute its image inputs and position ids, once for all its samples."""

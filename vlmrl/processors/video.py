@@ -289,7 +289,8 @@ class VideoSupport:
         """Temporal position ids per second of video (Qwen2.5-VL: position = t_index x tokens_per_second x
         second_per_grid_t); Qwen2-VL has none (1 per temporal patch)."""
         self.temporal_patch_size = int(vision.get("temporal_patch_size", FRAME_FACTOR))
-        self.patch_size = int(vision.get("patch_size", 14))
+        patch = vision.get("patch_size", 14)  # InternViT writes [p, p]
+        self.patch_size = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
         self.merge = int(vision.get("spatial_merge_size", 2))
         self.model_type = str(model_config.get("model_type", ""))
         self.tokenizer = hf_processor.tokenizer
@@ -306,7 +307,7 @@ class VideoSupport:
     def _bounds(self) -> tuple[int, int]:
         """Per-frame pixel bounds: the config's, checked to lie within the model's video processor's (which would
         resize the frames again otherwise, and the engines and the trainer would disagree)."""
-        if self.video_processor is None:
+        if self.video_processor is None or self.family.video_timing is None:  # no video: `load` refuses them
             return (self.config.video_min_pixels or 0, self.config.video_max_pixels or 0)
         size = self.video_processor.size
         model_min, model_max = int(size["shortest_edge"]), int(size["longest_edge"])

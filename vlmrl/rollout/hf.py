@@ -75,6 +75,7 @@ class HFBackend(RolloutBackend):
         inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "mm_token_type_ids": types}
         for key, value in mm.items():
             inputs[key] = value.to(self.model.dtype) if key.startswith("pixel_values") else value
+        inputs = self.processor.family.forward_inputs(inputs)  # the keys this family's forward takes
         return {k: v.to(self.device) for k, v in inputs.items()}
 
     @torch.no_grad()
