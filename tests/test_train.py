@@ -76,3 +76,34 @@ def test_a_bad_row_fails_in_one_message_before_any_engine_starts(tiny_model_path
     assert done.stderr.splitlines()[-1] == (f"error: row {row}: image 0: image file not found: "
                                             f"{tmp_path / 'missing.png'} (row {row} of {path})")
     assert not (out / "engine.log").exists(), "vLLM started before the data was checked"
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize(("model", "setting", "reason"), [
+    ("tiny-internvl", "data.max_pixels=null", "SGLang serves InternVL3.5 only through its Transformers fallback"),
+    ("tiny-qwen3-vl-moe", "rollout.sglang.capture_routing=true", "rollout.sglang.capture_routing needs a GPU"),
+], ids=["internvl", "capture-routing-on-cpu"])
+def test_an_engine_refused_on_its_settings_is_one_error_line(tmp_path, model, setting, reason):
+    """SGLang refused before it starts (a model whose requests it cannot take in vlmrl's form; a setting that kills
+    its scheduler on a CPU): exit status 2 and one `error:` line that names the reason, no traceback."""
+    last = _refused_run(tmp_path, f"actor.model_path={model}", "rollout.name=sglang", setting)
+    assert last.startswith("error: sglang: ") and reason in last, last
+
+
+def _refused_run(tmp_path: Path, *settings: str) -> str:
+    """A short run that must end before any engine step with exit status 2 and no traceback: its last line."""
+    args = ["data.train_files=synthetic", "data.val_files=synthetic", "data.synthetic_train_size=8",
+            "data.synthetic_val_size=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+            "trainer.total_steps=1", "trainer.torch_threads=1", f"trainer.output_dir={tmp_path}", *settings]
+    done = subprocess.run([sys.executable, "-m", "vlmrl.train", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    return done.stderr.splitlines()[-1]
+
+
+def test_a_batch_larger_than_the_dataset_is_one_error_line(tiny_model_path, tmp_path):
+    last = _refused_run(tmp_path, f"actor.model_path={tiny_model_path}", "data.train_batch_size=16",
+                        "actor.ppo_mini_batch_size=16", "rollout.name=hf")
+    assert last == ("error: batch size 16 needs at least that many rows, the dataset has 8: lower "
+                    "data.train_batch_size or add data"), last

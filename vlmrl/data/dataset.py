@@ -36,7 +36,8 @@ SPLITS = ("train", "val")
 
 
 class DataError(ValueError):
-    """A data file that cannot be used (unreadable, empty, missing its prompt column): names the file and why."""
+    """A data file that cannot be used (unreadable, empty, missing its prompt column, fewer rows than a batch): names
+    the file or the setting, and why."""
 
 
 # ---------------------------------------------------------------------------------------------------- file specs
@@ -246,8 +247,8 @@ class BatchSampler:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
         if num_rows < 1 or (drop_last and batch_size > num_rows):
-            raise ValueError(f"batch size {batch_size} needs at least that many rows, the dataset has {num_rows}: "
-                             f"lower data.train_batch_size or add data")
+            raise DataError(f"batch size {batch_size} needs at least that many rows, the dataset has {num_rows}: "
+                            f"lower data.train_batch_size or add data")
         self.num_rows, self.batch_size = num_rows, batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch, self.offset = 0, 0

@@ -28,7 +28,13 @@ import torch
 from vlmrl.models.experts import ExpertShape, RoutingLayout
 from vlmrl.models.families import ModelFamily, read_model_config
 from vlmrl.rollout.config import BACKEND_SECTIONS, ENGINE_OPTIONS, SERVING_OPTIONS, RolloutConfig
-from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError, InvalidRequestError, RolloutError
+from vlmrl.rollout.errors import (
+    EngineDeadError,
+    EngineSettingError,
+    EngineTimeoutError,
+    InvalidRequestError,
+    RolloutError,
+)
 from vlmrl.rollout.requests import check_results, validate_requests
 from vlmrl.rollout.weights import WeightSync, checkpoint_names, weight_sync
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
@@ -340,7 +346,7 @@ def family_engine_overrides(model_path: str, family: ModelFamily, enabled: bool,
     overrides = family.engine_overrides(model_config)
     left = family.engine_problems(merged(model_config, overrides), backend)
     if left:  # no override settles them: this engine cannot compute what the trainer computes on this config
-        raise ValueError(f"{backend}: refusing to start on {model_path}: " + " ".join(left))
+        raise EngineSettingError(f"{backend}: refusing to start on {model_path}: " + " ".join(left))
     if overrides:
         logger.warning("%s: %s; vlmrl starts the engine with the config override %s. Engines started outside vlmrl "
                        "on this folder would still drift: fix its config.json", backend, " ".join(problems),

@@ -20,6 +20,12 @@ class EngineTimeoutError(RolloutError):
     """An engine call ran past its deadline; the backend is considered broken from then on."""
 
 
+class EngineSettingError(ValueError):
+    """vlmrl refuses to start an engine with these settings on this model (the message names the setting or the
+    model's problem and what to change). Raised before the engine starts; the command line reports it as one
+    `error:` line."""
+
+
 class InvalidRequestError(ValueError):
     """A request that no engine may receive (placeholder/image mismatch, overlong, bad sampling settings).
     Raised before anything reaches the engine; the message names the request."""

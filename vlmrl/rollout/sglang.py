@@ -40,7 +40,7 @@ from vlmrl.rollout.base import (
     release_memory,
 )
 from vlmrl.rollout.config import SGLangConfig
-from vlmrl.rollout.errors import RolloutError
+from vlmrl.rollout.errors import EngineSettingError, RolloutError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import sample_seed, top_allowed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
@@ -80,7 +80,7 @@ def engine_args(model_path: str, options: BackendOptions, family: ModelFamily | 
     if not on_cuda and family is not None:
         problems = family.cpu_engine_problems(read_model_config(model_path), backend, dtype)
         if problems:
-            raise ValueError(f"{backend}: " + " ".join(problems))
+            raise EngineSettingError(f"{backend}: " + " ".join(problems))
     args: dict[str, Any] = dict(model_path=model_path, dtype=dtype,
                                 context_length=options.max_model_len, random_seed=options.seed,
                                 tp_size=r.tensor_parallel_size, mem_fraction_static=r.gpu_memory_utilization,
@@ -88,9 +88,9 @@ def engine_args(model_path: str, options: BackendOptions, family: ModelFamily | 
                                 enable_memory_saver=release_memory(o.enable_memory_saver, on_cuda, options.colocated))
     if o.capture_routing and family is not None and family.experts is not None:
         if not on_cuda:
-            raise ValueError(f"{backend}: rollout.sglang.capture_routing needs a GPU (SGLang's routed-experts "
-                             "buffer is CUDA-host-registered; its scheduler dies on a CPU): on a CPU use "
-                             "rollout.name=vllm with rollout.vllm.capture_routing=true")
+            raise EngineSettingError(f"{backend}: rollout.sglang.capture_routing needs a GPU (SGLang's "
+                                     "routed-experts buffer is CUDA-host-registered; its scheduler dies on a CPU): on "
+                                     "a CPU use rollout.name=vllm with rollout.vllm.capture_routing=true")
         args["enable_return_routed_experts"] = True
     if not on_cuda:
         # sleep_on_idle: an idle scheduler blocks on its sockets (waking at once on a request) instead of polling,
@@ -141,7 +141,7 @@ class SGLangCommon(RolloutBackend):
         """Send mm_hashes salted with the weight version; where SGLang cannot take them (the family says), the
         engine must run with no multimodal cache instead: flush_cache after a sync then drops everything old."""
         if not self.salt_mm_hashes and self.rollout.sglang.vlm_cache_size_mb:
-            raise ValueError(
+            raise EngineSettingError(
                 f"{self.name}: rollout.sglang.vlm_cache_size_mb={self.rollout.sglang.vlm_cache_size_mb} on "
                 f"{family.name}: after a weight sync "
                 "the multimodal cache would serve features of the old vision weights, and the salted mm_hashes that "

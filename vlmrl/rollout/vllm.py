@@ -32,7 +32,7 @@ from vlmrl.rollout.base import (
     release_memory,
 )
 from vlmrl.rollout.config import VLLMConfig
-from vlmrl.rollout.errors import InvalidRequestError
+from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import sample_seed, top_allowed
 from vlmrl.rollout.weights import checkpoint_names
@@ -223,7 +223,7 @@ def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily 
     if not on_cuda and family is not None:
         problems = family.cpu_engine_problems(read_model_config(model_path), "vllm", dtype)
         if problems:
-            raise ValueError("vllm: " + " ".join(problems))
+            raise EngineSettingError("vllm: " + " ".join(problems))
     kwargs: dict[str, Any] = dict(
         model=model_path, dtype=dtype, max_model_len=options.max_model_len, seed=options.seed,
         enforce_eager=(not on_cuda) if v.enforce_eager is None else v.enforce_eager,
@@ -239,8 +239,8 @@ def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily 
     if options.lora_rank > 0:
         rank = next((x for x in VLLM_LORA_RANKS if x >= options.lora_rank), None)
         if rank is None:
-            raise ValueError(f"vllm: LoRA rank {options.lora_rank} > {VLLM_LORA_RANKS[-1]}, the largest vLLM serves; "
-                             "sync merged weights (actor.lora.sync=merged)")
+            raise EngineSettingError(f"vllm: LoRA rank {options.lora_rank} > {VLLM_LORA_RANKS[-1]}, the largest vLLM "
+                                     "serves; sync merged weights (actor.lora.sync=merged)")
         kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1,
                       enable_tower_connector_lora=options.lora_vision)
     overrides = family_engine_overrides(model_path, family, r.family_engine_settings, "vllm") if family else {}
@@ -265,8 +265,9 @@ def check_logprobs_mode(mode: str) -> None:
     compare shows what such an engine does to the logprobs (cause `processed_logprobs`), and training on it is
     wrong in the ways the warning names."""
     if mode in LOGITS_MODES:
-        raise ValueError(f"vllm: rollout.vllm.engine_kwargs.logprobs_mode={mode} makes the engine return logits, not "
-                         "logprobs; the trainer, rollout correction and compare read raw logprobs: remove the key")
+        raise EngineSettingError(f"vllm: rollout.vllm.engine_kwargs.logprobs_mode={mode} makes the engine return "
+                                 "logits, not logprobs; the trainer, rollout correction and compare read raw "
+                                 "logprobs: remove the key")
     if mode == "processed_logprobs":
         logger.warning(
             "vllm: rollout.vllm.engine_kwargs.logprobs_mode=processed_logprobs replaces the raw logprobs vlmrl asks "
@@ -311,9 +312,10 @@ class VLLMBackend(RolloutBackend):
                 llm = LLM(**kwargs)
             except ValueError as err:
                 if self.sleep_mode and "Sleep mode is not supported" in str(err):
-                    raise ValueError("rollout.vllm.enable_sleep_mode=true: vLLM says 'Sleep mode is not supported on "
-                                     "current platform' (it has sleep mode on CUDA only); set it to null (on where "
-                                     "the engine shares a GPU with training) or false") from err
+                    raise EngineSettingError(
+                        "rollout.vllm.enable_sleep_mode=true: vLLM says 'Sleep mode is not supported on current "
+                        "platform' (it has sleep mode on CUDA only); set it to null (on where the engine shares a GPU "
+                        "with training) or false") from err
                 raise
         manager = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
         self.engine_pids = [p.pid for p in getattr(manager, "processes", [])]
