@@ -335,3 +335,36 @@ def test_glm4v_lora_adapts_its_fused_mlp_and_its_tower_and_merges_as_peft(synthe
     moved = {n for n, p in actor.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
     assert any(".mlp.gate_up_proj.lora_" in n for n in moved), sorted(moved)[:5]
     assert any(".visual.blocks." in n for n in moved) and any(".visual.merger." in n for n in moved)
+
+
+def test_internvl_lora_adapts_its_tower_blocks_and_the_projector_and_merges_as_peft():
+    """InternVL's projector sits outside its tower: lora.vision=merger adapts the projector's linears, tower its
+    InternViT blocks (encoder.layer.N), and neither side is taken by the language suffix rule. The merged weights
+    equal PEFT's merge_and_unload exactly."""
+    from peft import get_peft_model
+
+    from vlmrl.actor.lora import lora_scaling, peft_config
+    from vlmrl.models.tiny import ensure_built
+
+    path = str(ensure_built("tiny-internvl"))
+    model = _base_model(path)
+    merger = set(target_modules(model, LoraConfig(rank=4, alpha=8, vision="merger")))
+    assert {n for n in merger if not n.startswith("model.language_model.")} == {
+        "model.multi_modal_projector.linear_1", "model.multi_modal_projector.linear_2"}
+    tower = set(target_modules(model, LoraConfig(rank=4, alpha=8, vision="tower")))
+    assert {n for n in tower if not n.startswith("model.language_model.")} == {
+        f"model.vision_tower.encoder.layer.{i}.{p}" for i in range(2)
+        for p in ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.projection_layer",
+                  "mlp.fc1", "mlp.fc2")}
+    assert not any("vision_tower" in n or "projector" in n
+                   for n in target_modules(model, LoraConfig(rank=4, alpha=8, vision="off")))
+    lora = LoraConfig(rank=4, alpha=8, vision="tower+merger")
+    wrapped = get_peft_model(model, peft_config(_base_model(path), lora))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    ours = dict(merged_tensors(wrapped.state_dict().items(), lora_scaling(lora)))
+    theirs = copy.deepcopy(wrapped).merge_and_unload().state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)

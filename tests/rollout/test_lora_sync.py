@@ -28,6 +28,10 @@ BUCKET_MB = 0.25
 split across them; the HF reference loads the merged model in one."""
 
 
+VISION_NAMES = (".visual.", ".vision_tower.", ".multi_modal_projector.")
+"""The vision side's parameter names: Qwen's and GLM's tower (mergers inside), InternVL's tower and projector."""
+
+
 def image_requests(processor) -> list:
     """Eight requests, each with one or two images of different sizes (built by the real processor)."""
     specs = [("<image>What is in the picture?", [(112, 112)]), ("Describe <image> briefly.", [(200, 90)]),
@@ -47,7 +51,7 @@ def set_adapters(actor: Actor, language: float, vision: float, seed: int) -> Non
     with torch.no_grad():
         for name, param in actor.model.named_parameters():
             if "lora_B" in name:
-                scale = vision if ".visual." in name else language
+                scale = vision if any(v in name for v in VISION_NAMES) else language
                 param.copy_(torch.randn(param.shape, generator=gen) * scale)
 
 

@@ -67,16 +67,19 @@ _EXPERT_PART = re.compile(r"^(?P<module>.+\.mlp\.experts)(?P<depth>(?:\.base_lay
 def vision_patterns(model: torch.nn.Module, vision: str) -> list[str]:
     """Regexes (full match) of the vision-side Linear layers lora.vision adapts, from the model's family
     (vlmrl.models.families): `tower` = every Linear of the tower's blocks, `merger` = every Linear of its mergers
-    (Qwen3-VL's deepstack mergers included)."""
+    (Qwen3-VL's deepstack mergers included), or of the projector after the tower (InternVL)."""
     from vlmrl.models.families import family_of
 
     family = family_of(model.config)
     tower = re.escape(family.vision_tower)
     patterns = []
     if vision in ("tower", "tower+merger"):
-        patterns.append(rf"{tower}\.blocks\.\d+\..+")
+        patterns.append(rf"{tower}\.{re.escape(family.vision_blocks)}\.\d+\..+")
     if vision in ("merger", "tower+merger"):
-        patterns.append(rf"{tower}\.({'|'.join(re.escape(m) for m in family.vision_mergers)})\..+")
+        if family.vision_projector is not None:
+            patterns.append(rf"{re.escape(family.vision_projector)}\..+")
+        else:
+            patterns.append(rf"{tower}\.({'|'.join(re.escape(m) for m in family.vision_mergers)})\..+")
     return patterns
 
 
@@ -95,7 +98,7 @@ def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     from vlmrl.models.families import family_of
 
     family = family_of(model.config)
-    vision_side = family.vision_tower + "."
+    vision_side = family.vision_prefixes
     vision = vision_patterns(model, lora.vision)
     targets = list(lora.target_modules)
     if targets == QWEN_VL_LM_PROJECTIONS:  # the default: every projection of the family's language layers
@@ -129,7 +132,7 @@ def expert_parameters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     if family.experts is None:
         raise ValueError(f"actor.lora.experts=true, but {type(model).__name__} ({family.name}) is a dense model: it "
                          "has no routed experts to adapt; set actor.lora.experts=false")
-    vision_side = family.vision_tower + "."
+    vision_side = family.vision_prefixes
     names = [f"{name}.{param}" for name, module in model.named_modules()
              if name.endswith(".mlp.experts") and not name.startswith(vision_side)
              for param in EXPERT_PARAMETERS if isinstance(getattr(module, param, None), torch.nn.Parameter)]
@@ -201,7 +204,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     adapted = adapted_modules(wrapped)
     experts = [n for n in adapted if _EXPERT_PART.match(n)]
     layers = [n for n in adapted if not _EXPERT_PART.match(n)]
-    vision_side = family_of(model.config).vision_tower + "."
+    vision_side = family_of(model.config).vision_prefixes
     logger.info("LoRA rank %d alpha %g on %d layers (%d of the vision side; vision: %s)%s: %.3fM adapter parameters, "
                 "base frozen", lora.rank, lora.alpha, len(layers), sum(n.startswith(vision_side) for n in layers),
                 lora.vision, f" and {len(experts)} fused expert parameters (synced merged)" if experts else "",
@@ -411,7 +414,9 @@ class LoraSync:
         peft_model = peft_model_of(model)
         self.lora, self.config = lora, peft_model.peft_config["default"]
         self.adapted = adapted_modules(peft_model)
-        self.vision_side = family_of(base_model_of(peft_model).config).vision_tower + "."
+        family = family_of(base_model_of(peft_model).config)
+        self.vision_side = family.vision_prefixes
+        self.unserved_parts = family.lora_unserved
         self.scaling = lora_scaling(lora)
         self.folder = Path(tempfile.mkdtemp(prefix="vlmrl-lora-sync-"))
         self.version = 0
@@ -423,7 +428,8 @@ class LoraSync:
         vision side while lora.vision=off, which starts vLLM without tower/connector LoRA
         (`vlmrl.rollout.registry.backend_options`): vLLM then loads the adapter and drops its vision layers without a
         word, and serves a policy the trainer is not training. Or adapters on the routed experts (lora.experts):
-        whether vLLM serves those is unproven."""
+        whether vLLM serves those is unproven. Or adapters on layers the family's vLLM model takes no LoRA on
+        (`ModelFamily.lora_unserved`: InternVL's projector and its tower's attention output)."""
         head = [m for m in self.adapted if m == "lm_head" or m.endswith(".lm_head")]
         vision = [m for m in self.adapted if m.startswith(self.vision_side)] if self.lora.vision == "off" else []
         experts = [m for m in self.adapted if _EXPERT_PART.match(m)]
@@ -436,6 +442,10 @@ class LoraSync:
         if vision:
             why.append(f"{len(vision)} vision-side adapters (e.g. {vision[0]}) would be ignored by an engine started "
                        "for actor.lora.vision=off (no tower/connector LoRA)")
+        unserved = [m for m in self.adapted if any(part in f".{m}." for part in self.unserved_parts)]
+        if unserved:
+            why.append(f"{len(unserved)} adapters on layers vLLM serves no LoRA on for this model (e.g. "
+                       f"{unserved[0]})")
         return "; ".join(why)
 
     def path(self, backend) -> str:

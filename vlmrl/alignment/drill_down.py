@@ -67,13 +67,15 @@ def canonical(name: str) -> str:
     return name.removeprefix(PEFT_PREFIX)
 
 
-def watched_modules(model: torch.nn.Module, vision_tower: str, mergers: tuple[str, ...]) -> list[str]:
-    """The model's module names in forward order: vision mergers (and deepstack mergers) and the tower, decoder
-    layers, final norm."""
+def watched_modules(model: torch.nn.Module, vision_tower: str, mergers: tuple[str, ...],
+                    projector: str | None = None) -> list[str]:
+    """The model's module names in forward order: vision mergers (and deepstack mergers) and the tower, a projector
+    after it (InternVL), decoder layers, final norm."""
     names = {canonical(n): n for n, _ in model.named_modules()}
     out = [names[f"{vision_tower}.{m}"] for m in mergers if f"{vision_tower}.{m}" in names]
     out += [names[f"{vision_tower}.{m}.{i}"] for m in mergers for i in range(64) if f"{vision_tower}.{m}.{i}" in names]
     out += [names[vision_tower]] if vision_tower in names else []
+    out += [names[projector]] if projector in names else []
     layers = sorted((n for n in names if n.rsplit(".", 1)[-1].isdigit() and n.rsplit(".", 1)[0].endswith(
         "language_model.layers")), key=lambda n: int(n.rsplit(".", 1)[-1]))
     out += [names[n] for n in layers]
@@ -140,8 +142,9 @@ def drill_down(actor, reference_model: torch.nn.Module, batch, row: int, *, fami
     batch of the engine's samples)."""
     from vlmrl.actor.core import forward_response, micro_batch
 
-    names = watched_modules(actor.model, family.vision_tower, family.vision_mergers)
-    reference_names = watched_modules(reference_model, family.vision_tower, family.vision_mergers)
+    names = watched_modules(actor.model, family.vision_tower, family.vision_mergers, family.vision_projector)
+    reference_names = watched_modules(reference_model, family.vision_tower, family.vision_mergers,
+                                      family.vision_projector)
     trainer_mb = micro_batch(batch, [row], actor.device, packed=actor.config.padding_free)
     reference_mb = micro_batch(batch, [row], next(reference_model.parameters()).device)
 

@@ -145,9 +145,16 @@ class ModelFamily:
     mrope: bool = True
     """Position ids are 3-D mrope (t, h, w) rows; False: plain 1-D positions (InternVL's Qwen3). vlmrl's batches
     keep three rows either way (equal rows for 1-D) and the forward takes the first."""
+    vision_blocks: str = "blocks"
+    """The ModuleList of the tower's transformer blocks, under the tower (InternViT: `encoder.layer`): what
+    lora.vision=tower adapts."""
     vision_projector: str | None = None
     """Module path of a projector that sits OUTSIDE the vision tower (InternVL's `model.multi_modal_projector`);
     None: the projectors are the tower's own mergers (`vision_mergers`)."""
+    lora_unserved: tuple[str, ...] = ()
+    """Name parts of adapted layers vLLM's LoRA serving of this family refuses (vLLM 0.32's InternS1 takes LoRA on
+    q/k/v/o, the MLPs and fc1/fc2 only: "expected target modules in {...}" for InternViT's attention
+    `projection_layer` and the `multi_modal_projector` linears): such adapters sync merged."""
     sglang_prompt_ids: bool = True
     """SGLang takes this family's requests as prompt ids + images. False (InternVL): sglang 0.5.23 has no native
     class for transformers' InternVL format; its Transformers fallback serves it from chat TEXT only (an id list
@@ -158,6 +165,11 @@ class ModelFamily:
         """A video's timing is `<x.x seconds>` text per temporal patch, its grid split per temporal patch
         (`video_timing == "timestamps"`, Qwen3-VL)."""
         return self.video_timing == "timestamps"
+
+    @property
+    def vision_prefixes(self) -> tuple[str, ...]:
+        """Name prefixes of every vision-side module or parameter: the tower's, and a projector's outside it."""
+        return tuple(f"{path}." for path in (self.vision_tower, self.vision_projector) if path)
 
     def forward_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """vlmrl's model inputs -> the keyword arguments this family's transformers forward takes. vlmrl keeps one
@@ -393,7 +405,9 @@ INTERNVL = ModelFamily(
                          ("model.multi_modal_projector.", "multi_modal_projector.")),
     vision_tower="model.vision_tower",
     vision_mergers=(),  # no merger inside the tower: pixel shuffle, then the projector below
+    vision_blocks="encoder.layer",
     vision_projector="model.multi_modal_projector",
+    lora_unserved=(".attention.projection_layer", ".multi_modal_projector."),
     interleaved_mrope=False,
     image_placeholder="<IMG_CONTEXT>",
     video_placeholder="<video>",
