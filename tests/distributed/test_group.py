@@ -198,10 +198,11 @@ def test_dp2_matches_dp1_in_every_mode_with_padding_rows_and_correction_weights(
 # the tower and gives every vision tensor a gradient in tests/distributed/test_vision.py (in make test). Qwen3-VL-MoE:
 # dp=2 == dp=1 with FSDP2 over the fused expert tensors and the routers; it is Qwen3-VL with experts (the same tower,
 # three deepstack mergers, the same text-only rank), so the dense Qwen3-VL case is a variant (`full`) beside it.
-# GLM-4.1V: its tower (learned position embeddings, the downsample convolution) on a text-only rank.
+# GLM-4.1V: its tower (learned position embeddings, the downsample convolution) on a text-only rank. InternVL3.5: a
+# dummy tile through InternViT and the projector outside the tower, 1-D positions.
 @pytest.mark.parametrize("tiny_family", ["tiny", pytest.param("tiny-qwen3-vl", marks=pytest.mark.full),
                                          pytest.param("tiny-qwen3.5", marks=pytest.mark.full), "tiny-qwen3-vl-moe",
-                                         "tiny-glm4v"],
+                                         "tiny-glm4v", "tiny-internvl"],
                          indirect=True)
 def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray_cluster, tiny_family, synthetic_rows):
     # rank 0: prompts 0-1 with images; rank 1: prompts 2-3 without; one mini-batch. Without the dummy vision forward
@@ -236,13 +237,17 @@ def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray
             assert mine is None or torch.equal(mine, theirs), f"row {row}: dp=2 recorded other experts"
     expected = reference.update(batch, old, advantages)
     assert_same_metrics(expected, got)
-    assert got["actor/vision_items"] == expected["actor/vision_items"] == 4.0
-    assert got["actor/vision_items_encoded"] == expected["actor/vision_items_encoded"] == 2.0
+    items, encoded = (4.0, 2.0) if processor.family.image_layout == "patches" else (  # tiles: each tile an item
+        sum(len(mm["pixel_values"]) for mm in batch.multi_modal_inputs if mm),
+        sum(len(mm["pixel_values"]) for mm in batch.multi_modal_inputs[::2] if mm))  # a prompt's 2 samples share
+    assert got["actor/vision_items"] == expected["actor/vision_items"] == items
+    assert got["actor/vision_items_encoded"] == expected["actor/vision_items_encoded"] <= encoded
     if moe:  # replayed on both sides: the counts are the global batch's (summed over ranks), equal to one process's
         for key in ("mismatch/routing_changed_frac", "mismatch/routing_changed_tokens_frac"):
             assert got[key] == pytest.approx(expected[key], abs=1e-12), key
     assert_same_weights(dict(reference.named_tensors()), weights, start)
-    moved = {n for n in weights if "visual" in n and not torch.equal(weights[n], start[n])}
+    moved = {n for n in weights if any(v in n for v in ("visual", "vision_tower"))
+             and not torch.equal(weights[n], start[n])}
     assert moved, "the images on rank 0 should have trained the vision tower"
     mergers = {n for n in weights if "deepstack_merger_list" in n}
     assert mergers <= moved, f"deepstack mergers the step left untouched: {sorted(mergers - moved)}"

@@ -66,7 +66,8 @@ class VisionAlwaysOn(nn.Module):
             hf = base_model_of(self.model)
             tower = hf.get_submodule(self.family.vision_tower)
             dummy = torch.zeros(1, *self.tile_shape, dtype=tower.dtype, device=input_ids.device)
-            features = hf.model.get_image_features(pixel_values=dummy, return_dict=True).pooler_output
+            # the class's method: not the per-forward sharing wrapper, which would count the dummy as an image
+            features = type(hf.model).get_image_features(hf.model, pixel_values=dummy, return_dict=True).pooler_output
             embeds = hf.get_input_embeddings()(input_ids) + 0.0 * features.sum()
             return self.model(input_ids=None, inputs_embeds=embeds, **kwargs)
         # run before the decoder, like a real image, so that every rank all-gathers blocks in the same order
