@@ -28,7 +28,7 @@ def pick(model: str, devices: str) -> str:
         engine = "vllm" if importlib.util.find_spec("vllm") else "hf"
         return f"demo {engine} outputs/demo" + (f"-{model}" if model not in ("", "tiny") and not wrote_demo else "")
     recipes = {"Qwen3-VL": "qwen3_vl_geo3k", "Qwen3.5": "qwen3_5_geo3k", "Qwen3-VL-MoE": "qwen3_vl_moe_geo3k",
-               "Qwen3.5-MoE": "qwen3_5_moe_geo3k", "GLM-4.1V": "glm4_1v_geo3k"}
+               "Qwen3.5-MoE": "qwen3_5_moe_geo3k", "GLM-4.1V": "glm4_1v_geo3k", "InternVL3.5": "internvl3_5_geo3k"}
     if model and (Path(model).expanduser() / "config.json").exists():
         from vlmrl.models.families import family_for_path
 
@@ -39,6 +39,8 @@ def pick(model: str, devices: str) -> str:
         family = "Qwen3.5-MoE" if re.search(r"-A\d+B", model, re.IGNORECASE) else "Qwen3.5"
     elif re.search(r"glm-?4\.1v", model, re.IGNORECASE):
         family = "GLM-4.1V"
+    elif re.search(r"internvl", model, re.IGNORECASE):
+        family = "InternVL3.5"
     else:  # another hub id, or none: the default Qwen2.5-VL
         family = "Qwen2.5-VL"
     recipe = recipes.get(family, "qwen2_5_vl_geo3k")

@@ -60,6 +60,7 @@ def test_an_embedded_name_runs_the_demo_on_that_model(model, output):
                                            ("Qwen/Qwen3-VL-30B-A3B-Instruct", "qwen3_vl_moe_geo3k"),
                                            ("Qwen/Qwen3.5-35B-A3B", "qwen3_5_moe_geo3k"),
                                            ("zai-org/GLM-4.1V-9B-Thinking", "glm4_1v_geo3k"),
+                                           ("OpenGVLab/InternVL3_5-8B-HF", "internvl3_5_geo3k"),
                                            ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl_geo3k")])
 def test_a_hub_id_picks_its_familys_recipe_by_name(model, recipe):
     args = dry_run(MODEL_PATH=model)
@@ -106,6 +107,21 @@ def test_the_glm4_1v_recipe_loads_with_verls_settings_and_fits_the_released_boun
     folder = tmp_path / "glm" / "policy"
     shutil.copytree(ensure_built("tiny-glm4v"), folder)
     assert value(dry_run(MODEL_PATH=str(folder)), "config") == "examples/configs/glm4_1v_geo3k.yaml"
+
+
+def test_the_internvl3_5_recipe_loads_with_opengvlabs_settings_and_a_local_folder_picks_it(tmp_path):
+    """OpenGVLab's InternVL3.5-8B online-RL settings (verl-internvl); no pixel bounds (tiles); prompts long enough
+    for geo3k's 7 to 13 tiles of 256 tokens; a local InternVL folder picks it by its config.json."""
+    from vlmrl.models.tiny import ensure_built
+
+    config = load_config([f"config={ROOT / 'examples' / 'configs' / 'internvl3_5_geo3k.yaml'}"], check_model=False)
+    assert config.data.min_pixels is None and config.data.max_pixels is None
+    assert config.data.max_prompt_length >= 13 * 256 + 2 + 64
+    assert (config.data.train_batch_size, config.actor.ppo_mini_batch_size, config.rollout.n) == (512, 32, 16)
+    assert (config.actor.optim.lr, config.actor.use_kl_loss, config.actor.micro_batch_tokens) == (1e-6, False, 16384)
+    folder = tmp_path / "internvl" / "policy"
+    shutil.copytree(ensure_built("tiny-internvl"), folder)
+    assert value(dry_run(MODEL_PATH=str(folder)), "config") == "examples/configs/internvl3_5_geo3k.yaml"
 
 
 def test_the_qwen3_5_recipe_loads_with_slimes_geo3k_settings():
