@@ -79,3 +79,27 @@ def test_glm4v_tool_turns_read_as_its_template_renders_them():
     assert render.tool_turn_text(replies, "<|endoftext|>").startswith("<|observation|>\n")
     with pytest.raises(ValueError, match="set agent.tool_turn_format=template"):
         renderer(processor, "qwen2.5")
+
+
+def test_internvl_tool_turns_read_as_its_template_renders_them():
+    """InternVL3.5 (template format): ChatML with `tool` turns, one <IMG_CONTEXT> per reply image; the trajectory's
+    ids expand it as the processor does (`<img>` + 16 x tiles + `</img>`). Qwen2.5's format is refused: its
+    `<|image_pad|>` is not how this model takes an image."""
+    from vlmrl.models.tiny import ensure_built
+
+    processor = load_processor(str(ensure_built("tiny-internvl")))
+    render = renderer(processor, "template")
+    replies = [ToolReply("first", [IMAGE]), ToolReply("second")]
+    prompt = [{"role": "user", "content": "q"}]
+    tool_messages = [{"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "first"}]},
+                     {"role": "tool", "content": [{"type": "text", "text": "second"}]}]
+    expected = _render(processor, prompt + [{"role": "assistant", "content": "call"}] + tool_messages, True)
+    generated = _render(processor, prompt, True) + "call<|im_end|>"
+    assert generated + render.tool_turn_text(replies, "<|im_end|>") == expected
+    ids = render.tool_turn_ids(replies, processor.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    assert ids.count(processor.image_token_id) == 1
+    expanded = processor.expand_prompt_ids(ids, processor.image_grid_thw([IMAGE]))
+    assert expanded.count(processor.image_token_id) == 16 * processor.tiles(IMAGE)
+    assert expanded.count(processor.image_start_id) == expanded.count(processor.image_end_id) == 1
+    with pytest.raises(ValueError, match="set agent.tool_turn_format=template"):
+        renderer(processor, "qwen2.5")

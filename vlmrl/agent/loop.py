@@ -38,7 +38,7 @@ from vlmrl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
 from vlmrl.agent.tools import Tool, ToolContext, ToolRegistry, ToolTimeout, as_output, call_tool_method
 from vlmrl.agent.trajectory import AgentSample, Trajectory, to_sample
 from vlmrl.agent.turns import ToolReply, TurnRenderer
-from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image
+from vlmrl.processors.images import ImageInputError, image_hash, load_image
 from vlmrl.types import PromptInputs, RolloutRequest, RolloutResult, Sample, SamplingParams
 from vlmrl.utils.executor import DaemonExecutor
 
@@ -431,8 +431,7 @@ class AgentLoop:
                 continue
             try:
                 rgb = load_image(image, self.processor.config)  # the data.* image-safety settings
-                shown.append(resize_image(rgb, self.processor.min_pixels, self.processor.max_pixels,
-                                          self.processor.image_factor))
+                shown.append(self.processor.prepare_image(rgb, "an image"))  # as a row's images are
             except ImageInputError as err:
                 traj.count("tool/bad_images")
                 notes.append(f"(image {i} from {tool_name!r} is unusable: {err})")

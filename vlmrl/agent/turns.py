@@ -35,9 +35,11 @@ class TurnRenderer:
         self.tokenizer = tokenizer
         self.image_token_id = image_token_id
         self.turn_format = turn_format
-        if turn_format == "qwen2.5" and tokenizer.convert_tokens_to_ids("<|im_start|>") is None:
+        if turn_format == "qwen2.5" and (tokenizer.convert_tokens_to_ids("<|im_start|>") is None
+                                         or tokenizer.convert_tokens_to_ids("<|image_pad|>") != image_token_id):
             raise ValueError("agent.tool_turn_format=qwen2.5 writes tool turns in Qwen2.5's tokens (<|im_start|>, "
-                             "<|vision_start|><|image_pad|>), which this model's tokenizer does not have: set "
+                             "<|vision_start|><|image_pad|>), which this model's tokenizer does not have or "
+                             "does not take images by (InternVL's <IMG_CONTEXT>): set "
                              "agent.tool_turn_format=template (the checkpoint's own chat template renders them)")
         self.assistant_suffix, self.generation_prompt = self._template_pieces()
         # special tokens a tool's text must not be able to inject (an <|image_pad|> without an image breaks the step)
