@@ -239,14 +239,14 @@ def _counted(run) -> int:
 
 # Qwen3-VL's and Qwen3.5's own are variants of the same count on Qwen3-VL-MoE (its tower and deepstack are
 # Qwen3-VL's) and GLM-4.1V; the MoE model counts the experts a token runs through.
-@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl-moe", "tiny-glm4v"])
+@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl-moe", "tiny-glm4v", "tiny-internvl"])
 def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(variant):
     """torch's FlopCounterMode on the model's own forward and backward (eager attention and experts, so that every
     matmul is one it counts): a row with an image, and a text-only row, equal `ModelFlops.update_flops` exactly,
     but for one declared difference: EasyR1's formula counts the embedding as a matmul (6 x V x h per token), the
     counter sees a lookup. The tower alone on larger grids (Qwen2.5-VL's windows: 4 windows a frame; a video of two
     temporal patches on Qwen3-VL-MoE, attending within each, its deepstack mergers in the loss) equals
-    `vision_flops` exactly."""
+    `vision_flops` exactly; InternVL's tiles too, with its class tokens and the projector outside the tower."""
     from transformers import AutoModelForImageTextToText
 
     from tests.processors.helpers import image_row, noise_image
@@ -267,12 +267,21 @@ def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(variant):
         ids = prompt.input_ids[None]
 
         def step():
-            model(input_ids=ids, position_ids=prompt.position_ids[:, None], **prompt.multi_modal_inputs
-                  ).logits.sum().backward()
+            inputs = processor.family.forward_inputs(dict(input_ids=ids, position_ids=prompt.position_ids[:, None],
+                                                          **prompt.multi_modal_inputs))
+            model(**inputs).logits.sum().backward()
 
         grids = prompt.multi_modal_inputs["image_grid_thw"].tolist() if images else []
         embedding = 6 * text.vocab_size * text.hidden_size * ids.shape[1]
         assert _counted(step) == flops.update_flops([ids.shape[1]], grids) - embedding, (variant, len(images))
+    if processor.family.image_layout == "tiles":  # InternVL: 3 tiles through the tower and the projector after it
+        tiles = torch.randn(3, 3, processor.tile, processor.tile)
+
+        def encode_tiles():
+            model.model.get_image_features(pixel_values=tiles).pooler_output.sum().backward()
+
+        assert _counted(encode_tiles) == flops.vision_flops([[3, 1, 1]])
+        return
     tower = model.model.visual
     patch = model.config.vision_config
     width = patch.in_channels * patch.temporal_patch_size * patch.patch_size ** 2

@@ -34,6 +34,9 @@ class ModelFlops:
     """Window side in merged tokens (Qwen2.5-VL: window_size / spatial_merge_size / patch_size)."""
     merge_size: int = 1
     """spatial_merge_size: a merged (language-model) token is merge_size x merge_size patches."""
+    tile_tokens: int = 0
+    """A tiles family (InternVL): each grid row is (tiles, 1, 1), `vision_params` are per TILE, and a tile's tower
+    attends over this many tokens (its patches and a class token). 0: grids of patches."""
 
     def text_flops(self, seqlens: Iterable[int]) -> float:
         """Forward + backward FLOPs of the language model over rows of these token counts (EasyR1's formula)."""
@@ -46,7 +49,8 @@ class ModelFlops:
         patches = full = windowed = 0
         for t, h, w in grids:
             patches += t * h * w
-            full += t * (h * w) ** 2  # attention within each frame (transformers' cu_seqlens)
+            full += t * (h * w) ** 2 if not self.tile_tokens else t * h * w * self.tile_tokens ** 2
+            # attention within each frame (transformers' cu_seqlens), or within each tile
             if self.vision_window_layers:
                 rows, cols = _window_sides(h // self.merge_size, self.window), _window_sides(w // self.merge_size,
                                                                                             self.window)
@@ -72,14 +76,14 @@ def _as_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
 
 
 def model_flops(model_config: Mapping[str, Any] | Any) -> ModelFlops | None:
-    """`ModelFlops` of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / GLM-4.1V config (config.json as a dict, or a
-    transformers config); None for another model type (no MFU then). Fields a config.json may omit take transformers'
-    defaults when it is loaded through AutoConfig (as `throughput_metrics` does). A MoE layer counts the experts a
-    token runs through and its router, as verl's flops counter does for Qwen MoE models (`hidden x top-k x
-    moe_intermediate x 3 + hidden x experts`); layers in `mlp_only_layers` are dense."""
+    """`ModelFlops` of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / GLM-4.1V / InternVL config (config.json as
+    a dict, or a transformers config); None for another model type (no MFU then). Fields a config.json may omit take
+    transformers' defaults when it is loaded through AutoConfig (as `throughput_metrics` does). A MoE layer counts
+    the experts a token runs through and its router, as verl's flops counter does for Qwen MoE models (`hidden x
+    top-k x moe_intermediate x 3 + hidden x experts`); layers in `mlp_only_layers` are dense."""
     config = _as_dict(model_config)
     model_type = config.get("model_type")
-    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"):
+    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "internvl"):
         return None
     text = _as_dict(config.get("text_config") or config)
     h, heads, layers = text["hidden_size"], text["num_attention_heads"], text["num_hidden_layers"]
@@ -100,6 +104,8 @@ def model_flops(model_config: Mapping[str, Any] | Any) -> ModelFlops | None:
     if not vision:
         return flops
     v = _as_dict(vision)
+    if model_type == "internvl":
+        return _internvl(flops, v, config, h)
     m = v["spatial_merge_size"]
     if model_type == "glm4v":
         # every block full attention with a SwiGLU MLP; then a m x m stride-m convolution (dim -> out) per merged
@@ -128,3 +134,19 @@ def model_flops(model_config: Mapping[str, Any] | Any) -> ModelFlops | None:
         vision_input_params=patch_embed, vision_width=dim, vision_full_layers=full,
         vision_window_layers=v["depth"] - full,
         window=v["window_size"] // m // v["patch_size"] if model_type == "qwen2_5_vl" else 0, merge_size=m)
+
+
+def _internvl(text: ModelFlops, v: dict[str, Any], config: dict[str, Any], hidden: int) -> ModelFlops:
+    """InternVL: per tile, the patch embedding on its patches, every InternViT block (q, k, v, o and fc1 / fc2) on its
+    patches and class token, then pixel shuffle (ratio r: a token of dim/r^2 per 1/r^2 patches) and the projector
+    (dim/r^2 -> hidden -> hidden) on each of them."""
+    side, patch = (x[0] if isinstance(x, (list, tuple)) else x for x in (v["image_size"], v["patch_size"]))
+    patches = (side // patch) ** 2
+    dim, ratio = v["hidden_size"], config.get("downsample_ratio", 0.5)
+    merged = int(dim / ratio**2)
+    patch_embed = dim * v.get("num_channels", 3) * patch * patch * patches
+    blocks = (4 * dim * dim + 2 * dim * v["intermediate_size"]) * v["num_hidden_layers"] * (patches + 1)
+    projector = (merged * hidden + hidden * hidden) * int(patches * ratio**2)
+    return ModelFlops(text_params=text.text_params, text_attention=text.text_attention,
+                      vision_params=patch_embed + blocks + projector, vision_input_params=patch_embed,
+                      vision_width=dim, vision_full_layers=v["num_hidden_layers"], tile_tokens=patches + 1)
