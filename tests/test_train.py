@@ -80,12 +80,13 @@ def test_a_bad_row_fails_in_one_message_before_any_engine_starts(tiny_model_path
 
 @pytest.mark.sglang
 @pytest.mark.parametrize(("model", "setting", "reason"), [
-    ("tiny-internvl", "data.max_pixels=null", "SGLang serves InternVL3.5 only through its Transformers fallback"),
+    ("tiny-qwen3-vl", "rollout.sglang.vlm_cache_size_mb=100", "rollout.sglang.vlm_cache_size_mb=100 on Qwen3-VL"),
     ("tiny-qwen3-vl-moe", "rollout.sglang.capture_routing=true", "rollout.sglang.capture_routing needs a GPU"),
-], ids=["internvl", "capture-routing-on-cpu"])
+], ids=["cache-without-salted-hashes", "capture-routing-on-cpu"])
 def test_an_engine_refused_on_its_settings_is_one_error_line(tmp_path, model, setting, reason):
-    """SGLang refused before it starts (a model whose requests it cannot take in vlmrl's form; a setting that kills
-    its scheduler on a CPU): exit status 2 and one `error:` line that names the reason, no traceback."""
+    """SGLang refused before it starts (a multimodal cache that would serve old vision features on a family whose
+    salted hashes crash it; a setting that kills its scheduler on a CPU): exit status 2 and one `error:` line that
+    names the reason, no traceback."""
     last = _refused_run(tmp_path, f"actor.model_path={model}", "rollout.name=sglang", setting)
     assert last.startswith("error: sglang: ") and reason in last, last
 

@@ -1,6 +1,6 @@
-"""The compare tool on the embedded InternVL3.5 (fp32, CPU) with vLLM: HF and vLLM agree exactly, and the trainer
-(1-D positions, tiles, packed and chunked) scores vLLM's samples exactly. SGLang is not a side for this family: it is
-refused before it starts (tests/test_train.py)."""
+"""The compare tool on the embedded InternVL3.5 (fp32, CPU) with the real engines: HF and vLLM agree exactly, SGLang
+(text-form requests through its Transformers fallback) agrees with vLLM exactly, and the trainer (1-D positions,
+tiles, packed and chunked) scores vLLM's samples exactly."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 
 from tests.alignment.test_compare_engines import compare_in_process, family_setup
 from tests.alignment.test_compare_engines import read_report as _report
+from tests.alignment.test_compare_engines import validate_side as _validate
+from vlmrl.alignment.compare import main
 
 pytestmark = pytest.mark.vllm
 
@@ -51,3 +53,13 @@ def test_the_trainer_scores_vllm_samples_exactly(setup, hf_vs_vllm):
     comparison = compare_artifacts(*read_artifact(engine), *read_artifact(trainer), Thresholds(**FP32_THRESHOLDS))
     assert comparison.ok and comparison.exact == comparison.total == 7
     assert comparison.max_abs_logprob_delta < 1e-4
+
+
+@pytest.mark.sglang
+def test_sglang_agrees_with_vllm_exactly(setup, hf_vs_vllm):
+    root, overrides, _ = setup
+    _, first = hf_vs_vllm
+    sglang = _validate(overrides, "sglang", root / "val_sglang.jsonl")
+    assert main([str(first / "val_b_vllm.jsonl"), str(sglang), "--out", str(root / "vs_sglang"), "--no-html"]) == 0
+    report = _report(root / "vs_sglang")
+    assert report["summary"]["exact"] == 7 and report["summary"]["max_abs_logprob_delta"] < 1e-4

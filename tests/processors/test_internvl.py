@@ -96,11 +96,9 @@ def test_pixel_bounds_do_not_apply_and_videos_are_refused(path, processor):
                                  "videos": [{"path": "clip.mp4"}]})
 
 
-def test_sglang_is_refused_with_the_reason_and_vllm_is_not(path):
+def test_no_engine_problem_and_sglang_takes_text(path):
+    """Neither engine needs a setting for this config; SGLang takes the family's prompts as text
+    (tests/rollout/internvl/test_sglang.py)."""
     from vlmrl.models.families import INTERNVL, read_model_config
 
-    config = read_model_config(path)
-    assert INTERNVL.engine_problems(config, "vllm") == []
-    for backend in ("sglang", "sglang-server"):
-        (problem,) = INTERNVL.engine_problems(config, backend)
-        assert "only through its Transformers fallback and only from chat text" in problem
+    assert INTERNVL.engine_problems(read_model_config(path)) == [] and not INTERNVL.sglang_prompt_ids

@@ -40,6 +40,7 @@ SHARED = {
     ("vllm", "tiny-glm4v"): {},
     ("sglang", "tiny-glm4v"): {},
     ("vllm", "tiny-internvl"): {},
+    ("sglang", "tiny-internvl"): {},
 }
 ENGINE_FIXTURES = {
     "vllm_qwen2_5_vl": ("vllm", "tiny"),
@@ -53,6 +54,7 @@ ENGINE_FIXTURES = {
     "vllm_glm4v": ("vllm", "tiny-glm4v"),
     "sglang_glm4v": ("sglang", "tiny-glm4v"),
     "vllm_internvl": ("vllm", "tiny-internvl"),
+    "sglang_internvl": ("sglang", "tiny-internvl"),
 }
 VIDEO_ENGINE_FIXTURES = {"video_vllm": "vllm", "video_sglang": "sglang"}
 """The shared engine of a backend on the module's current `video_model_path` family."""
@@ -200,6 +202,11 @@ def sglang_glm4v(shared_engines):
 @pytest.fixture(scope="module")
 def vllm_internvl(shared_engines):
     return shared_engines.get("vllm", "tiny-internvl")
+
+
+@pytest.fixture(scope="module")
+def sglang_internvl(shared_engines):
+    return shared_engines.get("sglang", "tiny-internvl")
 
 
 def _embedded_name(model_path: str) -> str:

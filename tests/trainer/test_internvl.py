@@ -1,7 +1,7 @@
 """The fit loop on the embedded InternVL3.5 (a tiles family, 1-D positions): a short run on vLLM trains, syncs the
 engine's weights (renamed to the checkpoint's `language_model.model.*` / `vision_tower.*` / `multi_modal_projector.*`)
-and saves a checkpoint that is a complete InternVL folder; validate-only from it on vLLM leaves it untouched and
-writes the artifact; SGLang is refused before any engine starts, with the reason."""
+and saves a checkpoint that is a complete InternVL folder; validate-only from it on SGLang (text-form requests)
+leaves it untouched and writes the artifact."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from vlmrl.config import load_config
 from vlmrl.trainer.fit import fit
 from vlmrl.trainer.metrics import read_metrics
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.sglang]
 
 TILES = ("data.max_pixels=null",)  # pixel bounds do not apply to a tiles family (each image is cut into tiles)
 
@@ -33,7 +33,7 @@ def _names(folder: Path) -> set[str]:
         return set(f.keys())
 
 
-def test_train_on_vllm_checkpoint_and_validate_only(tmp_path):
+def test_train_on_vllm_checkpoint_and_validate_only_on_sglang(tmp_path):
     from transformers import AutoModelForImageTextToText
 
     from vlmrl.models.tiny import ensure_built
@@ -60,8 +60,8 @@ def test_train_on_vllm_checkpoint_and_validate_only(tmp_path):
     before = _digests(latest)
     val = tmp_path / "val"
     metrics = fit(load_config(base_args(str(latest), val, "trainer.val_only=true", "data.train_files=",
-                                        "rollout.name=vllm", "rollout.dtype=float32", *TILES)))
+                                        "rollout.name=sglang", "rollout.dtype=float32", *TILES)))
     assert _digests(latest) == before
-    meta, records = read_artifact(val / "validation_vllm_step2.jsonl")
-    assert meta.backend == "vllm" and meta.step == 2 and sorted(r.index for r in records) == list(range(8))
+    meta, records = read_artifact(val / "validation_sglang_step2.jsonl")
+    assert meta.backend == "sglang" and meta.step == 2 and sorted(r.index for r in records) == list(range(8))
     assert metrics["val/accuracy"] == sum(r.reward_extra["accuracy"] for r in records) / len(records)

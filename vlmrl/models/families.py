@@ -157,8 +157,10 @@ class ModelFamily:
     `projection_layer` and the `multi_modal_projector` linears): such adapters sync merged."""
     sglang_prompt_ids: bool = True
     """SGLang takes this family's requests as prompt ids + images. False (InternVL): sglang 0.5.23 has no native
-    class for transformers' InternVL format; its Transformers fallback serves it from chat TEXT only (an id list
-    reaches the HF processor as text: "expected string or bytes-like object, got 'int'")."""
+    class for transformers' InternVL format and serves it through its Transformers fallback, whose processor takes
+    chat TEXT only (an id list reaches the HF processor as text: "expected string or bytes-like object, got
+    'int'"): vlmrl sends the same prompt ids decoded to text, and checks that the engine's expanded prompt is the
+    trainer's (`vlmrl.rollout.sglang`)."""
 
     @property
     def timestamps_in_text(self) -> bool:
@@ -209,11 +211,6 @@ class ModelFamily:
         """
         problems = []
         sglang = backend is None or backend.startswith("sglang")
-        if not self.sglang_prompt_ids and sglang:
-            problems.append(f"SGLang serves {self.name} only through its Transformers fallback and only from chat "
-                            "text (sglang 0.5.23 has no native class for this format, and the fallback hands prompt "
-                            "ids to the HF processor as text); vlmrl sends one request form, prompt ids + images, to "
-                            "every engine: use vllm or the hf backend for this model")
         if self.linear_attention is not None and sglang:
             problems += _attention_interval_problems(self.name, model_config)
         if self.deepstack_free and sglang and (model_config.get("vision_config") or {}).get(

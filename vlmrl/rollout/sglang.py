@@ -40,9 +40,9 @@ from vlmrl.rollout.base import (
     release_memory,
 )
 from vlmrl.rollout.config import SGLangConfig
-from vlmrl.rollout.errors import EngineSettingError, RolloutError
+from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError, RolloutError
 from vlmrl.rollout.logs import route_engine_logs
-from vlmrl.rollout.requests import sample_seed, top_allowed
+from vlmrl.rollout.requests import describe, sample_seed, top_allowed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
 
@@ -176,7 +176,8 @@ class SGLangCommon(RolloutBackend):
         from vlmrl.processors.images import image_hash
 
         draws = 1 if sampling.greedy else sampling.n
-        entries: dict[str, list] = {"input_ids": [], "image_data": [], "sampling_params": [], "mm_hashes": []}
+        key = "input_ids" if self.processor.family.sglang_prompt_ids else self.text_key
+        entries: dict[str, list] = {key: [], "image_data": [], "sampling_params": [], "mm_hashes": []}
         with_video = any(r.videos for r in requests)
         if with_video:
             entries["video_data"] = []
@@ -187,7 +188,9 @@ class SGLangCommon(RolloutBackend):
                 # The weight version in the hash keeps any multimodal cache from serving old-weight embeddings.
                 salted = [hashlib.sha256(f"{h}:{self.weight_version}".encode()).hexdigest()[:16] for h in hashes]
             ids, images, videos = list(request.prompt_ids), self.encode_images(request.images), None
-            if request.videos:
+            if key != "input_ids":
+                ids = self.prompt_text(request, position)
+            elif request.videos:
                 ids, images, videos = self.video_entry(request)
             seed = sample_seed(sampling, position)
             for i in range(draws):
@@ -196,7 +199,7 @@ class SGLangCommon(RolloutBackend):
                           "logit_bias": {str(t): BAN_LOGIT_BIAS for t in request.banned_token_ids} or None}
                 if seed is not None:
                     params["sampling_seed"] = seed + i
-                entries["input_ids"].append(ids)
+                entries[key].append(ids)
                 entries["image_data"].append(images)
                 entries["sampling_params"].append(params)
                 entries["mm_hashes"].append(salted)
@@ -218,14 +221,62 @@ class SGLangCommon(RolloutBackend):
             body["top_logprobs_num"] = sampling.top_logprobs + len(banned)
         return body
 
+    text_key = "prompt"
+    """The key of a text prompt in a generate call (the Engine's `prompt`; the server's JSON says `text`)."""
+
+    def prompt_text(self, request: RolloutRequest, position: int) -> str:
+        """The request's prompt ids as the text a text-form family's SGLang takes (special tokens kept). Raises
+        InvalidRequestError unless the text tokenizes back to exactly those ids: the engine would then see another
+        prompt than the trainer scores."""
+        tokenizer = self.processor.tokenizer
+        text = tokenizer.decode(list(request.prompt_ids), skip_special_tokens=False)
+        if list(tokenizer.encode(text, add_special_tokens=False)) != list(request.prompt_ids):
+            raise InvalidRequestError(
+                f"{self.name}: {describe(request, position)}: SGLang takes {self.processor.family.name} prompts as "
+                "text, and these prompt ids do not tokenize back from their text (the engine would see another "
+                "prompt than the trainer scores); build requests with vlmrl.processors")
+        return text
+
+    def check_text_prompts(self, generate) -> None:
+        """Fail start-up unless the engine expands a text-form family's prompt into exactly the ids the trainer
+        scores: a probe request with a square image (one tile), its prompt's ids read back from the engine (input
+        logprobs from position 0); text only where max_model_len has no room for the image (each prompt's
+        expanded length is checked anyway, `parse`). `generate(payload) -> outputs`."""
+        from PIL import Image
+
+        pixels = np.random.default_rng(0).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
+        row = {"prompt": [{"role": "user", "content": "<image>Describe it."}], "images": [Image.fromarray(pixels)]}
+        probe = self.processor.build_request(row, index=-1)
+        if len(self.processor.prompt_inputs(probe).input_ids) >= self.options.max_model_len:
+            probe = self.processor.build_request({"prompt": "Describe it."}, index=-1)
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=1)
+        body = dict(self.payload([probe], sampling), logprob_start_len=0)
+        (out,) = generate(body)
+        engine_ids = [entry[1] for entry in out["meta_info"]["input_token_logprobs"]]
+        expected = self.processor.prompt_inputs(probe).input_ids.tolist()
+        if engine_ids != expected:
+            first = next((i for i, (a, b) in enumerate(zip(engine_ids, expected)) if a != b),
+                         min(len(engine_ids), len(expected)))
+            raise RolloutError(f"{self.name}: the engine expands {self.processor.family.name}'s text prompt into "
+                               f"{len(engine_ids)} ids, the trainer scores {len(expected)}; first difference at "
+                               f"position {first}: the two would not compute the same sequence")
+
     def parse(self, outputs: list[dict], requests: Sequence[RolloutRequest], sampling: SamplingParams
               ) -> list[RolloutResult]:
         draws = 1 if sampling.greedy else sampling.n
         if len(outputs) != len(requests) * draws:
             raise RolloutError(f"{self.name}: {len(outputs)} outputs for {len(requests)} requests x {draws}")
         results = []
+        text_form = not self.processor.family.sglang_prompt_ids
         for position, request in enumerate(requests):
             own = outputs[position * draws:(position + 1) * draws]
+            if text_form:  # the engine expanded a text prompt: its length must be the trainer's expansion
+                expected = len(request.prompt_ids) - len(request.images) + sum(
+                    self.processor.image_token_count(im) for im in request.images)
+                got = own[0]["meta_info"].get("prompt_tokens")
+                if got != expected:
+                    raise RolloutError(f"{self.name}: {describe(request, position)}: the engine's prompt is {got} "
+                                       f"tokens, the trainer's {expected}: it expanded the text otherwise")
             for i in range(sampling.n):
                 results.append(_result(own[i % draws], request, i, sampling.top_logprobs,
                                        self.routing_layout() if self.captures_routing() else None))
@@ -247,6 +298,8 @@ class SGLangCommon(RolloutBackend):
             raise RolloutError(
                 f"{self.name}: the engine returns logprobs after temperature ({h.response_logprobs[0]:.4f} at T=5 "
                 f"vs {g.response_logprobs[0]:.4f} raw); start it with SGLANG_RETURN_ORIGINAL_LOGPROB=1")
+        if not self.processor.family.sglang_prompt_ids:
+            self.check_text_prompts(generate)
 
     def start_args(self) -> dict[str, Any]:
         """The arguments this backend starts its engine (or server) with; notes what sleep will do."""

@@ -37,6 +37,7 @@ class SGLangServerBackend(SGLangCommon):
     a free port, its own log file) or one the user runs (rollout.server.url)."""
 
     name = "sglang-server"
+    text_key = "text"  # /generate's JSON
 
     def __init__(self, model_path: str, options: BackendOptions):
         super().__init__(model_path, options)
