@@ -41,7 +41,8 @@ def value(args: list[str], key: str) -> str:
 
 @pytest.mark.parametrize("model, output", [("tiny", "outputs/demo"), ("tiny-qwen3-vl", "outputs/demo-tiny-qwen3-vl"),
                                            ("tiny-qwen3.5", "outputs/demo-tiny-qwen3.5"),
-                                           ("tiny-glm4v", "outputs/demo-tiny-glm4v")])
+                                           ("tiny-glm4v", "outputs/demo-tiny-glm4v"),
+                                           ("tiny-internvl", "outputs/demo-tiny-internvl")])
 def test_an_embedded_name_runs_the_demo_on_that_model(model, output):
     args = dry_run(MODEL_PATH=model, ROLLOUT="hf")
     assert value(args, "config") == "examples/configs/tiny_synthetic.yaml"
@@ -52,7 +53,7 @@ def test_an_embedded_name_runs_the_demo_on_that_model(model, output):
 
     processor = load_processor(model, config.data)  # the demo's pixel bounds fit this model's processor
     assert processor.family.name == {"tiny-qwen3-vl": "Qwen3-VL", "tiny-qwen3.5": "Qwen3.5",
-                                     "tiny-glm4v": "GLM-4.1V"}.get(model, "Qwen2.5-VL")
+                                     "tiny-glm4v": "GLM-4.1V", "tiny-internvl": "InternVL3.5"}.get(model, "Qwen2.5-VL")
 
 
 @pytest.mark.parametrize("model, recipe", [("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl_geo3k"),
