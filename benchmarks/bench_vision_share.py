@@ -6,8 +6,9 @@ images are ~1000 patches; the default 20 x 20 merged = 1600 patches) and ~40 tex
 (short, so that the vision share of the step shows; geo3k's are ~300). One GRPO update (one optimizer step over all
 rows, micro-batches of n rows so that a prompt's samples share a forward); both sides start from the same weights
 and must give the same pg_loss and grad norm (rel 1e-5). Reported per n: update time of each side and their ratio,
-and the vision FLOPs (`vlmrl.models.flops.ModelFlops.vision_flops`, forward + backward) of what each side
-encodes.
+the vision FLOPs (`vlmrl.models.flops.ModelFlops.vision_flops`, forward + backward) of what each side encodes, and
+the vision part's own wall time: transformers' `get_image_features` (tower and mergers) forward and backward on one
+micro-batch of a prompt's n samples, through the sharing wrapper or per row (`vision_time`).
 
     .venv/bin/python benchmarks/bench_vision_share.py                  # --model tiny --prompts 2 --side 20
     .venv/bin/python benchmarks/bench_vision_share.py --model tiny-large --prompts 1 --ns 1 5 8
@@ -69,6 +70,30 @@ def update(model_dir: str, batch, state: dict, n: int, share: bool) -> tuple[flo
     return time.perf_counter() - start, metrics
 
 
+def vision_time(model, batch, rows: list[int], share: bool, repeats: int = 3) -> float:
+    """Seconds of the vision part alone as the update runs it on one micro-batch of these rows: transformers'
+    `get_image_features` (tower and mergers) forward and backward on the rows' images, through the sharing
+    wrapper (`share`: one encoding per distinct image, its features handed to every row) or per row. The best of
+    `repeats`."""
+    from vlmrl.actor.vision_share import encoder_owner, shared_vision
+
+    owner = encoder_owner(model)
+    with_images = [batch.multi_modal_inputs[i] for i in rows if batch.multi_modal_inputs[i]]
+    pixels = torch.cat([m["pixel_values"] for m in with_images])
+    grid = torch.cat([m["image_grid_thw"] for m in with_images])
+    best = float("inf")
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        with shared_vision(model, enabled=share):
+            out = owner.get_image_features(pixels, grid, return_dict=True)
+        features = out.pooler_output
+        total = sum(f.sum() for f in (features if isinstance(features, (tuple, list)) else [features]))
+        total.backward()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="an embedded model (tiny, tiny-large, tiny-qwen3-vl, ...)")
@@ -120,9 +145,13 @@ def run(args, model_dir: str, state: dict, flops, processor) -> None:
     update(model_dir, warm, state, 2, True)  # first-call costs paid by no side
     print(f"model {args.model}, {args.prompts} prompt(s), one {side}x{side}-merged-patch image each "
           f"({side * side * 4} patches), torch threads {args.threads}")
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    model.load_state_dict(state)
     print("| n | samples | per-row update | shared update | time ratio | per-row vision TFLOPs | shared vision "
-          "TFLOPs | FLOPs ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+          "TFLOPs | FLOPs ratio | per-row vision time | shared vision time | vision time ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.ns:
         batch = workload(processor, args.prompts, n, side, args.seed)
         per_row, a = update(model_dir, batch, state, n, False)
@@ -133,8 +162,11 @@ def run(args, model_dir: str, state: dict, flops, processor) -> None:
         grid = [(1, 2 * side, 2 * side)]
         row_flops = flops.vision_flops(grid * (args.prompts * n)) / 1e12
         shared_flops = flops.vision_flops(grid * int(b["actor/vision_items_encoded"])) / 1e12
+        group = list(range(n))  # one micro-batch: a prompt's n samples, as the update runs them
+        row_time, shared_time = vision_time(model, batch, group, False), vision_time(model, batch, group, True)
         print(f"| {n} | {len(batch)} | {per_row:.2f} s | {shared:.2f} s | {per_row / shared:.2f}x | "
-              f"{row_flops:.3f} | {shared_flops:.3f} | {row_flops / shared_flops:.1f}x |")
+              f"{row_flops:.3f} | {shared_flops:.3f} | {row_flops / shared_flops:.1f}x | {row_time * 1e3:.0f} ms | "
+              f"{shared_time * 1e3:.0f} ms | {row_time / shared_time:.2f}x |")
     print("pg_loss and grad_norm equal on both sides at every n (rel 1e-5)")
 
 

@@ -80,7 +80,8 @@ def test_a_bad_row_fails_in_one_message_before_any_engine_starts(tiny_model_path
 
 @pytest.mark.sglang
 @pytest.mark.parametrize(("model", "setting", "reason"), [
-    ("tiny-qwen3-vl", "rollout.sglang.vlm_cache_size_mb=100", "rollout.sglang.vlm_cache_size_mb=100 on Qwen3-VL"),
+    pytest.param("tiny-qwen3-vl", "rollout.sglang.vlm_cache_size_mb=100",
+                 "rollout.sglang.vlm_cache_size_mb=100 on Qwen3-VL", marks=pytest.mark.full),  # the same error path
     ("tiny-qwen3-vl-moe", "rollout.sglang.capture_routing=true", "rollout.sglang.capture_routing needs a GPU"),
 ], ids=["cache-without-salted-hashes", "capture-routing-on-cpu"])
 def test_an_engine_refused_on_its_settings_is_one_error_line(tmp_path, model, setting, reason):

@@ -282,7 +282,10 @@ def test_the_trainer_scores_vllms_samples_as_vllm_did(setup, hf_vs_vllm):
     assert sum(len(r.response_ids) for r in rec_t) > 7, "real responses were scored, not empty ones"
 
 
+# A variant (marker `full`, make test-all; 48 s): the trainer side at dp = 2. make test keeps the trainer side at
+# dp = 1 above and dp = 2 == dp = 1 for the same logprob pass (tests/distributed/test_group.py).
 @pytest.mark.ray
+@pytest.mark.full
 def test_the_sharded_trainer_at_dp2_scores_vllms_samples_as_one_device_does(setup, hf_vs_vllm):
     """trainer.n_gpus_per_node=2: the run's FSDP2 actor on two Ray workers (packing, token budget and chunks on),
     each rank scoring its slice of the 7 samples and a padding row: every sample exact against vLLM, and equal to

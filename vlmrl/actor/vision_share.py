@@ -121,7 +121,10 @@ def _encode_tiles(original: Callable, counts: VisionCounts | None, enabled: bool
     back into the call's tile order."""
     tiles = list(pixel_values)
     ones = torch.ones(len(tiles), 3, dtype=torch.long)
-    firsts, slot = distinct(tiles, ones) if enabled else (list(range(len(tiles))), list(range(len(tiles))))
+    if enabled:  # the tiles' sums in one reduction: one device sync for the whole call
+        firsts, slot = distinct(tiles, ones, pixel_values.flatten(1).sum(dim=1).tolist())
+    else:
+        firsts, slot = list(range(len(tiles))), list(range(len(tiles)))
     if counts is not None:
         counts.add(ones.tolist(), firsts)
     if len(firsts) == len(tiles):
@@ -148,18 +151,25 @@ def _encode(original: Callable, counts: VisionCounts | None, enabled: bool, pixe
     return out
 
 
-def distinct(chunks: tuple[torch.Tensor, ...] | list[torch.Tensor], grid_thw: torch.Tensor
-             ) -> tuple[list[int], list[int]]:
-    """(the index of the first item of each distinct (grid, pixels), each item's position among those firsts)."""
+def distinct(chunks: tuple[torch.Tensor, ...] | list[torch.Tensor], grid_thw: torch.Tensor,
+             sums: list[float] | None = None) -> tuple[list[int], list[int]]:
+    """(the index of the first item of each distinct (grid, pixels), each item's position among those firsts).
+    Items are bucketed by grid and pixel sum (`sums`, or computed here), then compared exactly within a bucket:
+    linear in the items for all-distinct ones (a GRPO micro-batch may carry hundreds of tiles)."""
     firsts: list[int] = []
     slot: list[int] = []
     grids = [tuple(g) for g in grid_thw.tolist()]
+    if sums is None:
+        sums = [float(chunk.sum()) for chunk in chunks]
+    buckets: dict[tuple, list[int]] = {}
     for i, chunk in enumerate(chunks):
-        for position, first in enumerate(firsts):
-            if grids[first] == grids[i] and torch.equal(chunks[first], chunk):
+        bucket = buckets.setdefault((grids[i], sums[i]), [])
+        for position in bucket:
+            if torch.equal(chunks[firsts[position]], chunk):
                 slot.append(position)
                 break
         else:
             slot.append(len(firsts))
+            bucket.append(len(firsts))
             firsts.append(i)
     return firsts, slot

@@ -40,7 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vlmrl.models.tiny_internvl import INTERNVL_CHAT_TEMPLATE, INTERNVL_SPECIAL_TOKENS, NORM_BIAS, TinyInternVLSpec
+from vlmrl.models import tiny_internvl as internvl
+from vlmrl.models.tiny_internvl import TinyInternVLSpec
 from vlmrl.utils.paths import cache_root
 
 if TYPE_CHECKING:  # torch is imported where a model is built: the launcher resolves names without it
@@ -231,7 +232,7 @@ def _fingerprint(variant: str) -> str:
     if isinstance(VARIANTS[variant], TinyGlm4vSpec):
         h.update(json.dumps([GLM_SPECIAL_TOKENS, GLM_CHAT_TEMPLATE]).encode())
     if isinstance(VARIANTS[variant], TinyInternVLSpec):
-        h.update(json.dumps([INTERNVL_SPECIAL_TOKENS, INTERNVL_CHAT_TEMPLATE, NORM_BIAS]).encode())
+        h.update(json.dumps(internvl.BUILD_FACTS).encode())
     return h.hexdigest()[:12]
 
 
@@ -327,9 +328,9 @@ def build(out_dir: str | os.PathLike, variant: str = "tiny") -> Path:
         _build_glm4v(out, spec)
         return out
     if isinstance(spec, TinyInternVLSpec):
-        from vlmrl.models.tiny_internvl import build_internvl
-
-        build_internvl(out, spec)
+        tok = _build_tokenizer(SPECIAL_TOKENS + internvl.INTERNVL_SPECIAL_TOKENS, internvl.INTERNVL_CHAT_TEMPLATE,
+                               extra_special_tokens=internvl.TOKENIZER_ATTRIBUTES)
+        internvl.build_internvl(out, spec, tok, _save_seeded, VOCAB_SIZE)
         return out
     tok = _build_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}

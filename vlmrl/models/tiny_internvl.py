@@ -9,6 +9,7 @@ The chat template is the -hf conversions' ChatML with `<IMG_CONTEXT>\\n` per ima
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,23 +52,27 @@ INTERNVL_CHAT_TEMPLATE = (
 )
 
 
-def build_internvl(out: Path, spec: TinyInternVLSpec) -> None:
-    """Write the tiny InternVL3.5 folder: tokenizer (with the attributes InternVLProcessor reads:
-    start_image_token, end_image_token, context_image_token, video_token), processor, config, weights."""
+BUILD_FACTS = [INTERNVL_SPECIAL_TOKENS, INTERNVL_CHAT_TEMPLATE, NORM_BIAS]
+"""What the build writes beyond the spec: part of the embedded build's fingerprint (`vlmrl.models.tiny`)."""
+
+TOKENIZER_ATTRIBUTES = {"start_image_token": "<img>", "end_image_token": "</img>",
+                        "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+"""The tokenizer attributes InternVLProcessor reads (`tokenizer.start_image_token`, ...)."""
+
+
+def build_internvl(out: Path, spec: TinyInternVLSpec, tok, save_seeded: Callable, vocab_size: int) -> None:
+    """Write the tiny InternVL3.5 folder: processor, config, weights (`save_seeded(model_class, config, out,
+    norm_bias)`, the embedded models' seeded init), with `tok`, the embedded tokenizer with this family's tokens,
+    template and `TOKENIZER_ATTRIBUTES` (`vlmrl.models.tiny` builds it)."""
     from transformers import GenerationConfig, InternVLConfig, InternVLForConditionalGeneration, InternVLProcessor
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
     from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
 
-    from vlmrl.models.tiny import SPECIAL_TOKENS, VOCAB_SIZE, _build_tokenizer, _save_seeded
-
-    tok = _build_tokenizer(SPECIAL_TOKENS + INTERNVL_SPECIAL_TOKENS, INTERNVL_CHAT_TEMPLATE,
-                           extra_special_tokens={"start_image_token": "<img>", "end_image_token": "</img>",
-                                                 "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"})
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + INTERNVL_SPECIAL_TOKENS}
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ["<|im_end|>", "<|endoftext|>", *INTERNVL_SPECIAL_TOKENS]}
     stops = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     config = InternVLConfig(
         text_config=dict(
-            model_type="qwen3", vocab_size=VOCAB_SIZE, hidden_size=spec.text_hidden,
+            model_type="qwen3", vocab_size=vocab_size, hidden_size=spec.text_hidden,
             intermediate_size=spec.text_intermediate, num_hidden_layers=spec.text_layers,
             num_attention_heads=spec.text_heads, num_key_value_heads=spec.text_heads, head_dim=spec.head_dim,
             max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -79,7 +84,7 @@ def build_internvl(out: Path, spec: TinyInternVLSpec) -> None:
         image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=spec.tokens_per_tile,
         downsample_ratio=spec.downsample_ratio, tie_word_embeddings=False,
     )
-    _save_seeded(InternVLForConditionalGeneration, config, out, norm_bias=NORM_BIAS)
+    save_seeded(InternVLForConditionalGeneration, config, out, norm_bias=NORM_BIAS)
     image_processor = GotOcr2ImageProcessorPil(
         size={"height": spec.tile, "width": spec.tile}, crop_to_patches=True, min_patches=1,
         max_patches=spec.max_tiles, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])

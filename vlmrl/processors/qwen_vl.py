@@ -25,6 +25,7 @@ from vlmrl.models.families import ModelFamily, family_for_path, read_model_confi
 from vlmrl.processors.errors import BadRowError, FilteredRow
 from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image, source_name
 from vlmrl.processors.rope import mrope_position_ids
+from vlmrl.processors.tiles import TilesLayout
 from vlmrl.processors.video import VideoInputError, VideoSupport
 from vlmrl.types import PromptInputs, RolloutRequest, Video
 
@@ -54,12 +55,8 @@ def load_processor(model_path: str, config: DataConfig | None = None) -> Process
     model_config = read_model_config(path)
     hf_processor = AutoProcessor.from_pretrained(str(path))
     generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
-    if family.image_layout == "tiles":
-        from vlmrl.processors.tiles import TilesProcessor
-
-        processor: Processor = TilesProcessor(hf_processor, model_config, generation, config, family)
-    else:
-        processor = Processor(hf_processor, model_config, generation, config, family)
+    kind = TilesProcessor if family.image_layout == "tiles" else Processor
+    processor = kind(hf_processor, model_config, generation, config, family)
     logger.info("processor for %s (%s): %s, max_prompt_length %d", path, family.name, processor.image_summary(),
                 processor.config.max_prompt_length)
     return processor
@@ -295,6 +292,10 @@ class Processor:
                                   video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts,
                                   tokens_per_second=self.video.tokens_per_second,
                                   video_per_frame=self.family.timestamps_in_text)
+
+
+class TilesProcessor(TilesLayout, Processor):
+    """The processor of a tiles family (InternVL): `TilesLayout`'s image methods over `Processor`."""
 
 
 def _normalise_messages(prompt: Any, index: int) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:

@@ -1,5 +1,6 @@
-"""The processor of the tiled-image families (`ModelFamily.image_layout == "tiles"`: InternVL3.5 in transformers'
-format). What differs from the patch layout of `vlmrl.processors.qwen_vl.Processor`, which it extends:
+"""The image layout of the tiled-image families (`ModelFamily.image_layout == "tiles"`: InternVL3.5 in transformers'
+format): `TilesLayout`, the methods `vlmrl.processors.qwen_vl.TilesProcessor` puts over the patch layout of
+`vlmrl.processors.qwen_vl.Processor`. What differs:
 
 - An image is not resized: the model's image processor (GotOcr2's) cuts it into square tiles by its aspect ratio, plus
   a thumbnail when it takes more than one, and every backend runs that same processor on the same image. The row's
@@ -20,12 +21,19 @@ from typing import Any
 
 import torch
 
-from vlmrl.processors.qwen_vl import Processor
 from vlmrl.types import RolloutRequest
 
 
-class TilesProcessor(Processor):
-    """`Processor` for a family whose images are tiles (InternVL). Build with `load_processor`."""
+class TilesLayout:
+    """What a processor of a tiles family does otherwise (mixed over `Processor`; build with `load_processor`)."""
+
+    config: Any
+    family: Any
+    hf_processor: Any
+    tokenizer: Any
+    image_processor: Any
+    image_token_id: int
+    banned_token_ids: list[int]
 
     def _image_setup(self, model_config: dict) -> None:
         if self.config.min_pixels is not None or self.config.max_pixels is not None:

@@ -45,6 +45,8 @@ WORKER_EXTENSION = "vlmrl.rollout.vllm.WeightSyncWorkerExtension"
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+SHUTDOWN_S = 10.0
+"""The deadline of the engine core's own shutdown in `close` (then its processes are killed)."""
 """The max_lora_rank values vLLM 0.32 accepts."""
 
 
@@ -556,7 +558,9 @@ class VLLMBackend(RolloutBackend):
         llm, self.llm = self.llm, None
         if llm is not None and not self._runner.broken:
             try:
-                self._runner.call("shut down", llm.llm_engine.engine_core.shutdown, 60.0)
+                # normally well under a second; it once hung to a 60 s deadline late in a full test run, and
+                # whatever is left is killed below anyway
+                self._runner.call("shut down", llm.llm_engine.engine_core.shutdown, SHUTDOWN_S)
             except Exception as err:  # noqa: BLE001 - closing must not raise over a dying engine
                 logger.warning("vllm: shutdown: %s", err)
         for pid in self.engine_pids:  # only these processes (and their children), if still there

@@ -24,10 +24,14 @@ def test_vllm_takes_merged_weights(vllm_internvl, hf, policy, base_greedy, merge
     names = {n for n, _ in policy.model.named_parameters() if "lora_B" in n}
     assert any(".vision_tower.encoder.layer." in n for n in names)
     assert any(".multi_modal_projector." in n for n in names)
+    assert "projection_layer" in policy.lora_sync.unservable()  # so a LoRA-serving vLLM would get merged weights
     with given_back(vllm_internvl, hf, requests, base_greedy) as engine:
         check_engine(policy, engine, base_greedy, merged_hf, requests, sync="auto", path="merged")
 
 
+# A variant (marker `full`, make test-all; a vLLM start with LoRA): what vLLM's InternS1 serves as an adapter. make test
+# keeps the merged sync above and the adapter path on Qwen2.5-VL (tests/rollout/test_lora_sync.py).
+@pytest.mark.full
 def test_vllm_serves_language_adapters_and_vision_ones_go_merged(tiny_model_path, policy, base_greedy, merged_hf,
                                                                  requests):
     from vlmrl.rollout.registry import get_backend
