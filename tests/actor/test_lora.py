@@ -301,9 +301,7 @@ def test_glm4v_lora_adapts_its_fused_mlp_and_its_tower_and_merges_as_peft(synthe
     """GLM-4.1V's language MLP is one fused gate_up_proj: the default targets take it beside q/k/v/o and down_proj,
     and lora.vision=tower+merger adds its vision blocks and its projector (never the `downsample` convolution).
     The merged weights equal PEFT's merge_and_unload exactly, and a step trains the language and vision adapters."""
-    from peft import get_peft_model
 
-    from vlmrl.actor.lora import lora_scaling, peft_config
     from vlmrl.data.config import DataConfig
     from vlmrl.models.tiny import ensure_built
     from vlmrl.processors.qwen_vl import load_processor
@@ -317,15 +315,7 @@ def test_glm4v_lora_adapts_its_fused_mlp_and_its_tower_and_merges_as_peft(synthe
     assert {n for n in names if n.startswith("model.visual.merger.")} == {
         f"model.visual.merger.{p}" for p in ("proj", "gate_proj", "up_proj", "down_proj")}
     assert "model.visual.blocks.0.attn.qkv" in names and not any("downsample" in n for n in names)
-    wrapped = get_peft_model(model, peft_config(_base_model(path), lora))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-    ours = dict(merged_tensors(wrapped.state_dict().items(), lora_scaling(lora)))
-    theirs = copy.deepcopy(wrapped).merge_and_unload().state_dict()
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    _assert_merges_as_peft(model, path, lora)
 
     data = make_batch(load_processor(path, DataConfig(max_prompt_length=64)), synthetic_rows[:4], n=2,
                       text_only_rows=(2,))
@@ -341,9 +331,7 @@ def test_internvl_lora_adapts_its_tower_blocks_and_the_projector_and_merges_as_p
     """InternVL's projector sits outside its tower: lora.vision=merger adapts the projector's linears, tower its
     InternViT blocks (encoder.layer.N), and neither side is taken by the language suffix rule. The merged weights
     equal PEFT's merge_and_unload exactly."""
-    from peft import get_peft_model
 
-    from vlmrl.actor.lora import lora_scaling, peft_config
     from vlmrl.models.tiny import ensure_built
 
     path = str(ensure_built("tiny-internvl"))
@@ -359,6 +347,16 @@ def test_internvl_lora_adapts_its_tower_blocks_and_the_projector_and_merges_as_p
     assert not any("vision_tower" in n or "projector" in n
                    for n in target_modules(model, LoraConfig(rank=4, alpha=8, vision="off")))
     lora = LoraConfig(rank=4, alpha=8, vision="tower+merger")
+    _assert_merges_as_peft(model, path, lora)
+
+
+def _assert_merges_as_peft(model, path: str, lora: LoraConfig) -> None:
+    """`model` wrapped by PEFT with `lora`, every lora_B drawn at random: vlmrl's merged tensors equal PEFT's
+    merge_and_unload exactly."""
+    from peft import get_peft_model
+
+    from vlmrl.actor.lora import lora_scaling, peft_config
+
     wrapped = get_peft_model(model, peft_config(_base_model(path), lora))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -5,15 +5,14 @@ leaves it untouched and writes the artifact."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from tests.trainer.test_fit import base_args
+from tests.trainer.test_glm4v import _digests, _names
 from vlmrl.alignment.artifact import read_artifact
 from vlmrl.config import load_config
 from vlmrl.trainer.fit import fit
@@ -22,15 +21,6 @@ from vlmrl.trainer.metrics import read_metrics
 pytestmark = [pytest.mark.vllm, pytest.mark.sglang]
 
 TILES = ("data.max_pixels=null",)  # pixel bounds do not apply to a tiles family (each image is cut into tiles)
-
-
-def _digests(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
-
-
-def _names(folder: Path) -> set[str]:
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        return set(f.keys())
 
 
 def test_train_on_vllm_checkpoint_and_validate_only_on_sglang(tmp_path):
