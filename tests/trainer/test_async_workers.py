@@ -107,7 +107,11 @@ def test_a_dead_rollout_worker_with_no_restart_left_stops_the_run_naming_it(tiny
     assert not _rollout_worker_pids()
 
 
+# A variant (marker `full`, make test-all; 42 s): make test keeps the rollout worker beside one training process (the
+# test above, with its restart), and dp = 2 training through the synchronous loop (tests/trainer/test_fit.py::
+# test_two_device_run_goes_through_the_same_loop) and its sync into colocated engines (tests/distributed).
 @pytest.mark.ray
+@pytest.mark.full
 def test_two_training_workers_train_beside_a_rollout_worker(tiny_model_path, tmp_path, ray_cluster):
     """trainer.n_gpus_per_node=2 (FSDP2 ranks that only train) and one rollout worker: the weights gathered from
     the shards reach the worker's engine after every step (every probe in sync), no batch beyond the bound."""

@@ -35,7 +35,11 @@ def weighted(row: dict, weight: float) -> float:
     return (1 - weight) * row["reward_extra/rule/mean"] + weight * row["reward_extra/judge/mean"]
 
 
+# A variant (marker `full`, make test-all; 70 s, most of it the judge server's start): make test keeps a launched judge
+# scoring images and answers, combined with the rule reward and closed with the reward
+# (tests/rewards/test_judge_server.py), and the reward workers in the fit loop (tests/trainer/test_fit.py).
 @pytest.mark.vllm
+@pytest.mark.full
 def test_the_judge_demo_trains_with_a_launched_judge_and_its_scores_reach_the_metrics(tmp_path):
     out = tmp_path / "demo"
     fit(load_config([f"config={CONFIGS / 'tiny_synthetic.yaml'}", f"config={CONFIGS / 'tiny_synthetic_judge.yaml'}",
