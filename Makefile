@@ -12,7 +12,7 @@ PY   := $(VENV)/bin/python
 # or a Ray cluster stay together in one worker (tests/conftest.py, distribution_unit). More workers run more engines at
 # once: raise WORKERS only with the cores and memory for it.
 WORKERS ?= 2
-PARALLEL := -n $(WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 --durations=25
+PARALLEL := -n $(WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
 FAST := not vllm and not sglang and not ray and not slow and not gpu and not full
 
 .PHONY: setup demo test test-all test-fast bench

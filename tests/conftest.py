@@ -68,9 +68,8 @@ def distribution_unit(item) -> str:
 
 def distribution_units(items: list) -> list:
     """`items` marked with their unit (xdist_group) and reordered unit by unit, the costliest first so that no long
-    run starts last (longest-processing-time-first): tests/rollout (the largest unit, about half of one worker's
-    run: started after the slow runs it ended last), then the Ray tests, then the slow runs, then the rest in
-    collection order. Within a unit the collection order is kept."""
+    run starts last: the slow runs, then tests/rollout and the Ray tests, then the rest in collection order. Within a
+    unit the collection order is kept."""
     units: dict[str, list] = {}
     for item in items:
         unit = distribution_unit(item)
@@ -79,7 +78,7 @@ def distribution_units(items: list) -> list:
 
     def rank(entry: tuple[int, str]) -> tuple[int, int]:
         index, unit = entry
-        return ({"rollout": 0, "ray": 1}.get(unit, 2 if unit.startswith("slow:") else 3), index)
+        return (0 if unit.startswith("slow:") else 1 if unit in ("rollout", "ray") else 2, index)
 
     order = sorted(enumerate(units), key=rank)
     return [item for _, unit in order for item in units[unit]]
