@@ -247,13 +247,14 @@ class SGLangCommon(RolloutBackend):
         pixels = np.random.default_rng(0).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
         row = {"prompt": [{"role": "user", "content": "<image>Describe it."}], "images": [Image.fromarray(pixels)]}
         probe = self.processor.build_request(row, index=-1)
-        if len(self.processor.prompt_inputs(probe).input_ids) >= self.options.max_model_len:
+        expected = self.processor.prompt_inputs(probe).input_ids.tolist()
+        if len(expected) >= self.options.max_model_len:
             probe = self.processor.build_request({"prompt": "Describe it."}, index=-1)
+            expected = self.processor.prompt_inputs(probe).input_ids.tolist()
         sampling = SamplingParams(temperature=0.0, max_new_tokens=1)
         body = dict(self.payload([probe], sampling), logprob_start_len=0)
         (out,) = generate(body)
         engine_ids = [entry[1] for entry in out["meta_info"]["input_token_logprobs"]]
-        expected = self.processor.prompt_inputs(probe).input_ids.tolist()
         if engine_ids != expected:
             first = next((i for i, (a, b) in enumerate(zip(engine_ids, expected)) if a != b),
                          min(len(engine_ids), len(expected)))
