@@ -32,9 +32,10 @@ import torch
 LAYOUTS = ("fused", "fused-transposed", "per-expert")
 """fused: transformers' in-memory tensors; the other two: the checkpoint layouts above."""
 
-_FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)"
-                         r"\.weight$")
+FUSED_NAME = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+PER_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)"
+                             r"\.weight$")
+"""A fused expert tensor's name (in memory, or fused-transposed in a checkpoint); a per-expert one's."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def convert_names(names: Iterable[str], layout: str, shape: ExpertShape) -> list
     """In-memory (fused) names -> the names `convert` gives in `layout`, in its order."""
     out: list[str] = []
     for name in names:
-        m = _FUSED.match(name)
+        m = FUSED_NAME.match(name)
         if m is None or layout != "per-expert":
             out.append(name)
             continue
@@ -95,7 +96,7 @@ def convert(named_tensors: Iterable[tuple[str, torch.Tensor]], layout: str, shap
     if layout not in LAYOUTS:
         raise ValueError(f"unknown expert layout {layout!r}; one of {LAYOUTS}")
     for name, tensor in named_tensors:
-        m = _FUSED.match(name)
+        m = FUSED_NAME.match(name)
         if m is None:
             yield name, tensor
             continue
@@ -124,11 +125,11 @@ def to_fused(state: Mapping[str, torch.Tensor], layout: str, shape: ExpertShape)
     out: dict[str, torch.Tensor] = {}
     groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name, tensor in state.items():
-        m = _PER_EXPERT.match(name)
+        m = PER_EXPERT_NAME.match(name)
         if m is not None:
             groups.setdefault(m["prefix"], {}).setdefault(int(m["expert"]), {})[m["kind"]] = tensor
             continue
-        m = _FUSED.match(name)
+        m = FUSED_NAME.match(name)
         if m is not None and layout == "fused-transposed":
             tensor = tensor.transpose(1, 2)
         if m is not None and tuple(tensor.shape) != shape.fused(m["kind"]):
@@ -142,29 +143,6 @@ def to_fused(state: Mapping[str, torch.Tensor], layout: str, shape: ExpertShape)
                                                      for e in range(shape.experts)])
         out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(shape.experts)])
     return out
-
-
-def save_checkpoint_layout(folder: str | Path, family: Any, model_config: Any) -> None:
-    """Rewrite the experts of a folder transformers' `save_pretrained` just wrote into its family's checkpoint layout
-    (a no-op for dense families and for those transformers already saves right). Shards are rewritten one at a time,
-    atomically, with their index unchanged: a fused tensor keeps its name."""
-    if family.experts is None or family.experts.checkpoint_layout != "fused-transposed":
-        return
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from vlmrl.atomic import replace_atomically
-
-    shape = ExpertShape.of(model_config)
-    shape.check_orientable()
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            metadata = f.metadata()
-            state = {name: f.get_tensor(name) for name in f.keys()}
-        if not any(_FUSED.match(name) for name in state):
-            continue
-        converted = dict(convert(state.items(), "fused-transposed", shape))
-        replace_atomically(file, lambda tmp, converted=converted: save_file(converted, str(tmp), metadata=metadata))
 
 
 # ---------------------------------------------------------------------------------------------------- engine routing

@@ -383,15 +383,13 @@ def _save_seeded(model_class, config, out: Path, norm_bias: float = 1.0) -> None
     experts (MoE) in the layout its family's checkpoints use (what transformers and both engines load)."""
     import torch
 
-    from vlmrl.models.experts import save_checkpoint_layout
-    from vlmrl.models.families import family_of
+    from vlmrl.models.saving import save_model
 
     config.architectures = [model_class.__name__]
     torch.manual_seed(SEED)
     model = model_class(config).to(torch.float32)
     _seeded_init(model, norm_bias)
-    model.save_pretrained(out, safe_serialization=True)
-    save_checkpoint_layout(out, family_of(config), model.config)
+    save_model(model, out)
 
 
 def _build_qwen2_5_vl(out: Path, spec: TinySpec, tok, ids: dict[str, int]) -> None:

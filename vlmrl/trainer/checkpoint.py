@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlmrl.models.saving import save_model
+
 logger = logging.getLogger(__name__)
 
 STATE_PT = "trainer_state.pt"
@@ -91,7 +93,8 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
     """Write checkpoint `global_step_{step}` atomically, point `latest` at it, keep the newest `keep`.
 
     Args:
-        model: the HF model (saved with save_pretrained: safetensors + config).
+        model: the HF model (saved by `vlmrl.models.saving.save_model`: safetensors + config, a MoE model's experts
+            in the layout transformers, vLLM and SGLang load).
         source_model_path: where the processor files come from (the original model).
         trainer_state: tensors and plain values (optimizer, scheduler, RNG) -> trainer_state.pt.
         info: JSON-able facts (step, data position, config) -> trainer_state.json.
@@ -104,7 +107,7 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, model: torch.nn.Mo
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP}global_step_{step}-", dir=root))
     try:
         copy_processor_files(source_model_path, tmp)
-        model.save_pretrained(tmp, safe_serialization=True)
+        save_model(model, tmp)  # the experts of a MoE model in the layout the engines load
         torch.save(trainer_state, tmp / STATE_PT)
         (tmp / STATE_JSON).write_text(json.dumps({**info, "step": step}, indent=1, default=str))
         if write_extra is not None:
