@@ -95,6 +95,12 @@ def test_sglang_is_refused_where_it_would_compute_another_moe_model():
     assert QWEN3_VL_MOE.engine_problems(two, "vllm") == [] and QWEN3_VL.engine_problems(two, "sglang") == []
     three = {**two, "vision_config": {"deepstack_visual_indexes": [0, 1, 2]}}
     assert QWEN3_VL_MOE.engine_problems(three, "sglang") == []
+    # SGLang builds every Qwen3-VL-MoE layer as MoE: a config with a dense layer is another model there
+    for dense in ({"mlp_only_layers": [1]}, {"decoder_sparse_step": 2}):
+        text = {**three["text_config"], "num_experts": 4, "num_hidden_layers": 3, **dense}
+        config = {**three, "text_config": text}
+        assert any("dense decoder layers" in p for p in QWEN3_VL_MOE.engine_problems(config, "sglang")), dense
+        assert QWEN3_VL_MOE.engine_problems(config, "vllm") == []
     from vlmrl.models.families import cpu_has_amx
 
     problems = QWEN3_5_MOE.cpu_engine_problems({}, "sglang", "bfloat16")

@@ -33,3 +33,15 @@ def test_two_deepstack_layers_are_refused_before_the_engine(backend, qwen3_vl_mo
     with pytest.raises(RolloutError, match="adds exactly 3, as the released models have"):
         get_backend("sglang", edited_copy(qwen3_vl_moe_path, tmp_path / "two", two), dtype="float32",
                     max_model_len=1024)
+
+
+@pytest.mark.parametrize("dense", [{"mlp_only_layers": [1]}, {"decoder_sparse_step": 2}], ids=["mlp-only", "step-2"])
+def test_a_config_with_dense_layers_is_refused_before_the_engine(qwen3_vl_moe_path, tmp_path, dense):
+    """SGLang builds every Qwen3-VL-MoE layer as MoE: a dense layer would run with experts it never loaded (another
+    model, silently). Named before SGLang starts."""
+    def with_dense(config):
+        config["text_config"].update(dense)
+
+    with pytest.raises(RolloutError, match=r"dense decoder layers \[.*\].*builds every layer as MoE"):
+        get_backend("sglang", edited_copy(qwen3_vl_moe_path, tmp_path / "dense", with_dense), dtype="float32",
+                    max_model_len=1024)

@@ -164,11 +164,12 @@ class RoutingLayout:
         """From config.json: transformers' rule for a MoE decoder layer (Qwen3-VL-MoE's `Qwen3VLMoeTextDecoderLayer`:
         not in mlp_only_layers, and (index + 1) divisible by decoder_sparse_step; Qwen3.5-MoE has neither key, so
         every layer)."""
+        from vlmrl.models.families import dense_layers
+
         text = model_config.get("text_config") or model_config
         layers = int(text["num_hidden_layers"])
-        dense = set(text.get("mlp_only_layers") or ())
-        step = int(text.get("decoder_sparse_step") or 1)
-        moe = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        dense = set(dense_layers(text))
+        moe = tuple(i for i in range(layers) if i not in dense)
         return cls(layers, moe, int(text["num_experts_per_tok"]))
 
     def from_engine(self, rows: Any, source: str) -> torch.Tensor:

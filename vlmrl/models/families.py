@@ -119,6 +119,12 @@ class ModelFamily:
     config). Qwen3-VL-MoE: 3 (sglang 0.5.23 hard-codes `range(3)`, the released models' count); a model with another
     count kills the scheduler on its first image ("The size of tensor a (128) must match the size of tensor b (0)"
     in `add_to_output`) or, with more, drops the extra ones silently."""
+    sglang_moe_every_layer: bool = False
+    """SGLang builds every decoder layer of this family as a MoE block, whatever the config says. Qwen3-VL-MoE:
+    sglang 0.5.23's `Qwen3MoeDecoderLayer.stage_facts` hard-codes `is_layer_sparse = True`, so a config with dense
+    layers (`mlp_only_layers`, or `decoder_sparse_step` > 1, which transformers and vLLM follow) gets experts it
+    never loads in those layers (its loader skips the dense MLP's weights without an error): measured, 0 of 7
+    greedy requests equal transformers, and first tokens outside transformers' top-5, differing from run to run."""
     sglang_cpu_needs_amx: bool = False
     """SGLang serves this family on a CPU only with Intel AMX. Qwen3.5-MoE: sglang 0.5.23's Qwen2-MoE block gates the
     shared expert with a Triton kernel (`fused_gate_sigmoid_mul_add`) on every CPU without the AMX backend, and Triton
@@ -227,6 +233,12 @@ class ModelFamily:
                             "whatever the config says (its scheduler dies on the first image, or drops the extra "
                             "ones); use vllm or the hf backend for this model")
         text = model_config.get("text_config") or model_config
+        dense = dense_layers(text)
+        if self.sglang_moe_every_layer and sglang and dense:
+            problems.append(f"{self.name} config with dense decoder layers {dense} (mlp_only_layers / "
+                            f"decoder_sparse_step): SGLang's {self.name} builds every layer as MoE and leaves those "
+                            "layers' experts uninitialised (it computes another model, without an error); use vllm "
+                            "or the hf backend for this model")
         vllm = backend is None or backend == "vllm"
         if self.text_attention_bias and vllm and text.get("attention_bias") is not True:
             problems.append(f"{self.name} config without `attention_bias: true` in text_config: transformers' "
@@ -370,6 +382,7 @@ QWEN3_VL_MOE = replace(
     QWEN3_VL, name="Qwen3-VL-MoE", model_types=("qwen3_vl_moe",),
     experts=Experts(checkpoint_layout="fused-transposed", router_class="Qwen3VLMoeTextTopKRouter"),
     sglang_deepstack_layers=3,
+    sglang_moe_every_layer=True,
 )
 
 QWEN3_5_MOE = replace(
@@ -414,6 +427,23 @@ INTERNVL = ModelFamily(
 )
 
 FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL, QWEN3_5, QWEN3_VL_MOE, QWEN3_5_MOE, GLM4V, INTERNVL)
+
+
+def dense_layers(text_config: Mapping[str, Any]) -> list[int]:
+    """The decoder layers of a MoE text config that are dense MLPs by transformers' rule (Qwen3-VL-MoE's
+    `Qwen3VLMoeTextDecoderLayer`: listed in mlp_only_layers, or (index + 1) not divisible by decoder_sparse_step);
+    [] for a config without experts or without those keys.
+
+    >>> dense_layers({"num_experts": 4, "num_hidden_layers": 4, "mlp_only_layers": [1], "decoder_sparse_step": 2})
+    [0, 1, 2]
+    >>> dense_layers({"num_hidden_layers": 4})
+    []
+    """
+    if not (text_config.get("num_experts") or text_config.get("num_local_experts")):
+        return []
+    only = set(text_config.get("mlp_only_layers") or ())
+    step = int(text_config.get("decoder_sparse_step") or 1)
+    return [i for i in range(int(text_config.get("num_hidden_layers") or 0)) if i in only or (i + 1) % step]
 
 
 def supported() -> str:
