@@ -63,17 +63,22 @@ def main(argv: list[str] | None = None) -> int:
 def reported_error(error: BaseException) -> tuple[str, int] | None:
     """(the one line a user sees, the exit status) for a run's error the user can act on, None for the rest (they
     keep their traceback): bad data (the row, file and cause; 2), an engine vlmrl refused to start on these
-    settings or this model (2), and a rollout worker that died with no restart
+    settings or this model (2), an engine the start-up check found computing another model than the trainer (1),
+    and a rollout worker that died with no restart
     left (the worker and its pid, once: the rollout thread's and Ray's tracebacks around it say nothing more; 1)."""
     from vlmrl.data.dataset import DataError
     from vlmrl.processors.errors import BadRowError
     from vlmrl.rollout.errors import EngineSettingError, RestartsUsedUp
+    from vlmrl.trainer.weight_probe import EngineModelError
 
     if isinstance(error, DataError) or (isinstance(error, BadRowError) and error.__cause__ is None):
         return str(error), 2  # a BadRowError with a cause is a bug in building a row
     refused = _in_chain(error, EngineSettingError)  # an engine refused before its start: the setting to change
     if refused is not None:
         return str(refused), 2
+    mismatch = _in_chain(error, EngineModelError)  # the start-up check: the engine computes another model
+    if mismatch is not None:
+        return str(mismatch), 1
     stopped = _in_chain(error, RestartsUsedUp)
     if stopped is not None:
         return str(stopped), 1

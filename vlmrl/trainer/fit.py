@@ -207,9 +207,9 @@ def start_of_training(run: Run) -> None:
             losses = format_warmup(run.actor, run.parts.processor, run.train_data, run.config)
             sync_engine(run, 0)  # the warmed-up weights are step 0's
         metrics.update({"warmup/loss_first": losses[0], "warmup/loss_last": losses[-1]})
-    if run.probe is not None:  # the engine's starting weights against the trainer's: what later probes start from
-        with timer("weight_probe"):
-            probed = run.probe(run.actor, run.parts.backend, 0, run.engine_version)
+    if run.probe is not None:  # the engine's starting weights against the trainer's: what later probes start from,
+        with timer("weight_probe"):  # and the start-up check that the engine computes the trainer's model at all
+            probed = run.probe(run.actor, run.parts.backend, 0, run.engine_version, at_start=True)
         if metrics or (t.val_before_train and run.parts.val_data is not None):  # where step 0 logs a line anyway
             metrics.update(probed)
     if t.val_before_train and run.parts.val_data is not None:

@@ -29,15 +29,24 @@ class WeightProbeError(RuntimeError):
     """trainer.weight_probe_action=error and a probe found the engine off the trainer's weights."""
 
 
+class EngineModelError(WeightProbeError):
+    """The start-up probe (before step 1) found the engine computing another model than the trainer: whatever
+    trainer.weight_probe_action says, the run stops there (`python -m vlmrl.train` prints it as one error line)."""
+
+
 def probe_request(processor, train_data) -> RolloutRequest | None:
-    """The run's probe request: the first training row (of the first ROWS_TRIED) the processor does not filter."""
+    """The run's probe request: the first training row (of the first ROWS_TRIED) that the processor does not filter
+    and that holds an image or a video, so that the vision side is probed too; else the first that builds."""
+    first = None
     for index in range(min(len(train_data), ROWS_TRIED)):
         built = build_requests(processor, train_data, [index])
         if built.requests:
             request = built.requests[0]
             request.uid = f"weight-probe-{index}"
-            return request
-    return None
+            if request.images or request.videos:
+                return request
+            first = first or request
+    return first
 
 
 class WeightProbe:
@@ -70,9 +79,12 @@ class WeightProbe:
                    prompt_length=config.data.max_prompt_length, temperature=config.rollout.temperature,
                    action=config.trainer.weight_probe_action, output_dir=output_dir)
 
-    def __call__(self, actor, backend, step: int, engine_version: int) -> dict[str, float]:
+    def __call__(self, actor, backend, step: int, engine_version: int, at_start: bool = False) -> dict[str, float]:
         """Probe the engine after step `step`'s sync (its record is `last`); returns the weight_probe/* metrics ({}
-        when the probe is off or the engine returned no logprobs)."""
+        when the probe is off or the engine returned no logprobs). `at_start`: the start-up check before step 1,
+        where a failed probe means the engine computes another model than the trainer from the start (an engine
+        that reads the config otherwise, skips weights it does not expect, or loaded other weights): it raises
+        EngineModelError whatever `action` says."""
         if self.request is None:
             return {}
         sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.tokens, seed=0)
@@ -92,6 +104,14 @@ class WeightProbe:
                                               list(result.response_logprobs), trainer, tolerance)
         if self.output_dir is not None:
             write_probe(self.output_dir, record)
+        if record.failed and at_start:
+            raise EngineModelError(
+                f"the {backend.name} engine computes another model than the trainer: on the probe request "
+                f"({_inputs(self.request)}) its logprobs of its own {len(record.token_ids)} greedy tokens sit up to "
+                f"{record.max_abs_dlogp:.3g} nats from the trainer's, beyond the {tolerance:g} a {engine_dtype} "
+                f"engine and a {trainer_dtype} trainer may differ ({record.explanation}); compare the two with "
+                "`python -m vlmrl.alignment.compare --backends trainer,<engine> --drill-down`, or run on another "
+                "engine (trainer.weight_probe_tokens=0 turns this check off)")
         if record.failed:
             message = (f"step {step}: weight probe {record.verdict}: {record.explanation} ({backend.name} engine, "
                        f"{engine_dtype}; trainer {trainer_dtype})")
@@ -127,3 +147,10 @@ class WeightProbe:
             if tempered:
                 actor.set_temperature(self.temperature)
         return logprobs[0, :len(result.response_ids)].double().tolist()
+
+
+def _inputs(request: RolloutRequest) -> str:
+    """'1 image, 57 prompt tokens', for messages."""
+    parts = [f"{len(items)} {kind}{'s' if len(items) != 1 else ''}"
+             for kind, items in (("image", request.images), ("video", request.videos)) if items]
+    return ", ".join(parts + [f"{len(request.prompt_ids)} prompt tokens"])
