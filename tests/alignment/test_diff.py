@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import sys
+import textwrap
 
 import pytest
 
-from tests.alignment.toy_artifacts import make_side, reward_first_letter
+from tests.alignment.test_routing_cause import routing_of
+from tests.alignment.toy_artifacts import VOCAB, make_side, reward_first_letter
 from vlmrl.alignment.diff import (
     OVERALL,
     Cause,
+    Headers,
     NotComparableError,
     Thresholds,
+    _classify,
     compare_artifacts,
+    diff_sample,
     text_window,
 )
 from vlmrl.alignment.inputs import diff_inputs
@@ -188,3 +196,126 @@ def test_doctests():
     import vlmrl.alignment.precision as precision
 
     assert doctest.testmod(precision).failed == 0
+
+
+# ---------------------------------------------------------------------------------------------- every cause's words
+
+
+def _record():
+    _, (record, *_) = make_side(rows=1)
+    return record
+
+
+def _shifted(record, by: float):
+    return [lp - by for lp in record.response_logprobs]
+
+
+def _split(*, margin: float, b_in_a: bool = True, a_in_b: bool = True, top: bool = True, routed: bool = False):
+    """A toy record and a B that chose another token at response position 1, where each side's top-k holds the
+    other's token (`b_in_a`, `a_in_b`) half of `margin` below its own (or not at all); `top` False: B recorded no
+    top-k; `routed`: B routed the response's first token through other experts in MoE layer 1."""
+    a = _record()
+    ta, lp = a.response_ids[1], a.response_logprobs[1]
+    tb, elsewhere = (ta + 1) % VOCAB, (ta + 2) % VOCAB
+    top_a, top_b = list(a.top_logprobs), list(a.top_logprobs)
+    top_a[1] = [[ta, lp], [tb if b_in_a else elsewhere, lp - margin / 2]]
+    top_b[1] = [[tb, lp], [ta if a_in_b else elsewhere, lp - margin / 2]]
+    a = dataclasses.replace(a, top_logprobs=top_a)
+    b = dataclasses.replace(a, response_ids=[a.response_ids[0], tb, *a.response_ids[2:]],
+                            top_logprobs=top_b if top else None)
+    if routed:
+        a.routing, b.routing = routing_of(a), routing_of(b, [(a.expanded_prompt_length - 1, 1)])
+    return a, b
+
+
+def _drifted(by: float = 0.5, *, tempered: float | None = None, routed: bool = False, **b_changes):
+    """A toy record and a B with the same tokens whose logprobs are `by` nats lower; A's `tempered_logprobs` (the
+    trainer's of the distribution B sampled) `tempered` nats from B's."""
+    a = _record()
+    b = dataclasses.replace(a, **{"response_logprobs": _shifted(a, by), **b_changes})
+    if tempered is not None:
+        a = dataclasses.replace(a, tempered_logprobs=_shifted(a, by + tempered))
+    if routed:
+        a.routing, b.routing = routing_of(a), routing_of(b, [(a.expanded_prompt_length - 1, 1)])
+    return a, b
+
+
+PROCESSED = "B's engine ran with logprobs_mode=processed_logprobs"
+# (id, (A, B), greedy, headers, the cause, a part of its explanation): every explanation `_classify` gives
+CAUSES = [
+    ("inputs", lambda: (_record(), dataclasses.replace(_record(), image_hashes=["other"])), True, Headers(),
+     Cause.INPUT_MISMATCH, "image 0 bytes differ"),
+    ("weights", lambda: _drifted(), True, Headers(weights="the sides loaded other weights"),
+     Cause.WEIGHTS_DIFFER, "the sides loaded other weights; same "),
+    ("sampled", lambda: _split(margin=0.1), False, Headers(), None, "sampled decoding: different tokens"),
+    ("no-top-k", lambda: _split(margin=0.1, top=False), True, Headers(), Cause.UNCLASSIFIED_DIVERGENCE,
+     "no top-k logprobs to judge it"),
+    ("near-tie", lambda: _split(margin=0.1), True, Headers(), Cause.NEAR_TIE,
+     "each in the other's top-k, margins add to 0.1000 nats"),
+    ("routed-split", lambda: _split(margin=2.0, routed=True), True, Headers(), Cause.ROUTING,
+     "before it, 1 of "),
+    ("wide-margin", lambda: _split(margin=2.0), True, Headers(), Cause.REAL_DIVERGENCE,
+     "in each other's top-k but margins add to 2.000 nats"),
+    ("not-in-top-k", lambda: _split(margin=0.1, a_in_b=False), True, Headers(), Cause.REAL_DIVERGENCE,
+     "A's token not in B's top-k"),
+    ("length", lambda: _drifted(0.0, response_ids=_record().response_ids[:3],
+                                response_logprobs=_record().response_logprobs[:3], finish_reason="length"),
+     True, Headers(), Cause.LENGTH_OR_FINISH, "same tokens up to 3"),
+    ("reward", lambda: _drifted(0.0, reward=1.0 - _record().reward), True, Headers(),
+     Cause.REWARD_DISAGREEMENT, "identical response scored"),
+    ("tempered", lambda: _drifted(tempered=0.0), True, Headers(), Cause.PROCESSED_LOGPROBS,
+     "that side returned processed logprobs"),
+    ("processed-header", lambda: _drifted(), True, Headers(processed=PROCESSED), Cause.PROCESSED_LOGPROBS,
+     f"{PROCESSED}, so they are of the distribution it sampled"),
+    ("routed-drift", lambda: _drifted(routed=True), True, Headers(), Cause.ROUTING,
+     "before the largest gap, 1 of "),
+    ("drift", lambda: _drifted(), True, Headers(), Cause.LOGPROB_DRIFT, "logprobs differ by up to 0.5 nats"),
+    ("drift-though-processed", lambda: _drifted(tempered=0.3), True, Headers(processed=PROCESSED),
+     Cause.LOGPROB_DRIFT, f"; {PROCESSED}, yet they are 0.3 nats from the distribution it sampled too"),
+    ("precision", lambda: _drifted(0.01), True, Headers(dtypes="bfloat16 on B"), Cause.PRECISION,
+     "within the 0.1-nat band of bfloat16 on B"),
+    ("exact", lambda: _drifted(0.0), True, Headers(), None, ""),
+]
+
+
+def _judged(case):
+    _, pair, greedy, headers, *_ = case
+    sample = diff_sample(*pair(), greedy, Thresholds(), headers)
+    return sample.cause, sample.explanation
+
+
+@pytest.mark.parametrize("case", CAUSES, ids=[case[0] for case in CAUSES])
+def test_each_explanation_the_cause_logic_gives(case):
+    """One pair of records per explanation: its cause and its words. A split whose tokens sit in each other's top-k
+    with margins wider than a near-tie is a real divergence that says so (it was left with no words)."""
+    cause, explanation = _judged(case)
+    assert cause == case[-2] and case[-1] in explanation, (cause, explanation)
+    assert cause is None or explanation, "a cause always comes with its explanation"
+
+
+def test_the_cases_reach_every_return_of_the_cause_logic():
+    """Every `return` of the cause function runs for some case above: a return no input reaches (a line left after
+    another return) fails here, naming its line."""
+    code = _classify.__code__
+    source = textwrap.dedent(inspect.getsource(_classify))
+    returns = {code.co_firstlineno - 1 + node.lineno for node in ast.walk(ast.parse(source))
+               if isinstance(node, ast.Return)}
+    ran: set[int] = set()
+
+    def trace(frame, event, arg):
+        if frame.f_code is code:
+            if event == "line":
+                ran.add(frame.f_lineno)
+            return trace
+        return None
+
+    before = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        for case in CAUSES:
+            _judged(case)
+    finally:
+        sys.settrace(before)
+    lines = inspect.getsourcelines(_classify)[0]
+    missed = {n: lines[n - code.co_firstlineno].strip() for n in sorted(returns - ran)}
+    assert returns and not missed, f"returns of _classify no case reaches: {missed}"

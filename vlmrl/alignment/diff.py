@@ -388,12 +388,12 @@ def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool, thresholds
                  f"B chose {split.token_b} ({split.logprob_b:.4f})")
         if split.b_in_top_a is None or split.a_in_top_b is None:
             return Cause.UNCLASSIFIED_DIVERGENCE, f"{where}; no top-k logprobs to judge it"
-        if split.b_in_top_a and split.a_in_top_b:
-            margin = split.margin_a + split.margin_b
-            if margin <= thresholds.near_tie_margin:
-                return Cause.NEAR_TIE, f"{where}; each in the other's top-k, margins add to {margin:.4f} nats"
-        if sample.routing is not None:
+        margin = split.margin_a + split.margin_b if split.b_in_top_a and split.a_in_top_b else None
+        if margin is not None and margin <= thresholds.near_tie_margin:
+            return Cause.NEAR_TIE, f"{where}; each in the other's top-k, margins add to {margin:.4f} nats"
+        if sample.routing is not None:  # a wide margin, or a token outside the other's top-k, after other experts
             return Cause.ROUTING, f"{where}; before it, {sample.routing.describe()}"
+        if margin is not None:
             return Cause.REAL_DIVERGENCE, f"{where}; in each other's top-k but margins add to {margin:.3f} nats"
         missing = " and ".join(side for side, ok in (("B's token not in A's top-k", split.b_in_top_a),
                                                       ("A's token not in B's top-k", split.a_in_top_b)) if not ok)
