@@ -36,6 +36,16 @@ def test_client_of_a_server_given_by_url(backend, tiny_model_path, batch, hf_gre
     assert backend.generate(batch[:1], GREEDY)[0].response_ids == hf_greedy[0].response_ids
 
 
+def test_a_server_given_by_url_is_taken_in_the_dtype_it_runs(backend, tiny_model_path):
+    """The server's own dtype (/server_info), not the one vlmrl would pick: the client syncs and judges in it, and an
+    explicit rollout.dtype the server does not run is refused naming both, before any request."""
+    with get_backend("sglang-server", tiny_model_path, url=backend.url, max_model_len=1024) as client:
+        assert client.dtype == "float32"
+    with pytest.raises(RolloutError, match=r"rollout.dtype=bfloat16, but the server at http://127.0.0.1:\d+ runs "
+                                           r".* in float32: restart it with --dtype bfloat16"):
+        get_backend("sglang-server", tiny_model_path, url=backend.url, dtype="bfloat16", max_model_len=1024)
+
+
 @pytest.mark.ends_engine
 def test_killed_server_fails_next_call_fast_with_clear_error(backend, tiny_model_path, batch):
     """Killing the server process: the launching backend names the dead process and its log; a client connected

@@ -28,6 +28,7 @@ class ColocatedEngines(RolloutBackend):
         super().__init__(engine.model_path, engine.options)
         self.name = engine.name  # artifacts and logs name the real engine
         self.actor = actor
+        self.dtype = engine_dtype(actor.engine_dtypes, self.dtype, self.name)
 
     def _generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         return self.actor.generate(list(requests), sampling)  # requests checked here, before any worker sees them
@@ -38,3 +39,16 @@ class ColocatedEngines(RolloutBackend):
 
     def close(self) -> None:
         self.actor.close()
+
+
+def engine_dtype(reported: list[str], here: str, name: str) -> str:
+    """The dtype of engines that run in other processes, as they resolved it where they run (`auto` depends on
+    whether THAT process sees a GPU, not the driver); `here` (the driver's resolution) only when none reported.
+
+    >>> engine_dtype(["bfloat16"], "float32", "vllm"), engine_dtype([], "float32", "vllm")
+    ('bfloat16', 'float32')
+    """
+    if len(set(reported)) > 1:
+        raise RuntimeError(f"{name}: the rollout engines run in different dtypes {sorted(set(reported))}: give "
+                           "rollout.dtype explicitly")
+    return reported[0] if reported else here

@@ -147,8 +147,11 @@ class DistributedActor:
         self.nodes = [nodes[i] for i in order]
         self.hosts = engine_hosts(self.nodes, cluster.engine_placement)
         master = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous", self.startup_timeout_s)[0]
-        self._get([w.setup.remote(rank, self.dp_size, master, rank in self.hosts)
-                   for rank, w in enumerate(self.workers)], "loading and sharding the actor", self.startup_timeout_s)
+        ready = self._get([w.setup.remote(rank, self.dp_size, master, rank in self.hosts)
+                           for rank, w in enumerate(self.workers)], "loading and sharding the actor",
+                          self.startup_timeout_s)
+        self.engine_dtypes = sorted({info["engine_dtype"] for info in ready if info["engine_dtype"]})
+        """The dtypes the workers' engines compute in, as they resolved them where they run (one, normally)."""
         logger.info("distributed actor: %d ranks on %d node(s), %s bundles, engines on ranks %s", self.dp_size,
                     len(node_order), "GPU" if use_gpu else "CPU", self.hosts if self.spec.engine else "none")
 

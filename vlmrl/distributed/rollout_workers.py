@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.distributed.engines import engine_dtype
 from vlmrl.distributed.group import FORWARDED_ENV, ensure_ray
 from vlmrl.distributed.worker import EngineSpec
 from vlmrl.rollout.base import RolloutBackend
@@ -77,7 +78,7 @@ class RolloutWorker:
 
         engines = [(pid, psutil.Process(pid).create_time()) for pid in self.backend.engine_pids
                    if psutil.pid_exists(pid)]
-        return {"pid": os.getpid(), "engines": engines, "name": self.backend.name,
+        return {"pid": os.getpid(), "engines": engines, "name": self.backend.name, "dtype": self.backend.dtype,
                 "serves_adapters": self.backend.serves_adapters()}
 
     def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
@@ -138,6 +139,8 @@ class RemoteEngines(RolloutBackend):
             self.close()
             raise
         self._serves_adapters = bool(self.infos[0]["serves_adapters"])
+        # the dtype the workers' engines resolved where they run (`auto` follows THEIR devices, not the driver's)
+        self.dtype = engine_dtype([info["dtype"] for info in self.infos], self.dtype, self.name)
 
     # ---- the workers
 

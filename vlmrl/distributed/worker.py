@@ -114,7 +114,8 @@ class TrainWorker:
             self.engine = get_backend(engine.name, engine.model_path, engine.options)
         logger.info("rank %d/%d ready (pid %d, engine: %s)", rank, world_size, os.getpid(),
                     self.spec.engine.name if self.engine else "none")
-        return {"rank": rank, "pid": os.getpid(), "engine": self.engine is not None}
+        return {"rank": rank, "pid": os.getpid(), "engine": self.engine is not None,
+                "engine_dtype": self.engine.dtype if self.engine is not None else None}
 
     # ---- training (collectives: every rank, same calls) --------------------------------------------------------------
 

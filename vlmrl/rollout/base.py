@@ -280,7 +280,7 @@ class RolloutBackend(abc.ABC):
         if self._checkpoint_names is None:
             self._checkpoint_names = checkpoint_names(self.model_path)
         bucket_bytes = 0 if whole else int(self.rollout.sync_bucket_mb * 2**20)
-        dtype = DTYPES[self.options.resolved_dtype(self.processor.family)]
+        dtype = DTYPES[self.dtype]  # as the engine computes (a remote one's, a served one's)
         return weight_sync(named_tensors, names, self._checkpoint_names, dtype, bucket_bytes, self.name,
                            self.processor.family, self.expert_layout())
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vlmrl.models.families import read_model_config
+from vlmrl.actor.config import PRECISIONS
 from vlmrl.rollout.base import BackendOptions, DeadlineRunner, merged
 from vlmrl.rollout.errors import EngineDeadError, InvalidRequestError, RolloutError
 from vlmrl.rollout.sglang import SGLangCommon, engine_env
@@ -53,7 +54,7 @@ class SGLangServerBackend(SGLangCommon):
                 # the user says how the server runs; vlmrl cannot tell whether its weights are backed up
                 self.memory_saver = bool(self.rollout.sglang.enable_memory_saver)
                 self._runner.call("reach the server", lambda: self._wait_ready(30), self.rollout.start_timeout_s)
-                self._check_server_settings()
+                self._check_server_settings(self._server_info())
                 if not self.salt_mm_hashes:
                     logger.warning("%s: %s images carry no salted mm_hashes (SGLang crashes on them): the server at "
                                    "%s must run with SGLANG_VLM_CACHE_SIZE_MB=0, else after a weight sync it serves "
@@ -92,21 +93,37 @@ class SGLangServerBackend(SGLangCommon):
         except ServerNotReady as err:
             raise RolloutError(f"{self.name}: {err}{self._log_hint()}") from None
 
-    def _check_server_settings(self) -> None:
-        """A server vlmrl did not start must have been started with what the family needs where config.json lacks
-        it (`--json-model-override-args`, read back from /server_info): otherwise it would agree with nothing the
-        trainer computes, silently. Refused unless family_engine_settings=false."""
+    def _server_info(self) -> dict[str, Any]:
+        """A server's /server_info (its server arguments), under the call deadline."""
         import requests
 
-        model_config = read_model_config(self.model_path)
-        if not self.rollout.family_engine_settings or not self.processor.family.engine_overrides(model_config):
-            return
         info = self._runner.call("read the server's settings",
                                  lambda: requests.get(f"{self.url}/server_info", timeout=30), self.rollout.timeout_s)
         if info.status_code != 200:
             raise RolloutError(f"{self.name}: GET {self.url}/server_info: HTTP {info.status_code}: cannot check the "
                                "server's engine settings")
-        given = json.loads(info.json().get("json_model_override_args") or "{}")
+        return info.json()
+
+    def _check_server_settings(self, info: dict[str, Any]) -> None:
+        """A server vlmrl did not start runs in the dtype it was started with, not the one vlmrl would resolve: the
+        backend takes the server's (the weight sync casts to it, artifacts and compare's thresholds follow it), and
+        refuses an explicit rollout.dtype the server does not run. And it must have been started with what the
+        family needs where config.json lacks it (`--json-model-override-args`): otherwise it would agree with
+        nothing the trainer computes, silently. Refused unless family_engine_settings=false."""
+        model_config = read_model_config(self.model_path)
+        served = server_dtype(info.get("dtype") or "auto", model_config)
+        if self.rollout.dtype not in ("auto", served):
+            raise RolloutError(f"{self.name}: rollout.dtype={self.rollout.dtype}, but the server at {self.url} runs "
+                               f"{self.model_path} in {served}: restart it with --dtype {self.rollout.dtype}, or set "
+                               f"rollout.dtype={served} (or auto)")
+        if served not in PRECISIONS:
+            raise RolloutError(f"{self.name}: the server at {self.url} runs in {served} (its --dtype "
+                               f"{info.get('dtype') or 'auto'}), which vlmrl does not train against: restart it "
+                               "with --dtype bfloat16 or --dtype float32")
+        self.dtype = served
+        if not self.rollout.family_engine_settings or not self.processor.family.engine_overrides(model_config):
+            return
+        given = json.loads(info.get("json_model_override_args") or "{}")
         problems = self.processor.family.engine_problems(merged(model_config, given), self.name)
         if problems:
             needed = json.dumps(self.processor.family.engine_overrides(model_config))
@@ -204,3 +221,22 @@ def _data_url(image: Any) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")  # lossless: the server decodes exactly these pixels
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def server_dtype(flag: str, model_config: dict[str, Any]) -> str:
+    """The dtype an SGLang server computes in, from its `--dtype` (/server_info) and the model's config.json, by
+    sglang 0.5.23's own rule (`_get_and_verify_dtype`): `auto` takes the config's dtype, and a float32 (or unnamed)
+    one becomes float16.
+
+    >>> server_dtype("bfloat16", {"dtype": "float32"}), server_dtype("auto", {"torch_dtype": "bfloat16"})
+    ('bfloat16', 'bfloat16')
+    >>> server_dtype("auto", {"dtype": "float32"}), server_dtype("float", {})
+    ('float16', 'float32')
+    """
+    names = {"float": "float32", "half": "float16"}  # sglang's other spellings
+    flag = names.get(flag.lower(), flag.lower())
+    if flag != "auto":
+        return flag
+    config = model_config.get("dtype") or model_config.get("torch_dtype") or "float32"
+    config = names.get(str(config).lower(), str(config).lower())
+    return "float16" if config == "float32" else config

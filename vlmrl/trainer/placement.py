@@ -229,7 +229,7 @@ def staged_weights(run: Run) -> list[tuple[str, torch.Tensor]]:
     """A copy of the actor's weights in the engine's dtype, which the next update does not write to: what a staged
     sync hands the rollout thread (trainer.async_rollout.staged_sync)."""
     backend = run.parts.backend
-    dtype = DTYPES[backend.options.resolved_dtype(backend.processor.family)]
+    dtype = DTYPES[backend.dtype]
     return [(name, tensor.detach().to(dtype=dtype, copy=True)) for name, tensor in run.actor.named_tensors()]
 
 

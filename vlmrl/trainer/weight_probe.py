@@ -95,7 +95,7 @@ class WeightProbe:
             return {}
         trainer = self._trainer_logprobs(actor, result)
         if self._dtypes is None:  # read once: at dp > 1 the actor's dtype is a call to a worker
-            engine_dtype = backend.options.resolved_dtype(backend.processor.family)
+            engine_dtype = backend.dtype
             trainer_dtype = str(actor.forward_dtype()).removeprefix("torch.")
             tolerance, self.state.noise_floor = tolerance_for(engine_dtype, trainer_dtype)
             self._dtypes = engine_dtype, trainer_dtype, tolerance
