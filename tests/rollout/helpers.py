@@ -4,6 +4,7 @@ backend is tested against (`EngineContract`, subclassed once per engine module w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -93,6 +94,19 @@ def favouring(hf, requests: list[RolloutRequest], token_id: int, strength: float
     state = clone_state(hf.model)
     state["lm_head.weight"][token_id] = strength * direction
     return state
+
+
+@functools.lru_cache(maxsize=2)
+def _float32_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def float32_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
+    """A model folder's parameters in float32 (a fresh copy each call: tests edit what they get)."""
+    return {name: t.clone() for name, t in _float32_checkpoint(str(model_path)).items()}
 
 
 def without_ban(request: RolloutRequest) -> RolloutRequest:
@@ -189,6 +203,10 @@ class EngineContract:
     partial_verdicts = ("partial",)
     """What the weight probe may call a sync that held the first decoder layer back."""
 
+    def original_state(self, hf) -> dict[str, torch.Tensor]:
+        """The weights the engine loaded, to restore after a test moved them: HF's own (the engine's dtype)."""
+        return clone_state(hf.model)
+
     def assert_like_hf(self, refs, gots, backend_name: str, what: str = "") -> None:
         problems = greedy_problems(refs, gots, backend_name, self.logprob_tol, self.tie_tol, self.ties_allowed)
         assert not problems, (what + ":\n" if what else "") + "\n".join(problems)
@@ -250,7 +268,7 @@ class EngineContract:
         """With lm_head pushed (through update_weights) to favour <|image_pad|>, HF without the ban picks it first
         for every prompt; the backend never samples it (T=1), and its logprobs are still the raw ones."""
         pad = hf.processor.image_token_id
-        original = clone_state(hf.model)
+        original = self.original_state(hf)
         favoured = favouring(hf, batch, pad, self.favour_strength, self.favour_last_positions)
         hf.update_weights(favoured.items())
         try:
@@ -269,7 +287,7 @@ class EngineContract:
         """Perturbed vision-tower weights change the outputs for images the engine has already seen (no stale
         embeddings), exactly as HF with the same weights; the originals bring back the very first outputs."""
         first = backend.generate(batch, GREEDY)
-        original = clone_state(hf.model)
+        original = self.original_state(hf)
         perturbed = perturbed_vision(original)
         backend.update_weights(perturbed.items())
         hf.update_weights(perturbed.items())
@@ -294,7 +312,7 @@ class EngineContract:
         layers whose tensors straddle two of them): the outputs are HF's with the same weights (HF loaded in
         buckets too), and the originals, bucketed, bring back the first outputs."""
         first = backend.generate(batch, GREEDY)
-        original = clone_state(hf.model)
+        original = self.original_state(hf)
         gen = torch.Generator().manual_seed(11)
         shifted = {name: t + 0.02 * t.std() * torch.randn(t.shape, generator=gen) for name, t in original.items()}
         sizes = (backend.rollout.sync_bucket_mb, hf.rollout.sync_bucket_mb)
@@ -373,7 +391,7 @@ def assert_sync_changes_seen_images_like_hf(backend, hf, batch, state: dict[str,
     seen exactly as HF's with the same weights (within `contract`'s tolerances; default float32's), leaves
     text-only requests alone, and the original weights bring the first outputs back."""
     first = backend.generate(batch, GREEDY)
-    original = clone_state(hf.model)
+    original = contract.original_state(hf) if contract is not None else clone_state(hf.model)
     backend.update_weights(state.items())
     hf.update_weights(state.items())
     try:
@@ -458,6 +476,12 @@ class Qwen3_5Contract(EngineContract):
     """A move that large changes the greedy tokens, and with them gone the probe judges the gap alone (`differs`)."""
     favour_strength = 4.0  # the pad token the top pick on 6 of the 9 prompts at 3.0, on all 9 from 4.0
 
+    def original_state(self, hf) -> dict[str, torch.Tensor]:
+        """The checkpoint's float32 tensors, not the bfloat16 reference's: vLLM keeps linear_attn.A_log in float32,
+        and a restore from the rounded copy would leave the engine on other weights than it loaded (a test then
+        passes only after another one has already rounded it)."""
+        return float32_checkpoint(hf.model_path)
+
     def test_sampled_logprobs_drift_like_bfloat16_on_average(self, backend, hf, batch):
         """The mean |engine - HF| over sampled tokens stays at bfloat16's level (`BF16_MEAN_LOGPROB_TOL`): a
         setting that changed the computation (a mis-set rope, another layer type) moves the mean long before the
@@ -473,7 +497,7 @@ class Qwen3_5Contract(EngineContract):
         first outputs exactly."""
         requests = batch[:3] + batch[3:4]  # text only (no vision weight involved) and one image
         one = SamplingParams(temperature=0.0, max_new_tokens=4, top_logprobs=5)
-        original = clone_state(hf.model)
+        original = self.original_state(hf)
         # the bfloat16 reference's weights first: an earlier test may have left the float32 trainer's in the engine,
         # whose linear_attn.A_log (kept in float32 by vLLM) then differs from the bfloat16 copy restored below
         backend.update_weights(original.items())
