@@ -21,7 +21,7 @@ def actor_config(tiny_model_path, **overrides) -> ActorConfig:
     """The actor these tests compare across micro-batchings, in its per-row vision encoding (share_vision off): the
     micro-batch invariances below are exact there; sharing the tower across rows is held to it, padded, packed and
     with LoRA, in tests/actor/test_vision_share.py (its tower gradients agree to float32 rounding, since
-    transformers rotates the tower's queries and keys in float32 whatever the model's dtype)."""
+    transformers computes parts of the tower, its RMSNorm and rotary, in float32 whatever the model's dtype)."""
     config = ActorConfig(model_path=tiny_model_path, optim=OptimConfig(lr=1e-3, weight_decay=0.0),
                          ppo_micro_batch_size_per_gpu=8, device="cpu", dtype="float32", share_vision=False)
     for key, value in overrides.items():

@@ -186,9 +186,12 @@ class ActorConfig:
     share_vision: bool = True
     """Encode each distinct image (and video) of a forward once: the rows of a micro-batch that carry the same
     pixels (the n samples of a GRPO prompt) share one vision-tower forward, and the backward sums the shared
-    features' gradients (`vlmrl.actor.vision_share`). Same logprobs, losses and gradients as one tower forward per row
-    (exact in float64), less vision compute the more rows of a group share a micro-batch. false: a tower forward
-    per row, as verl and EasyR1 run it. Logs actor/vision_items and actor/vision_items_encoded per update. With
+    features' gradients (`vlmrl.actor.vision_share`). Same logprobs and losses as one tower forward per row, and the
+    same gradients up to their summation order but for the tower's, which agree to float32 rounding even in float64:
+    transformers computes parts of the tower in float32 whatever the model's dtype (Qwen2.5-VL's and GLM-4.1V's
+    RMSNorm, the rotary), and the backward of that cast rounds the shared gradient once, the per-row ones each.
+    Less vision compute the more rows of a group share a micro-batch. false: a tower forward per row, as verl and
+    EasyR1 run it. Logs actor/vision_items and actor/vision_items_encoded per update. With
     padding_free and micro_batch_tokens, a prompt's samples that fit one pack are planned together."""
     padding_free: bool = False
     """Packed forward (verl's use_remove_padding, EasyR1's padding_free): a micro-batch's rows run as one sequence

@@ -8,8 +8,12 @@ trains) groups the forward's images by content (the same patch grid and the same
 runs the tower on one of each, and hands every row the features of its image. Where an image's features feed several
 rows, autograd sums their gradients into the one tower forward, as it does for any reused tensor; the tower's
 per-image computation does not depend on the other images of the call (attention stays within an image or frame), so
-logprobs, losses and gradients equal the per-row forward's up to the summation order of the shared features'
-gradients (exact in float64 on the embedded models, tests/actor/test_vision_share.py).
+logprobs and losses equal the per-row forward's, and so do the gradients, up to the summation order of the shared
+features' gradients, but for the tower's own: transformers computes parts of the tower in float32 whatever the
+model's dtype (Qwen2.5-VL's and GLM-4.1V's RMSNorm, the Qwen and GLM towers' rotary, GLM-4.1V's position-embedding
+interpolation), and the backward of such a cast rounds to float32 the gradient flowing through it: the summed
+gradient once here, each row's in the per-row forward. So in float64 the tower's gradients agree to float32
+rounding and every other gradient to float64's (tests/actor/test_vision_share.py).
 
 Everything stays inside the model's own forward, so a sharded (FSDP2) model gathers its tower's weights as it always
 does, every rank still runs the tower once per forward, and the always-on wrapper's guarantee is untouched.
@@ -17,6 +21,7 @@ does, every rank still runs the tower once per forward, and the always-on wrappe
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,14 +71,21 @@ class VisionCounts:
         return out
 
 
+_OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, Callable[[], torch.nn.Module | None]] = \
+    weakref.WeakKeyDictionary()
+"""encoder_owner's answer per model, kept while the model lives (the owner by weak reference: it may be the model)."""
+
+
 def encoder_owner(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module whose forward calls `get_image_features` (transformers' `...Model` inside the
-    `...ForConditionalGeneration`), through vlmrl's and PEFT's wrappers; None for a model without one."""
-    for module in model.modules():
-        if callable(getattr(type(module), "get_image_features", None)) and hasattr(module, "language_model") \
-                and not hasattr(module, "lm_head"):
-            return module
-    return None
+    `...ForConditionalGeneration`), through vlmrl's and PEFT's wrappers; None for a model without one. Found by a
+    walk over the model's modules once per model, not on every micro-batch: a wrapper (PEFT's LoRA) is a model of
+    its own, asked once more, and wrapping in place (FSDP2, PEFT's adapter layers) keeps the owner module."""
+    if model not in _OWNERS:
+        owner = next((module for module in model.modules() if callable(getattr(type(module), "get_image_features",
+                      None)) and hasattr(module, "language_model") and not hasattr(module, "lm_head")), None)
+        _OWNERS[model] = (lambda: None) if owner is None else weakref.ref(owner)
+    return _OWNERS[model]()
 
 
 @contextmanager
