@@ -490,3 +490,55 @@ def test_the_recipe_overlays_load_on_the_geo3k_recipe_and_on_the_demo(recipe):
     assert demo.data.train_batch_size == 16 and demo.actor.loss_agg_mode == real.actor.loss_agg_mode
     assert (demo.actor.clip_ratio_low, demo.actor.clip_ratio_high) == (real.actor.clip_ratio_low,
                                                                        real.actor.clip_ratio_high)
+
+
+def _refused_by_the_cli(capsys, *overrides: str) -> str:
+    """`python -m vlmrl.train` on BASE + overrides, in this process: exit status 2 at load (`main` returns before
+    it imports the trainer or an engine), one `error:` line with the config's problems listed under it; returns the
+    output."""
+    from vlmrl.train import main
+
+    assert main([*BASE, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == ["error: invalid configuration:"], err
+    assert "Traceback" not in err
+    return err
+
+
+PROCESSED = "rollout.vllm.engine_kwargs.logprobs_mode=processed_logprobs"
+
+
+@pytest.mark.vllm  # rollout.name=vllm loads where vLLM is installed
+@pytest.mark.parametrize(("correction", "use"), [("bypass", "as the old logprobs"),
+                                                 ("token_tis", "in its importance weights")])
+def test_processed_logprobs_are_refused_where_the_loss_takes_the_engines(capsys, tmp_path, correction, use):
+    """vLLM set to return processed logprobs (of the distribution it samples from, not the raw model's) is refused
+    where the loss takes the engine's logprobs: rollout correction's bypass as the old logprobs, every other
+    correction in its weights. Where no loss does (correction off, validate-only) the run loads, and the engine
+    warns at its start (tests/rollout/test_vllm_logprobs_mode.py)."""
+    err = _refused_by_the_cli(capsys, "rollout.name=vllm", PROCESSED, f"algorithm.rollout_correction={correction}",
+                              f"trainer.output_dir={tmp_path}")
+    assert f"{PROCESSED} makes the engine return the logprobs of the distribution it samples from" in err
+    assert f"algorithm.rollout_correction={correction} puts them in the loss ({use}): remove the key" in err
+    assert not (tmp_path / "engine.log").exists(), "the engines' log was opened: the run went past its config"
+    load("rollout.name=vllm", PROCESSED)
+    load("rollout.name=vllm", PROCESSED, f"algorithm.rollout_correction={correction}", "trainer.val_only=true")
+    load("rollout.name=vllm", "rollout.vllm.engine_kwargs.logprobs_mode=raw_logprobs",
+         f"algorithm.rollout_correction={correction}")
+
+
+@pytest.mark.vllm
+@pytest.mark.sglang
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_routing_capture_on_a_dense_model_is_refused(capsys, tmp_path, tiny_model_path, backend):
+    """rollout.<engine>.capture_routing records a Mixture-of-Experts model's routing; on a dense model it did nothing,
+    silently: refused at load, naming the key and the model's family. A MoE model, or a backend that runs another
+    engine than the key's, loads."""
+    key = f"rollout.{backend}.capture_routing"
+    err = _refused_by_the_cli(capsys, f"rollout.name={backend}", f"{key}=true", f"trainer.output_dir={tmp_path}")
+    assert f"{key}=true records which experts a Mixture-of-Experts model routes each token through, and tiny " \
+           f"(Qwen2.5-VL) is a dense model: it has none, so nothing would be recorded; set {key}=false" in err
+    assert not (tmp_path / "engine.log").exists()
+    moe = load("actor.model_path=tiny-qwen3-vl-moe", f"rollout.name={backend}", f"{key}=true", check_model=True)
+    assert moe.rollout.routing_capture() == key
+    assert load("rollout.name=hf", f"{key}=true", check_model=True).rollout.routing_capture() == ""

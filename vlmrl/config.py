@@ -270,8 +270,7 @@ def cross_section_problems(config: Config) -> list[str]:
              f"a mini-batch of {derived.mini_batch_samples} samples (ppo_mini_batch_size * rollout.n) does not "
              f"split into micro-batches of actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu}: "
              f"pick a divisor of {derived.mini_batch_samples}")
-    need(a.moe.routing_replay != "engine" or (r.name == "vllm" and r.vllm.capture_routing)
-         or (r.name in ("sglang", "sglang-server") and r.sglang.capture_routing),
+    need(a.moe.routing_replay != "engine" or bool(r.routing_capture()),
          "actor.moe.routing_replay=engine replays the rollout engine's routing, which the engine reports only with "
          "its capture on: set rollout.name=vllm and rollout.vllm.capture_routing=true (CPU or GPU), or "
          "rollout.sglang.capture_routing=true (GPU)")
@@ -301,6 +300,13 @@ def cross_section_problems(config: Config) -> list[str]:
          f"algorithm.rollout_correction={al.rollout_correction} compares the engine's logprobs with the trainer's, "
          f"which are of the same distribution only at rollout.temperature=1 (it is {r.temperature}): set "
          "rollout.temperature=1.0 or rollout_correction=off")
+    processed = r.name == "vllm" and r.vllm.engine_kwargs.get("logprobs_mode") == "processed_logprobs"
+    need(not processed or t.val_only or al.rollout_correction == "off",  # elsewhere the engine's start warns
+         "rollout.vllm.engine_kwargs.logprobs_mode=processed_logprobs makes the engine return the logprobs of the "
+         "distribution it samples from (temperature, the image/video placeholder ban, top-k/top-p), not the raw "
+         f"model's, and algorithm.rollout_correction={al.rollout_correction} puts them in the loss "
+         f"({'as the old logprobs' if al.rollout_correction == 'bypass' else 'in its importance weights'}): remove "
+         "the key (vLLM then returns raw logprobs), or set algorithm.rollout_correction=off")
     need(al.overlong_buffer_len <= d.max_response_length,
          f"algorithm.overlong_buffer_len={al.overlong_buffer_len} must be in [0, data.max_response_length="
          f"{d.max_response_length}] (0 = off; DAPO: 4096 of 20480)")
@@ -387,8 +393,10 @@ def _largest_divisor(total: int, at_most: int) -> int:
 
 
 def check_model_context(config: Config) -> list[str]:
-    """Check prompt + response lengths fit the model's context, for local folders and embedded models.
-    Hub ids that are not downloaded are skipped (the engine checks again when it loads them)."""
+    """Check prompt + response lengths fit the model's context, and that a routing capture asks a model that routes
+    (`RolloutConfig.routing_capture`), for local folders and embedded models. Hub ids that are not downloaded are
+    skipped (the engine checks again when it loads them)."""
+    from vlmrl.models.families import family_of
     from vlmrl.models.tiny import is_embedded, is_hub_id, resolve_model_path
 
     path = config.actor.model_path
@@ -402,6 +410,13 @@ def check_model_context(config: Config) -> list[str]:
     if not config_file.exists():
         return [f"actor.model_path={path!r} has no config.json: is it a HF model folder?"]
     model_config = json.loads(config_file.read_text())
+    if config.rollout.routing_capture():  # the family says whether the model routes through experts
+        try:
+            family = family_of(model_config)
+        except ValueError as err:
+            return [f"actor.model_path={path!r}: {err}"]
+        if family.experts is None:
+            return [config.rollout.dense_routing_capture(f"{path} ({family.name})")]
     context = model_config.get("text_config", {}).get("max_position_embeddings") or model_config.get(
         "max_position_embeddings")
     total = config.derived.max_model_len

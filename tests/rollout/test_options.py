@@ -173,9 +173,11 @@ def test_sleep_level_two_cannot_serve_a_lora_adapter():
 def test_routing_capture_starts_each_engine_with_its_own_capture_on_a_gpu_only(tmp_path):
     """rollout.*.capture_routing on a MoE model: on a GPU both engines start with their own capture
     (`enable_return_routed_experts`); on a CPU vLLM starts without it (vlmrl hooks its routers, one sample at a time)
-    and SGLang is refused before it starts, naming the way that works on a CPU. A dense model starts as it would."""
+    and SGLang is refused before it starts, naming the way that works on a CPU. On a dense model, which routes
+    through no experts, both are refused before they start, naming the key (it captured nothing before)."""
     from vlmrl.models.families import QWEN3_VL_MOE
     from vlmrl.models.tiny import ensure_built
+    from vlmrl.rollout.errors import EngineSettingError
     from vlmrl.rollout.sglang import engine_args
     from vlmrl.rollout.vllm import engine_kwargs
 
@@ -184,9 +186,14 @@ def test_routing_capture_starts_each_engine_with_its_own_capture_on_a_gpu_only(t
     assert engine_kwargs(path, vllm_on, QWEN3_VL_MOE, on_cuda=True)[0]["enable_return_routed_experts"] is True
     assert "enable_return_routed_experts" not in engine_kwargs(path, vllm_on, QWEN3_VL_MOE, on_cuda=False)[0]
     assert "enable_return_routed_experts" not in engine_kwargs(path, options("vllm"), QWEN3_VL_MOE, True)[0]
-    assert "enable_return_routed_experts" not in engine_kwargs(path, vllm_on, QWEN2_5_VL, on_cuda=True)[0]
+    for on_cuda in (True, False):
+        with pytest.raises(EngineSettingError, match="vllm: rollout.vllm.capture_routing=true records .* Qwen2.5-VL "
+                                                     "is a dense model"):
+            engine_kwargs(path, vllm_on, QWEN2_5_VL, on_cuda)
     sglang_on = options("sglang", "rollout.sglang.capture_routing=true")
     assert engine_args(path, sglang_on, QWEN3_VL_MOE, True, "sglang")["enable_return_routed_experts"] is True
     with pytest.raises(ValueError, match="capture_routing needs a GPU.*rollout.vllm.capture_routing=true"):
         engine_args(path, sglang_on, QWEN3_VL_MOE, False, "sglang")
     assert "enable_return_routed_experts" not in engine_args(path, options("sglang"), QWEN3_VL_MOE, True, "sglang")
+    with pytest.raises(EngineSettingError, match="sglang-server: rollout.sglang.capture_routing=true .* dense"):
+        engine_args(path, sglang_on, QWEN2_5_VL, True, "sglang-server")

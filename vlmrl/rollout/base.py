@@ -113,6 +113,16 @@ def release_memory(setting: bool | None, on_cuda: bool, colocated: bool) -> bool
     return (on_cuda and colocated) if setting is None else setting
 
 
+def captures_routing(rollout: RolloutConfig, backend: str, family: ModelFamily | None) -> bool:
+    """Whether `backend`'s engine captures the routing of the samples it makes (`RolloutResult.routed_experts`): its
+    key is on (`RolloutConfig.routing_capture`) and the model routes through experts. On a family vlmrl knows to be
+    dense the key is refused before the engine starts, as at load (it would capture nothing); `family` None (a
+    judge's model of no family vlmrl knows) captures nothing."""
+    if family is not None and family.experts is None and rollout.routing_capture(backend):
+        raise EngineSettingError(f"{backend}: " + rollout.dense_routing_capture(family.name, backend))
+    return family is not None and bool(rollout.routing_capture(backend))
+
+
 # ---------------------------------------------------------------------------------------------------- the interface
 
 

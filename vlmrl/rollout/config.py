@@ -68,7 +68,7 @@ class VLLMConfig:
     tell where a logprob gap follows tokens routed through other experts (cause `routing`; compare sets it for a
     MoE model's vllm side). On a GPU: vLLM's own capture (`enable_return_routed_experts`, its V2 model runner) in
     the normal batched generate. On a CPU (no V2 runner without Triton): vlmrl hooks the engine's routers and runs
-    one sample at a time, in eager mode: slower, for tests and compare."""
+    one sample at a time, in eager mode: slower, for tests and compare. Refused on a dense model."""
     enable_sleep_mode: bool | None = None
     """Start vLLM with sleep mode, so the engine frees its GPU memory (weights, KV cache) while the actor trains and
     takes it back for the weight sync and the next rollout. null = on when the engine shares a GPU with training
@@ -120,7 +120,8 @@ class SGLangConfig:
     capture_routing: bool = False
     """A MoE model's samples carry the routing the engine computed for them, as rollout.vllm.capture_routing:
     SGLang's `enable_return_routed_experts` with `return_routed_experts` on every request. GPU only: SGLang's
-    capture buffer is CUDA-host-registered, so on a CPU the engine is refused before it starts."""
+    capture buffer is CUDA-host-registered, so on a CPU the engine is refused before it starts. Refused on a dense
+    model."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra SGLang server arguments, given as they are (`sglang.Engine(...)` keywords; `--flag value` for the
     server). A `json_model_override_args` merges over the model family's settings."""
@@ -221,6 +222,22 @@ class RolloutConfig:
     """Options of the SGLang engine (sglang and sglang-server)."""
     server: ServerConfig = field(default_factory=ServerConfig)
     """Options of the sglang-server backend's HTTP side."""
+
+    def routing_capture(self, backend: str | None = None) -> str:
+        """The key that has `backend`'s engine (default rollout.name's) capture the routing of its samples, when it
+        is on: rollout.vllm.capture_routing for vllm, rollout.sglang.capture_routing for sglang and sglang-server;
+        "" when it is off or the backend has none (hf). Only a Mixture-of-Experts model routes: on a dense one the
+        key is refused (`dense_routing_capture`), at load and at the engine's start."""
+        section = {"vllm": self.vllm, "sglang": self.sglang, "sglang-server": self.sglang}.get(backend or self.name)
+        if section is None or not section.capture_routing:
+            return ""
+        return f"rollout.{'vllm' if section is self.vllm else 'sglang'}.capture_routing"
+
+    def dense_routing_capture(self, model: str, backend: str | None = None) -> str:
+        """What is wrong with `backend`'s routing capture on `model`, a dense model; "" when the capture is off."""
+        key = self.routing_capture(backend)
+        return (f"{key}=true records which experts a Mixture-of-Experts model routes each token through, and {model} "
+                f"is a dense model: it has none, so nothing would be recorded; set {key}=false") if key else ""
 
     def problems(self) -> list[str]:
         """What is wrong, each with what to change; empty when valid."""

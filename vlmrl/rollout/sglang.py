@@ -35,6 +35,7 @@ from vlmrl.rollout.base import (
     BackendOptions,
     DeadlineRunner,
     RolloutBackend,
+    captures_routing,
     family_engine_overrides,
     merged,
     release_memory,
@@ -86,7 +87,7 @@ def engine_args(model_path: str, options: BackendOptions, family: ModelFamily | 
                                 tp_size=r.tensor_parallel_size, mem_fraction_static=r.gpu_memory_utilization,
                                 log_level=o.log_level,
                                 enable_memory_saver=release_memory(o.enable_memory_saver, on_cuda, options.colocated))
-    if o.capture_routing and family is not None and family.experts is not None:
+    if captures_routing(r, backend, family):
         if not on_cuda:
             raise EngineSettingError(f"{backend}: rollout.sglang.capture_routing needs a GPU (SGLang's "
                                      "routed-experts buffer is CUDA-host-registered; its scheduler dies on a CPU): on "
@@ -284,7 +285,7 @@ class SGLangCommon(RolloutBackend):
         return results
 
     def captures_routing(self) -> bool:
-        return self.rollout.sglang.capture_routing and self.processor.family.experts is not None
+        return captures_routing(self.rollout, self.name, self.processor.family)
 
     def check_raw_logprobs(self, generate) -> None:
         """Fail start-up unless logprobs come from the raw distribution: the token forced at temperature 5 (top_p

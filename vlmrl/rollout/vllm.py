@@ -27,6 +27,7 @@ from vlmrl.rollout.base import (
     BackendOptions,
     DeadlineRunner,
     RolloutBackend,
+    captures_routing,
     family_engine_overrides,
     merged,
     release_memory,
@@ -236,7 +237,7 @@ def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily 
         gpu_memory_utilization=r.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
         enable_sleep_mode=release_memory(v.enable_sleep_mode, on_cuda, options.colocated),
     )
-    if v.capture_routing and on_cuda and family is not None and family.experts is not None:
+    if captures_routing(r, "vllm", family) and on_cuda:
         kwargs["enable_return_routed_experts"] = True  # its V2 model runner's capture; on a CPU: _generate_routed
     if options.lora_rank > 0:
         rank = next((x for x in VLLM_LORA_RANKS if x >= options.lora_rank), None)
@@ -467,12 +468,13 @@ class VLLMBackend(RolloutBackend):
         return [(result, result.routed_experts) for result in results]
 
     def captures_routing(self) -> bool:
-        return self.rollout.vllm.capture_routing and self.processor.family.experts is not None
+        return captures_routing(self.rollout, self.name, self.processor.family)
 
     def _per_sample_routing(self) -> bool:
-        """The CPU capture (`_generate_routed`): vLLM's own needs its V2 model runner, which needs Triton (a GPU)."""
+        """The CPU capture (`_generate_routed`): vLLM's own needs its V2 model runner, which needs Triton (a GPU).
+        `generate_with_routing` forces it (on a MoE model only) for a call without the run's capture."""
         return ((self.captures_routing() or getattr(self, "_force_routing", False)) and not self.on_cuda
-                and self.processor.family.experts is not None and not getattr(self, "_capturing", False))
+                and not getattr(self, "_capturing", False))
 
     def _generate_routed(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         """Every sample alone (n = 1, seeded as the batch's sample would be; the prefix cache reset so that every
