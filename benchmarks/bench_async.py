@@ -35,9 +35,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 
 def run(overrides: list[str], out: Path, first_timed: int) -> dict:
@@ -82,6 +79,10 @@ def main() -> int:
     parser.add_argument("--probe-tokens", type=int, help="trainer.weight_probe_tokens of both runs (default the "
                         "demo's)")
     args = parser.parse_args()
+    from vlmrl.rollout.config import RolloutConfig
+    from vlmrl.rollout.registry import cpu_env
+
+    os.environ.update(cpu_env(RolloutConfig(), args.backend))  # what the engine sets for itself on a CPU (none on a GPU)
     if args.pin:  # every thread of the engine's processes on core 1, the trainer's on core 0
         import psutil
 

@@ -29,9 +29,6 @@ import threading
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import psutil  # noqa: E402
@@ -197,6 +194,11 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--memory-side", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from vlmrl.rollout.config import RolloutConfig, VLLMConfig
+    from vlmrl.rollout.registry import cpu_env
+
+    for name in args.backends:  # what each engine sets for itself on a CPU (none on a GPU), vLLM's KV cache at 2 GiB
+        os.environ.update(cpu_env(RolloutConfig(vllm=VLLMConfig(cpu_kv_cache_gb=2)), name))
     model = str(ensure_built(args.model))
     if args.memory_side >= 0:
         print(json.dumps(memory_side(model, args.memory_side)))

@@ -28,10 +28,6 @@ from dataclasses import asdict, dataclass
 # inherited by the engines' own processes. On a small shared CPU, multi-threaded OpenMP spin-waits against other
 # jobs (measured: SGLang's call on tiny-large took 9 s one run and 95 s the next at the default 2 threads).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Engine settings before any engine is imported: vLLM in-process; its KV cache size on CPU (ignored on a GPU). The
-# sglang backend sets SGLANG_USE_CPU_ENGINE itself when there is no GPU (set here, it would force CPU on a GPU).
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
@@ -39,7 +35,8 @@ from PIL import Image  # noqa: E402
 
 from vlmrl.models.tiny import ensure_built  # noqa: E402
 from vlmrl.processors.qwen_vl import load_processor  # noqa: E402
-from vlmrl.rollout.registry import get_backend  # noqa: E402
+from vlmrl.rollout.config import RolloutConfig, VLLMConfig  # noqa: E402
+from vlmrl.rollout.registry import cpu_env, get_backend  # noqa: E402
 from vlmrl.types import SamplingParams  # noqa: E402
 
 BACKENDS = ["hf", "vllm", "sglang", "sglang-server"]
@@ -143,6 +140,8 @@ def main() -> None:
     sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
     rows: list[Row] = []
     backends = ["hf"] + [b for b in args.backends if b != "hf"]  # hf first: the reference and the ratio's base
+    for name in backends:  # what each engine sets for itself on a CPU (none on a GPU), vLLM's KV cache at 2 GiB
+        os.environ.update(cpu_env(RolloutConfig(vllm=VLLMConfig(cpu_kv_cache_gb=2)), name))
     print(f"{args.requests} requests x n={args.n}, up to {args.max_new_tokens} new tokens, temperature 1.0, "
           f"{args.dtype}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} CPUs; {device_name()}")

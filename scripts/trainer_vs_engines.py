@@ -28,8 +28,9 @@ def main() -> int:
     parser.add_argument("--engines", default="vllm,sglang")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "SGLANG_USE_CPU_ENGINE": "1"}
+    from vlmrl.rollout.config import RolloutConfig
+    from vlmrl.rollout.registry import cpu_env
+
     rows = ["| engine | engine dtype | samples | exact | precision (band) | other causes | max abs dlogp "
             "| mean abs dlogp | verdict |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -40,6 +41,7 @@ def main() -> int:
                        f"config={ROOT / 'examples' / 'configs' / 'tiny_synthetic.yaml'}",
                        f"data.synthetic_val_size={args.rows}", f"rollout.dtype={dtype}",
                        f"trainer.output_dir={out / 'runs'}", *args.overrides, "--out", str(out), "--no-html"]
+            env = {**os.environ, **cpu_env(RolloutConfig(), engine)}  # what the engine sets for itself on a CPU
             done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
             if done.returncode not in (0, 1):
                 print(done.stderr[-3000:], file=sys.stderr)
