@@ -13,7 +13,6 @@ from vlmrl.agent.builtin import ImageZoomTool
 from vlmrl.agent.config import AgentConfig
 from vlmrl.agent.loop import AgentLoop
 from vlmrl.agent.tools import ToolRegistry
-from vlmrl.processors.images import resize_image
 
 
 def test_a_tool_conversation_reaches_the_trainer_as_the_processor_renders_it(tiny_qwen3_5_path):
@@ -33,7 +32,6 @@ def test_a_tool_conversation_reaches_the_trainer_as_the_processor_renders_it(tin
         assert agent_sample.num_turns == 3 and agent_sample.assistant_texts[-1] == scripted.FINAL_ANSWER
         assert agent_sample.sample.multi_modal_inputs["image_grid_thw"].shape[0] == 2  # the prompt image + the crop
         shown = processor.build_request(scripted.row(scripted.LONG_QUESTION)).images[0]
-        crop = resize_image(shown.crop(tuple(scripted.ZOOM_BOX)), processor.min_pixels, processor.max_pixels,
-                            processor.image_factor)
+        crop = processor.prepare_image(shown.crop(tuple(scripted.ZOOM_BOX)), "the crop")
         check_long_sample(agent_sample, processor, model, rollout_logprobs=False, images=[shown, crop])
         assert_forward_finite(model, agent_sample)

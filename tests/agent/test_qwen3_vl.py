@@ -14,7 +14,6 @@ from vlmrl.agent.builtin import ImageZoomTool
 from vlmrl.agent.config import AgentConfig
 from vlmrl.agent.loop import AgentLoop
 from vlmrl.agent.tools import ToolRegistry
-from vlmrl.processors.images import resize_image
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +48,7 @@ def test_tool_images_reach_the_trainer_as_the_processor_renders_them(tiny_qwen3_
         # 112 px is no multiple of 32: the prompt image is resized, the zoom crops the resized image and the loop
         # resizes the crop; the reference renders those images (the HF processor then resizes nothing)
         shown = processor.build_request(scripted.row(scripted.LONG_QUESTION)).images[0]
-        crop = resize_image(shown.crop(tuple(scripted.ZOOM_BOX)), processor.min_pixels, processor.max_pixels,
-                            processor.image_factor)
+        crop = processor.prepare_image(shown.crop(tuple(scripted.ZOOM_BOX)), "the crop")
         check_long_sample(agent_sample, processor, qwen3_model, rollout_logprobs=False, images=[shown, crop])
         # and the trainer's forward on it runs: Qwen3-VL's deepstack features go to both images' tokens
         assert_forward_finite(qwen3_model, agent_sample)

@@ -9,11 +9,14 @@ import pytest
 from PIL import Image
 
 from vlmrl.data.config import DataConfig
-from vlmrl.processors.images import load_image, resize_image
+from vlmrl.processors.images import ImageSizing, load_image, resize_image
+
+
+TINY = ImageSizing(factor=28, min_pixels=3136, max_pixels=12544)
 
 
 def _resized(image: Image.Image) -> np.ndarray:
-    return np.asarray(resize_image(image, 3136, 12544, 28), dtype=np.float64)
+    return np.asarray(resize_image(image, TINY), dtype=np.float64)
 
 
 def _gradient(low: float, high: float, dtype) -> np.ndarray:
@@ -60,4 +63,4 @@ def test_nan_and_constant_float_images_do_not_fail():
 
 def test_8_bit_images_are_unchanged_by_the_conversion():
     rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 56, 3), dtype=np.uint8))
-    assert np.array_equal(np.asarray(resize_image(rgb, 3136, 12544, 28)), np.asarray(rgb))
+    assert np.array_equal(np.asarray(resize_image(rgb, TINY)), np.asarray(rgb))

@@ -172,7 +172,7 @@ def test_video_bytes_with_a_path_are_named_by_it(tiny_model_path):
         _processor(tiny_model_path).build_request(_row({"bytes": _mp4(3), "path": "clips/short.mp4"}), 7)
 
 
-@pytest.mark.parametrize("module", ["vlmrl.processors.images", "vlmrl.processors.video"])
+@pytest.mark.parametrize("module", ["vlmrl.processors.images", "vlmrl.processors.video", "vlmrl.processors.bounds"])
 def test_doctests(module):
     import doctest
     import importlib

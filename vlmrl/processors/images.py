@@ -1,4 +1,5 @@
-"""Images: load (bytes, path, data URI, PIL, opt-in remote URL), verify, resize by qwen-vl-utils' rules, hash.
+"""Images: load (bytes, path, data URI, PIL, opt-in remote URL), verify, resize as the model's own image processor
+sizes them (transformers' smart_resize), hash.
 
 Every image reaches the engines and the trainer through here, once, already resized: both engines then get the same
 pixels, and their own image processors find nothing left to resize.
@@ -11,6 +12,7 @@ import hashlib
 import io
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,23 +80,76 @@ def source_name(source: Any, kind: str = "image") -> str:
     return f"{kind} file {value.removeprefix('file://')}"
 
 
-def resize_image(image: Image.Image, min_pixels: int, max_pixels: int, factor: int, what: str = "an image"
-                 ) -> Image.Image:
-    """Resize with qwen-vl-utils (sides multiples of `factor`, pixel count within [min_pixels, max_pixels]). `what`
-    names the image in errors (`source_name`).
+def processor_size(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
+                   frames: int | None = None, temporal_factor: int = 2) -> tuple[int, int]:
+    """(height, width) the model's own image or video processor resizes a (height, width) image or frame to:
+    transformers' `smart_resize`, called, not copied. Sides become multiples of `factor`; a side that rounds below
+    one factor keeps one factor, so a long sliver may end over `max_pixels`.
 
-    Only a PIL image is handed to qwen-vl-utils: it would fetch a URL itself with no timeout.
+    `frames` None: qwen2_vl's rule, the bounds holding for one image (Qwen2/2.5-VL, Qwen3-VL and Qwen3.5 images;
+    Qwen2/2.5-VL video frames). `frames` t: glm4v's rule, the bounds holding for t copies together (t x h x w:
+    GLM-4.1V's images, t = 2; Qwen3-VL's and Qwen3.5's videos, t = the frame count: their video processor's
+    `smart_resize` is the same function), which first scales a side under one factor up to it. Raises ValueError
+    where transformers does (an aspect ratio over 200, measured after that scaling).
+
+    >>> processor_size(1114, 69, 28, 3136, 12544)  # qwen-vl-utils' own rule rounds the short side to 0 here
+    (448, 28)
     """
-    from qwen_vl_utils.vision_process import SPATIAL_MERGE_SIZE, fetch_image
+    if frames is None:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-    if factor % SPATIAL_MERGE_SIZE:
-        raise ValueError(f"image factor {factor} must be a multiple of the spatial merge size {SPATIAL_MERGE_SIZE}")
+        return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    from transformers.models.glm4v.image_processing_glm4v import smart_resize as temporal_smart_resize
+
+    return temporal_smart_resize(num_frames=frames, height=height, width=width, temporal_factor=temporal_factor,
+                                 factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+@dataclass(frozen=True)
+class ImageSizing:
+    """How a patch-layout model's image processor sizes an image, and the bounds vlmrl sizes it within
+    (`vlmrl.processors.qwen_vl.Processor.sizing`)."""
+
+    factor: int
+    """Resized sides are multiples of this: the model's patch size x merge size (28, or 32 for Qwen3-VL)."""
+    min_pixels: int
+    max_pixels: int
+    """Pixels of one image, data.min_pixels / data.max_pixels or the model's (lying within `model_bounds`)."""
+    copies: int = 1
+    """How many copies of an image the processor's bounds count (`ModelFamily.image_bound_copies`): GLM-4.1V's 2
+    (t x h x w, glm4v's rule in `processor_size`), else 1 (qwen2_vl's rule)."""
+    model_bounds: tuple[int, int] | None = None
+    """The model's image processor's own (shortest_edge, longest_edge), counting `copies`: what the engines and the
+    trainer's pixel values resize by. None: `min_pixels`, `max_pixels` x `copies`."""
+
+    def size(self, height: int, width: int, bounds: tuple[int, int] | None = None) -> tuple[int, int]:
+        """(height, width) the model's image processor resizes an image to within `bounds` (processor units,
+        counting copies; default vlmrl's)."""
+        low, high = bounds or (self.min_pixels * self.copies, self.max_pixels * self.copies)
+        return processor_size(height, width, self.factor, low, high, self.copies if self.copies > 1 else None)
+
+    def engines_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) the engines' (and the trainer's) image processor resizes an already-resized image to."""
+        return self.size(height, width, self.model_bounds)
+
+
+def resize_image(image: Image.Image, sizing: ImageSizing, what: str = "an image") -> Image.Image:
+    """RGB, resized (bicubic) to the size the model's own image processor gives it (`ImageSizing.size`), so that
+    the engines' processors, which get this image, find nothing to resize. `what` names the image in errors
+    (`source_name`). Raises ImageInputError where transformers' processor refuses the image (an aspect ratio over
+    200), and where the engines would resize the result again (`_check_engines_keep`).
+
+    RGBA goes onto a white background first (qwen-vl-utils' `to_rgb`).
+    """
+    from qwen_vl_utils.vision_process import to_rgb
+
     try:
-        resized = fetch_image({"image": to_8bit(image), "min_pixels": min_pixels, "max_pixels": max_pixels},
-                              image_patch_size=factor // SPATIAL_MERGE_SIZE)
+        rgb = to_rgb(to_8bit(image))
+        height, width = sizing.size(rgb.height, rgb.width)
+        resized = rgb if (width, height) == rgb.size else rgb.resize((width, height), Image.Resampling.BICUBIC)
     except (ValueError, OSError) as err:  # an aspect ratio over 200:1; a lazily opened PIL image that is truncated
         raise ImageInputError(f"cannot resize {what} ({image.width}x{image.height}): {err}") from err
-    _check_engines_keep(resized, image, min_pixels, max_pixels, factor, what)
+    _check_engines_keep(resized, image, sizing, what)
     return resized
 
 
@@ -128,24 +183,23 @@ def to_8bit(image: Image.Image) -> Image.Image:
     return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), mode="L")
 
 
-def _check_engines_keep(resized: Image.Image, original: Image.Image, min_pixels: int, max_pixels: int,
-                        factor: int, what: str) -> None:
-    """The engines (and the trainer's pixel values) run transformers' image processor, which resizes again by its own
-    smart_resize. For a few extreme shapes qwen-vl-utils' rounding lands on a size that one changes (over max_pixels
-    when scaling a sliver up, or an aspect ratio just over 200:1), so the token count would differ between the
-    request and the engines: refuse such an image here, by name, instead of failing later inside a step."""
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
+def _check_engines_keep(resized: Image.Image, original: Image.Image, sizing: ImageSizing, what: str) -> None:
+    """The engines (and the trainer's pixel values) run the model's image processor on the resized image, which
+    resizes again by the same rule within the model's bounds. Where the rule's result lies outside them (a sliver
+    whose short side was kept at one factor: over max_pixels when the bounds are small, as the embedded models'
+    are), that processor resizes its own output again, and the token count would differ between the request and
+    the engines: refuse such an image here, by name, instead of failing later inside a step."""
     try:
-        again = smart_resize(resized.height, resized.width, factor, min_pixels, max_pixels)
+        again = sizing.engines_size(resized.height, resized.width)
     except ValueError as err:
         again, reason = None, str(err)
     else:
         reason = f"resizes it again to {again[1]}x{again[0]}"
     if again != (resized.height, resized.width):
         raise ImageInputError(f"{what} ({original.width}x{original.height}) resizes to {resized.width}x"
-                              f"{resized.height} (qwen-vl-utils), but the engines' image processor {reason}: "
-                              "its token count would differ between the trainer and the engines (crop or pad it)")
+                              f"{resized.height} (as the model's image processor sizes it), but the engines' image "
+                              f"processor {reason}: its token count would differ between the trainer and the "
+                              "engines (crop or pad it)")
 
 
 def image_hash(image: Image.Image) -> str:

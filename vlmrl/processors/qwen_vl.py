@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from vlmrl.data.config import DataConfig, max_image_pixels_problem
+from vlmrl.data.config import DataConfig
 from vlmrl.models.families import ModelFamily, family_for_path, read_model_config
+from vlmrl.processors.bounds import image_bounds
 from vlmrl.processors.errors import BadRowError, FilteredRow
-from vlmrl.processors.images import ImageInputError, image_hash, load_image, resize_image, source_name
+from vlmrl.processors.images import ImageInputError, ImageSizing, image_hash, load_image, resize_image, source_name
 from vlmrl.processors.rope import mrope_position_ids
 from vlmrl.processors.tiles import TilesLayout
 from vlmrl.processors.video import VideoInputError, VideoSupport
@@ -90,36 +91,27 @@ class Processor:
         self.spatial_merge_size: int = int(self.image_processor.merge_size)
         self.temporal_patch_size: int = int(self.image_processor.temporal_patch_size)
         self.image_factor: int = self.patch_size * self.spatial_merge_size
-        """Resized image sides are multiples of this (qwen-vl-utils' rule): the model's patch size x merge size."""
+        """Resized image sides are multiples of this: the model's patch size x merge size."""
         self.min_pixels, self.max_pixels = self._pixel_bounds()
+        size = self.image_processor.size
+        self.sizing = ImageSizing(self.image_factor, self.min_pixels, self.max_pixels, self.family.image_bound_copies,
+                                  (int(size["shortest_edge"]), int(size["longest_edge"])))
+        """How images are resized: as the model's image processor sizes them, within min_pixels..max_pixels."""
 
     def prepare_image(self, image: Any, what: str) -> Any:
-        """A decoded dataset image -> the image every backend gets (here resized within the pixel bounds to
-        multiples of `image_factor`, RGB)."""
-        return resize_image(image, self.min_pixels, self.max_pixels, self.image_factor, what)
+        """A decoded dataset image -> the image every backend gets (here RGB, resized as the model's image processor
+        sizes it within the pixel bounds: sides multiples of `image_factor`)."""
+        return resize_image(image, self.sizing, what)
 
     def image_summary(self) -> str:
         """How images are prepared, for the log."""
         return f"images {self.min_pixels}..{self.max_pixels} pixels, factor {self.image_factor}"
 
     def _pixel_bounds(self) -> tuple[int, int]:
-        """Config bounds, checked to lie within the model's: the engines run the model's image processor, which
-        must find our resized images already valid (else it resizes again and the two sides disagree)."""
-        size = self.image_processor.size
-        copies = self.family.image_bound_copies  # GLM-4.1V's bounds count an image's 2 temporal copies
-        model_min, model_max = int(size["shortest_edge"]) // copies, int(size["longest_edge"]) // copies
-        low = self.config.min_pixels if self.config.min_pixels is not None else model_min
-        high = self.config.max_pixels if self.config.max_pixels is not None else model_max
-        if not model_min <= low <= high <= model_max:
-            raise ValueError(
-                f"min_pixels={low}, max_pixels={high} must lie within the model's image processor bounds "
-                f"[{model_min}, {model_max}] (preprocessor size shortest_edge/longest_edge"
-                f"{f' / {copies}, the copies of an image they count' if copies > 1 else ''}); the engines would "
-                "resize the images again. Change min_pixels/max_pixels or the model's processor config."
-            )
-        if self.config.max_image_pixels < high:  # the model's bound, when data.max_pixels is null
-            raise ValueError(max_image_pixels_problem(self.config.max_image_pixels, high))
-        return low, high
+        """Config bounds, checked to lie within the model's (`vlmrl.processors.bounds.image_bounds`): the engines
+        run the model's image processor, which must find our resized images already valid (else it resizes again
+        and the two sides disagree)."""
+        return image_bounds(self.config, self.image_processor.size, self.family.image_bound_copies)
 
     # ---------------------------------------------------------------- rows -> requests
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.processors.bounds import tiles_bounds_problem
 from vlmrl.types import RolloutRequest
 
 
@@ -36,10 +37,9 @@ class TilesLayout:
     banned_token_ids: list[int]
 
     def _image_setup(self, model_config: dict) -> None:
-        if self.config.min_pixels is not None or self.config.max_pixels is not None:
-            raise ValueError(f"data.min_pixels / data.max_pixels do not apply to {self.family.name}: its image "
-                             "processor tiles each image at the model's tile size (every backend runs the same one); "
-                             "leave them null and bound images with data.max_image_pixels")
+        problem = tiles_bounds_problem(self.config, self.family.name)
+        if problem:
+            raise ValueError(problem)
         size = self.image_processor.size
         self.tile: int = int(size["height"])
         if int(size["width"]) != self.tile:

@@ -2,10 +2,11 @@
 resize them once, hash them.
 
 Every video reaches the engines and the trainer through here, once: the frames are sampled ONCE (fps or nframes,
-within [min_frames, max_frames], a multiple of the temporal patch size) and resized ONCE (sides multiples of the
-model's factor, 28 or 32, each frame within [video_min_pixels, video_max_pixels] and all frames together within
-video_total_pixels and, for Qwen3-VL, within its video processor's per-video bounds), so every backend gets the same
-uint8 frames and the same timing (`vlmrl.types.Video`), and no engine samples or resizes again.
+within [min_frames, max_frames], a multiple of the temporal patch size) and resized ONCE by the model's own video
+processor's rule (`vlmrl.processors.images.processor_size`: sides multiples of the model's factor, 28 or 32, each
+frame within [video_min_pixels, video_max_pixels] and all frames together within video_total_pixels and, for
+Qwen3-VL, within its video processor's per-video bounds), so every backend gets the same uint8 frames and the same
+timing (`vlmrl.types.Video`), and no engine samples or resizes again.
 
 The timing reaches the model as its family carries it (`ModelFamily.video_timing`): Qwen2/2.5-VL through
 second_per_grid_ts in the position ids; Qwen3-VL as `<x.x seconds>` text before each temporal patch
@@ -22,6 +23,7 @@ import hashlib
 import io
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,9 @@ import numpy as np
 from PIL import Image
 
 from vlmrl.data.config import DataConfig
-from vlmrl.processors.images import ImageInputError, _fetch, _resolve_path, load_image, source_name, to_8bit
+from vlmrl.processors.bounds import video_frame_bounds
+from vlmrl.processors.images import (ImageInputError, _fetch, _resolve_path, load_image, processor_size, source_name,
+                                     to_8bit)
 from vlmrl.types import Video
 
 FRAME_FACTOR = 2
@@ -83,12 +87,16 @@ def sample_indices(total_frames: int, count: int) -> list[int]:
 
 
 def frame_size(height: int, width: int, num_frames: int, config: DataConfig, bounds: tuple[int, int],
-               factor: int, what: str = "the video") -> tuple[int, int]:
-    """(height, width) every frame is resized to (qwen-vl-utils' rule): each frame within [min, max] pixels, where max
-    shrinks so that all frames together stay within video_total_pixels (counted per temporal patch of 2 frames).
-    `bounds` are the per-frame (min, max) pixels, already checked against the model's video processor."""
-    from qwen_vl_utils.vision_process import smart_resize
+               factor: int, what: str = "the video", per_video: bool = False) -> tuple[int, int]:
+    """(height, width) every frame is resized to: each frame within [min, max] pixels, where max shrinks so that all
+    frames together stay within video_total_pixels (counted per temporal patch of 2 frames, as qwen-vl-utils does),
+    sized by the model's video processor's rule (`processor_size`: qwen2_vl's per frame, or glm4v's over the
+    `num_frames` frames together where `per_video`, Qwen3-VL's). `bounds` are the per-frame (min, max) pixels, already
+    checked against the model's video processor.
 
+    >>> frame_size(1114, 69, 4, DataConfig(), (3136, 12544), 28)  # a frame's short side keeps one factor
+    (448, 28)
+    """
     low, high = bounds
     if low * num_frames / FRAME_FACTOR > config.video_total_pixels:  # even the smallest frames do not fit
         raise VideoInputError(f"{what}: {num_frames} frames cannot fit data.video_total_pixels="
@@ -97,7 +105,9 @@ def frame_size(height: int, width: int, num_frames: int, config: DataConfig, bou
                               "frames (data.video_fps / video_max_frames) or raise video_total_pixels")
     try:
         budget = min(max(min(high, config.video_total_pixels / num_frames * FRAME_FACTOR), int(low * 1.05)), high)
-        return smart_resize(height, width, factor=factor, min_pixels=low, max_pixels=int(budget))
+        copies = num_frames if per_video else 1
+        return processor_size(height, width, factor, low * copies, int(budget) * copies,
+                              frames=num_frames if per_video else None)
     except ValueError as err:  # aspect ratio over 200:1
         raise VideoInputError(f"cannot resize the {width}x{height} frames of {what}: {err}") from err
 
@@ -122,7 +132,45 @@ Bounds = tuple[int, int] | Callable[[int, str], tuple[int, int]]
 giving them (a model whose video processor bounds the pixels of all frames together)."""
 
 
-def load_video(source: Any, config: DataConfig, bounds: Bounds, factor: int) -> Video:
+@dataclass(frozen=True)
+class FrameSizing:
+    """How a video's frames are resized (`VideoSupport.sizing`): by the model's video processor's rule, within
+    vlmrl's bounds, to a size that processor keeps."""
+
+    factor: int
+    """Frame sides are multiples of this: the model's patch size x merge size."""
+    bounds: Bounds
+    """The per-frame (min, max) pixels vlmrl sizes within (data.video_min_pixels / video_max_pixels or the model's)."""
+    model_bounds: tuple[int, int] | None = None
+    """The model's video processor's own (shortest_edge, longest_edge): what the engines and the trainer resize by;
+    per frame, or per video where `per_video`. None: sizes are not checked against it."""
+    per_video: bool = False
+    """The processor's bounds hold for all frames of a video together (`ModelFamily.video_bounds_per_video`)."""
+
+    def size(self, height: int, width: int, num_frames: int, config: DataConfig, what: str) -> tuple[int, int]:
+        """(height, width) the frames of `what` are resized to; VideoInputError where the model's video processor
+        refuses them, or would resize the result again (the engines, which get the resized frames, would count other
+        tokens than the trainer)."""
+        per_frame = self.bounds(num_frames, what) if callable(self.bounds) else self.bounds
+        new = frame_size(height, width, num_frames, config, per_frame, self.factor, what, self.per_video)
+        if self.model_bounds is None:
+            return new
+        try:
+            again = processor_size(*new, self.factor, *self.model_bounds,
+                                   frames=num_frames if self.per_video else None)
+        except ValueError as err:
+            again, reason = None, str(err)
+        else:
+            reason = f"resizes them again to {again[1]}x{again[0]}"
+        if again != new:
+            raise VideoInputError(f"the {width}x{height} frames of {what} resize to {new[1]}x{new[0]} (as the model's "
+                                  f"video processor sizes them, within the pixel budget), but the engines' video "
+                                  f"processor {reason}: its token count would differ between the trainer and the "
+                                  "engines (crop or pad the video)")
+        return new
+
+
+def load_video(source: Any, config: DataConfig, sizing: FrameSizing) -> Video:
     """One dataset video -> a sampled, resized `Video`.
 
     Accepts a path (`file://` allowed; under data.data_root), raw bytes, {"bytes"/"path"}, an http(s) URL when
@@ -132,16 +180,16 @@ def load_video(source: Any, config: DataConfig, bounds: Bounds, factor: int) -> 
     if isinstance(source, dict) and source.get("video") is not None:  # a content part carrying its video inline
         source = source["video"]
     if isinstance(source, (list, tuple)):
-        return _from_frames(list(source), config, bounds, factor)
+        return _from_frames(list(source), config, sizing)
     data, what = _read_bytes(source, config)
     frames, fps = decode(data, what, config)
     total = len(frames)
     indices = sample_indices(total, sample_count(total, fps, config, what))
     picked = [frames[i] for i in indices]
-    return _finish(picked, fps, indices, total, config, bounds, factor, what)
+    return _finish(picked, fps, indices, total, config, sizing, what)
 
 
-def _from_frames(sources: list[Any], config: DataConfig, bounds: Bounds, factor: int) -> Video:
+def _from_frames(sources: list[Any], config: DataConfig, sizing: FrameSizing) -> Video:
     if not sources:
         raise VideoInputError("the video is an empty list of frames")
     what = source_name(sources, "video")
@@ -163,14 +211,13 @@ def _from_frames(sources: list[Any], config: DataConfig, bounds: Bounds, factor:
                               "size")
     count = _ceil_to(len(frames), FRAME_FACTOR)
     frames += [frames[-1]] * (count - len(frames))
-    return _finish(frames, config.video_fps, list(range(count)), count, config, bounds, factor, what)
+    return _finish(frames, config.video_fps, list(range(count)), count, config, sizing, what)
 
 
 def _finish(frames: Sequence[Image.Image], fps: float, indices: list[int], total: int, config: DataConfig,
-            bounds: Bounds, factor: int, what: str) -> Video:
+            sizing: FrameSizing, what: str) -> Video:
     width, height = frames[0].size
-    per_frame = bounds(len(frames), what) if callable(bounds) else bounds
-    new_h, new_w = frame_size(height, width, len(frames), config, per_frame, factor, what)
+    new_h, new_w = sizing.size(height, width, len(frames), config, what)
     resized = np.stack([np.asarray(f.resize((new_w, new_h), Image.Resampling.BICUBIC)
                                    if f.size != (new_w, new_h) else f) for f in frames])
     video = Video(frames=resized, fps=float(fps), frame_indices=indices, total_frames=int(total))
@@ -302,7 +349,12 @@ class VideoSupport:
         self.video_bounds: tuple[int, int] | None = None
         """Pixels of all frames of a video together, (min, max): the model's video processor's, where its bounds
         are per video (`ModelFamily.video_bounds_per_video`); None where they are per frame (`bounds`)."""
+        self.model_bounds: tuple[int, int] | None = None
+        """The model's video processor's own (shortest_edge, longest_edge), per frame or per video; None: no video."""
         self.bounds = self._bounds()
+        self.sizing = FrameSizing(factor, self.frame_bounds if self.video_bounds else self.bounds, self.model_bounds,
+                                  per_video=self.video_bounds is not None)
+        """How frames are resized: by the model's video processor's rule, within the bounds and the pixel budget."""
 
     def _bounds(self) -> tuple[int, int]:
         """Per-frame pixel bounds: the config's, checked to lie within the model's video processor's (which would
@@ -311,15 +363,11 @@ class VideoSupport:
             return (self.config.video_min_pixels or 0, self.config.video_max_pixels or 0)
         size = self.video_processor.size
         model_min, model_max = int(size["shortest_edge"]), int(size["longest_edge"])
+        self.model_bounds = (model_min, model_max)
         if self.family.video_bounds_per_video:  # checked per video, once its frame count is known
             self.video_bounds = (model_min, model_max)
             return (self.config.video_min_pixels or 0, self.config.video_max_pixels or model_max)
-        low = self.config.video_min_pixels if self.config.video_min_pixels is not None else model_min
-        high = self.config.video_max_pixels if self.config.video_max_pixels is not None else model_max
-        if not model_min <= low <= high <= model_max:
-            raise ValueError(f"video_min_pixels={low}, video_max_pixels={high} must lie within the model's video "
-                             f"processor bounds [{model_min}, {model_max}]; the engines would resize the frames again")
-        return low, high
+        return video_frame_bounds(self.config, size)
 
     def load(self, source: Any) -> Video:
         """A dataset video -> a sampled, resized `Video`. Any length: the position ids after a long video follow the
@@ -333,7 +381,7 @@ class VideoSupport:
                 f"vlmrl takes no video for model_type {self.model_type!r} (video: "
                 f"{', '.join(self.family.video_model_types)}); Qwen2-VL spaces a video's temporal position ids "
                 "one per temporal patch, which vlmrl does not compute yet")
-        return load_video(source, self.config, self.frame_bounds if self.video_bounds else self.bounds, self.factor)
+        return load_video(source, self.config, self.sizing)
 
     def frame_bounds(self, num_frames: int, what: str = "the video") -> tuple[int, int]:
         """Per-frame (min, max) pixels for `num_frames` frames where the model bounds a video's pixels summed over
