@@ -104,6 +104,22 @@ def _refused_run(tmp_path: Path, *settings: str) -> str:
     return done.stderr.splitlines()[-1]
 
 
+@pytest.mark.parametrize(("setting", "problem"), [
+    ("data.min_pixels=1000", "data.min_pixels=1000, data.max_pixels=12544 must lie within the model's image processor "
+                             "bounds [3136, 12544]"),
+    ("data.video_max_pixels=50000", "data.video_min_pixels=3136, data.video_max_pixels=50000 must lie within the "
+                                    "model's video processor bounds [3136, 12544]"),
+], ids=["image", "video"])
+def test_pixel_bounds_outside_the_models_are_a_config_error(tiny_model_path, tmp_path, setting, problem):
+    """Pixel bounds the model's processor refuses (the engines would resize the images again) are the config's
+    error, found as the config loads: exit status 2, no traceback, nothing of the run started (it was a ValueError
+    traceback from the processor, once the run had set up)."""
+    out = tmp_path / "out"
+    last = _refused_run(out, f"actor.model_path={tiny_model_path}", "rollout.name=vllm", setting)
+    assert last.startswith(f"  - {problem}"), last
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
 def test_a_batch_larger_than_the_dataset_is_one_error_line(tiny_model_path, tmp_path):
     last = _refused_run(tmp_path, f"actor.model_path={tiny_model_path}", "data.train_batch_size=16",
                         "actor.ppo_mini_batch_size=16", "rollout.name=hf")

@@ -423,6 +423,11 @@ def check_model_context(config: Config) -> list[str]:
     if context and total > context:
         return [f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's context of {context} "
                 f"tokens ({path}): lower one of them"]
+    from vlmrl.processors.bounds import model_bound_problems
+
+    bounds = model_bound_problems(config.data, config_file.parent)  # what the processor would refuse as it loads
+    if bounds:
+        return bounds
     model_max_pixels = _model_max_pixels(config_file.parent)
     if config.data.max_pixels is None and model_max_pixels:
         return tool_image_problems(config, model_max_pixels, f"the model's max_pixels={model_max_pixels} "

@@ -35,9 +35,9 @@ class DataConfig:
     synthetic_val_size: int = 128
     """Rows in the synthetic task's held-out split (only for `synthetic`)."""
     min_pixels: int | None = None
-    """Images smaller than this many pixels are upscaled (qwen-vl-utils rules, sides multiples of the model's patch
-    x merge size, 28 for Qwen2/2.5-VL); null = the model's image processor's bound (`size.shortest_edge`). Must lie
-    within the model's bounds, or the engines would resize the image again."""
+    """Images smaller than this many pixels are upscaled (as the model's own image processor sizes them: sides
+    multiples of its patch x merge size, 28 for Qwen2/2.5-VL); null = the model's image processor's bound
+    (`size.shortest_edge`). Must lie within the model's bounds, or the engines would resize the image again."""
     max_pixels: int | None = None
     """Images larger than this many pixels are downscaled (e.g. 1003520 = 1280 * 28 * 28); null = the model's image
     processor's bound (`size.longest_edge`). Must lie within the model's bounds, or the engines would resize the image
@@ -88,8 +88,8 @@ class DataConfig:
     """A video file with more frames than this is refused before sampling (decoding keeps every frame in memory)."""
 
     def problems(self) -> list[str]:
-        """What is wrong, each with what to change; empty when valid. The image bounds are checked against the
-        model's image processor when the processor loads."""
+        """What is wrong, each with what to change; empty when valid. The image and video bounds are checked against
+        the model's processor as the config loads (`vlmrl.processors.bounds`, for a local model) and as it loads."""
         out = []
         for name in ("train_batch_size", "max_response_length"):
             if getattr(self, name) < 1:
