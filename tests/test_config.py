@@ -258,13 +258,46 @@ def test_an_engine_that_is_not_installed_is_named_at_config_load(monkeypatch):
     load_config([*base, "rollout.name=sglang-server", "rollout.server.url=http://127.0.0.1:30000"])  # a client only
 
 
-def test_tensor_parallel_engines_are_refused_when_colocated_on_several_devices():
+def test_tensor_parallel_engines_span_a_divisor_of_the_training_workers(tiny_model_path):
+    """rollout.tensor_parallel_size = k colocated: k consecutive training workers host one engine, so k must divide
+    the devices; what cannot run that way is refused at load, naming the key, before anything starts."""
     base = ["actor.model_path=org/m", "data.train_files=synthetic", "data.val_files=synthetic",
-            "trainer.n_gpus_per_node=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2",
-            "trainer.format_warmup_steps=0"]
-    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2: with 2 devices each colocated engine"):
-        load_config([*base, "rollout.tensor_parallel_size=2"])
-    load_config(base)
+            "trainer.n_gpus_per_node=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2",
+            "trainer.format_warmup_steps=0", "rollout.name=vllm"]
+    load_config([*base, "rollout.tensor_parallel_size=2"], check_model=False)
+    load_config([*base, "rollout.tensor_parallel_size=4", "rollout.name=sglang"], check_model=False)
+    refusals = {
+        "rollout.tensor_parallel_size=3 must divide the 4 devices": ["rollout.tensor_parallel_size=3"],
+        "spans that many training workers .* and this run has one": [
+            "rollout.tensor_parallel_size=2", "trainer.n_gpus_per_node=1"],
+        "engine_placement=node runs one single-device engine per node": [
+            "rollout.tensor_parallel_size=2", "trainer.engine_placement=node"],
+        "rollout.name=hf runs on one device": ["rollout.tensor_parallel_size=2", "rollout.name=hf"],
+        "each rollout worker is one device for now": [
+            "rollout.tensor_parallel_size=2", "trainer.async_rollout.enable=true",
+            "trainer.async_rollout.rollout_workers=1"],
+    }
+    for message, keys in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config([*base, *keys], check_model=False)
+    # the model must split: tiny has 2 attention heads
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=4 does not split the language model's 2 "
+                                          r"attention heads"):
+        load_config([*base, f"actor.model_path={tiny_model_path}", "rollout.tensor_parallel_size=4"])
+    load_config([*base, f"actor.model_path={tiny_model_path}", "rollout.tensor_parallel_size=2"])
+
+
+def test_a_tensor_parallel_refusal_is_one_error_line_before_any_engine(tiny_model_path, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "vlmrl.train", f"actor.model_path={tiny_model_path}",
+                           "data.train_files=synthetic", "trainer.n_gpus_per_node=2", "rollout.tensor_parallel_size=4",
+                           f"trainer.output_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "error: invalid configuration:" in done.stderr
+    assert "rollout.tensor_parallel_size=4 must divide the 2 devices" in done.stderr
+    assert not (tmp_path / "engine.log").exists()
 
 
 def test_a_renamed_key_names_its_new_name(tmp_path):

@@ -275,6 +275,9 @@ def cross_section_problems(config: Config) -> list[str]:
          "its capture on: set rollout.name=vllm and rollout.vllm.capture_routing=true (CPU or GPU), or "
          "rollout.sglang.capture_routing=true (GPU)")
     world = derived.world_size
+    need(world > 1 or r.tensor_parallel_size == 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size} spans "
+         f"that many training workers (one device each), and this run has one: set trainer.n_gpus_per_node x "
+         f"trainer.nnodes to a multiple of {r.tensor_parallel_size}, or rollout.tensor_parallel_size=1")
     if world > 1:
         need(derived.mini_batch_samples % world == 0,
              f"a mini-batch of {derived.mini_batch_samples} samples (ppo_mini_batch_size * rollout.n) does not split "
@@ -283,8 +286,19 @@ def cross_section_problems(config: Config) -> list[str]:
              "tiny model): set it to 0 or run on one device")
         need(r.name != "sglang-server", "rollout.name=sglang-server cannot be colocated with multi-device training: "
              "use sglang (one engine per worker) or vllm")
-        need(r.tensor_parallel_size == 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: with "
-             f"{world} devices each colocated engine runs on its worker's one device; set it to 1")
+        k = r.tensor_parallel_size
+        need(world % k == 0, f"rollout.tensor_parallel_size={k} must divide the {world} devices (n_gpus_per_node x "
+             "nnodes): each colocated engine spans that many consecutive training workers")
+        need(k == 1 or t.engine_placement == "worker", f"trainer.engine_placement={t.engine_placement} runs one "
+             f"single-device engine per node: with rollout.tensor_parallel_size={k} use engine_placement=worker")
+        need(k == 1 or r.name in ("vllm", "sglang"), f"rollout.tensor_parallel_size={k}: rollout.name={r.name} runs "
+             "on one device; tensor parallel engines are vllm or sglang")
+        need(k == 1 or t.async_rollout.rollout_workers == 0, f"rollout.tensor_parallel_size={k} with rollout "
+             "workers of their own (trainer.async_rollout.rollout_workers): each rollout worker is one device for "
+             "now; set rollout.tensor_parallel_size=1 or run the engines colocated")
+        need(k == 1 or not (a.lora.enabled and a.lora.may_sync_adapter), f"rollout.tensor_parallel_size={k} syncs "
+             "LoRA policies as merged weights (adapters served across TP ranks are not tested yet): set "
+             "actor.lora.sync=merged")
         need(not (a.lora.enabled and a.lora.experts), f"actor.lora.experts=true runs on one device for now (PEFT's "
              f"expert adapters under FSDP2 are not tested yet): set it to false, or train on one device")
     if a.lora.enabled:
@@ -410,6 +424,9 @@ def check_model_context(config: Config) -> list[str]:
     if not config_file.exists():
         return [f"actor.model_path={path!r} has no config.json: is it a HF model folder?"]
     model_config = json.loads(config_file.read_text())
+    split = tensor_parallel_problems(config.rollout.tensor_parallel_size, model_config, path)
+    if split:
+        return split
     if config.rollout.routing_capture():  # the family says whether the model routes through experts
         try:
             family = family_of(model_config)
@@ -433,6 +450,32 @@ def check_model_context(config: Config) -> list[str]:
         return tool_image_problems(config, model_max_pixels, f"the model's max_pixels={model_max_pixels} "
                                    "(data.max_pixels=null)")
     return []
+
+
+def tensor_parallel_problems(k: int, model_config: dict, path: str) -> list[str]:
+    """A model an engine cannot split over `k` tensor-parallel ranks: its attention heads (query and key/value, of
+    the language model and of the vision tower) must divide by k (vLLM and SGLang shard whole heads; KV heads fewer
+    than k are replicated, so those must divide k instead).
+
+    >>> tensor_parallel_problems(2, {"text_config": {"num_attention_heads": 3, "num_key_value_heads": 1}}, "m")[0][:60]
+    'rollout.tensor_parallel_size=2 does not split the language m'
+    >>> tensor_parallel_problems(4, {"text_config": {"num_attention_heads": 8, "num_key_value_heads": 2}}, "m")
+    []
+    """
+    if k == 1:
+        return []
+    problems = []
+    for part, section in (("language model", model_config.get("text_config") or model_config),
+                          ("vision tower", model_config.get("vision_config") or {})):
+        heads = section.get("num_attention_heads") or section.get("num_heads")
+        kv = section.get("num_key_value_heads") or heads
+        if heads and heads % k:
+            problems.append(f"rollout.tensor_parallel_size={k} does not split the {part}'s {heads} attention heads "
+                            f"({path}): pick a divisor of {heads}")
+        elif kv and kv % k and k % kv:
+            problems.append(f"rollout.tensor_parallel_size={k} does not split the {part}'s {kv} key/value heads "
+                            f"({path}): pick a divisor or a multiple of {kv}")
+    return problems
 
 
 def _model_max_pixels(folder: Path) -> int | None:

@@ -9,8 +9,8 @@ import torch
 from tests.batches import make_batch
 from vlmrl.actor.step_metrics import mean_metrics
 from vlmrl.batch.padding import required_batch_multiple, upsample_to_multiple
+from vlmrl.distributed.layout import EngineLayout
 from vlmrl.distributed.sharding import (
-    engine_hosts,
     even_row_blocks,
     select_rows,
     update_row_blocks,
@@ -95,8 +95,22 @@ def test_metric_parts_average_over_ranks():
 
 
 def test_engines_go_on_every_worker_or_on_the_first_worker_of_each_node():
-    nodes = ["node-a", "node-a", "node-b", "node-b"]
-    assert engine_hosts(nodes, "worker") == [0, 1, 2, 3]
-    assert engine_hosts(nodes, "node") == [0, 2]
+    nodes = ("node-a", "node-a", "node-b", "node-b")
+    assert EngineLayout(dp=4, engine="vllm", nodes=nodes).hosts == [0, 1, 2, 3]
+    assert EngineLayout(dp=4, engine="vllm", placement="node", nodes=nodes).hosts == [0, 2]
     with pytest.raises(ValueError, match="worker or node"):
-        engine_hosts(nodes, "gpu")
+        EngineLayout(dp=4, engine="vllm", placement="gpu", nodes=nodes)
+
+
+def test_a_tensor_parallel_engine_spans_consecutive_ranks():
+    """verl's layout: engine g on ranks [g*k, (g+1)*k); vLLM builds a TP rank in each of them (spmd), SGLang one
+    engine on the group's first rank; requests go to each group's first rank; k must divide dp."""
+    vllm, sglang = EngineLayout(dp=8, tp=4, engine="vllm"), EngineLayout(dp=8, tp=4, engine="sglang")
+    assert vllm.groups == sglang.groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert vllm.leaders == sglang.leaders == [0, 4] and sglang.hosts == [0, 4] and vllm.hosts == list(range(8))
+    assert [vllm.tp_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3] and vllm.group_of(5) == 1
+    assert not EngineLayout(dp=8, tp=1, engine="vllm").spmd and EngineLayout(dp=2, engine=None).groups == []
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=3 must divide the 4 training ranks"):
+        EngineLayout(dp=4, tp=3, engine="vllm")
+    with pytest.raises(ValueError, match="engine_placement=node runs one single-device engine per node"):
+        EngineLayout(dp=4, tp=2, engine="vllm", placement="node", nodes=("a", "a", "b", "b"))

@@ -37,6 +37,7 @@ def test_every_vllm_option_reaches_its_constructor(tiny_model_path, monkeypatch)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     kwargs, env = vllm_args("rollout.dtype=bfloat16", "rollout.limit_images=3", "rollout.limit_videos=2",
                             "rollout.gpu_memory_utilization=0.45", "rollout.tensor_parallel_size=2",
+                            "trainer.n_gpus_per_node=2",
                             "rollout.vllm.enforce_eager=false", "rollout.vllm.max_num_batched_tokens=40000",
                             "rollout.vllm.enable_prefix_caching=false", "rollout.vllm.enable_sleep_mode=true",
                             "rollout.vllm.cpu_kv_cache_gb=3", "rollout.vllm.multiprocess=true",
@@ -75,6 +76,7 @@ def test_a_lora_run_starts_vllm_to_serve_its_adapters(tiny_model_path):
 
 def test_every_sglang_option_reaches_its_constructor(tiny_model_path):
     args = sglang_args("rollout.dtype=bfloat16", "rollout.gpu_memory_utilization=0.45", "rollout.tensor_parallel_size=2",
+                       "trainer.n_gpus_per_node=2",
                        "rollout.sglang.max_total_tokens=5000", "rollout.sglang.attention_backend=fa3",
                        "rollout.sglang.enable_memory_saver=true", "rollout.sglang.log_level=warning",
                        "rollout.sglang.engine_kwargs={chunked_prefill_size: 512}", on_cuda=True,

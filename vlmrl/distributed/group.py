@@ -29,8 +29,8 @@ import torch
 
 from vlmrl.actor.core import needs_old_logprobs
 from vlmrl.actor.step_metrics import mean_metrics
+from vlmrl.distributed.layout import EngineLayout
 from vlmrl.distributed.sharding import (
-    engine_hosts,
     logprob_row_blocks,
     select_rows,
     update_shards,
@@ -145,15 +145,24 @@ class DistributedActor:
         order = sorted(range(len(workers)), key=lambda i: (node_order.index(nodes[i]), i))
         self.workers = [workers[i] for i in order]
         self.nodes = [nodes[i] for i in order]
-        self.hosts = engine_hosts(self.nodes, cluster.engine_placement)
+        engine = self.spec.engine
+        self.layout = EngineLayout(dp=self.dp_size, tp=engine.options.rollout.tensor_parallel_size if engine else 1,
+                                   engine=engine.name if engine else None, placement=cluster.engine_placement,
+                                   nodes=tuple(self.nodes))
+        """Which rank holds which trainer shard and which engine rank (printed below)."""
+        self.hosts = self.layout.hosts
         master = self._get([self.workers[0].rendezvous_address.remote()], "rendezvous", self.startup_timeout_s)[0]
-        ready = self._get([w.setup.remote(rank, self.dp_size, master, rank in self.hosts)
+        self.shm_prefix = f"vlmrl-{os.getpid()}-{master[1]}"
+        """What an spmd engine's CPU shared memory is named by (/dev/shm; removed at close, dead workers' too)."""
+        ready = self._get([w.setup.remote(rank, self.dp_size, master, self.layout, self.shm_prefix)
                            for rank, w in enumerate(self.workers)], "loading and sharding the actor",
                           self.startup_timeout_s)
+        self.pids = [info["pid"] for info in ready]
+        """Each rank's worker process."""
         self.engine_dtypes = sorted({info["engine_dtype"] for info in ready if info["engine_dtype"]})
         """The dtypes the workers' engines compute in, as they resolved them where they run (one, normally)."""
-        logger.info("distributed actor: %d ranks on %d node(s), %s bundles, engines on ranks %s", self.dp_size,
-                    len(node_order), "GPU" if use_gpu else "CPU", self.hosts if self.spec.engine else "none")
+        logger.info("distributed actor: %d ranks on %d node(s), %s bundles; layout:\n%s", self.dp_size,
+                    len(node_order), "GPU" if use_gpu else "CPU", self.layout.describe())
 
     @property
     def dp_size(self) -> int:
@@ -284,11 +293,24 @@ class DistributedActor:
         same place of two runs (the same prompt, or two trajectories of one group) would draw the same samples."""
         if self.spec.engine is None:
             raise RuntimeError("this DistributedActor was built without a rollout engine (WorkerSpec.engine)")
-        runs = split_evenly(requests, len(self.hosts))
+        layout = self.layout
+        runs = split_evenly(requests, len(layout.groups))
         starts = [sum(len(run) for run in runs[:k]) for k in range(len(runs))]
-        refs = [self.workers[rank].generate.remote(run, replace(sampling, seed=sample_seed(sampling, start)))
-                for rank, run, start in zip(self.hosts, runs, starts)]
-        return [result for part in self._get(refs, "generation") for result in part]
+        # an spmd engine's TP ranks each get the group's requests (they compute together); the first rank's results
+        callers = [group if layout.spmd else group[:1] for group in layout.groups]
+        refs = [[self.workers[rank].generate.remote(run, replace(sampling, seed=sample_seed(sampling, start)))
+                 for rank in ranks] for ranks, run, start in zip(callers, runs, starts)]
+        got = self._get([ref for group in refs for ref in group], "generation")
+        out: list[RolloutResult] = []
+        for ranks in callers:
+            parts, got = got[:len(ranks)], got[len(ranks):]
+            for rank, part in zip(ranks[1:], parts[1:]):  # the TP ranks of one engine must agree, token for token
+                if [r.response_ids for r in part] != [r.response_ids for r in parts[0]]:
+                    raise RuntimeError(f"generation: the TP ranks of the engine on ranks {ranks} disagree (rank "
+                                       f"{rank}'s tokens differ from rank {ranks[0]}'s): their scheduling or sampling "
+                                       "is not deterministic")
+            out += parts[0]
+        return out
 
     def sync_weights(self, backend: RolloutBackend) -> int:
         """Load the actor's current weights into every engine, gathered from the shards on the workers themselves:
@@ -321,6 +343,8 @@ class DistributedActor:
         self.closed = True
         try:
             self._get([w.close.remote() for w in self.workers], "closing the workers", 60)
+        except (RuntimeError, TimeoutError) as err:  # a worker that died (the error that ended the run said so)
+            logger.warning("%s; the workers are ended with their engines", err)
         finally:
             self._release()
 
@@ -331,6 +355,9 @@ class DistributedActor:
         for worker in self.workers:
             ray.kill(worker)
         remove_placement_group(self.placement)
+        # an spmd engine's CPU shared memory on this node, left by workers that died (or were killed just now)
+        for path in Path("/dev/shm").glob(f"{getattr(self, 'shm_prefix', '-')}-g*"):
+            path.unlink(missing_ok=True)
 
     def __enter__(self) -> DistributedActor:
         return self

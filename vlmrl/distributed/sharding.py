@@ -127,16 +127,3 @@ def update_shards(batch: TrainBatch, old_logprobs: torch.Tensor | None, advantag
         )
         for rows in blocks
     ]
-
-
-def engine_hosts(nodes: Sequence[str], placement: str) -> list[int]:
-    """Ranks that host a rollout engine: every rank (`worker`) or the first rank of each node (`node`).
-
-    >>> engine_hosts(["a", "a", "b", "b"], "node")
-    [0, 2]
-    """
-    if placement == "worker":
-        return list(range(len(nodes)))
-    if placement == "node":
-        return [rank for rank, node in enumerate(nodes) if node not in nodes[:rank]]
-    raise ValueError(f"engine placement {placement!r}: choose worker or node")

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from vlmrl.actor.config import ActorConfig
+from vlmrl.distributed.layout import EngineLayout
 from vlmrl.rollout.base import BackendOptions
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 
@@ -70,6 +72,7 @@ class TrainWorker:
         self.rank, self.world_size = -1, 0
         self.actor = None
         self.engine = None
+        self.shm_ident = ""  # an spmd vLLM engine's shared-memory name (setup)
         self.lora_sync = None  # with actor.lora: how this rank's engine gets the policy (merged or the adapter)
 
     # ---- setup ------------------------------------------------------------------------------------------------------
@@ -89,9 +92,12 @@ class TrainWorker:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, rank: int, world_size: int, master: tuple[str, int], host_engine: bool) -> dict[str, Any]:
-        """Join the process group, load and shard the actor (and reference), start the engine if this rank hosts one.
-        Called on every rank at once (the process-group join blocks until all have joined)."""
+    def setup(self, rank: int, world_size: int, master: tuple[str, int], layout: EngineLayout,
+              shm_prefix: str = "vlmrl") -> dict[str, Any]:
+        """Join the process group, load and shard the actor (and reference), start the engine if this rank hosts one
+        (`layout`: which ranks do, at which tensor parallel size; `shm_prefix`: the names of an spmd engine's CPU
+        shared memory begin with it). Called on every rank at once (the process-group join blocks until all have
+        joined; an spmd engine's TP ranks build it together)."""
         from vlmrl.actor.policy import resolve_device
         from vlmrl.distributed.actor import ShardedActor
         from vlmrl.distributed.fsdp import init_process_group
@@ -107,11 +113,20 @@ class TrainWorker:
             from vlmrl.actor.lora import LoraSync
 
             self.lora_sync = LoraSync(self.spec.actor.lora, self.actor.model)
-        if host_engine and self.spec.engine is not None:
+        if rank in layout.hosts and self.spec.engine is not None:
             from vlmrl.rollout.registry import get_backend
 
             engine = self.spec.engine
-            self.engine = get_backend(engine.name, engine.model_path, engine.options)
+            options = replace(engine.options, spmd=layout.spmd,
+                              cpu_binding=layout.cpu_binding(rank, os.cpu_count() or 1) if layout.tp > 1 else "")
+            if layout.spmd:  # vLLM's external launcher reads its rank from the environment (torchrun's variables)
+                # (a GPU worker sees only its own device: local rank 0). On a CPU its TP communicator's shared memory
+                # gets a name of this group's own (`vlmrl.rollout.vllm.SHM_NAME_ENV`)
+                self.shm_ident = f"{shm_prefix}-g{layout.group_of(rank)}"
+                os.environ.update(RANK=str(rank), LOCAL_RANK="0" if device.type == "cuda" else str(rank),
+                                  WORLD_SIZE=str(world_size), MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
+                                  VLMRL_VLLM_SHM_NAME=self.shm_ident)
+            self.engine = get_backend(engine.name, engine.model_path, options)
         logger.info("rank %d/%d ready (pid %d, engine: %s)", rank, world_size, os.getpid(),
                     self.spec.engine.name if self.engine else "none")
         return {"rank": rank, "pid": os.getpid(), "engine": self.engine is not None,
@@ -196,6 +211,10 @@ class TrainWorker:
 
     # ---- generation (no collectives) ---------------------------------------------------------------------------------
 
+    def engine_pids(self) -> list[int]:
+        """The processes this rank's engine runs in besides the worker's own (SGLang's TP schedulers)."""
+        return list(self.engine.engine_pids) if self.engine is not None else []
+
     def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         if self.engine is None:
             raise RuntimeError(f"rank {self.rank} hosts no rollout engine")
@@ -213,6 +232,9 @@ class TrainWorker:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.shm_ident:  # the TP group's shared memory (its other ranks may have died without removing theirs)
+            for path in Path("/dev/shm").glob(f"{self.shm_ident}-*"):
+                path.unlink(missing_ok=True)
         if self.lora_sync is not None:
             self.lora_sync.close()
         import torch.distributed as dist

@@ -77,6 +77,13 @@ class BackendOptions:
     """> 0: serve LoRA adapters up to this rank (vLLM `enable_lora`), set by a run whose actor.lora syncs adapters."""
     lora_vision: bool = False
     """With lora_rank: the adapters cover the vision tower and merger too (vLLM's enable_tower_connector_lora)."""
+    spmd: bool = False
+    """This process is one tensor-parallel rank of an engine whose other ranks run in the other processes of its
+    torch.distributed group, each building the engine and calling it alike (vLLM's `external_launcher`, verl's
+    layout); set by a training worker (`vlmrl.distributed.layout.EngineLayout`)."""
+    cpu_binding: str = ""
+    """On a CPU at rollout.tensor_parallel_size > 1: each TP rank's cores, "|"-separated (SGLang's
+    SGLANG_CPU_OMP_THREADS_BIND); empty: the machine's cores split evenly. Set by a training worker."""
 
     def resolved_dtype(self, family: ModelFamily | None = None, on_cuda: bool | None = None) -> str:
         """rollout.dtype; auto = bfloat16 on CUDA, on CPU the family's `cpu_engine_dtype` (Qwen3.5: bfloat16, the only

@@ -82,7 +82,7 @@ def cpu_env(rollout: RolloutConfig, name: str | None = None) -> dict[str, str]:
     if torch.cuda.is_available():
         return {}
     if name == "vllm":
-        from vlmrl.rollout.vllm import cpu_env as vllm_cpu_env
+        from vlmrl.rollout.vllm_cpu import cpu_env as vllm_cpu_env
 
         return vllm_cpu_env(rollout.vllm)
     if name in ("sglang", "sglang-server"):

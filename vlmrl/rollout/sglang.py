@@ -53,9 +53,25 @@ BAN_LOGIT_BIAS = -1e4
 
 
 def engine_env(options: BackendOptions, on_cuda: bool) -> dict[str, str]:
-    """Environment the rollout engine's processes must start with: raw logprobs (the rollout contract) and what
-    `server_env` sets."""
-    return {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", **server_env(options.rollout.sglang, on_cuda)}
+    """Environment the rollout engine's processes must start with: raw logprobs (the rollout contract), what
+    `server_env` sets and, on a CPU at tensor parallel k > 1, each TP rank's cores (SGLang refuses more TP ranks than
+    NUMA nodes without SGLANG_CPU_OMP_THREADS_BIND; an explicit value in the environment wins)."""
+    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", **server_env(options.rollout.sglang, on_cuda)}
+    k = options.rollout.tensor_parallel_size
+    if not on_cuda and k > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = options.cpu_binding or even_binding(k, os.cpu_count() or 1)
+    return env
+
+
+def even_binding(ranks: int, cores: int) -> str:
+    """`ranks` TP ranks over `cores` cores, evenly, in SGLANG_CPU_OMP_THREADS_BIND's form.
+
+    >>> even_binding(2, 2), even_binding(2, 8), even_binding(4, 2)
+    ('0|1', '0-3|4-7', '0|1|0|1')
+    """
+    per = max(1, cores // ranks)
+    ranges = [((i * per) % cores, (i * per) % cores + per - 1) for i in range(ranks)]
+    return "|".join(str(low) if low == high else f"{low}-{high}" for low, high in ranges)
 
 
 def server_env(section: SGLangConfig, on_cuda: bool) -> dict[str, str]:

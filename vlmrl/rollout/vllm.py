@@ -32,10 +32,10 @@ from vlmrl.rollout.base import (
     merged,
     release_memory,
 )
-from vlmrl.rollout.config import VLLMConfig
 from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import sample_seed, top_allowed
+from vlmrl.rollout.vllm_cpu import cpu_env, name_cpu_shared_memory
 from vlmrl.rollout.weights import checkpoint_names
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
@@ -205,16 +205,6 @@ def _quiet_derived_buffer_warnings(model: torch.nn.Module) -> None:
     reload_logger.addFilter(_DerivedBufferFilter((with_buffers - with_params) | tied))
 
 
-def cpu_env(section: VLLMConfig) -> dict[str, str]:
-    """What vLLM needs on a CPU: the engine core in-process (unless rollout.vllm.multiprocess says: a ~3 s start, and
-    no engine process beside the trainer's on a few cores) and a KV cache of cpu_kv_cache_gb (else start-up fails).
-    A variable the environment already sets is left out: an explicit value wins."""
-    wanted = {"VLLM_CPU_KVCACHE_SPACE": f"{section.cpu_kv_cache_gb:g}"}
-    if section.multiprocess is None:
-        wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    return {key: value for key, value in wanted.items() if key not in os.environ}
-
-
 def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily | None, on_cuda: bool
                   ) -> tuple[dict[str, Any], dict[str, str]]:
     """(`vllm.LLM(...)` keyword arguments, environment variables to set around its construction) for a backend's
@@ -237,6 +227,8 @@ def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily 
         gpu_memory_utilization=r.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
         enable_sleep_mode=release_memory(v.enable_sleep_mode, on_cuda, options.colocated),
     )
+    if options.spmd:  # one TP rank in each training worker's process, through the trainer's own process group
+        kwargs["distributed_executor_backend"] = "external_launcher"
     if captures_routing(r, "vllm", family) and on_cuda:
         kwargs["enable_return_routed_experts"] = True  # its V2 model runner's capture; on a CPU: _generate_routed
     if options.lora_rank > 0:
@@ -306,6 +298,8 @@ class VLLMBackend(RolloutBackend):
         route_engine_logs("vllm", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))  # before vLLM configures its logging
         from vllm import LLM
 
+        if self.options.spmd and not self.on_cuda:
+            name_cpu_shared_memory()
         self.sleep_mode = kwargs["enable_sleep_mode"]
         # Read by vLLM when the engine is built (the CPU KV cache size: for the process), so set around that only.
         if "VLLM_CPU_KVCACHE_SPACE" in env:
