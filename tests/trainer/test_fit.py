@@ -248,27 +248,43 @@ def test_short_run_on_vllm_and_its_checkpoint_loads_in_vllm(tiny_model_path, tmp
 
 
 @pytest.mark.ray
-def test_two_device_run_goes_through_the_same_loop(tiny_model_path, tmp_path):
-    """trainer.n_gpus_per_node=2 (CPU workers here): Ray workers with FSDP2 shards and colocated engines, the same
-    fit loop; the checkpoint is one full HF model folder."""
+@pytest.mark.vllm
+def test_two_device_run_at_tensor_parallel_2_takes_the_tensor_parallel_1_step(tiny_model_path, tmp_path):
+    """trainer.n_gpus_per_node=2 (CPU workers here): Ray workers with FSDP2 shards and colocated vLLM engines, the
+    same fit loop. One step with one engine across both workers (rollout.tensor_parallel_size=2) equals the step with
+    an engine on each (k = 1): the same seeded samples, rewards and loss, the same weights after; the checkpoint is
+    one full HF model folder. (The engine's logprobs may differ in float32 rounding between the two layouts; the
+    update recomputes its old logprobs, so the weights do not.)"""
     import tempfile
 
     import ray
+    import torch
+    from safetensors.torch import load_file
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp_dir = tempfile.mkdtemp(prefix="vlmrl-ray-")  # short: Ray's socket paths are length-limited
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir)
-    try:
-        out = tmp_path / "dp2"
-        fit(load_config(base_args(tiny_model_path, out, "trainer.n_gpus_per_node=2", "trainer.total_steps=2",
-                                  "trainer.save_freq=2", "trainer.val_before_train=false")))
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-    rows = read_metrics(out / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [1, 2]
-    assert all(key in rows[-1] for key in TRAIN_KEYS + VAL_KEYS)
-    assert (out / "checkpoints" / "global_step_2" / "model.safetensors").exists()
+    rows, weights = {}, {}
+    for k in (1, 2):
+        temp_dir = tempfile.mkdtemp(prefix="vlmrl-ray-")  # short: Ray's socket paths are length-limited
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir)
+        try:
+            out = tmp_path / f"tp{k}"
+            fit(load_config(base_args(tiny_model_path, out, "trainer.n_gpus_per_node=2", "rollout.name=vllm",
+                                      "rollout.dtype=float32", f"rollout.tensor_parallel_size={k}",
+                                      "trainer.total_steps=1", "trainer.save_freq=1", "trainer.test_freq=1",
+                                      "trainer.val_before_train=false")))
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        rows[k] = read_metrics(out / "metrics.jsonl")
+        weights[k] = load_file(out / "checkpoints" / "global_step_1" / "model.safetensors")
+    assert [row["step"] for row in rows[2]] == [1] and all(key in rows[2][-1] for key in TRAIN_KEYS + VAL_KEYS)
+    for key in ("reward/mean", "response_length/mean", "val/accuracy"):
+        assert rows[1][-1][key] == rows[2][-1][key], key
+    assert abs(rows[1][-1]["actor/pg_loss"] - rows[2][-1]["actor/pg_loss"]) < 1e-6
+    assert weights[1].keys() == weights[2].keys()
+    assert max(float((weights[1][n] - weights[2][n]).abs().max()) for n in weights[1]) < 1e-6
+    assert any(not torch.equal(weights[1][n], load_file(Path(tiny_model_path) / "model.safetensors")[n])
+               for n in weights[1]), "the step moved no weight"
 
 
 # The embedded Qwen3-VL's, Qwen3.5's and Qwen3-VL-MoE's runs are variants (marker `full`, make test-all): other
