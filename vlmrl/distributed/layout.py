@@ -43,6 +43,9 @@ class EngineLayout:
     rank: `nodes` says which rank sits where)."""
     nodes: tuple[str, ...] = ()
     """The node of each rank (known once the workers are placed; only `node` placement reads it)."""
+    rollout_workers: int = 0
+    """> 0: the engines run in that many Ray actors of their own (trainer.async_rollout.rollout_workers, one device
+    each), not in the training ranks: the ranks then only train."""
 
     def __post_init__(self) -> None:
         if self.placement not in ("worker", "node"):
@@ -67,7 +70,7 @@ class EngineLayout:
         >>> EngineLayout(dp=4, tp=2, engine="vllm").groups
         [[0, 1], [2, 3]]
         """
-        if self.engine is None:
+        if self.engine is None or self.rollout_workers:
             return []
         if self.placement == "node":
             return [[rank] for rank, node in enumerate(self.nodes) if node not in self.nodes[:rank]]
@@ -121,10 +124,16 @@ class EngineLayout:
         1 vllm engine at tensor parallel 2:
           engine 0 on ranks [0, 1]: TP ranks 0-1, each in a training worker's own process; requests to rank 0
         """
-        lines = [f"{self.dp} training rank{'s' if self.dp > 1 else ''}, FSDP2: each holds 1/{self.dp} of the "
-                 "parameters, gradients and optimizer state"]
+        lines = [f"{self.dp} training ranks, FSDP2: each holds 1/{self.dp} of the parameters, gradients and "
+                 "optimizer state" if self.dp > 1 else "1 training process: the whole actor"]
+        if self.rollout_workers:
+            return "\n".join(lines + [f"{self.rollout_workers} {self.engine} rollout worker"
+                                      f"{'s' if self.rollout_workers > 1 else ''} in Ray actors of their own, one "
+                                      "device each; weights through Ray's object store"])
         if self.engine is None:
             return lines[0] + "\nno colocated engine"
+        if self.dp == 1:
+            return "\n".join(lines + [f"the {self.engine} engine in the same process"])
         lines.append(f"{len(self.groups)} {self.engine} engine{'s' if len(self.groups) > 1 else ''} at tensor "
                      f"parallel {self.tp}:")
         for g, group in enumerate(self.groups):

@@ -22,6 +22,7 @@ from vlmrl.rollout.registry import backend_options, get_backend
 if TYPE_CHECKING:
     from vlmrl.distributed.engines import ColocatedEngines
     from vlmrl.distributed.group import ClusterSpec, DistributedActor
+    from vlmrl.distributed.layout import EngineLayout
     from vlmrl.distributed.rollout_workers import RemoteEngines
     from vlmrl.distributed.worker import WorkerSpec
 
@@ -90,6 +91,17 @@ def start_rollout_workers(config: Config, start_path: str | None) -> RemoteEngin
     return RemoteEngines(RolloutWorkerSpec(engine, torch_threads=t.torch_threads),
                          workers=t.async_rollout.rollout_workers, restarts=t.async_rollout.worker_restarts,
                          first_device=config.derived.world_size)
+
+
+def run_layout(config: Config) -> EngineLayout:
+    """Which process holds which trainer shard and which engine rank, from the run's sizes (before any process
+    starts): the record `setup_run` builds the run from and prints, and the memory plan reads."""
+    from vlmrl.distributed.layout import EngineLayout
+
+    t, r = config.trainer, config.rollout
+    return EngineLayout(dp=config.derived.world_size, tp=r.tensor_parallel_size, engine=r.name,
+                        placement=t.engine_placement,
+                        rollout_workers=t.async_rollout.rollout_workers if t.async_rollout.enable else 0)
 
 
 def run_cluster(config: Config) -> ClusterSpec:

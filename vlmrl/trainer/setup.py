@@ -32,6 +32,7 @@ from vlmrl.trainer.checkpoint import (
 from vlmrl.trainer.components import (
     RunComponents,
     load_run_processor,
+    run_layout,
     start_agent,
     start_distributed,
     start_rollout_workers,
@@ -94,9 +95,10 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
     check_requests(config, processor, train_data, sampler.peek(), val_data)  # before any process starts
     sources = train_data.data_sources() + (val_data.data_sources() if val_data else [])
     reward_fn = load_reward_fn(config.reward, sources)
-    dp_size = config.derived.world_size
+    layout = run_layout(config)  # which process holds which trainer shard and which engine rank
+    logger.info("layout:\n%s", layout.describe())
     actor: PolicyActor
-    workers = t.async_rollout.rollout_workers if t.async_rollout.enable else 0
+    dp_size, workers = layout.dp, layout.rollout_workers
     if dp_size > 1 and workers > 0:  # Ray workers that only train, beside rollout workers of their own
         from vlmrl.distributed.group import ensure_ray
 
