@@ -208,7 +208,8 @@ class RolloutConfig:
     """Fraction of GPU memory the engine may take, weights + KV cache (vllm; sglang's mem_fraction_static). Not used
     on CPU and not by hf."""
     tensor_parallel_size: int = 1
-    """Tensor parallel degree of the engine (vllm; sglang's tp_size). Not used by hf."""
+    """Tensor parallel degree k of each engine (vllm; sglang's tp_size): colocated, k consecutive training workers
+    host one engine (k divides n_gpus_per_node x nnodes; docs/distributed.md). Not used by hf."""
     family_engine_settings: bool = True
     """Start the engine with the model family's settings that make it compute what transformers computes, where the
     model's config.json lacks them (docs/alignment.md: Qwen3-VL's mrope_interleaved), and refuse an sglang-server
