@@ -57,17 +57,10 @@ def test_a_lora_policy_with_expert_adapters_is_checkpointed_merged_in_the_hub_la
     experts in Qwen3-VL-MoE's hub layout, and transformers reloads the merged weights."""
     from transformers import AutoModelForImageTextToText
 
-    from vlmrl.actor.local import Actor
-    from vlmrl.config import ActorConfig, LoraConfig
+    from tests.moe.contract import expert_lora_actor
     from vlmrl.models.tiny import ensure_built
 
-    actor = Actor(ActorConfig(model_path=str(ensure_built("tiny-qwen3-vl-moe")), device="cpu", dtype="float32",
-                              lora=LoraConfig(rank=4, alpha=8, experts=True)), total_steps=1, mini_batch_samples=1)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in actor.model.named_parameters():
-            if ".mlp.experts." in name and "lora_B" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    actor = expert_lora_actor(str(ensure_built("tiny-qwen3-vl-moe")))
     merged = dict(actor.named_tensors())
     save_model(actor.full_model(), tmp_path / "m")
     shape = ExpertShape.of(actor.full_model().config)

@@ -13,6 +13,22 @@ from vlmrl.types import SamplingParams
 ONE = SamplingParams(temperature=0.0, max_new_tokens=4, top_logprobs=5)
 
 
+def expert_lora_actor(model_path: str):
+    """A single-process LoRA policy with adapters on every MoE layer's experts (actor.lora.experts), only the expert
+    adapters nonzero (lora_B drawn from a seeded normal): its merged model differs from the base in the experts."""
+    from vlmrl.actor.local import Actor
+    from vlmrl.config import ActorConfig, LoraConfig
+
+    actor = Actor(ActorConfig(model_path=model_path, device="cpu", dtype="float32",
+                              lora=LoraConfig(rank=4, alpha=8, experts=True)), total_steps=1, mini_batch_samples=1)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in actor.model.named_parameters():
+            if ".mlp.experts." in name and "lora_B" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    return actor
+
+
 def rolled_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every layer's experts rolled by one (expert e gets expert e+1's weights): a different model that only a
     sync landing every expert of every layer, in the right orientation and order, reproduces."""

@@ -117,19 +117,10 @@ def test_merged_expert_lora_syncs_like_hf_running_the_merged_model(backend, hf, 
     checkpoint's expert layout by the same sync as a full model's), and the engine's greedy outputs equal
     transformers running the merged model, token for token and to float rounding; the originals bring the first
     outputs back."""
-    import torch
-
+    from tests.moe.contract import expert_lora_actor
     from tests.rollout.helpers import LOGPROB_TOL, clone_state, greedy_problems
-    from vlmrl.actor.local import Actor
-    from vlmrl.config import ActorConfig, LoraConfig
 
-    actor = Actor(ActorConfig(model_path=backend.model_path, device="cpu", dtype="float32",
-                              lora=LoraConfig(rank=4, alpha=8, experts=True)), total_steps=1, mini_batch_samples=1)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in actor.model.named_parameters():
-            if ".mlp.experts." in name and "lora_B" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    actor = expert_lora_actor(backend.model_path)
     requests = [batch[0], batch[3], batch[6]]  # no image, one, two
     first = backend.generate(requests, GREEDY)
     assert actor.lora_sync.path(backend) == "merged"
