@@ -405,3 +405,36 @@ def test_dp2_lora_step_matches_dp1(ray_cluster, tiny_model_path, processor, synt
     assert not frozen, f"dp=2 left these adapters untrained: {frozen[:4]}"
     assert any(".merger." in k for k in adapters)
     assert_same_weights(dict(reference.named_tensors()), weights, start)
+
+
+def test_the_weight_probe_asks_every_engine_and_names_one_its_sync_missed(ray_cluster, tiny_model_path, processor,
+                                                                         synthetic_rows):
+    """Two colocated engines (dp = 2): the probe request goes to each; after a sync they answer alike and the probe
+    is in sync with `weight_probe/engines_agree` 1. Engine 1 alone given other weights (a sync that reached one
+    engine group only) is named, at start as the start-up check's error, later per weight_probe_action."""
+    import ray
+
+    from vlmrl.distributed.engines import ColocatedEngines
+    from vlmrl.distributed.worker import EngineSpec
+    from vlmrl.trainer.weight_probe import EngineModelError, WeightProbe, WeightProbeError
+
+    engine = EngineSpec("hf", tiny_model_path, BackendOptions.from_kwargs(
+        "hf", {"dtype": "float32", "max_model_len": 256, "timeout_s": 120}))
+    config = actor_config(tiny_model_path, micro=4)
+    actor = DistributedActor(ClusterSpec(n_gpus_per_node=2), WorkerSpec(actor=config, engine=engine, torch_threads=1,
+                                                                        timeout_s=120),
+                             mini_batch_samples=8, timeout_s=300)
+    request = processor.build_request(synthetic_rows[0], 0)
+    with ColocatedEngines(actor) as engines:
+        probe = WeightProbe(request, processor, tokens=4, prompt_length=128, temperature=1.0, action="error")
+        metrics = probe(actor, engines, 0, 0, at_start=True)
+        assert metrics["weight_probe/in_sync"] == 1.0 and metrics["weight_probe/engines_agree"] == 1.0
+        state = {name: t.clone() for name, t in actor.named_tensors()}
+        other = [(name, -t if "layers.1.mlp.down_proj" in name else t) for name, t in state.items()]
+        ray.get(actor.workers[1].load_engine_weights.remote(other), timeout=120)
+        with pytest.raises(EngineModelError, match="engine 1 answers the probe otherwise than engine 0"):
+            probe(actor, engines, 0, 0, at_start=True)
+        with pytest.raises(WeightProbeError, match="step 1: weight probe: engine 1 answers the probe otherwise"):
+            probe(actor, engines, 1, 1)
+        probe.action = "warn"
+        assert probe(actor, engines, 1, 1)["weight_probe/engines_agree"] == 0.0

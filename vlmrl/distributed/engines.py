@@ -33,6 +33,11 @@ class ColocatedEngines(RolloutBackend):
     def _generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         return self.actor.generate(list(requests), sampling)  # requests checked here, before any worker sees them
 
+    def generate_on_each(self, requests: Sequence[RolloutRequest], sampling: SamplingParams
+                         ) -> list[list[RolloutResult]]:
+        self.check_requests(requests, sampling)
+        return self.actor.generate(list(requests), sampling, on_each=True)
+
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None
                         ) -> None:
         self.actor.load_engine_weights(list(named_tensors))

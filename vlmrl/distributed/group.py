@@ -286,7 +286,8 @@ class DistributedActor:
 
     # ---- rollout ----------------------------------------------------------------------------------------------------
 
-    def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+    def generate(self, requests: list[RolloutRequest], sampling: SamplingParams, on_each: bool = False
+                 ) -> list[RolloutResult] | list[list[RolloutResult]]:
         """Data-parallel generation: the requests cut into contiguous runs, one per engine; results request-major.
         A seeded request draws what it would draw on a single engine: each engine numbers its run from 0, so the
         run's seed starts at its first request's (`sample_seed`); with the same seed everywhere, the requests at the
@@ -294,14 +295,15 @@ class DistributedActor:
         if self.spec.engine is None:
             raise RuntimeError("this DistributedActor was built without a rollout engine (WorkerSpec.engine)")
         layout = self.layout
-        runs = split_evenly(requests, len(layout.groups))
-        starts = [sum(len(run) for run in runs[:k]) for k in range(len(runs))]
+        # on_each: every engine gets all the requests (the weight probe), one result list per engine
+        runs = [requests] * len(layout.groups) if on_each else split_evenly(requests, len(layout.groups))
+        starts = [0] * len(runs) if on_each else [sum(len(run) for run in runs[:k]) for k in range(len(runs))]
         # an spmd engine's TP ranks each get the group's requests (they compute together); the first rank's results
         callers = [group if layout.spmd else group[:1] for group in layout.groups]
         refs = [[self.workers[rank].generate.remote(run, replace(sampling, seed=sample_seed(sampling, start)))
                  for rank in ranks] for ranks, run, start in zip(callers, runs, starts)]
         got = self._get([ref for group in refs for ref in group], "generation")
-        out: list[RolloutResult] = []
+        out: list = []
         for ranks in callers:
             parts, got = got[:len(ranks)], got[len(ranks):]
             for rank, part in zip(ranks[1:], parts[1:]):  # the TP ranks of one engine must agree, token for token
@@ -309,7 +311,7 @@ class DistributedActor:
                     raise RuntimeError(f"generation: the TP ranks of the engine on ranks {ranks} disagree (rank "
                                        f"{rank}'s tokens differ from rank {ranks[0]}'s): their scheduling or sampling "
                                        "is not deterministic")
-            out += parts[0]
+            out += [parts[0]] if on_each else parts[0]
         return out
 
     def sync_weights(self, backend: RolloutBackend) -> int:

@@ -201,6 +201,12 @@ class RolloutBackend(abc.ABC):
         check_results(results, requests, sampling, self.name)
         return results
 
+    def generate_on_each(self, requests: Sequence[RolloutRequest], sampling: SamplingParams
+                         ) -> list[list[RolloutResult]]:
+        """The same requests on every engine this backend drives (one list of results per engine, engine 0 first):
+        what the weight probe asks of each engine. One engine here; several for the engines of a distributed run."""
+        return [self.generate(requests, sampling)]
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None = None
                        ) -> None:
         """Load these weights into the engine (transformers-5 in-memory names `model.language_model.*` /

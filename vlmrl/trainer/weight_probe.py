@@ -88,7 +88,8 @@ class WeightProbe:
         if self.request is None:
             return {}
         sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.tokens, seed=0)
-        result = backend.generate([self.request], sampling)[0]
+        each = [results[0] for results in backend.generate_on_each([self.request], sampling)]
+        result = each[0]  # engine 0 is judged against the trainer; the others against engine 0
         if not result.response_ids or len(result.response_logprobs) != len(result.response_ids):
             logger.warning("step %d: the weight probe got %d tokens and %d logprobs from %s: not judged", step,
                            len(result.response_ids), len(result.response_logprobs), backend.name)
@@ -104,6 +105,14 @@ class WeightProbe:
                                               list(result.response_logprobs), trainer, tolerance)
         if self.output_dir is not None:
             write_probe(self.output_dir, record)
+        apart = engines_apart(each, self.state.noise_floor)
+        if apart:  # another engine holds other weights than engine 0: its sync did not land (or landed otherwise)
+            message = f"step {step}: weight probe: {apart} ({backend.name}, {engine_dtype})"
+            if at_start:
+                raise EngineModelError(message)
+            if self.action == "error":
+                raise WeightProbeError(message + "; trainer.weight_probe_action=warn keeps training")
+            logger.warning(message)
         if record.failed and at_start:
             raise EngineModelError(
                 f"the {backend.name} engine computes another model than the trainer: on the probe request "
@@ -119,7 +128,9 @@ class WeightProbe:
                 raise WeightProbeError(message + "; trainer.weight_probe_action=warn keeps training")
             logger.warning(message)
         metrics = {"weight_probe/max_abs_dlogp": record.max_abs_dlogp,
-                   "weight_probe/in_sync": float(record.verdict == IN_SYNC)}
+                   "weight_probe/in_sync": float(record.verdict == IN_SYNC and not apart)}
+        if len(each) > 1:
+            metrics["weight_probe/engines_agree"] = float(not apart)
         if record.trainer_moved is not None:
             metrics["weight_probe/trainer_moved"] = record.trainer_moved
         if record.landed_fraction is not None:
@@ -154,3 +165,27 @@ def _inputs(request: RolloutRequest) -> str:
     parts = [f"{len(items)} {kind}{'s' if len(items) != 1 else ''}"
              for kind, items in (("image", request.images), ("video", request.videos)) if items]
     return ", ".join(parts + [f"{len(request.prompt_ids)} prompt tokens"])
+
+
+def engines_apart(results: list, noise: float) -> str:
+    """Why the engines' answers to the probe request differ ('' when they agree): every engine of a run holds the
+    same weights after a sync and gets the same request, so their greedy tokens are equal and their logprobs agree
+    within the probe's noise floor (float32 rounding, or bfloat16's); an engine whose sync did not land on it
+    answers otherwise.
+
+    >>> from vlmrl.types import RolloutResult
+    >>> a = RolloutResult("p", 0, response_ids=[5, 6], response_logprobs=[-1.0, -2.0], finish_reason="length")
+    >>> b = RolloutResult("p", 0, response_ids=[5, 6], response_logprobs=[-1.0, -2.5], finish_reason="length")
+    >>> engines_apart([a, a], 4e-6), engines_apart([a, b], 4e-6)[:46]
+    ('', 'engine 1 answers the probe otherwise than engi')
+    """
+    first = results[0]
+    for index, other in enumerate(results[1:], start=1):
+        if list(other.response_ids) != list(first.response_ids):
+            return (f"engine {index} answers the probe otherwise than engine 0 (greedy tokens {other.response_ids[:8]}"
+                    f" vs {first.response_ids[:8]}): its weights are not engine 0's")
+        gap = max((abs(a - b) for a, b in zip(other.response_logprobs, first.response_logprobs)), default=0.0)
+        if gap > noise:
+            return (f"engine {index} answers the probe otherwise than engine 0 (logprobs up to {gap:.3g} apart, "
+                    f"beyond {noise:g}): its weights are not engine 0's")
+    return ""
