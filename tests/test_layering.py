@@ -20,7 +20,7 @@ CONFIG_LEAVES = "config leaves"  # the modules vlmrl.<pkg>.config: one dataclass
 
 # Top to bottom. Each entry is a package (`vlmrl.<pkg>`) or a top-level module (`vlmrl.<module>`).
 LAYERS: list[tuple[str, ...]] = [
-    ("vlmrl.train",),  # the entry point: python -m vlmrl.train
+    ("vlmrl.train", "vlmrl.plan"),  # the entry points: python -m vlmrl.train | python -m vlmrl.plan (memory plan)
     ("vlmrl.trainer",),  # the fit loop, run setup, validation (and the artifact it writes), checkpoints, metrics
     ("vlmrl.distributed", "vlmrl.alignment"),  # a service the loop drives | the compare tool (never the trainer)
     ("vlmrl.agent", "vlmrl.actor"),  # multi-turn rollout | the policy, its logprobs and update
