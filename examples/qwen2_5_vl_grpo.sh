@@ -19,7 +19,9 @@
 # VAL_ONLY=1  validate only: no optimizer, weights untouched, the per-sample artifact written (lora is ignored).
 # OUTPUT_DIR  trainer.output_dir; default outputs/demo[-<embedded name>] or outputs/<recipe>, then _lora, _dapo|_gspo,
 #             -val. A run restarted on the same folder resumes from its newest checkpoint.
-# DRY_RUN=1 prints the command instead of running it; PYTHON picks the interpreter; -h prints this.
+# DRY_RUN=1 prints the command instead of running it, and for a geo3k recipe its memory plan per device on stderr
+#             (python -m vlmrl.plan: docs/memory.md; PLAN=0 leaves it out); PYTHON picks the interpreter; -h
+#             prints this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -65,7 +67,12 @@ else
 fi
 ARGS+=("trainer.output_dir=${OUTPUT_DIR:-$DIR$LORA${ALGO:+_$ALGO}${VAL_ONLY:+-val}}" ${VAL_ONLY:+trainer.val_only=true})
 
-if [[ "${DRY_RUN:-0}" == 1 ]]; then printf '%s\n' "$PYTHON" -m vlmrl.train "${ARGS[@]}" "$@"; exit 0; fi
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  printf '%s\n' "$PYTHON" -m vlmrl.train "${ARGS[@]}" "$@"
+  # the plan goes to stderr, so stdout stays the command alone; a plan that does not fit still ends the dry run well
+  [[ "$BASE" == demo || "${PLAN:-1}" == 0 ]] || "$PYTHON" -m vlmrl.plan "${ARGS[@]}" "$@" >&2 || true
+  exit 0
+fi
 start=$(date +%s)
 "$PYTHON" -m vlmrl.train "${ARGS[@]}" "$@"
 elapsed=$(( $(date +%s) - start ))

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 def pick(model: str, devices: str) -> str:
     """The demo for no model, an embedded one or a checkpoint the demo wrote (unless devices are asked for), else
-    the geo3k recipe of the model's family: by its config.json, or by a hub id's name. The demo's engine is vllm
+    the geo3k recipe of the model's family: by its config.json, or by a hub id's name (a Qwen2.5-VL named 32B or
+    72B: the 32B recipe). The demo's engine is vllm
     when installed, else hf; another embedded model's demo writes beside the default's, not resuming it."""
     from vlmrl.models.tiny import is_embedded
 
@@ -44,6 +45,8 @@ def pick(model: str, devices: str) -> str:
     else:  # another hub id, or none: the default Qwen2.5-VL
         family = "Qwen2.5-VL"
     recipe = recipes.get(family, "qwen2_5_vl_geo3k")
+    if recipe == "qwen2_5_vl_geo3k" and re.search(r"-(32|72)B", model, re.IGNORECASE):
+        recipe = "qwen2_5_vl_32b_geo3k"  # bfloat16 actor and optimizer, the engine across 8 devices (EasyR1's)
     return f"{recipe} vllm outputs/{recipe}"
 
 

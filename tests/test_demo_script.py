@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """The launcher in DRY_RUN, without its memory plan (PLAN=0: seconds per run; one test below keeps it)."""
     return subprocess.run(["bash", "examples/qwen2_5_vl_grpo.sh", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "DRY_RUN": "1", **env})
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "DRY_RUN": "1",
+                               "PLAN": "0", **env})
 
 
 def dry_run(*args: str, **env: str) -> list[str]:
@@ -62,16 +64,32 @@ def test_an_embedded_name_runs_the_demo_on_that_model(model, output):
                                            ("Qwen/Qwen3.5-35B-A3B", "qwen3_5_moe_geo3k"),
                                            ("zai-org/GLM-4.1V-9B-Thinking", "glm4_1v_geo3k"),
                                            ("OpenGVLab/InternVL3_5-8B-HF", "internvl3_5_geo3k"),
-                                           ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl_geo3k")])
+                                           ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl_geo3k"),
+                                           ("Qwen/Qwen2.5-VL-32B-Instruct", "qwen2_5_vl_32b_geo3k")])
 def test_a_hub_id_picks_its_familys_recipe_by_name(model, recipe):
-    args = dry_run(MODEL_PATH=model)
+    """On the 8 devices the geo3k recipes are for (the MoE and 32B ones run their engines across devices)."""
+    args = dry_run(MODEL_PATH=model, N_GPUS="8")
     assert value(args, "config") == f"examples/configs/{recipe}.yaml"
     assert value(args, "trainer.output_dir") == f"outputs/{recipe}"
     config = load_config(args, check_model=False)
     assert config.actor.model_path == model and config.data.train_files == "~/data/geo3k/train.parquet"
     # the data's place is a key like any other, passed through after the recipe
-    moved = load_config(dry_run("data.train_files=/data/geo3k/train.parquet", MODEL_PATH=model), check_model=False)
+    moved = load_config(dry_run("data.train_files=/data/geo3k/train.parquet", MODEL_PATH=model, N_GPUS="8"),
+                        check_model=False)
     assert moved.data.train_files == "/data/geo3k/train.parquet"
+
+
+def test_a_dry_run_prints_the_memory_plan_of_a_geo3k_recipe_on_stderr():
+    """The command alone on stdout (what the tests above read), the plan and its verdict on stderr; the CPU demo
+    gets none (the plan sizes GPUs), nor does PLAN=0."""
+    done = launch(MODEL_PATH="Qwen/Qwen2.5-VL-32B-Instruct", N_GPUS="8", PLAN="1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[:3] == [sys.executable, "-m", "vlmrl.train"]
+    assert "memory plan: Qwen/Qwen2.5-VL-32B-Instruct" not in done.stdout
+    plan = done.stderr.splitlines()
+    assert any(line.startswith("memory plan: Qwen/Qwen2.5-VL-32B-Instruct (Qwen2.5-VL, 33.45B") for line in plan)
+    assert plan[-1].startswith("verdict: fits 8 x 80.0 GiB at TP 8: peak ")
+    assert "verdict:" not in launch(ROLLOUT="hf", PLAN="1").stderr
 
 
 def test_a_local_folder_picks_the_recipe_of_its_config(tiny_model_path, tiny_qwen3_vl_path, tiny_qwen3_5_path,
@@ -141,10 +159,12 @@ def test_the_moe_recipes_load_with_their_anchors_settings(tmp_path):
     its family's recipe by its config.json; routing replay R2 (the trainer's own routing, recorded on every rank)."""
     from vlmrl.models.tiny import ensure_built
 
-    vl = load_config([f"config={ROOT / 'examples' / 'configs' / 'qwen3_vl_moe_geo3k.yaml'}"], check_model=False)
+    eight = "trainer.n_gpus_per_node=8"  # their engines span 2 devices (rollout.tensor_parallel_size=2)
+    vl = load_config([f"config={ROOT / 'examples' / 'configs' / 'qwen3_vl_moe_geo3k.yaml'}", eight], check_model=False)
     assert (vl.actor.optim.lr, vl.rollout.n, vl.actor.kl_loss_coef, vl.actor.dtype) == (1e-6, 5, 0.01, "bfloat16")
     assert (vl.data.train_batch_size, vl.actor.ppo_mini_batch_size) == (512, 128)
-    q35 = load_config([f"config={ROOT / 'examples' / 'configs' / 'qwen3_5_moe_geo3k.yaml'}"], check_model=False)
+    q35 = load_config([f"config={ROOT / 'examples' / 'configs' / 'qwen3_5_moe_geo3k.yaml'}", eight],
+                      check_model=False)
     assert (q35.rollout.n, q35.rollout.temperature, q35.actor.optim.weight_decay) == (8, 0.8, 0.1)
     for config in (vl, q35):
         assert config.actor.moe.routing_replay == "trainer" and config.data.max_pixels % (32 * 32) == 0
