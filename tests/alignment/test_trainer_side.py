@@ -53,7 +53,8 @@ def test_what_the_trainer_side_cannot_score_exits_2_before_any_engine(tmp_path, 
 
 def test_a_processor_error_is_one_error_line_and_exit_2(tmp_path, capsys):
     """`python -m vlmrl.trainer.trainer_side` with a data.min_pixels below the model's image processor bound: the
-    user's to fix, so one `error:` line naming the setting and the bounds, and exit 2 (not a traceback)."""
+    user's to fix, so a config `error:` block naming the setting and the bounds, found as the config loads, and
+    exit 2 (not a traceback)."""
     from tests.alignment.toy_artifacts import write_side
     from vlmrl.trainer.trainer_side import main as side_main
 
@@ -61,8 +62,8 @@ def test_a_processor_error_is_one_error_line_and_exit_2(tmp_path, capsys):
     status = side_main([*_overrides(tmp_path, "data.min_pixels=1000"), "--reference", str(reference),
                         "--out", str(tmp_path / "t.jsonl")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(err) == 1, err
-    assert err[0].startswith("error: the processor of tiny: min_pixels=1000") and "bounds [3136, 12544]" in err[0]
+    assert status == 2 and err[0] == "error: invalid configuration:" and len(err) == 2, err
+    assert err[1].startswith("  - data.min_pixels=1000") and "3136" in err[1] and "Traceback" not in "".join(err)
 
 
 def test_a_reference_from_other_data_or_rows_is_refused_naming_them(tmp_path):

@@ -115,6 +115,8 @@ def test_no_checkpoint_means_none(tmp_path):
 
 
 class _Weights:
+    config = {"model_type": "qwen2_5_vl"}  # a dense family: saved exactly as its save_pretrained writes it
+
     def save_pretrained(self, folder, safe_serialization=True):
         Path(folder, "config.json").write_text("{}")
         Path(folder, "model.safetensors").write_bytes(b"w" * 4096)
