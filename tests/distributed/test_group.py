@@ -264,6 +264,11 @@ def _rows(batch, rows):
     return select_rows(batch, list(rows))
 
 
+# A variant (marker `full`, make test-all): make test keeps two colocated vLLM engines generating in parallel and
+# taking the fit loop's syncs (tests/trainer/test_fit.py, the two-device step at TP 1), a sync from the shards into
+# each TP rank (tests/distributed/test_tensor_parallel.py) and the generic driver path into one engine of two
+# (test_the_weight_probe_asks_every_engine_and_names_one_its_sync_missed below).
+@pytest.mark.full
 def test_colocated_engines_generate_in_parallel_and_receive_the_updated_weights(
         ray_cluster, tiny_model_path, processor, synthetic_rows):
     from vlmrl.distributed.engines import ColocatedEngines
