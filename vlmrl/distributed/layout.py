@@ -99,22 +99,18 @@ class EngineLayout:
 
     def cpu_binding(self, rank: int, cores: int) -> str:
         """SGLang's CPU thread binding (`SGLANG_CPU_OMP_THREADS_BIND`) for the engine a group's first rank builds:
-        one core range per TP rank, "|"-separated, the group's ranks' share of the node's `cores` (without it SGLang
-        refuses more TP ranks than NUMA nodes).
+        one core range per TP rank, "|"-separated: the group's ranks' share of the node's `cores` split evenly over
+        all dp ranks (without it SGLang refuses more TP ranks than NUMA nodes).
 
         >>> EngineLayout(dp=2, tp=2, engine="sglang").cpu_binding(0, cores=2)
         '0|1'
         >>> EngineLayout(dp=4, tp=2, engine="sglang").cpu_binding(2, cores=8)
         '4-5|6-7'
         """
-        per_rank = max(1, cores // self.dp)
-        first = (rank - self.tp_rank(rank)) * per_rank
-        ranges = []
-        for i in range(self.tp):
-            low = (first + i * per_rank) % cores
-            high = low + per_rank - 1
-            ranges.append(str(low) if high == low else f"{low}-{high}")
-        return "|".join(ranges)
+        from vlmrl.rollout.sglang import even_binding
+
+        first = rank - self.tp_rank(rank)
+        return "|".join(even_binding(self.dp, cores).split("|")[first:first + self.tp])
 
     def describe(self) -> str:
         """What each rank holds, in a few lines (logged at start; docs/distributed.md shows the same).

@@ -51,11 +51,10 @@ def to_checkpoint_layout(folder: str | Path, layout: str, shape: ExpertShape) ->
     dropped: set[str] = set()
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
+            if not any(FUSED_NAME.match(name) for name in f.keys()):  # from the header: no tensor read
+                continue
             metadata = f.metadata()
             state = {name: f.get_tensor(name) for name in f.keys()}
-        fused = [name for name in state if FUSED_NAME.match(name)]
-        if not fused:
-            continue
         converted = dict(convert(state.items(), layout, shape))
         replace_atomically(file, lambda tmp, converted=converted: save_file(converted, str(tmp), metadata=metadata))
         dropped.update(set(state) - set(converted))
