@@ -8,6 +8,7 @@ as the trainer's forward needs); a `RolloutRequest` holds UNEXPANDED ids (one `<
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,10 @@ class RolloutResult:
     routed_experts: torch.Tensor | None = None
     """A MoE model's routing as the engine computed it, (MoE layers, tokens the engine ran: expanded prompt + response
     - 1, top-k) expert ids, when the backend captured it (`RolloutBackend.captures_routing`); else None."""
+    engine: int | None = None
+    """Which of the run's engines sampled it (0.. in the order the backend numbers them: colocated engine groups,
+    rollout workers), when the backend has more than one engine; None with one engine. Logged as
+    `mismatch/engine/<k>/*`."""
 
 
 @dataclass
@@ -174,6 +179,8 @@ class Sample:
     finish_reason: str = "stop"
     policy_version: int = 0
     """Version of the policy that produced the response (partial rollout tags carried-over samples)."""
+    engine: int | None = None
+    """`RolloutResult.engine` of the response (None: one engine, or a padding row)."""
     routed_experts: torch.Tensor | None = None
     """The engine's routing of this trajectory's attended tokens (prompt + response), (MoE layers, tokens, top-k); -1
     where the engine ran none (the last response token); None when not captured."""
@@ -208,6 +215,9 @@ class TrainBatch:
     routed_experts: list[torch.Tensor | None] | None = None
     """A MoE policy's routing per row, (MoE layers, the row's attended tokens, top-k) expert ids, recorded by the
     old-logprob pass (`ActorCore.compute_logprobs(record_routing=True)`); None: not recorded (a dense model)."""
+    engines: list[int] = field(default_factory=list)
+    """Per row, the engine that sampled it (`RolloutResult.engine`; -1 on padding rows); empty when the run has one
+    engine."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -220,3 +230,22 @@ class TrainBatch:
     def mrope_position_ids(self) -> torch.Tensor:
         """(3, B, L): the layout transformers' Qwen2.5-VL forward takes."""
         return self.position_ids.permute(1, 0, 2).contiguous()
+
+    def select(self, rows: Sequence[int]) -> TrainBatch:
+        """The batch of the given rows (in that order), every per-row field taken along."""
+        rows = list(rows)
+        index = torch.as_tensor(rows, dtype=torch.long)
+
+        def pick(values: list) -> list:
+            return [values[i] for i in rows] if values else []
+
+        return TrainBatch(
+            input_ids=self.input_ids[index], attention_mask=self.attention_mask[index],
+            position_ids=self.position_ids[index], response_mask=self.response_mask[index],
+            prompt_length=self.prompt_length, multi_modal_inputs=pick(self.multi_modal_inputs), uids=pick(self.uids),
+            is_padding=self.is_padding[index], rewards=self.rewards[index],
+            rollout_logprobs=None if self.rollout_logprobs is None else self.rollout_logprobs[index],
+            data_sources=pick(self.data_sources), reward_extra=pick(self.reward_extra),
+            finish_reasons=pick(self.finish_reasons),
+            routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
+            engines=pick(self.engines))

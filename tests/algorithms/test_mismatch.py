@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from vlmrl.actor.step_metrics import mean_metrics
 from vlmrl.algorithms.mismatch import MismatchAccumulator, modality
 
 
@@ -51,3 +52,23 @@ def test_a_rows_modality_is_read_from_its_inputs():
     assert modality({}) == "text"
     assert modality({"pixel_values": 1, "image_grid_thw": 1}) == "image"
     assert modality({"pixel_values": 1, "pixel_values_videos": 1}) == "video"
+
+
+def test_several_engines_are_measured_apart_and_ranks_combine_by_tokens():
+    """A run with two engines: the rows of engine 1, whose weights are off, show as its group; engine 0 is clean.
+    A dp rank that held no row of engine 1 leaves engine 1's figures as the other rank measured them."""
+    old = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    rollout = torch.tensor([[-1.0, -1.0], [-1.5, -1.5], [0.0, 0.0]])
+    rank0 = MismatchAccumulator()
+    rank0.add(old, rollout, torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]), ["s"] * 3, ["text"] * 3, [0, 1, -1])
+    got = rank0.metrics()
+    assert got["mismatch/engine/0/k3"] == 0 and got["mismatch/engine/0/tokens"] == 2
+    assert got["mismatch/engine/1/k1"] == pytest.approx(-0.5) and "mismatch/engine/-1/tokens" not in got
+    rank1 = MismatchAccumulator()
+    rank1.add(old[:1], rollout[:1], torch.ones(1, 2), ["s"], ["text"], [0])
+    both = mean_metrics([got, rank1.metrics()])
+    assert both["mismatch/engine/1/k1"] == pytest.approx(-0.5), "rank 1 had no row of engine 1"
+    assert both["mismatch/k1"] == pytest.approx(-0.5 * 2 / 6)  # over the 6 tokens of both ranks
+    assert both["mismatch/engine/0/tokens"] + both["mismatch/engine/1/tokens"] == both["mismatch/tokens"]
+    with pytest.raises(ValueError, match="2 engine indices for 3 rows"):
+        rank0.add(old, rollout, torch.ones(3, 2), ["s"] * 3, ["text"] * 3, [0, 1])

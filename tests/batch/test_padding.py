@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import doctest
 import random
 import uuid
@@ -255,6 +257,12 @@ def test_results_are_padded_per_request_then_scored_stacked_and_filled_to_the_mu
     assert len(batch) == 6 and batch.is_padding.tolist() == [False] * 4 + [True] * 2
     assert batch.rewards.tolist() == [0.0, 1.0, 0.0, 1.0, 0.0, 0.0]
     assert batch.reward_extra[:2] == [{"tool/echo": 0.5, "accuracy": 0.0}, {"accuracy": 1.0}]
+    assert batch.engines == [], "one engine: no per-row engine list"
+    # two engines (numbered by the backend): each row keeps its engine, the padding rows get -1
+    two = pad_results(prompts, [replace(r, engine=i // 2) for i, r in enumerate(results)], prompt_length=4,
+                      response_length=5, pad_token_id=PAD, policy_version=3)
+    batch = scored_batch(two, [0.0] * 4, [{}] * 4, multiple=6, eos_token_id=EOS, pad_token_id=PAD)
+    assert batch.engines == [0, 0, 1, 1, -1, -1]
     with pytest.raises(ValueError, match="3 results for 2 prompts"):
         pad_results(prompts, results[:3], prompt_length=4, response_length=5, pad_token_id=PAD, policy_version=0)
     with pytest.raises(ValueError, match="4 samples, 3 rewards"):

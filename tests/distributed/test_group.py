@@ -259,9 +259,7 @@ def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray
 
 
 def _rows(batch, rows):
-    from vlmrl.distributed.sharding import select_rows
-
-    return select_rows(batch, list(rows))
+    return batch.select(rows)
 
 
 # A variant (marker `full`, make test-all): make test keeps two colocated vLLM engines generating in parallel and

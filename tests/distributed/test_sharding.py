@@ -12,7 +12,6 @@ from vlmrl.batch.padding import required_batch_multiple, upsample_to_multiple
 from vlmrl.distributed.layout import EngineLayout
 from vlmrl.distributed.sharding import (
     even_row_blocks,
-    select_rows,
     update_row_blocks,
     update_shards,
 )
@@ -75,9 +74,11 @@ def test_shards_carry_the_global_normaliser_of_the_sequence_modes(processor, syn
     assert torch.equal(shards[1].loss_weights, weights[[2, 3, 6, 7]])
 
 
-def test_select_rows_takes_every_per_row_field(processor, synthetic_rows):
+def test_select_takes_every_per_row_field(processor, synthetic_rows):
     batch = make_batch(processor, synthetic_rows[:2], n=2, text_only_rows=(1,))
-    picked = select_rows(batch, [3, 0])
+    batch.engines = [0, 0, 1, 1]  # a run with two engines tags each row with the one that sampled it
+    picked = batch.select([3, 0])
+    assert picked.engines == [1, 0]
     assert picked.uids == [batch.uids[3], batch.uids[0]]
     assert torch.equal(picked.input_ids, batch.input_ids[[3, 0]])
     assert torch.equal(picked.position_ids, batch.position_ids[[3, 0]])

@@ -247,13 +247,24 @@ def test_short_run_on_vllm_and_its_checkpoint_loads_in_vllm(tiny_model_path, tmp
     assert meta.step == 2 and meta.engine == "vllm"
 
 
+# SGLang's sampling seed is not reproducible on a CPU (it needs deterministic inference, which refuses the CPU's
+# attention backend), so its step samples at temperature 1e-3: the argmax token unless two logits are within ~1e-2,
+# which the greedy TP 2 == TP 1 test rules out on these inputs. Its samples of one request are then alike and their
+# advantages 0: the entropy bonus is what moves the weights, on the tokens each layout's engine sampled.
+STEP_ENGINES = [pytest.param("vllm", [], marks=pytest.mark.vllm),
+                pytest.param("sglang", ["rollout.temperature=0.001", "actor.entropy_coeff=0.01",
+                                        "actor.mismatch_metrics=false"],
+                             marks=pytest.mark.sglang)]
+
+
 @pytest.mark.ray
-@pytest.mark.vllm
-def test_two_device_run_at_tensor_parallel_2_takes_the_tensor_parallel_1_step(tiny_model_path, tmp_path):
-    """trainer.n_gpus_per_node=2 (CPU workers here): Ray workers with FSDP2 shards and colocated vLLM engines, the
+@pytest.mark.parametrize("engine,engine_args", STEP_ENGINES)
+def test_two_device_run_at_tensor_parallel_2_takes_the_tensor_parallel_1_step(tiny_model_path, tmp_path, engine,
+                                                                              engine_args):
+    """trainer.n_gpus_per_node=2 (CPU workers here): Ray workers with FSDP2 shards and colocated engines, the
     same fit loop. One step with one engine across both workers (rollout.tensor_parallel_size=2) equals the step with
-    an engine on each (k = 1): the same seeded samples, rewards and loss, the same weights after; the checkpoint is
-    one full HF model folder. (The engine's logprobs may differ in float32 rounding between the two layouts; the
+    an engine on each (k = 1): the same samples, rewards and loss, the same weights after; the checkpoint is
+    one full HF model folder. With two engines the mismatch is logged per engine too. (The engine's logprobs may differ in float32 rounding between the two layouts; the
     update recomputes its old logprobs, so the weights do not.)"""
     import tempfile
 
@@ -268,10 +279,10 @@ def test_two_device_run_at_tensor_parallel_2_takes_the_tensor_parallel_1_step(ti
     try:
         for k in (1, 2):
             out = tmp_path / f"tp{k}"
-            fit(load_config(base_args(tiny_model_path, out, "trainer.n_gpus_per_node=2", "rollout.name=vllm",
+            fit(load_config(base_args(tiny_model_path, out, "trainer.n_gpus_per_node=2", f"rollout.name={engine}",
                                       "rollout.dtype=float32", f"rollout.tensor_parallel_size={k}",
                                       "trainer.total_steps=1", "trainer.save_freq=1", "data.val_files=",
-                                      "trainer.test_freq=-1", "trainer.val_before_train=false")))
+                                      "trainer.test_freq=-1", "trainer.val_before_train=false", *engine_args)))
             rows[k] = read_metrics(out / "metrics.jsonl")
             weights[k] = load_file(out / "checkpoints" / "global_step_1" / "model.safetensors")
     finally:
@@ -281,6 +292,12 @@ def test_two_device_run_at_tensor_parallel_2_takes_the_tensor_parallel_1_step(ti
     for key in ("reward/mean", "response_length/mean"):
         assert rows[1][-1][key] == rows[2][-1][key], key
     assert abs(rows[1][-1]["actor/pg_loss"] - rows[2][-1]["actor/pg_loss"]) < 1e-6
+    tp1, tp2 = rows[1][-1], rows[2][-1]
+    if engine == "vllm":  # the mismatch (measured at temperature 1) per engine: two at TP 1, one at TP 2
+        engines = [tp1[f"mismatch/engine/{g}/tokens"] for g in (0, 1)]
+        assert min(engines) > 0 and sum(engines) == tp1["mismatch/tokens"], "every token in one engine's group"
+        assert all(tp1[f"mismatch/engine/{g}/abs_dlogp_max"] < 1e-3 for g in (0, 1)), "float32 engines off the trainer"
+        assert not any(key.startswith("mismatch/engine/") for key in tp2) and "mismatch/k3" in tp2
     assert weights[1].keys() == weights[2].keys()
     assert max(float((weights[1][n] - weights[2][n]).abs().max()) for n in weights[1]) < 1e-6
     assert any(not torch.equal(weights[1][n], load_file(Path(tiny_model_path) / "model.safetensors")[n])

@@ -252,7 +252,7 @@ class ActorConfig:
     """Torch device for the actor: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
     mismatch_metrics: bool = True
     """Log the trainer/engine mismatch of the tokens each update uses (mismatch/*: k1 and k3 KL, chi-square, IS
-    effective sample size, perplexity ratio, IS-ratio quantiles, max and p99 |dlogp|, per data source and modality;
+    effective sample size, perplexity ratio, IS-ratio quantiles, max and p99 |dlogp|, per data source, modality and engine;
     docs/alignment.md). From the update's own pre-update logprobs: no extra forward. Needs rollout.temperature=1 (the
     engines return the untempered distribution's logprobs)."""
     mismatch_threshold: float = 0.1

@@ -581,6 +581,7 @@ class ActorCore:
                 if mismatch is not None:
                     mismatch.add(trainer, engine, mask, [batch.data_sources[i] if batch.data_sources else "unknown"
                                                      for i in rows],
-                                 [modality(batch.multi_modal_inputs[i]) for i in rows])
+                                 [modality(batch.multi_modal_inputs[i]) for i in rows],
+                                 [batch.engines[i] for i in rows] if batch.engines else ())
         return {**dict(zip(parts, torch.stack(list(parts.values())).tolist())),  # the one host sync
                 "actor/empty_micro_batches": float(empty)}

@@ -14,7 +14,8 @@ bf16 engine against an fp32 trainer gives |r| ~1e-2, k3 ~1e-4..1e-3, ess > 0.99;
 a jump between steps says the trainer is not computing what the engine sampled (see docs/alignment.md).
 
 Everything is kept as sums (plus the values for the quantiles), so micro-batches, mini-batches and groups (data
-source, modality) combine exactly before the metrics are read once.
+source, modality, and the engine that sampled the row when a run has several: one engine group off shows as its own
+group) combine exactly before the metrics are read once.
 """
 
 from __future__ import annotations
@@ -46,20 +47,27 @@ class MismatchAccumulator:
         self._values: dict[str, list[torch.Tensor]] = {}  # group -> r of its tokens, per micro-batch
 
     def add(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, sources: Sequence[str],
-            modalities: Sequence[str]) -> None:
+            modalities: Sequence[str], engines: Sequence[int] = ()) -> None:
         """One micro-batch: (B, R) trainer and engine logprobs of the sampled tokens, the (B, R) loss mask, and each
-        row's data source and modality (text, image, video)."""
+        row's data source and modality (text, image, video); with several engines, each row's engine index (-1: a
+        padding row), which adds the group engine/<index>."""
         r = (old.detach().to(torch.float64) - rollout.to(device=old.device, dtype=torch.float64))
         keep = mask.to(old.device) > 0
         self._values.setdefault("", []).append(r[keep])
+        if engines and len(engines) != len(sources):
+            raise ValueError(f"{len(engines)} engine indices for {len(sources)} rows")
         for row, (source, modality) in enumerate(zip(sources, modalities, strict=True)):
             values = r[row][keep[row]]
-            for group in (f"source/{source}", f"modality/{modality}"):
+            groups = [f"source/{source}", f"modality/{modality}"]
+            if engines and engines[row] >= 0:
+                groups.append(f"engine/{engines[row]}")
+            for group in groups:
                 self._values.setdefault(group, []).append(values)
 
     def metrics(self) -> dict[str, float]:
-        """mismatch/<name> overall, mismatch/source/<data source>/<name> and mismatch/modality/<text|image|video>/
-        <name> per group (k1, k3, chi2, abs_dlogp_max, over_threshold, tokens); empty when no token was added."""
+        """mismatch/<name> overall, mismatch/source/<data source>/<name>, mismatch/modality/<text|image|video>/<name>
+        and (several engines) mismatch/engine/<index>/<name> per group (k1, k3, chi2, abs_dlogp_max, over_threshold,
+        tokens); empty when no token was added."""
         out: dict[str, float] = {}
         for group, parts in self._values.items():
             r = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)

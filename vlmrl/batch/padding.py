@@ -141,6 +141,8 @@ def stack_samples(samples: Sequence[Sample]) -> TrainBatch:
         finish_reasons=[s.finish_reason for s in samples],
         routed_experts=([s.routed_experts for s in samples] if any(s.routed_experts is not None for s in samples)
                         else None),
+        engines=([-1 if s.engine is None else s.engine for s in samples]
+                 if any(s.engine is not None for s in samples) else []),
     )
 
 
@@ -215,6 +217,7 @@ def upsample_to_multiple(batch: TrainBatch, multiple: int, *, eos_token_id: int,
         reward_extra=list(batch.reward_extra) + [{} for _ in range(missing)] if batch.reward_extra else [],
         finish_reasons=list(batch.finish_reasons) + [PADDING_SOURCE] * missing if batch.finish_reasons else [],
         routed_experts=None if batch.routed_experts is None else list(batch.routed_experts) + [None] * missing,
+        engines=list(batch.engines) + [-1] * missing if batch.engines else [],
     )
 
 
@@ -231,6 +234,7 @@ def pad_results(prompts: Sequence[PromptInputs], results: Sequence[RolloutResult
                           policy_version=policy_version)
                for i, result in enumerate(results)]
     for sample, result in zip(samples, results):
+        sample.engine = result.engine
         if result.routed_experts is not None:
             sample.routed_experts = engine_routing_of(result.routed_experts, int(sample.attention_mask.sum()))
     return samples

@@ -30,14 +30,10 @@ import torch
 from vlmrl.actor.core import needs_old_logprobs
 from vlmrl.actor.step_metrics import mean_metrics
 from vlmrl.distributed.layout import EngineLayout
-from vlmrl.distributed.sharding import (
-    logprob_row_blocks,
-    select_rows,
-    update_shards,
-)
+from vlmrl.distributed.sharding import logprob_row_blocks, update_shards
 from vlmrl.distributed.worker import TrainWorker, WorkerSpec
 from vlmrl.rollout.base import RolloutBackend
-from vlmrl.rollout.requests import sample_seed
+from vlmrl.rollout.requests import numbered_engines, sample_seed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
 from vlmrl.utils.sequences import split_evenly
 
@@ -200,7 +196,7 @@ class DistributedActor:
         (in batch order), so that `update` hands every row's routing to whichever rank updates that row."""
         blocks = logprob_row_blocks(batch, self.dp_size, balanced=self.spec.actor.micro_batch_tokens > 0)
         parts = self._each("compute_logprobs",
-                           [(select_rows(batch, rows), reference, with_entropy, record_routing) for rows in blocks],
+                           [(batch.select(rows), reference, with_entropy, record_routing) for rows in blocks],
                            "reference logprobs" if reference else "logprobs")
         order = torch.as_tensor([row for rows in blocks for row in rows], dtype=torch.long)
         gathered = torch.cat([lp for lp, _, _ in parts])  # the ranks' precision: float32, or float64 for float64
@@ -312,7 +308,7 @@ class DistributedActor:
                                        f"{rank}'s tokens differ from rank {ranks[0]}'s): their scheduling or sampling "
                                        "is not deterministic")
             out += [parts[0]] if on_each else parts[0]
-        return out
+        return out if on_each else numbered_engines(out, [len(run) for run in runs], sampling.n)
 
     def sync_weights(self, backend: RolloutBackend) -> int:
         """Load the actor's current weights into every engine, gathered from the shards on the workers themselves:

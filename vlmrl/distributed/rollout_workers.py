@@ -38,7 +38,7 @@ from vlmrl.distributed.worker import EngineSpec
 from vlmrl.rollout.base import RolloutBackend
 from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError, RestartsUsedUp
 from vlmrl.rollout.registry import backend_class
-from vlmrl.rollout.requests import sample_seed
+from vlmrl.rollout.requests import numbered_engines, sample_seed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.sequences import split_evenly
 
@@ -226,7 +226,8 @@ class RemoteEngines(RolloutBackend):
         calls = [(index, (lambda w, run=run, s=replace(sampling, seed=sample_seed(sampling, start)):
                           w.generate.remote(run, s)))
                  for index, (run, start) in enumerate(zip(runs, starts)) if run]
-        return [result for part in self._on_each(calls, "generation") for result in part]
+        results = [result for part in self._on_each(calls, "generation") for result in part]
+        return numbered_engines(results, [len(run) for run in runs], sampling.n)
 
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None
                         ) -> None:

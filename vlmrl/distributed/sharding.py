@@ -17,32 +17,6 @@ from vlmrl.types import TrainBatch
 from vlmrl.utils.sequences import chunks, split_evenly
 
 
-def select_rows(batch: TrainBatch, rows: Sequence[int]) -> TrainBatch:
-    """A TrainBatch of the given rows (in that order), every per-row field taken along."""
-    rows = list(rows)
-    index = torch.as_tensor(rows, dtype=torch.long)
-
-    def pick(values: list) -> list:
-        return [values[i] for i in rows] if values else []
-
-    return TrainBatch(
-        input_ids=batch.input_ids[index],
-        attention_mask=batch.attention_mask[index],
-        position_ids=batch.position_ids[index],
-        response_mask=batch.response_mask[index],
-        prompt_length=batch.prompt_length,
-        multi_modal_inputs=pick(batch.multi_modal_inputs),
-        uids=pick(batch.uids),
-        is_padding=batch.is_padding[index],
-        rewards=batch.rewards[index],
-        rollout_logprobs=None if batch.rollout_logprobs is None else batch.rollout_logprobs[index],
-        data_sources=pick(batch.data_sources),
-        reward_extra=pick(batch.reward_extra),
-        finish_reasons=pick(batch.finish_reasons),
-        routed_experts=None if batch.routed_experts is None else pick(batch.routed_experts),
-    )
-
-
 def even_row_blocks(num_rows: int, world_size: int) -> list[list[int]]:
     """Rows 0..num_rows-1 cut into world_size contiguous equal blocks; raises if they do not divide.
 
@@ -116,7 +90,7 @@ def update_shards(batch: TrainBatch, old_logprobs: torch.Tensor | None, advantag
     normalisers, tokens = mini_batch_scales(batch.response_mask, mini_batch_rows, loss_agg_mode)
     return [
         UpdateShard(
-            batch=select_rows(batch, rows),
+            batch=batch.select(rows),
             old_logprobs=None if old_logprobs is None else old_logprobs[rows],
             advantages=advantages[rows],
             ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],

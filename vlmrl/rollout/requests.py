@@ -5,6 +5,7 @@ shares (per-request seeds, stop tokens, top-k lists)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from vlmrl.rollout.errors import InvalidRequestError, RolloutError
@@ -96,6 +97,22 @@ def sample_seed(sampling: SamplingParams, request_position: int) -> int | None:
     return None if sampling.seed is None else sampling.seed + request_position * sampling.n
 
 
+
+
+def numbered_engines(results: list[RolloutResult], run_sizes: Sequence[int], n: int) -> list[RolloutResult]:
+    """Results of requests cut into contiguous runs, one run per engine (`run_sizes` requests each, n results per
+    request, request-major), each tagged with its engine's index; untouched when there is one engine.
+
+    >>> r = [RolloutResult(f"u{i}", 0, [1], [0.0], "stop") for i in range(3)]
+    >>> [x.engine for x in numbered_engines(r, [2, 1], 1)], [x.engine for x in numbered_engines(r, [3], 1)]
+    ([0, 0, 1], [None, None, None])
+    """
+    if len(run_sizes) < 2:
+        return results
+    if len(results) != n * sum(run_sizes):
+        raise ValueError(f"{len(results)} results for {sum(run_sizes)} requests at n = {n}")
+    engines = [k for k, size in enumerate(run_sizes) for _ in range(size * n)]
+    return [replace(result, engine=k) for result, k in zip(results, engines)]
 
 
 def finish_at_stop(token_ids: Sequence[int], stop_ids: set[int]) -> tuple[list[int], str]:

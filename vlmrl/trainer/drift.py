@@ -35,24 +35,6 @@ def drift_rows(is_padding: torch.Tensor, fraction: float, seed: int, step: int) 
     return sorted(random.Random(seed * 1_000_003 + step).sample(real, count))
 
 
-def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
-    """The batch of these rows only, in this order."""
-    index = torch.tensor(rows, dtype=torch.long)
-
-    def pick(values: list) -> list:
-        return [values[i] for i in rows] if values else []
-
-    return TrainBatch(
-        input_ids=batch.input_ids[index], attention_mask=batch.attention_mask[index],
-        position_ids=batch.position_ids[index], response_mask=batch.response_mask[index],
-        prompt_length=batch.prompt_length, multi_modal_inputs=pick(batch.multi_modal_inputs), uids=pick(batch.uids),
-        is_padding=batch.is_padding[index], rewards=batch.rewards[index],
-        rollout_logprobs=None if batch.rollout_logprobs is None else batch.rollout_logprobs[index],
-        data_sources=pick(batch.data_sources), reward_extra=pick(batch.reward_extra),
-        finish_reasons=pick(batch.finish_reasons),
-        routed_experts=None if batch.routed_experts is None else pick(batch.routed_experts))
-
-
 def trainer_logprobs(actor, batch: TrainBatch, rows: list[int], old_logprobs: torch.Tensor | None, *,
                      eos_token_id: int, pad_token_id: int) -> torch.Tensor:
     """(len(rows), R) trainer logprobs of those rows before the update: the step's old logprobs when it computed
@@ -60,7 +42,7 @@ def trainer_logprobs(actor, batch: TrainBatch, rows: list[int], old_logprobs: to
     equal rows per rank)."""
     if old_logprobs is not None:
         return old_logprobs[rows]
-    sub = upsample_to_multiple(select_rows(batch, rows), actor.dp_size, eos_token_id=eos_token_id,
+    sub = upsample_to_multiple(batch.select(rows), actor.dp_size, eos_token_id=eos_token_id,
                                pad_token_id=pad_token_id)
     return actor.compute_logprobs(sub)[0][: len(rows)]
 
