@@ -68,6 +68,7 @@ def test_the_embedded_moe_models_are_saved_in_their_family_layout_and_load_as_bu
     from transformers import AutoModelForImageTextToText
 
     from vlmrl.models import tiny
+    from vlmrl.models.tiny import common
 
     path = tiny.ensure_built(variant)
     assert family_for_path(path) is family and family.experts.checkpoint_layout == layout
@@ -80,9 +81,9 @@ def test_the_embedded_moe_models_are_saved_in_their_family_layout_and_load_as_bu
     state = model.state_dict()
     assert to_fused(saved, layout, shape).keys() == state.keys()
     assert all(torch.equal(to_fused(saved, layout, shape)[k], state[k]) for k in state)
-    torch.manual_seed(tiny.SEED)
+    torch.manual_seed(common.SEED)
     fresh = type(model)(model.config).to(torch.float32)
-    tiny._seeded_init(fresh)
+    common.seeded_init(fresh)
     assert all(torch.equal(fresh.state_dict()[k], state[k]) for k in state), "reload != the seeded build"
 
 

@@ -1,5 +1,5 @@
-"""The embedded tiny models (Qwen2.5-VL `tiny`, Qwen3-VL `tiny-qwen3-vl`, Qwen3.5 `tiny-qwen3.5`): deterministic
-rebuild, Auto-class loading, HF generate on a chat with an image."""
+"""The embedded tiny models (every family's `tiny_variants`): one builder per family that has a spec for each name
+the family gives, deterministic rebuild, Auto-class loading, HF generate on a chat with an image."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmrl.models.tiny import build, resolve_model_path
+from vlmrl.models.families import FAMILIES
+from vlmrl.models.tiny import VARIANTS, build, resolve_model_path
 
 
 def _gradient_image(w: int, h: int) -> Image.Image:
@@ -24,8 +25,18 @@ def file_digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-qwen3-vl-moe", "tiny-qwen3.5-moe",
-                                     "tiny-glm4v", "tiny-internvl"])
+def test_every_family_names_its_embedded_models_and_its_builder_builds_exactly_those():
+    import importlib
+
+    for family in FAMILIES:
+        assert family.tiny_variants, f"{family.name} has no embedded tiny model"
+        module = importlib.import_module(family.tiny_builder)
+        assert set(module.SPECS) == set(family.tiny_variants), family.name
+        assert all(VARIANTS[name] is family for name in family.tiny_variants)
+    assert len(VARIANTS) == sum(len(f.tiny_variants) for f in FAMILIES)  # no name given twice
+
+
+@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {"tiny-large"}))  # tiny-large: 200 MB, its builder is tiny's
 def test_rebuild_is_byte_identical(tmp_path, variant):
     a = file_digests(build(tmp_path / "a", variant))
     b = file_digests(build(tmp_path / "b", variant))
@@ -63,14 +74,14 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_hf_cache(tiny_model_path, tmp_
     (repo / "refs" / "main").write_text("abc123")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    tiny._hub_snapshot.cache_clear()
+    tiny.hub_snapshot.cache_clear()
     try:
         assert resolve_model_path("org/tiny-vl") == str(repo / "snapshots" / "abc123")
         assert load_processor("org/tiny-vl").image_token_id == load_processor(tiny_model_path).image_token_id
         with pytest.raises(FileNotFoundError, match="'org/missing' is not a local folder and could not be fetched"):
             resolve_model_path("org/missing")
     finally:
-        tiny._hub_snapshot.cache_clear()
+        tiny.hub_snapshot.cache_clear()
 
 
 def test_unknown_embedded_name_is_rejected():

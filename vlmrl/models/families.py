@@ -52,6 +52,12 @@ class ModelFamily:
     the config says; vLLM and SGLang interleave only when the text config's rope parameters carry
     `mrope_interleaved: true`, and otherwise drift from the trainer (about 0.1 nats per token, measured on a tiny
     Qwen3-VL) while still agreeing with each other."""
+    tiny_variants: tuple[str, ...]
+    """The embedded tiny models of this family (names taken wherever a model path is), the first the one the family's
+    tests use: deterministic random-init builds that transformers, vLLM and SGLang load (`vlmrl.models.tiny`)."""
+    tiny_builder: str
+    """The module that builds them (`SPECS` by name, `build(out, spec)`, `BUILD_FACTS`), imported only when one is
+    built: this module stays free of transformers."""
     sglang_caller_mm_hashes: bool = True
     """SGLang takes caller-supplied `mm_hashes` for this family's images (vlmrl salts them with the weight version so
     that no multimodal cache serves features of old vision weights). Not Qwen3-VL with sglang 0.5.23: its image path
@@ -342,6 +348,8 @@ QWEN2_5_VL = ModelFamily(
     vision_tower="model.visual",
     vision_mergers=("merger",),
     interleaved_mrope=False,
+    tiny_variants=("tiny", "tiny-large"),
+    tiny_builder="vlmrl.models.tiny.qwen2_5_vl",
     video_timing="second_per_grid_ts",
     video_model_types=("qwen2_5_vl",),
     sglang_video_per_step_grids=True,  # harmless for qwen2_vl, whose SGLang tower already attends per step
@@ -354,6 +362,8 @@ QWEN3_VL = ModelFamily(
     vision_tower="model.visual",
     vision_mergers=("merger", "deepstack_merger_list"),
     interleaved_mrope=True,
+    tiny_variants=("tiny-qwen3-vl",),
+    tiny_builder="vlmrl.models.tiny.qwen3_vl",
     sglang_caller_mm_hashes=False,
     video_timing="timestamps",
     video_bounds_per_video=True,
@@ -366,6 +376,8 @@ QWEN3_5 = ModelFamily(
     vision_tower="model.visual",
     vision_mergers=("merger",),  # Qwen3-VL's tower without its deepstack mergers
     interleaved_mrope=True,
+    tiny_variants=("tiny-qwen3.5",),
+    tiny_builder="vlmrl.models.tiny.qwen3_5",
     sglang_caller_mm_hashes=False,  # SGLang runs it through Qwen3-VL's multimodal path
     video_timing="timestamps",
     video_bounds_per_video=True,
@@ -380,6 +392,7 @@ QWEN3_5 = ModelFamily(
 
 QWEN3_VL_MOE = replace(
     QWEN3_VL, name="Qwen3-VL-MoE", model_types=("qwen3_vl_moe",),
+    tiny_variants=("tiny-qwen3-vl-moe",), tiny_builder="vlmrl.models.tiny.qwen3_vl_moe",
     experts=Experts(checkpoint_layout="fused-transposed", router_class="Qwen3VLMoeTextTopKRouter"),
     sglang_deepstack_layers=3,
     sglang_moe_every_layer=True,
@@ -387,6 +400,7 @@ QWEN3_VL_MOE = replace(
 
 QWEN3_5_MOE = replace(
     QWEN3_5, name="Qwen3.5-MoE", model_types=("qwen3_5_moe",),
+    tiny_variants=("tiny-qwen3.5-moe",), tiny_builder="vlmrl.models.tiny.qwen3_5_moe",
     experts=Experts(checkpoint_layout="per-expert", router_class="Qwen3_5MoeTopKRouter"),
     sglang_cpu_needs_amx=True,
 )
@@ -398,6 +412,8 @@ GLM4V = ModelFamily(
     vision_tower="model.visual",
     vision_mergers=("merger",),  # after its `downsample` convolution: the projector into the language model
     interleaved_mrope=False,  # its mrope sections rotate contiguously, over a partial rotary (as the engines do)
+    tiny_variants=("tiny-glm4v",),
+    tiny_builder="vlmrl.models.tiny.glm4v",
     image_placeholder="<|image|>",
     video_placeholder="<|video|>",
     image_bound_copies=2,
@@ -419,6 +435,8 @@ INTERNVL = ModelFamily(
     vision_projector="model.multi_modal_projector",
     lora_unserved=(".attention.projection_layer", ".multi_modal_projector."),
     interleaved_mrope=False,
+    tiny_variants=("tiny-internvl",),
+    tiny_builder="vlmrl.models.tiny.internvl",
     image_placeholder="<IMG_CONTEXT>",
     video_placeholder="<video>",
     image_layout="tiles",

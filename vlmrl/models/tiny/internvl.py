@@ -9,9 +9,10 @@ The chat template is the -hf conversions' ChatML with `<IMG_CONTEXT>\\n` per ima
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from vlmrl.models.tiny.common import SPECIAL_TOKENS, VOCAB_SIZE, build_tokenizer, save_seeded
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class TinyInternVLSpec:
         return int((self.tile // self.patch) ** 2 * self.downsample_ratio**2)
 
 
+SPECS = {
+    # 64-pixel tiles of 8-pixel patches, pixel shuffle 0.5 (16 tokens a tile), up to 4 tiles + a thumbnail
+    "tiny-internvl": TinyInternVLSpec(128, 2, 2, 64, 256, 64, 2, 2, 128, 64, 8, 0.5, 4),
+}
+
 NORM_BIAS = 0.0
 """LayerNorm biases of the tiny InternVL (its tower and projector have LayerNorms; transformers inits them at 0)."""
 INTERNVL_SPECIAL_TOKENS = ["<img>", "</img>", "<IMG_CONTEXT>", "<video>", "<think>", "</think>"]
@@ -60,19 +66,20 @@ TOKENIZER_ATTRIBUTES = {"start_image_token": "<img>", "end_image_token": "</img>
 """The tokenizer attributes InternVLProcessor reads (`tokenizer.start_image_token`, ...)."""
 
 
-def build_internvl(out: Path, spec: TinyInternVLSpec, tok, save_seeded: Callable, vocab_size: int) -> None:
-    """Write the tiny InternVL3.5 folder: processor, config, weights (`save_seeded(model_class, config, out,
-    norm_bias)`, the embedded models' seeded init), with `tok`, the embedded tokenizer with this family's tokens,
-    template and `TOKENIZER_ATTRIBUTES` (`vlmrl.models.tiny` builds it)."""
+def build(out: Path, spec: TinyInternVLSpec) -> None:
+    """Write the tiny InternVL3.5 folder: processor, config, weights (the embedded models' seeded init), with the
+    embedded tokenizer carrying Qwen's tokens, this family's tokens, template and `TOKENIZER_ATTRIBUTES`."""
     from transformers import GenerationConfig, InternVLConfig, InternVLForConditionalGeneration, InternVLProcessor
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
     from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
 
+    tok = build_tokenizer(SPECIAL_TOKENS + INTERNVL_SPECIAL_TOKENS, INTERNVL_CHAT_TEMPLATE,
+                          extra_special_tokens=TOKENIZER_ATTRIBUTES)
     ids = {t: tok.convert_tokens_to_ids(t) for t in ["<|im_end|>", "<|endoftext|>", *INTERNVL_SPECIAL_TOKENS]}
     stops = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     config = InternVLConfig(
         text_config=dict(
-            model_type="qwen3", vocab_size=vocab_size, hidden_size=spec.text_hidden,
+            model_type="qwen3", vocab_size=VOCAB_SIZE, hidden_size=spec.text_hidden,
             intermediate_size=spec.text_intermediate, num_hidden_layers=spec.text_layers,
             num_attention_heads=spec.text_heads, num_key_value_heads=spec.text_heads, head_dim=spec.head_dim,
             max_position_embeddings=4096, rms_norm_eps=1e-6,
