@@ -69,7 +69,7 @@ def reported_error(error: BaseException) -> tuple[str, int] | None:
     from vlmrl.data.dataset import DataError
     from vlmrl.processors.errors import BadRowError
     from vlmrl.rollout.errors import EngineSettingError, RestartsUsedUp
-    from vlmrl.trainer.weight_probe import EngineModelError
+    from vlmrl.trainer.engine_probe import EngineModelError
 
     if isinstance(error, DataError) or (isinstance(error, BadRowError) and error.__cause__ is None):
         return str(error), 2  # a BadRowError with a cause is a bug in building a row

@@ -259,7 +259,7 @@ def test_perturbed_weights_are_named_and_are_real_divergences(setup, hf_vs_vllm,
 
 def _trainer_scores(overrides, reference, out):
     from vlmrl.config import load_config
-    from vlmrl.trainer.trainer_side import score_reference
+    from vlmrl.trainer.teacher_forcing import score_reference
 
     return score_reference(load_config([*overrides, "trainer.val_only=true", "rollout.name=vllm"]), reference, out)
 

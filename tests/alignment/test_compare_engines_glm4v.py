@@ -48,7 +48,7 @@ def test_sglang_and_the_trainer_agree_with_vllm_exactly(setup, hf_vs_vllm):
     from vlmrl.alignment.diff import Thresholds, compare_artifacts
     from vlmrl.alignment.precision import FP32_THRESHOLDS
     from vlmrl.config import load_config
-    from vlmrl.trainer.trainer_side import score_reference
+    from vlmrl.trainer.teacher_forcing import score_reference
 
     root, overrides, _ = setup
     _, first = hf_vs_vllm

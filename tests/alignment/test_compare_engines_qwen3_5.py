@@ -61,7 +61,7 @@ def test_a_float32_trainer_on_vllms_bfloat16_samples_is_precision_not_exact(setu
     it because a side computed below float32."""
     from vlmrl.alignment.precision import FP32_THRESHOLDS
     from vlmrl.config import load_config
-    from vlmrl.trainer.trainer_side import score_reference
+    from vlmrl.trainer.teacher_forcing import score_reference
 
     root, overrides, _ = setup
     _, first = hf_vs_vllm

@@ -82,7 +82,7 @@ def test_the_trainer_scores_each_engines_samples_as_it_did(setup, hf_vs_vllm):
     from vlmrl.alignment.diff import Thresholds, compare_artifacts
     from vlmrl.alignment.precision import FP32_THRESHOLDS
     from vlmrl.config import load_config
-    from vlmrl.trainer.trainer_side import score_reference
+    from vlmrl.trainer.teacher_forcing import score_reference
 
     root, overrides, _ = setup
     _, first = hf_vs_vllm

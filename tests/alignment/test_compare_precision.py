@@ -84,7 +84,7 @@ def test_a_real_vllms_processed_logprobs_at_temperature_0_7_are_named(demo, capl
     trainer's sampled-distribution values (an older trainer side, or one at world size > 1) the engine header's
     logprobs_mode names them."""
     from vlmrl.config import load_config
-    from vlmrl.trainer.trainer_side import score_reference
+    from vlmrl.trainer.teacher_forcing import score_reference
 
     root, overrides = demo
     sampled = [*overrides, "rollout.val_temperature=0.7", "rollout.val_n=2",

@@ -1,6 +1,6 @@
-"""`compare --backends X,trainer`: the trainer scores an engine's samples teacher-forced (vlmrl.trainer.trainer_side),
-on the HF backend as a user runs it (each side its own process). The real engines' case (vLLM's samples, packing,
-chunks, other weights, other pixels) is in test_compare_engines.py."""
+"""`compare --backends X,trainer`: the trainer scores an engine's samples teacher-forced
+(vlmrl.trainer.teacher_forcing), on the HF backend as a user runs it (each side its own process). The real engines'
+case (vLLM's samples, packing, chunks, other weights, other pixels) is in test_compare_engines.py."""
 
 from __future__ import annotations
 
@@ -52,11 +52,11 @@ def test_what_the_trainer_side_cannot_score_exits_2_before_any_engine(tmp_path, 
 
 
 def test_a_processor_error_is_one_error_line_and_exit_2(tmp_path, capsys):
-    """`python -m vlmrl.trainer.trainer_side` with a data.min_pixels below the model's image processor bound: the
+    """`python -m vlmrl.trainer.teacher_forcing` with a data.min_pixels below the model's image processor bound: the
     user's to fix, so a config `error:` block naming the setting and the bounds, found as the config loads, and
     exit 2 (not a traceback)."""
     from tests.alignment.toy_artifacts import write_side
-    from vlmrl.trainer.trainer_side import main as side_main
+    from vlmrl.trainer.teacher_forcing import main as side_main
 
     reference = write_side(tmp_path / "engine.jsonl", rows=2)
     status = side_main([*_overrides(tmp_path, "data.min_pixels=1000"), "--reference", str(reference),
@@ -71,7 +71,7 @@ def test_a_reference_from_other_data_or_rows_is_refused_naming_them(tmp_path):
     (a shorter data.max_prompt_length), is refused naming the data or the rows, not scored against other prompts."""
     from vlmrl.alignment.trainer_side import TrainerSideError
     from vlmrl.config import load_config
-    from vlmrl.trainer.trainer_side import score_reference
+    from vlmrl.trainer.teacher_forcing import score_reference
     from vlmrl.trainer.validation import validate_with
 
     config = load_config([*_overrides(tmp_path), "trainer.val_only=true", "rollout.name=hf"])
@@ -116,7 +116,7 @@ def test_the_drill_down_names_the_decoder_layer_that_differs(tmp_path, model, ca
     on the original weights, packed and chunked, finds every module within float32 tolerance."""
     from vlmrl.config import load_config
     from vlmrl.models.tiny import ensure_built
-    from vlmrl.trainer.trainer_side import score_reference
+    from vlmrl.trainer.teacher_forcing import score_reference
     from vlmrl.trainer.validation import validate_with
 
     original = str(ensure_built(model))
@@ -157,7 +157,7 @@ def test_a_lora_checkpoint_is_scored_as_its_base_with_the_trained_adapters(tmp_p
     from vlmrl.alignment.precision import FP32_THRESHOLDS
     from vlmrl.config import load_config
     from vlmrl.trainer.fit import fit
-    from vlmrl.trainer.trainer_side import score_reference
+    from vlmrl.trainer.teacher_forcing import score_reference
     from vlmrl.trainer.validation import validate_with
 
     run = tmp_path / "run"
@@ -185,9 +185,9 @@ def test_a_lora_checkpoint_is_scored_as_its_base_with_the_trained_adapters(tmp_p
 def test_doctests():
     import doctest
 
-    import vlmrl.trainer.trainer_side as trainer_side
+    import vlmrl.trainer.teacher_forcing as teacher_forcing
 
-    assert doctest.testmod(trainer_side).failed == 0
+    assert doctest.testmod(teacher_forcing).failed == 0
 
 
 @pytest.mark.vllm
@@ -197,7 +197,7 @@ def test_the_sampler_mask_keeps_the_tokens_vllms_sampler_keeps():
     import torch
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from vlmrl.trainer.trainer_side import sampler_mask
+    from vlmrl.trainer.teacher_forcing import sampler_mask
 
     logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
     banned, temperature = [5, 17], 0.7

@@ -419,7 +419,7 @@ def test_the_weight_probe_asks_every_engine_and_names_one_its_sync_missed(ray_cl
 
     from vlmrl.distributed.engines import ColocatedEngines
     from vlmrl.distributed.worker import EngineSpec
-    from vlmrl.trainer.weight_probe import EngineModelError, WeightProbe, WeightProbeError
+    from vlmrl.trainer.engine_probe import EngineModelError, WeightProbe, WeightProbeError
 
     engine = EngineSpec("hf", tiny_model_path, BackendOptions.from_kwargs(
         "hf", {"dtype": "float32", "max_model_len": 256, "timeout_s": 120}))

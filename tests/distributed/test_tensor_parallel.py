@@ -96,7 +96,7 @@ def test_a_weight_sync_from_the_shards_lands_on_both_tp_ranks(tp2, hf_reference)
     """An update moves the policy by more than 1e-2 nats on its own samples; after the sync (each worker gathers the
     full weights and loads them into its TP rank, each rank slicing its shard) the engine's logprobs are the
     trainer's to float32 rounding, and the weight probe says in_sync."""
-    from vlmrl.trainer.weight_probe import WeightProbe
+    from vlmrl.trainer.engine_probe import WeightProbe
 
     actor, engines = tp2
     hf, batch, _ = hf_reference

@@ -53,7 +53,7 @@ def _router_moved(model_path: str, folder, layer: int):
 def test_the_engine_and_the_trainer_route_alike_and_a_moved_router_is_named_by_its_layer(engine_side,
                                                                                          qwen3_vl_moe_path):
     from vlmrl.config import load_config
-    from vlmrl.trainer.trainer_side import score_reference
+    from vlmrl.trainer.teacher_forcing import score_reference
 
     root, common, reference = engine_side
     meta_e, engine = read_artifact(reference)

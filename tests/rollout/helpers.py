@@ -343,7 +343,7 @@ class EngineContract:
         from vlmrl.actor.local import Actor
         from vlmrl.alignment.weight_probe import IN_SYNC, STALE
         from vlmrl.config import load_config
-        from vlmrl.trainer.weight_probe import WeightProbe
+        from vlmrl.trainer.engine_probe import WeightProbe
 
         config = load_config([f"actor.model_path={backend.model_path}", "data.train_files=synthetic",
                               "data.val_files=synthetic", "actor.dtype=float32"])

@@ -18,11 +18,11 @@ from vlmrl.alignment.drift import main as drift_main
 from vlmrl.alignment.drift_artifact import read_drift
 from vlmrl.alignment.weight_probe import IN_SYNC, PARTIAL, STALE, read_probes
 from vlmrl.config import ConfigError, load_config
-from vlmrl.trainer import drift as trainer_drift
-from vlmrl.trainer.drift import drift_rows
+from vlmrl.trainer import drift_samples
+from vlmrl.trainer.drift_samples import drift_rows
+from vlmrl.trainer.engine_probe import WeightProbeError
 from vlmrl.trainer.fit import fit
 from vlmrl.trainer.metrics import read_metrics
-from vlmrl.trainer.weight_probe import WeightProbeError
 
 STEPS = 30
 DROPPED = 15
@@ -167,6 +167,6 @@ def test_a_drift_or_probe_setting_out_of_range_is_refused_at_load(setting, says)
 
 
 def test_docstring_examples_hold():
-    for module in (drift, trainer_drift, weight_probe):
+    for module in (drift, drift_samples, weight_probe):
         failures, tried = doctest.testmod(module)
         assert tried > 0 and failures == 0, module.__name__

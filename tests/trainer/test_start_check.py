@@ -11,8 +11,8 @@ import torch
 from tests.trainer.test_fit import base_args
 from vlmrl.config import load_config
 from vlmrl.train import reported_error
+from vlmrl.trainer.engine_probe import EngineModelError
 from vlmrl.trainer.fit import setup_process, setup_run, start_of_training
-from vlmrl.trainer.weight_probe import EngineModelError
 
 
 @pytest.mark.vllm

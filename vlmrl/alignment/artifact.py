@@ -61,7 +61,7 @@ class ArtifactMeta:
     """Header of an artifact: who generated it, on what, with which settings."""
 
     backend: str
-    """Rollout backend name: hf | vllm | sglang | sglang-server, or `trainer` (`vlmrl.trainer.trainer_side`)."""
+    """Rollout backend name: hf | vllm | sglang | sglang-server, or `trainer` (`vlmrl.trainer.teacher_forcing`)."""
     engine: str
     """Engine package name (transformers, vllm, sglang)."""
     engine_version: str

@@ -17,9 +17,9 @@ second side). A run must end within rollout.start_timeout_s + 4 x rollout.timeou
 agent.enable) + 10 minutes; every engine call inside it has its own deadline as well.
 
 `--backends trainer,X` (either order) puts the trainer on one side: X validates first as above, then
-`python -m vlmrl.trainer.trainer_side` builds the actor from the same config (actor.model_path, actor.* settings:
+`python -m vlmrl.trainer.teacher_forcing` builds the actor from the same config (actor.model_path, actor.* settings:
 dtype, packing, micro-batches, chunked logprobs, LoRA) and scores X's samples teacher-forced through the update's
-logprob pass (`vlmrl.trainer.trainer_side`). The tokens then agree by construction, at any temperature, and the
+logprob pass (`vlmrl.trainer.teacher_forcing`). The tokens then agree by construction, at any temperature, and the
 diff is about inputs (the trainer rebuilds every request), logprobs and their causes.
 
 `--gate NAME` judges one backend (rollout.name, or --backend) against itself instead: reproducibility, batch,
@@ -189,7 +189,7 @@ def run_backends(backends: list[str], overrides: list[str], out_dir: Path, drill
 
     Both sides run what validate-only mode runs under the same config: the same rows, images resized by the same
     processor, the same prompt ids, sampling settings and seeds (greedy by default: `rollout.val_temperature=0`);
-    only `rollout.name` differs. One side may be `trainer` (`vlmrl.trainer.trainer_side`): the engine side runs
+    only `rollout.name` differs. One side may be `trainer` (`vlmrl.trainer.teacher_forcing`): the engine side runs
     first, then the trainer scores its samples teacher-forced in its own process (`drill`: with the per-module
     drill-down on the worst sample, `vlmrl.alignment.drill_down`). Config problems raise UsageError;
     a failed run raises BackendRunError naming its log.

@@ -1,6 +1,6 @@
 """The trainer as a side of `python -m vlmrl.alignment.compare` (`--backends trainer,X`): its name and what the
 trainer side refuses before anything loads. The side itself (the actor scoring an engine's samples teacher-forced) is
-`vlmrl.trainer.trainer_side`, a process compare starts, so this package never imports the trainer."""
+`vlmrl.trainer.teacher_forcing`, a process compare starts, so this package never imports the trainer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from vlmrl.config import Config
 
 TRAINER = "trainer"
 """The side's name in compare's --backends and in the artifact's header (`ArtifactMeta.backend`)."""
-SIDE_MODULE = "vlmrl.trainer.trainer_side"
+SIDE_MODULE = "vlmrl.trainer.teacher_forcing"
 """What compare runs (`python -m ...`) for the trainer side."""
 
 

@@ -30,7 +30,7 @@ from vlmrl.batch.padding import batch_metrics
 from vlmrl.config import Config, to_dict
 from vlmrl.trainer.checkpoint import rng_state, save_checkpoint
 from vlmrl.trainer.collect import collect_step, step_metrics
-from vlmrl.trainer.drift import drift_records, drift_rows, trainer_logprobs
+from vlmrl.trainer.drift_samples import drift_records, drift_rows, trainer_logprobs
 from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, plot_curves
 from vlmrl.trainer.placement import sync_engine
 from vlmrl.trainer.run import PhaseTimer, Run, due

@@ -16,8 +16,8 @@ from vlmrl.config import Config
 from vlmrl.data.dataset import BatchSampler, PromptQueue, RLDataset
 from vlmrl.rewards.workers import close_reward_workers
 from vlmrl.trainer.components import RunComponents
+from vlmrl.trainer.engine_probe import WeightProbe
 from vlmrl.trainer.metrics import MetricsLogger
-from vlmrl.trainer.weight_probe import WeightProbe
 from vlmrl.types import RolloutRequest, RolloutResult, Sample, SamplingParams, TrainBatch
 
 

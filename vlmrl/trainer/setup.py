@@ -38,11 +38,11 @@ from vlmrl.trainer.components import (
     start_rollout_workers,
     start_run_backend,
 )
+from vlmrl.trainer.engine_probe import WeightProbe
 from vlmrl.trainer.metrics import METRICS_FILE, MetricsLogger, truncate_after
 from vlmrl.trainer.placement import start_placement
 from vlmrl.trainer.run import Run
 from vlmrl.trainer.validation import load_val_dataset, validate_with
-from vlmrl.trainer.weight_probe import WeightProbe
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
-"""The trainer as a side of `python -m vlmrl.alignment.compare`: the policy, built the way a run builds it, scores
-another side's sampled tokens teacher-forced, through the code path the update uses.
+"""The trainer side of `python -m vlmrl.alignment.compare`, teacher-forced: it scores another side's tokens.
+The policy, built the way a run builds it, scores the other side's sampled tokens through the code path the update
+uses. (`vlmrl.alignment.trainer_side` is what compare knows of this side without importing the trainer.)
 
-    python -m vlmrl.trainer.trainer_side config=FILE.yaml key=value ... --reference A.jsonl --out B.jsonl
+    python -m vlmrl.trainer.teacher_forcing config=FILE.yaml key=value ... --reference A.jsonl --out B.jsonl
 
 `compare --backends trainer,vllm` (any engine, either order) runs the engine's validate-only pass first, then this
 on its artifact, then the usual four-level diff. What the trainer side does, per validation request:
@@ -328,7 +329,7 @@ def _drill_down(actor, meta: ArtifactMeta, records: list[ValidationRecord], scor
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vlmrl.trainer.trainer_side", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vlmrl.trainer.teacher_forcing", description=__doc__.split("\n")[0])
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config=FILE.yaml and dotted overrides")
     parser.add_argument("--reference", required=True, help="the engine side's artifact whose samples are scored")
     parser.add_argument("--out", required=True, help="where the trainer side's artifact is written")

@@ -1,5 +1,5 @@
-"""The fit loop's share of the drift artifact (`vlmrl.alignment.drift_artifact`): which samples of a step are kept,
-the trainer's pre-update logprobs of their tokens, and the records written for them.
+"""The drift samples a step keeps: the fit loop's share of the drift artifact (`vlmrl.alignment.drift_artifact`):
+which samples of a step are kept, the trainer's pre-update logprobs of their tokens, and the records written for them.
 
 The per-step `mismatch/*` metrics say how far trainer and engine are apart on a step; the artifact keeps a few
 samples' tokens on both sides for the whole run, so a jump can be looked at sample by sample afterwards

@@ -1,5 +1,6 @@
-"""The fit loop's share of the weights probe (`vlmrl.alignment.weight_probe`): after every weight sync, and once
-before the first step, the engine answers one fixed request greedily and the trainer scores its tokens.
+"""Probing the engine: the fit loop's share of the weights probe (its judgement and records are
+`vlmrl.alignment.weight_probe`). After every weight sync, and once before the first step, the engine answers one
+fixed request greedily and the trainer scores its tokens.
 
 The request is the first training row that builds (with its image or video when the data has them, so the vision
 tower's weights are probed too), the same for the whole run. At trainer.n_gpus_per_node x trainer.nnodes > 1 it goes
