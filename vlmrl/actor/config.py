@@ -138,7 +138,7 @@ class MoEConfig:
 
     routing_replay: str = "off"
     """off: the update routes each token as its router says now; trainer (R2): the old-logprob pass records each
-    token's experts and the update's forward and backward route through those (`vlmrl.actor.routing`), so the
+    token's experts and the update's forward and backward route through those (`vlmrl.actor.router_hooks`), so the
     importance ratio compares the same experts even once the optimizer has moved the routers (as verl's and slime's
     router replay). Either way, mismatch/routing_changed_frac logs the share of (token, MoE layer) pairs whose
     top-k set the update would choose differently from the old pass (with engine: the trainer's routers from the

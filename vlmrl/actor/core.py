@@ -25,7 +25,7 @@ import torch
 from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.micro_batches import micro_batch_rows, row_spans, split_to_count
 from vlmrl.actor.policy import Policy, move_optimizer_state
-from vlmrl.actor.routing import RouterHooks, collect_aux
+from vlmrl.actor.router_hooks import RouterHooks, collect_aux
 from vlmrl.actor.step_metrics import mean_metrics
 from vlmrl.actor.vision_share import VisionCounts, shared_vision
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from vlmrl.agent.batcher import TurnBatcher
 from vlmrl.agent.carry import ToolEntries, from_json, read_carried, to_json, write_carried
 from vlmrl.agent.config import AgentConfig
-from vlmrl.agent.metrics import step_metrics
+from vlmrl.agent.loop_metrics import step_metrics
 from vlmrl.agent.parser import ToolCall, ToolCallError, parse_tool_calls
 from vlmrl.agent.tools import Tool, ToolContext, ToolRegistry, ToolTimeout, as_output, call_tool_method
 from vlmrl.agent.trajectory import AgentSample, Trajectory, to_sample

@@ -158,7 +158,7 @@ def drill_down(actor, reference_model: torch.nn.Module, batch, row: int, *, fami
 
     routes: dict[str, torch.Tensor] = {}
     if family.experts is not None:  # the routers too: which MoE layer first sends a token to other experts
-        from vlmrl.actor.routing import RouterHooks
+        from vlmrl.actor.router_hooks import RouterHooks
 
         trainer_hooks = getattr(actor, "routing", None) or RouterHooks(actor.model, family.experts.router_class)
         reference_hooks = RouterHooks(reference_model, family.experts.router_class)

@@ -1,5 +1,5 @@
 """Where two sides route a MoE model's tokens through other experts: the trainer's transformers model (its routers
-recorded by `vlmrl.actor.routing.RouterHooks`) against an engine's capture (`VLLMBackend.generate_with_routing`), or
+recorded by `vlmrl.actor.router_hooks.RouterHooks`) against an engine's capture (`VLLMBackend.generate_with_routing`), or
 two transformers models. Routing is (MoE layers, tokens, k) top-k expert ids; two sides agree on a (token, layer)
 pair when their top-k SETS are equal (the order within a set does not change the computation)."""
 
@@ -60,7 +60,7 @@ def transformers_routing(hf, request, response_ids, hooks=None) -> tuple[torch.T
     """The HF backend's model routing the request's expanded prompt + `response_ids`: ((layers, tokens, k) ids,
     (layers, tokens) router margins: each token's k-th minus (k+1)-th router probability, how near its choice was
     to a tie). `hooks`: the model's RouterHooks (made and kept on the model when None)."""
-    from vlmrl.actor.routing import RouterHooks
+    from vlmrl.actor.router_hooks import RouterHooks
 
     if hooks is None:
         hooks = getattr(hf.model, "_vlmrl_router_hooks", None)

@@ -153,7 +153,7 @@ class RoutingLayout:
     """How the engines report a MoE model's routing: per computed token, one row of top-k expert ids for every
     decoder layer (`hidden_layers` rows, vLLM's and SGLang's `enable_return_routed_experts`), of which `moe_layers`
     route through experts; vlmrl keeps those, as (MoE layers, tokens, top-k) like the trainer's own record
-    (`vlmrl.actor.routing`)."""
+    (`vlmrl.actor.router_hooks`)."""
 
     hidden_layers: int
     moe_layers: tuple[int, ...]

@@ -1,4 +1,4 @@
-"""Routing record / replay on the embedded MoE models (`vlmrl.actor.routing`, actor.moe.routing_replay): the hooks
+"""Routing record / replay on the embedded MoE models (`vlmrl.actor.router_hooks`, actor.moe.routing_replay): the hooks
 compute exactly transformers' routing, replaying a forward's own routing changes neither logprobs nor any gradient,
 a row's recorded routing replays onto the same tokens in any micro-batch layout (padded or packed, other rows
 beside it), and the update reports how much of the batch its own routers would route elsewhere."""
@@ -170,7 +170,7 @@ def test_the_load_balancing_loss_is_transformers_and_only_it_moves_the_routers_o
     actor/moe_aux_loss is logged)."""
     import importlib
 
-    from vlmrl.actor.routing import collect_aux
+    from vlmrl.actor.router_hooks import collect_aux
 
     actor, batch = setup
     rows = list(range(len(batch)))
