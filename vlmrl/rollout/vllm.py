@@ -1,4 +1,5 @@
-"""The vLLM backend (offline `LLM`): the only module of vlmrl that imports vllm, and only inside the backend.
+"""The vLLM backend (offline `LLM`). vlmrl imports vllm here and in the two rooms beside it (`vlmrl.rollout.vllm_cpu`:
+its CPU environment; `vlmrl.rollout.vllm_moe`: its MoE layers' routing capture and CPU repack), only inside the backend.
 
 Requests go as `TokensPrompt`s with unexpanded ids and the already-resized images / sampled video frames with their
 metadata (`do_sample_frames=False`: vLLM derives the same timing as the trainer). The contract's raw logprobs come
@@ -14,7 +15,6 @@ docs/engines.md ("vLLM") has the measurements behind each of these.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -36,6 +36,7 @@ from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import sample_seed, top_allowed
 from vlmrl.rollout.vllm_cpu import cpu_env, name_cpu_shared_memory
+from vlmrl.rollout.vllm_moe import RoutingCaptureExtension, repack_cpu_experts_on_reload
 from vlmrl.rollout.weights import checkpoint_names
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
@@ -46,52 +47,17 @@ WORKER_EXTENSION = "vlmrl.rollout.vllm.WeightSyncWorkerExtension"
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM 0.32 accepts."""
 SHUTDOWN_S = 10.0
 """The deadline of the engine core's own shutdown in `close` (then its processes are killed)."""
-"""The max_lora_rank values vLLM 0.32 accepts."""
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
-class RoutingCaptureExtension:
-    """The MoE routing a vLLM engine computes (mixed into the worker with the weight-sync extension): each router's
-    top-k ids as vLLM's own routed-experts capture takes them (`BaseRouter.capture_fn`, the logical ids before any
-    expert-parallel mapping), appended per forward. vLLM's own capture (`enable_return_routed_experts`) needs its
-    V2 model runner and Triton, so on a CPU this is the only way to see the engine's routing."""
-
-    def vlmrl_capture_routing(self, on: bool) -> int:
-        """Start (clearing what was kept) or stop capturing; returns the number of MoE layers bound."""
-        from vllm.model_executor.layers.fused_moe.layer import MoERunner
-        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-
-        self._vlmrl_routing = []
-        bound = 0
-        for module in self.get_model().modules():
-            if isinstance(module, MoERunner) and isinstance(module.router, BaseRouter):
-                module.router.set_capture_fn(functools.partial(self._vlmrl_capture, module.layer_id) if on else None)
-                bound += 1
-        return bound
-
-    def _vlmrl_capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        self._vlmrl_routing.append((layer_id, topk_ids.detach().to("cpu", torch.int16).clone()))
-
-    def vlmrl_take_routing(self) -> bytes:
-        """What was captured since the last call, as safetensors bytes of one (MoE layers, tokens, k) int16 tensor:
-        every forward's tokens in the order the engine ran them."""
-        from safetensors.torch import save
-
-        per_layer: dict[int, list[torch.Tensor]] = {}
-        for layer_id, ids in self._vlmrl_routing:
-            per_layer.setdefault(layer_id, []).append(ids)
-        self._vlmrl_routing = []
-        if not per_layer:
-            return save({"routing": torch.zeros((0, 0, 0), dtype=torch.int16)})
-        return save({"routing": torch.stack([torch.cat(per_layer[layer]) for layer in sorted(per_layer)])})
-
-
 class WeightSyncWorkerExtension(RoutingCaptureExtension):
-    """Mixed into vLLM's worker class (`worker_extension_cls`); `self` is the worker.
+    """Mixed into vLLM's worker class (`worker_extension_cls`, with the routing capture of
+    `vlmrl.rollout.vllm_moe.RoutingCaptureExtension`); `self` is the worker.
 
     A sync is begin, one load per bucket, finish: vLLM's own in-place reload (`reload_weights`) split into its three
     steps, so that the weights can arrive a bucket at a time. Begin puts every layer back on the meta device with
@@ -104,7 +70,7 @@ class WeightSyncWorkerExtension(RoutingCaptureExtension):
 
         model = self.get_model()
         _quiet_derived_buffer_warnings(model)
-        _repack_cpu_experts_on_reload(model)
+        repack_cpu_experts_on_reload(model)
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
 
@@ -133,32 +99,6 @@ class WeightSyncWorkerExtension(RoutingCaptureExtension):
         self.model_runner.reset_lora_state()
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
-
-
-def _repack_cpu_experts_on_reload(model: torch.nn.Module) -> None:
-    """Make a reload of routed experts on vLLM's CPU MoE kernel put them in that kernel's layout.
-
-    vLLM 0.32 lays a MoE layer's weights out for its CPU grouped GEMM when it first loads them (the experts'
-    `process_weights_after_loading`: the intermediate size padded to the kernel's block, the tensors prepacked), and
-    on a reload skips that step (`UnquantizedFusedMoEMethod._setup_kernel` runs it only while the kernel does not
-    exist yet), then copies the plain tensors into the kernel's storage: a size mismatch where the intermediate size
-    is padded (the embedded MoE models), and tensors read in the wrong packing where it is not (the same shape, no
-    error, wrong outputs). Each such layer's method gets the step back on a reload (once per process; a no-op on
-    CUDA, whose kernels take the plain layout)."""
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        kernel = getattr(method, "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is None or "cpu" not in type(experts).__module__ or getattr(method, "_vlmrl_repacks", False):
-            continue
-        setup = method._setup_kernel
-
-        def setup_and_repack(layer, w13, w2, setup=setup, method=method):
-            setup(layer=layer, w13=w13, w2=w2)
-            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
-
-        method._setup_kernel = setup_and_repack
-        method._vlmrl_repacks = True
 
 
 def _tied_heads(model: torch.nn.Module) -> list[torch.nn.Module]:
