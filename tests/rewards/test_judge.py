@@ -1,12 +1,14 @@
 """The judge reward without an engine: its scoring rules (doctests), the config checks at load, templates, how it
-combines with the rule reward, and the real failures a user meets: a closed port (refused at start, and counted as
-failures after retries when the server goes away) and a server that never answers (timed out, retried, counted).
-tests/rewards/test_judge_server.py runs it against real SGLang and vLLM servers."""
+combines with the rule reward, and the real failures a user meets: a closed port (refused at start, closing what the
+run's reward had already started, and counted as failures after retries when the server goes away) and a server that
+never answers (timed out, retried, counted). tests/rewards/test_judge_server.py runs it against real SGLang and vLLM
+servers."""
 
 from __future__ import annotations
 
 import doctest
 import json
+import logging
 import shutil
 import socket
 import time
@@ -23,8 +25,10 @@ from vlmrl.rewards.config import JudgeConfig, RewardConfig
 from vlmrl.rewards.judge import Judge, JudgeError, combine, start_judge
 from vlmrl.rewards.judge_prompt import render_text
 from vlmrl.rewards.registry import get_reward_fn
-from vlmrl.rewards.scoring import score_texts
+from vlmrl.rewards.scoring import RewardScorer, score_texts
 from vlmrl.types import RolloutRequest
+
+from tests.rewards.processes import reward_workers
 
 
 @pytest.mark.parametrize("module", [vlmrl.rewards.judge, vlmrl.rewards.judge_server], ids=lambda m: m.__name__)
@@ -190,6 +194,18 @@ def test_an_unreachable_judge_stops_the_run_at_start_naming_the_url():
     assert time.monotonic() - began < 10
 
 
+def test_a_judge_that_fails_at_start_ends_the_reward_workers_started_before_it(caplog):
+    """The run's reward starts its worker processes, then its judge: a judge that does not answer stops the run, and
+    the workers already started go with it."""
+    before = reward_workers()
+    config = RewardConfig(function="synthetic", timeout_s=5, num_workers=2,
+                          judge=JudgeConfig(enable=True, url=f"http://127.0.0.1:{closed_port()}"))
+    with caplog.at_level(logging.INFO, logger="vlmrl.rewards.workers"), pytest.raises(JudgeError):
+        RewardScorer.start(config, ["synthetic/colour"])
+    assert "reward: 2 worker process(es)" in caplog.text, "the workers had started"
+    assert reward_workers() <= before
+
+
 def test_a_judge_that_goes_away_fails_its_samples_after_retries_and_they_are_counted():
     url = f"http://127.0.0.1:{closed_port()}"
     config = RewardConfig(function="synthetic", timeout_s=0,
@@ -212,6 +228,10 @@ def test_a_judge_that_goes_away_fails_its_samples_after_retries_and_they_are_cou
     score_texts(get_reward_fn("synthetic"), requests[:1], ["red", "red"], 2, config, judge=judge)
     assert judge.stats.requests == 4
     judge.close()
+    judge.close()  # safe twice
+    with pytest.raises(RuntimeError, match="is closed"):
+        judge.score(requests[:1], ["red"], 1)
+    assert judge.stats.requests == 4, "a closed judge sends nothing"
 
 
 def test_a_judge_that_never_answers_times_out_each_attempt():

@@ -1,22 +1,25 @@
-"""The judge reward against real judge servers on the tiny model (CPU, fp32): one SGLang server launched by vlmrl for
-the module, and a vLLM one for the cross-engine check. Both modes score, a batch goes out once and comes back from
+"""The judge reward against real judge servers on the tiny model (CPU, fp32): one SGLang server launched for the
+module by a run's reward (reward.judge.server) and ended by closing it, and a vLLM one for the cross-engine check. Both modes score, a batch goes out once and comes back from
 the cache (in memory and from the cache file), the free text of a random model is counted as failures while a
-constrained verdict parses, and scoring combines the judge with the synthetic rule reward."""
+constrained verdict parses, and a run's reward combines the judge with the synthetic rule reward, owns its judge (two
+runs never share one; a closed run's judge scores no more) and ends the judge server it launched, also when the run's
+setup fails."""
 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
 from vlmrl.data.dataset import load_dataset
-from vlmrl.rewards import judge as judge_module
 from vlmrl.rewards.base import FAILED_KEY
 from vlmrl.rewards.config import JudgeConfig, JudgeServerConfig, RewardConfig
 from vlmrl.rewards.judge import Judge, parse_rating
 from vlmrl.rewards.judge_server import launch_judge_server
-from vlmrl.rewards.scoring import load_reward_fn, score_texts
-from vlmrl.rewards.workers import close_reward_workers
+from vlmrl.rewards.scoring import RewardScorer
+
+from tests.rewards.processes import broken_tool, judge_servers, reward_workers
 
 pytestmark = pytest.mark.sglang
 
@@ -26,12 +29,17 @@ ANSWERS = ["red", "blue", "green", "the shape is yellow"]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
-    launched = launch_judge_server(JudgeServerConfig(model_path=tiny_model_path, engine="sglang",
-                                                     max_model_len=1024))
+    """The module's judge server, launched as a run launches it: by the run's reward, which owns it."""
+    reward = RewardScorer.start(RewardConfig(function="synthetic", timeout_s=0, judge=JudgeConfig(
+        enable=True, server=JudgeServerConfig(model_path=tiny_model_path, engine="sglang", max_model_len=1024))),
+        ["synthetic/colour"])
+    launched = reward.judge.server
+    assert launched.pid in judge_servers()
     yield launched
     process = launched.process
-    launched.close()
-    assert process.poll() is not None, "closing the judge ends its server"
+    reward.close()
+    assert process.poll() is not None and launched.pid not in judge_servers(), \
+        "closing the run's reward ends the judge server it launched"
 
 
 @pytest.fixture(scope="module")
@@ -103,24 +111,60 @@ def test_free_text_that_gives_no_score_fails_counted_and_a_constrained_verdict_p
     assert parse_rating(reply, constrained.config.score_pattern, {}, [0, 9]) in {v.score for v in verdicts}
 
 
-def test_scoring_combines_the_judge_with_the_synthetic_rule_and_closes_it_with_the_reward(
-        server, tiny_model_path, requests_):
+def test_a_runs_reward_combines_its_own_judge_with_the_synthetic_rule_and_closes_it(server, tiny_model_path,
+                                                                                      requests_):
     config = RewardConfig(function="synthetic", timeout_s=0, judge=JudgeConfig(
         enable=True, url=server.url, mode="logprobs", tokenizer=tiny_model_path, weight=0.25))
-    reward_fn = load_reward_fn(config, ["synthetic/colour"])  # starts the run's judge (and checks it answers)
+    reward = RewardScorer.start(config, ["synthetic/colour"])  # starts the run's judge (and checks it answers)
+    other = RewardScorer.start(config, ["synthetic/colour"])  # another run in this process, same settings
+    assert other.judge is not reward.judge, "two runs never share a judge"
     # to each prompt: its right answer, then three wrong ones
     texts = [text for request in requests_ for text in
              (request.ground_truth, f"{request.ground_truth} maybe", "zebra", f"the shape is {request.ground_truth}")]
-    scores = score_texts(reward_fn, requests_, texts, len(ANSWERS), config)
+    scores = reward.score(requests_, texts, len(ANSWERS))
     assert scores.failures == 0
     for value, part in zip(scores.values, scores.parts):
         assert value == pytest.approx(0.75 * part["rule"] + 0.25 * part["judge"])
         assert part["rule"] == part["accuracy"] and part[FAILED_KEY] == part["judge_failed"] == 0.0
     assert [p["rule"] for p in scores.parts[:len(ANSWERS)]] == [1.0, 0.0, 0.0, 0.0]
     assert 0 < min(p["judge"] for p in scores.parts) < max(p["judge"] for p in scores.parts) < 1
-    close_reward_workers()
-    assert judge_module._judge is None
+    reward.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        reward.score(requests_, texts, len(ANSWERS))
+    with pytest.raises(RuntimeError, match="is closed"):
+        reward.judge.score(requests_, texts, len(ANSWERS))
     assert server.process.poll() is None, "a judge given by URL leaves its server running"
+    again = other.score(requests_[:1], texts[:len(ANSWERS)], len(ANSWERS))
+    assert [p["judge"] for p in again.parts] == pytest.approx([p["judge"] for p in scores.parts[:len(ANSWERS)]],
+                                                              abs=1e-4), "the other run's judge scores on"
+    other.close()
+
+
+# A variant (marker `full`, make test-all; about 60 s beside the module's server): make test keeps a setup that fails
+# after the reward started (tests/rewards/test_reward_workers.py) and the run's reward ending the judge server it
+# launched (the `server` fixture above); this one shows both in one run.
+@pytest.mark.slow
+@pytest.mark.full
+def test_a_failed_setup_ends_the_judge_server_it_launched_and_the_reward_workers(server, tiny_model_path, tmp_path,
+                                                                                  caplog):
+    from vlmrl.config import load_config
+    from vlmrl.trainer.setup import setup_run
+
+    servers, workers = judge_servers(), reward_workers()
+    config = load_config([
+        f"actor.model_path={tiny_model_path}", "data.train_files=synthetic", "data.synthetic_train_size=16",
+        "data.train_batch_size=2", "data.max_prompt_length=64", "data.max_response_length=4", "rollout.name=hf",
+        "rollout.n=2", "actor.ppo_mini_batch_size=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+        "trainer.torch_threads=1", f"trainer.output_dir={tmp_path / 'run'}", "reward.function=synthetic",
+        "reward.timeout_s=5", "reward.judge.enable=true", f"reward.judge.server.model_path={tiny_model_path}",
+        "reward.judge.server.max_model_len=1024", *broken_tool(tmp_path, 4)])
+    with caplog.at_level(logging.INFO, logger="vlmrl.rewards"), \
+            pytest.raises(ValueError, match="the sandbox service does not answer"):
+        setup_run(config)
+    assert "judge: server ready" in caplog.text and "reward: 1 worker process(es)" in caplog.text, "both had started"
+    assert judge_servers() <= servers and server.pid in judge_servers(), \
+        "the run's judge server is gone; the module's is not"
+    assert reward_workers() <= workers
 
 
 @pytest.mark.vllm

@@ -1,12 +1,14 @@
-"""Scoring a run's responses: n per request against each request's row, a typed Scores record, failures counted."""
+"""Scoring a run's responses: n per request against each request's row, a typed Scores record, failures counted;
+a run's reward (`RewardScorer`) scores only while it is open."""
 
 from __future__ import annotations
 
 import pytest
 
 from vlmrl.config import RewardConfig
+from vlmrl.rewards.config import JudgeConfig
 from vlmrl.rewards.base import FAILED_KEY
-from vlmrl.rewards.scoring import Scores, load_reward_fn, response_texts, score_texts
+from vlmrl.rewards.scoring import RewardScorer, Scores, response_texts, score_texts
 from vlmrl.types import RolloutRequest, RolloutResult
 
 IN_PROCESS = RewardConfig(timeout_s=None)
@@ -49,9 +51,19 @@ def test_the_run_reward_function_scores_decoded_responses(tiny_model_path):
     from vlmrl.processors.qwen_vl import load_processor
 
     processor = load_processor(tiny_model_path)
-    reward_fn = load_reward_fn(IN_PROCESS, ["synthetic/colour"])
+    reward = RewardScorer.start(IN_PROCESS, ["synthetic/colour"])
     tokenizer = processor.tokenizer
     ids = tokenizer.encode("red", add_special_tokens=False) + [processor.eos_token_ids[0]]
     texts = response_texts(tokenizer, [RolloutResult("a", 0, ids, [0.0] * len(ids), "stop")])
     assert texts == ["red"], "special tokens (the end of turn) are skipped, as verl decodes"
-    assert score_texts(reward_fn, _requests()[:1], texts, 1, IN_PROCESS).values == [1.0]
+    assert reward.score(_requests()[:1], texts, 1).values == [1.0]
+    assert reward.workers is None and reward.judge is None, "no limit, no judge: nothing started"
+    reward.close()
+    with pytest.raises(RuntimeError, match="the run's reward is closed"):
+        reward.score(_requests()[:1], texts, 1)
+
+
+def test_a_judged_reward_without_its_judge_is_refused():
+    config = RewardConfig(timeout_s=None, judge=JudgeConfig(enable=True, url="http://127.0.0.1:1"))
+    with pytest.raises(ValueError, match="reward.judge.enable needs the judge"):
+        score_texts(lambda **kw: 1.0, _requests()[:1], ["red"], 1, config)

@@ -4,6 +4,10 @@ combined with the rule reward. The user's guide, with every rule below, is docs/
     judge = start_judge(config.reward.judge)        # launches its server or checks the given URL answers
     verdicts = judge.score(requests, responses, n)  # one Verdict per response, request-major
     values, parts = combine(rule_values, rule_parts, verdicts, n, weight)
+    judge.close()                                   # ends the server it launched; a closed judge scores no more
+
+A run's judge is one of its parts: its reward (`vlmrl.rewards.scoring.RewardScorer`) starts it with the run's other
+parts and closes it with them, so two runs in one process never share one.
 
 A request is one chat: an optional system message, then one user message holding the row's images (and frames of
 its videos) as PNG data URLs followed by the template rendered with the row and the response. A batch goes out as
@@ -25,7 +29,6 @@ the mean judge score of its group (the n responses to its prompt; of the batch w
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import logging
@@ -241,8 +244,9 @@ def base_url(url: str) -> str:
 
 
 class Judge:
-    """A client of one judge endpoint: `check()` it answers, `score(requests, responses, n)` a batch, `close()`.
-    With `server`, the launched server it owns (closed with it)."""
+    """A client of one judge endpoint: `check()` it answers, `score(requests, responses, n)` a batch, `close()`
+    (safe to call twice; a closed judge refuses to score). With `server`, the launched server it owns (closed with
+    it)."""
 
     def __init__(self, config: JudgeConfig, url: str | None = None, server: LaunchedServer | None = None):
         self.config = config
@@ -256,6 +260,7 @@ class Judge:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self.closed = False
         self._loopback = urlparse(self.url).hostname in ("127.0.0.1", "localhost", "::1")
         self._api_key = ""
         if config.api_key_env:
@@ -303,6 +308,9 @@ class Judge:
     def score(self, requests: Sequence[RolloutRequest], responses: Sequence[str], n: int) -> list[Verdict]:
         """One Verdict per response (request-major, n per request). Distinct requests go out concurrently, each
         once; cached ones not at all."""
+        if self.closed:
+            raise RuntimeError(f"the judge on {self.url} is closed (its run has ended): a run's judge scores only "
+                               "while the run is open")
         if len(responses) != n * len(requests):
             raise ValueError(f"{len(responses)} responses for {len(requests)} requests x n={n}")
         keys, bodies = [], {}
@@ -490,6 +498,7 @@ class Judge:
 
     def close(self) -> None:
         """Stops the request threads and the server this judge launched (if any)."""
+        self.closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -517,7 +526,8 @@ def choice_logit_bias(tokenizer_path: str, choices: dict[str, float]) -> dict[st
 
 
 def start_judge(config: JudgeConfig) -> Judge:
-    """A checked judge: on reward.judge.url, or on a server launched now (reward.judge.server)."""
+    """A checked judge: on reward.judge.url, or on a server launched now (reward.judge.server). The caller owns it:
+    its `close()` ends the server it launched."""
     server = None
     if not config.url:
         from vlmrl.rewards.judge_server import launch_judge_server
@@ -531,35 +541,3 @@ def start_judge(config: JudgeConfig) -> Judge:
             server.close()
         raise
     return judge
-
-
-# ---------------------------------------------------------------------------------------------------- the run's judge
-
-
-_judge: Judge | None = None
-_judge_lock = threading.Lock()
-
-
-def judge_for(config: JudgeConfig) -> Judge:
-    """The run's judge for this config, started now when there is none (one for another config is closed first)."""
-    global _judge
-    with _judge_lock:
-        if _judge is not None and _judge.config != config:
-            _judge.close()
-            _judge = None
-        if _judge is None:
-            _judge = start_judge(config)
-        return _judge
-
-
-def close_judge() -> None:
-    """Stops the run's judge (and its server, when vlmrl launched it), if any."""
-    global _judge
-    with _judge_lock:
-        if _judge is not None:
-            _judge.close()
-            _judge = None
-
-
-atexit.register(close_judge)
-

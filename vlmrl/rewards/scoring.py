@@ -1,10 +1,11 @@
-"""Scoring: a run's reward function, and batches of responses scored against their requests (training steps and
-validation both score this way), in this process without a time limit or in reward worker processes under
-`reward.timeout_s`.
+"""Scoring: a run's reward (`RewardScorer`: its function and the processes scoring with it holds open), and batches
+of responses scored against their requests (training steps and validation both score this way), in this process
+without a time limit or in reward worker processes under `reward.timeout_s`.
 
-    reward_fn = load_reward_fn(config.reward, dataset.data_sources())
-    scores = score_texts(reward_fn, requests, response_texts(tokenizer, results), n, config.reward)
+    reward = RewardScorer.start(config.reward, dataset.data_sources())  # with the run's other parts
+    scores = reward.score(requests, response_texts(tokenizer, results), n)
     scores.values, scores.parts, scores.failures
+    reward.close()                                                      # with the run's other parts
 
 Every sample gets a score and the same named parts; failures and timeouts are flagged (`reward_failed`,
 `reward_timeout`), counted and logged once per batch (see `vlmrl.rewards.base` for what a reward function is).
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from vlmrl.rewards.base import FAILED_KEY, TIMEOUT_KEY, Outcome, RewardFn, RewardInput, score_one
 from vlmrl.rewards.registry import get_reward_fn
-from vlmrl.rewards.workers import workers_for
+from vlmrl.rewards.workers import RewardWorkers
 
 if TYPE_CHECKING:  # scoring imports no torch: reward worker processes import this package
     from vlmrl.rewards.config import RewardConfig
@@ -44,19 +45,56 @@ class Scores:
     failed to score."""
 
 
-def load_reward_fn(config: RewardConfig, data_sources: Iterable[str]) -> RewardFn:
-    """The run's reward function (reward.function). With reward.timeout_s its worker processes start now, so a
-    function that cannot run in a worker stops the run here rather than after the first rollout; with
-    reward.judge.enable the judge starts now too (its server launched, or the given URL checked to answer), so an
-    unusable judge stops the run before training."""
-    reward_fn = get_reward_fn(config.function, data_sources)
-    if config.timeout_s:
-        workers_for(reward_fn, config.num_workers)
-    if config.judge.enable:
-        from vlmrl.rewards.judge import judge_for
+class RewardScorer:
+    """A run's reward: its function (reward.function) and what scoring with it holds open, the reward worker
+    processes (reward.timeout_s) and the judge (reward.judge, with the server vlmrl launched for it). A part of the
+    run like its engine: built with the run's other parts, closed with them (`close`, safe to call twice), and never
+    shared: two runs in one process have two. A closed scorer refuses to score."""
 
-        judge_for(config.judge)
-    return reward_fn
+    def __init__(self, config: RewardConfig, fn: RewardFn, workers: RewardWorkers | None = None,
+                 judge: Judge | None = None):
+        self.config, self.fn = config, fn
+        self.workers = workers
+        """The worker processes scoring under reward.timeout_s; None when the function runs in this process."""
+        self.judge = judge
+        """The judge (reward.judge.enable); None without one."""
+        self.closed = False
+
+    @classmethod
+    def start(cls, config: RewardConfig, data_sources: Iterable[str]) -> RewardScorer:
+        """The run's reward for reward.function. With reward.timeout_s its worker processes start now, so a function
+        that cannot run in a worker stops the run here rather than after the first rollout; with reward.judge.enable
+        the judge starts now too (its server launched, or the given URL checked to answer), so an unusable judge
+        stops the run before training. What started before a failure is closed before the error goes on."""
+        scorer = cls(config, get_reward_fn(config.function, data_sources))
+        try:
+            if config.timeout_s:
+                scorer.workers = RewardWorkers(scorer.fn, config.num_workers)
+            if config.judge.enable:
+                from vlmrl.rewards.judge import start_judge
+
+                scorer.judge = start_judge(config.judge)
+        except BaseException:
+            scorer.close()
+            raise
+        return scorer
+
+    def score(self, requests: Sequence[RolloutRequest], texts: Sequence[str], n: int) -> Scores:
+        """`score_texts` with this run's function, workers and judge."""
+        if self.closed:
+            raise RuntimeError("the run's reward is closed (its run has ended): it scores only while the run is open")
+        return score_texts(self.fn, requests, texts, n, self.config, workers=self.workers, judge=self.judge)
+
+    def close(self) -> None:
+        """Kills the reward workers and closes the judge (ending the server vlmrl launched for it): both, even when
+        the first fails."""
+        self.closed = True
+        try:
+            if self.workers is not None:
+                self.workers.close()
+        finally:
+            if self.judge is not None:
+                self.judge.close()
 
 
 def response_texts(tokenizer, results: Sequence[RolloutResult]) -> list[str]:
@@ -66,28 +104,30 @@ def response_texts(tokenizer, results: Sequence[RolloutResult]) -> list[str]:
 
 
 def score_texts(reward_fn: RewardFn, requests: Sequence[RolloutRequest], texts: Sequence[str], n: int,
-                config: RewardConfig, judge: Judge | None = None) -> Scores:
+                config: RewardConfig, *, workers: RewardWorkers | None = None, judge: Judge | None = None) -> Scores:
     """Score every response text (request-major, n per request) against its request's data_source, ground truth and
-    extra_info. A failing reward function, or one overrunning reward.timeout_s, scores 0 with `reward_failed = 1`
-    and the run goes on (`vlmrl.rewards.scoring.compute_rewards`). With reward.judge.enable the judge scores them too and
-    the two combine (`vlmrl.rewards.judge.combine`: parts rule, judge, judge_failed, judge_cached); `judge`: the
-    one to ask (default: the run's, started for reward.judge on first use)."""
+    extra_info. A failing reward function, or one overrunning reward.timeout_s (in `workers`, which a limit needs),
+    scores 0 with `reward_failed = 1` and the run goes on (`compute_rewards`). With reward.judge.enable `judge`
+    scores them too and the two combine (`vlmrl.rewards.judge.combine`: parts rule, judge, judge_failed,
+    judge_cached). A run scores through its `RewardScorer`, which holds both."""
     if len(texts) != n * len(requests):
         raise ValueError(f"{len(texts)} responses for {len(requests)} requests x n={n}: scoring needs n per request")
+    if config.judge.enable and judge is None:
+        raise ValueError("reward.judge.enable needs the judge to score with: start the run's reward with "
+                         "RewardScorer.start, which starts it")
     items = [RewardInput.from_request(requests[i // n], text) for i, text in enumerate(texts)]
-    values, parts, failures = compute_rewards(reward_fn, items, timeout_s=config.timeout_s,
-                                              num_workers=config.num_workers)
+    values, parts, failures = compute_rewards(reward_fn, items, timeout_s=config.timeout_s, workers=workers)
     if config.judge.enable:
-        from vlmrl.rewards.judge import combine, judge_for
+        from vlmrl.rewards.judge import combine
 
-        verdicts = (judge or judge_for(config.judge)).score(requests, texts, n)
+        verdicts = judge.score(requests, texts, n)
         values, parts = combine(values, parts, verdicts, n, config.judge.weight)
         failures = sum(part[FAILED_KEY] > 0 for part in parts)
     return Scores(values, parts, failures)
 
 
 def compute_rewards(fn: RewardFn, items: Sequence[RewardInput], timeout_s: float | None = None,
-                    num_workers: int = 1) -> tuple[list[float], list[dict[str, float]], int]:
+                    workers: RewardWorkers | None = None) -> tuple[list[float], list[dict[str, float]], int]:
     """Scores every item with `fn`: (scores, extras, failure_count).
 
     extras[i] holds item i's named parts plus `reward_failed` (0.0 or 1.0), and `reward_timeout` (0.0 or 1.0) when
@@ -96,14 +136,18 @@ def compute_rewards(fn: RewardFn, items: Sequence[RewardInput], timeout_s: float
     their sample; the count of all of them follows. failure_count includes the timeouts.
 
     Args:
-        timeout_s: per-sample limit in seconds; None or <= 0 scores here, in this process, with no limit. With a
-            limit, `num_workers` worker processes score the batch (see `vlmrl.rewards.workers`).
+        timeout_s: per-sample limit in seconds; None or <= 0 scores here, in this process, with no limit.
+        workers: the worker processes that score under a limit (`vlmrl.rewards.workers`), started for `fn` by
+            their owner; a limit needs them.
     """
     limited = timeout_s is not None and timeout_s > 0
     if not items:
         return [], [], 0
     if limited:
-        outcomes = workers_for(fn, num_workers).score(items, timeout_s)
+        if workers is None or workers.fn != fn:
+            raise ValueError(f"reward.timeout_s={timeout_s:g} scores in worker processes: pass the RewardWorkers "
+                             f"started for {getattr(fn, '__name__', fn)} (a run's RewardScorer holds them)")
+        outcomes = workers.score(items, timeout_s)
     else:
         outcomes = [score_one(fn, item) for item in items]
     part_names = sorted({name for out in outcomes if out.output is not None for name in out.output.parts})

@@ -1,11 +1,12 @@
 """Reward worker processes: a per-sample time limit that really stops a hung reward function.
 
 A Python thread cannot be killed, so with a limit (`reward.timeout_s`) the reward function runs in a small persistent
-pool of worker processes (`workers_for(fn, num_workers)`, `close_reward_workers()`). Each worker gets one contiguous
-chunk of a batch and answers per sample; the parent times each sample from the previous answer, so an overrunning
-sample is known exactly: it scores 0 with `timed_out`, its worker is killed (SIGKILL to its process group) and a
-fresh one scores the rest. Workers are fresh interpreters (`subprocess`, not fork: a trainer holds engine threads and
-CUDA state a forked child must not inherit), so `fn` travels by reference and must be defined at module level; its
+pool of worker processes (`RewardWorkers(fn, num_workers)`), which the run's reward owns
+(`vlmrl.rewards.scoring.RewardScorer`: started with the run's other parts, closed with them). Each worker gets one
+contiguous chunk of a batch and answers per sample; the parent times each sample from the previous answer, so an
+overrunning sample is known exactly: it scores 0 with `timed_out`, its worker is killed (SIGKILL to its process group)
+and a fresh one scores the rest. Workers are fresh interpreters (`subprocess`, not fork: a trainer holds engine threads
+and CUDA state a forked child must not inherit), so `fn` travels by reference and must be defined at module level; its
 module-level state lives per worker. The whole protocol: docs/data.md, "How the time limit is kept"."""
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class _Worker:
 
 
 class RewardWorkers:
-    """`num_workers` processes scoring with `fn`: `score(items, timeout_s)` gives one Outcome per item, in order.
+    """`num_workers` processes scoring with `fn`: `score(items, timeout_s)` gives one Outcome per item, in order;
+    `close()` kills them (safe to call twice; also called at exit), and a closed pool refuses to score.
 
     Starting checks that `fn` can run in a worker (ValueError saying what to change when it cannot)."""
 
@@ -77,6 +79,7 @@ class RewardWorkers:
         self._lock = threading.Lock()
         self.closed = False
         self.workers: list[_Worker] = []
+        atexit.register(self.close)  # a pool its owner never closed still ends with this process
         try:
             for _ in range(num_workers):  # they start side by side
                 self.workers.append(self._start())
@@ -99,7 +102,8 @@ class RewardWorkers:
         """Scores `items` with at most `timeout_s` seconds per sample; an overrunning sample's Outcome is timed_out."""
         with self._lock:
             if self.closed:
-                raise RuntimeError("the reward workers are closed")
+                raise RuntimeError(f"the reward workers of {self.name} are closed (their run has ended): a run's "
+                                   "reward scores only while the run is open")
             outcomes: list[Outcome | None] = [None] * len(items)
             try:
                 for worker, chunk in zip(self.workers, split_evenly(range(len(items)), len(self.workers))):
@@ -111,12 +115,15 @@ class RewardWorkers:
                 while any(worker.pending for worker in self.workers):
                     self._step(items, outcomes, timeout_s)
             except BaseException:
-                self.close()  # workers may hold half a batch (e.g. after Ctrl-C): the next call starts a new pool
+                for worker in self.workers:  # they may hold half a batch (e.g. after Ctrl-C): the next call
+                    _kill(worker)            # replaces them, as it replaces a worker killed from outside
                 raise
             return outcomes
 
     def close(self) -> None:
-        """Kills every worker (an idle one holds no state; a busy one's sample is abandoned)."""
+        """Kills every worker (an idle one holds no state; a busy one's sample is abandoned); the pool is then closed
+        for good."""
+        atexit.unregister(self.close)
         self.closed = True
         for worker in self.workers:
             _kill(worker)
@@ -222,41 +229,6 @@ def _readable(conn: Connection) -> bool:
 def _kill(worker: _Worker) -> None:
     worker.conn.close()
     kill_process_group(worker.process)  # the group: also any process the reward function started
-
-
-# ---------------------------------------------------------------------------------------------------- the pool
-
-
-_pool: RewardWorkers | None = None
-_pool_lock = threading.Lock()
-
-
-def workers_for(fn: RewardFn, num_workers: int) -> RewardWorkers:
-    """The running pool for `fn` with `num_workers` workers, started now when there is none (the old one closed)."""
-    global _pool
-    with _pool_lock:
-        if _pool is not None and (_pool.closed or _pool.fn != fn or _pool.num_workers != num_workers):
-            _pool.close()
-            _pool = None
-        if _pool is None:
-            _pool = RewardWorkers(fn, num_workers)
-        return _pool
-
-
-def close_reward_workers() -> None:
-    """Stops the reward worker processes, if any (the next limited scoring starts new ones), and the judge
-    (reward.judge, with the server vlmrl launched for it) when one was started: what a run's reward holds."""
-    global _pool
-    with _pool_lock:
-        if _pool is not None:
-            _pool.close()
-            _pool = None
-    judge = sys.modules.get("vlmrl.rewards.judge")  # only a run that started a judge imported it
-    if judge is not None:
-        judge.close_judge()
-
-
-atexit.register(close_reward_workers)
 
 
 # ---------------------------------------------------------------------------------------------------- worker side

@@ -14,7 +14,7 @@ from vlmrl.batch.padding import pad_results, scored_batch
 from vlmrl.config import Config
 from vlmrl.data.dataset import RequestBatch, build_requests
 from vlmrl.rewards.base import TIMEOUT_KEY
-from vlmrl.rewards.scoring import response_texts, score_texts
+from vlmrl.rewards.scoring import response_texts
 from vlmrl.rollout.segments import generate_in_segments
 from vlmrl.trainer.run import PhaseTimer, Rollout, Run, StepBatch
 from vlmrl.trainer.throughput import throughput_metrics
@@ -96,7 +96,7 @@ def score_rollout(run: Run, rollout: Rollout, sampling: SamplingParams) -> tuple
     """The reward of every sample of a rollout, with DAPO's overlong shaping added (algorithm.overlong_buffer_len);
     returns them and the number of samples whose reward function failed."""
     cfg, al = run.config, run.config.algorithm
-    scores = score_texts(run.parts.reward_fn, rollout.requests, rollout.answers, sampling.n, cfg.reward)
+    scores = run.parts.reward.score(rollout.requests, rollout.answers, sampling.n)
     values = torch.tensor(scores.values, dtype=torch.float64)
     penalty = torch.zeros_like(values)
     if al.overlong_buffer_len > 0:

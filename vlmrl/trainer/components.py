@@ -1,7 +1,7 @@
 """A run's components built from its config, shared by the fit loop and validation (`RunComponents`: the
-processor, the reward function, the validation set, the rollout backend, the agent loop), and how each is built:
-every backend a run starts (one engine, the Ray workers' colocated engines, rollout workers of their own) starts
-from the options `run_backend_options` builds.
+processor, the reward (its function, worker processes and judge), the validation set, the rollout backend, the agent
+loop), and how each is built: every backend a run starts (one engine, the Ray workers' colocated engines, rollout
+workers of their own) starts from the options `run_backend_options` builds.
 
 `vlmrl.distributed` is imported only where Ray workers start: the single-process trainer never needs it."""
 
@@ -15,7 +15,7 @@ from vlmrl.agent.loop import AgentLoop
 from vlmrl.config import Config
 from vlmrl.data.dataset import RLDataset
 from vlmrl.processors.qwen_vl import Processor, load_processor
-from vlmrl.rewards.base import RewardFn
+from vlmrl.rewards.scoring import RewardScorer
 from vlmrl.rollout.base import BackendOptions, RolloutBackend
 from vlmrl.rollout.registry import backend_options, get_backend
 
@@ -36,7 +36,8 @@ class RunComponents:
     config: Config
     processor: Processor
     """The run's model's processor with the data section's settings: builds every request."""
-    reward_fn: RewardFn
+    reward: RewardScorer
+    """The reward function with the processes it scores through (reward workers, the judge): closed with the run."""
     backend: RolloutBackend
     """The rollout backend (one engine, or the Ray workers' colocated engines)."""
     val_data: RLDataset | None = None
@@ -45,9 +46,13 @@ class RunComponents:
     """The multi-turn loop over `backend` when agent.enable: training and validation rollouts go through it."""
 
     def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()  # releases the tools of carried trajectories before the backend goes
-        self.backend.close()
+        """Closes the agent loop, the backend and the reward (the reward also when closing the others fails)."""
+        try:
+            if self.agent is not None:
+                self.agent.close()  # releases the tools of carried trajectories before the backend goes
+            self.backend.close()
+        finally:
+            self.reward.close()
 
 
 def load_run_processor(config: Config) -> Processor:

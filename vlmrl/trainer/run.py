@@ -14,7 +14,6 @@ from typing import Protocol
 from vlmrl.actor.base import PolicyActor
 from vlmrl.config import Config
 from vlmrl.data.dataset import BatchSampler, PromptQueue, RLDataset
-from vlmrl.rewards.workers import close_reward_workers
 from vlmrl.trainer.components import RunComponents
 from vlmrl.trainer.engine_probe import WeightProbe
 from vlmrl.trainer.metrics import MetricsLogger
@@ -115,7 +114,8 @@ class Run:
     config: Config
     output_dir: Path
     parts: RunComponents
-    """The processor, reward function, validation set, rollout backend and agent loop, shared with validation."""
+    """The processor, reward (function, worker processes, judge), validation set, rollout backend and agent loop,
+    shared with validation."""
     train_data: RLDataset
     sampler: BatchSampler
     actor: PolicyActor
@@ -141,10 +141,15 @@ class Run:
         return self.placement.data_state(self)
 
     def close(self) -> None:
-        self.placement.close()
-        self.parts.close()
-        self.sink.close()
-        close_reward_workers()
+        """Stops what the run started (the placement's threads, the agent loop, the engines, the reward's worker
+        processes and judge, the metric sinks), the later ones also when closing an earlier one fails."""
+        try:
+            self.placement.close()
+        finally:
+            try:
+                self.parts.close()
+            finally:
+                self.sink.close()
 
 
 def due(freq: int, step: int, total: int) -> bool:

@@ -1,5 +1,6 @@
-"""A run's setup: the process, every component built (engines, actor, Ray workers, reward workers) and the resume
-from the newest checkpoint, the inputs checked before any engine starts; and the validate-only mode."""
+"""A run's setup: the process, every component built (engines, actor, Ray workers, the reward with its worker
+processes and judge) and the resume from the newest checkpoint, the inputs checked before any engine starts; and the
+validate-only mode."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ from vlmrl.atomic import write_text_atomically
 from vlmrl.config import Config, to_dict, to_yaml
 from vlmrl.data.dataset import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset, sequential_batches
 from vlmrl.processors.qwen_vl import Processor
-from vlmrl.rewards.scoring import load_reward_fn
-from vlmrl.rewards.workers import close_reward_workers
+from vlmrl.rewards.scoring import RewardScorer
 from vlmrl.trainer.async_rollout import CONSUMED_FILE
 from vlmrl.trainer.checkpoint import (
     latest_checkpoint,
@@ -58,8 +58,9 @@ def setup_process(config: Config) -> None:
 
 def setup_run(config: Config) -> Run:
     """Build every component; resume from the newest complete checkpoint in output_dir when there is one. When a
-    step fails, what was already started (engines, Ray workers, reward workers) is closed before the error goes on."""
-    opened: list[Callable[[], None]] = [close_reward_workers]
+    step fails, what was already started (engines, Ray workers, the reward's worker processes and judge) is closed
+    before the error goes on."""
+    opened: list[Callable[[], None]] = []
     try:
         return _build_run(config, opened)
     except BaseException:
@@ -94,7 +95,8 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         sampler.load_state_dict(info["data"])
     check_requests(config, processor, train_data, sampler.peek(), val_data)  # before any process starts
     sources = train_data.data_sources() + (val_data.data_sources() if val_data else [])
-    reward_fn = load_reward_fn(config.reward, sources)
+    reward = RewardScorer.start(config.reward, sources)  # its worker processes and judge: the run's, closed with it
+    opened.append(reward.close)
     layout = run_layout(config)  # which process holds which trainer shard and which engine rank
     logger.info("layout:\n%s", layout.describe())
     actor: PolicyActor
@@ -146,7 +148,7 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
 
     sink = MetricsLogger(output_dir, t.logger, to_dict(config), t.project_name, t.experiment_name, console=tqdm.write)
     opened.append(sink.close)
-    parts = RunComponents(config, processor, reward_fn, backend, val_data)
+    parts = RunComponents(config, processor, reward, backend, val_data)
     run = Run(config, output_dir, parts, train_data, sampler, actor, sink, total_steps, start_placement(config),
               dp_size, step, engine_version=step)  # the engine starts on the checkpoint's weights (or synced above)
     if t.weight_probe_tokens > 0:
@@ -198,10 +200,7 @@ def validate_only(config: Config) -> dict[str, float]:
     step = _checkpoint_step(config.actor.model_path)
     name = config.rollout.name
     artifact = output_dir / f"validation_{name}_step{step}.jsonl"
-    try:
-        result = validate_with(config, name, step=step, artifact_path=artifact)
-    finally:
-        close_reward_workers()
+    result = validate_with(config, name, step=step, artifact_path=artifact)  # closes what it started
     sink = MetricsLogger(output_dir, config.trainer.logger, to_dict(config), config.trainer.project_name,
                          config.trainer.experiment_name, console=print)
     sink.log(step, result.metrics)

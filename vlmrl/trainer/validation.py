@@ -2,7 +2,8 @@
 
 `run_validation(parts)` validates a run's components (`vlmrl.trainer.components.RunComponents`): the fit loop calls
 it with its own, validate-only mode (which `python -m vlmrl.alignment.compare --backends` runs once per backend) through
-`validate_with(config, backend_name)`, which builds them (requests first, then the engine) and closes them.
+`validate_with(config, backend_name)`, which builds them (requests first, then the reward and the engine) and
+closes them, the reward's worker processes and judge with them.
 
 Every dataset row is validated exactly once, in order, in generate calls of `data.val_batch_size` prompts; a short
 last call is simply shorter. Validation builds no training batch, so it never needs padding rows, and it never
@@ -41,7 +42,7 @@ from vlmrl.config import Config, to_dict
 from vlmrl.data.dataset import RLDataset, build_requests, load_dataset, sequential_batches
 from vlmrl.processors.qwen_vl import Processor
 from vlmrl.rewards.base import TIMEOUT_KEY
-from vlmrl.rewards.scoring import load_reward_fn, response_texts, score_texts
+from vlmrl.rewards.scoring import RewardScorer, response_texts
 from vlmrl.trainer.components import RunComponents, load_run_processor, start_agent, start_run_backend
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 
@@ -94,13 +95,18 @@ def build_validation_requests(config: Config, processor: Processor, dataset: RLD
 def validate_with(config: Config, backend: str | None = None, *, step: int = 0,
                   artifact_path: str | os.PathLike | None = None) -> ValidationResult:
     """Validate-only: build every request first (a bad row fails in seconds, naming its row, file and cause, not
-    after an engine start: 25-90 s on 2 CPU cores), then the reward function, the backend (`backend`, or
-    rollout.name, on `config.actor.model_path`) and, with agent.enable, the agent loop; validate; close them."""
+    after an engine start: 25-90 s on 2 CPU cores), then the reward (`RewardScorer`), the backend (`backend`, or
+    rollout.name, on `config.actor.model_path`) and, with agent.enable, the agent loop; validate; close them (also
+    when a start fails: what started before it is closed)."""
     processor = load_run_processor(config)
     dataset = load_val_dataset(config)
     requests = build_validation_requests(config, processor, dataset)
-    reward_fn = load_reward_fn(config.reward, dataset.data_sources())
-    parts = RunComponents(config, processor, reward_fn, start_run_backend(config, backend), dataset)
+    reward = RewardScorer.start(config.reward, dataset.data_sources())
+    try:
+        parts = RunComponents(config, processor, reward, start_run_backend(config, backend), dataset)
+    except BaseException:
+        reward.close()
+        raise
     try:
         if config.agent.enable:
             parts.agent = start_agent(config, parts.backend, processor)
@@ -136,9 +142,9 @@ def run_validation(parts: RunComponents, *, step: int = 0, artifact_path: str | 
                 routings.extend(result.routed_experts for result in generated)
             results.extend(generated)
             answers.extend(response_texts(processor.tokenizer, generated))
-    filtered, reward_fn = requests.filtered, parts.reward_fn
+    filtered = requests.filtered
     requests = [request for call in requests.calls for request in call]
-    scores = score_texts(reward_fn, requests, answers, sampling.n, config.reward)
+    scores = parts.reward.score(requests, answers, sampling.n)
     metrics = validation_metrics(requests, results, scores.values, scores.parts, sampling.n)
     metrics.update({"val/filtered_prompts": float(filtered), "val/reward_failures": float(scores.failures),
                     "val/reward_timeouts": float(sum(p.get(TIMEOUT_KEY, 0.0) for p in scores.parts))})
