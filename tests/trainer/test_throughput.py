@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from vlmrl.models.families import FAMILIES
 from vlmrl.models.flops import ModelFlops, model_flops
 from vlmrl.trainer.throughput import batch_shapes, device_peak_flops, step_throughput
 
@@ -43,6 +44,25 @@ def test_qwen2_5_vl_3b_by_hand():
     assert f.update_flops([1024], [[1, 28, 28]]) == pytest.approx(text + vision, rel=1e-12)
     forward = 2 * 640_645_120 * 784 + 4 * 1280 * (4 * 784 ** 2 + 28 * 43_264)
     assert f.vision_flops([[1, 28, 28]], trains=False) == pytest.approx(forward, rel=1e-12)
+
+
+def test_qwen3_5_9b_by_hand():
+    """The released Qwen3.5-9B config (vlmrl ships it): 32 layers, every 4th gated softmax attention, the others
+    Gated DeltaNet; only the softmax layers count s^2."""
+    import json
+
+    from vlmrl.models.released import RELEASED_CONFIGS
+
+    f = model_flops(json.loads((RELEASED_CONFIGS / "Qwen--Qwen3.5-9B.json").read_text()))
+    # 8 softmax layers: q (with its output gate) 4096 x 2 x 16 x 256, k and v 4096 x 4 x 256 each, o 16 x 256 x 4096
+    # = 58,720,256; 24 Gated DeltaNet layers: in_proj_qkv 4096 x (2 x 16 x 128 + 32 x 128), in_proj_z 4096 x 32 x
+    # 128, in_proj_b and in_proj_a 4096 x 32, out_proj 32 x 128 x 4096 = 67,371,008; 32 SwiGLU MLPs 3 x 4096 x
+    # 12288 = 150,994,944; embedding + LM head 2 x 248320 x 4096
+    assert f.text_params == 8 * 58_720_256 + 24 * 67_371_008 + 32 * 150_994_944 + 2 * 248_320 * 4096
+    assert f.text_attention == 256 * 16 * 8
+    linear = f.linear
+    assert (linear.layers, linear.heads, linear.key_dim, linear.value_dim, linear.conv_channels, linear.conv_kernel) \
+        == (24, 32, 128, 128, 8192, 4)
 
 
 def easyr1_llama_flops(config: dict, tokens_sum: int, batch_seqlens: list[int], delta_time: float) -> float:
@@ -237,16 +257,29 @@ def _counted(run) -> int:
     return counter.get_total_flops()
 
 
-# Qwen3-VL's and Qwen3.5's own are variants of the same count on Qwen3-VL-MoE (its tower and deepstack are
-# Qwen3-VL's) and GLM-4.1V; the MoE model counts the experts a token runs through.
-@pytest.mark.parametrize("variant", ["tiny", "tiny-qwen3-vl-moe", "tiny-glm4v", "tiny-internvl"])
-def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(variant):
-    """torch's FlopCounterMode on the model's own forward and backward (eager attention and experts, so that every
-    matmul is one it counts): a row with an image, and a text-only row, equal `ModelFlops.update_flops` exactly,
-    but for one declared difference: EasyR1's formula counts the embedding as a matmul (6 x V x h per token), the
-    counter sees a lookup. The tower alone on larger grids (Qwen2.5-VL's windows: 4 windows a frame; a video of two
-    temporal patches on Qwen3-VL-MoE, attending within each, its deepstack mergers in the loss) equals
-    `vision_flops` exactly; InternVL's tiles too, with its class tokens and the projector outside the tower."""
+def _not_counted_by_torch(flops: ModelFlops, seqlens: list[int]) -> float:
+    """What FlopCounterMode counts otherwise than it is computed (`LinearAttentionFlops`' docstring): it has no
+    formula for the Gated DeltaNet's triangular solves, and counts the depthwise convolution's weight gradient as a
+    dense convolution's (2 x channels^2 x kernel per output position, where 2 x channels x kernel are computed)."""
+    linear = flops.linear
+    if linear is None:
+        return 0.0
+    c, k = linear.conv_channels, linear.conv_kernel
+    return sum(linear.solve_flops(s) - 2.0 * c * (c - 1) * k * linear.conv_outputs(s) * linear.layers
+               for s in seqlens)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.name)
+def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(family):
+    """Every family's FLOP rule, on its embedded model: torch's FlopCounterMode on the model's own forward and
+    backward (eager attention and experts, so that every matmul is one it counts) over a row with an image, a short
+    text-only row and one over 64 tokens (two chunks of Qwen3.5's linear attention) equals
+    `ModelFlops.update_flops` exactly, but for declared differences: EasyR1's formula counts the embedding as a
+    matmul (6 x V x h per token), the counter sees a lookup; and what the counter cannot see or miscounts of the
+    Gated DeltaNet (`_not_counted_by_torch`). The tower alone on larger grids (Qwen2.5-VL's windows: 4 windows a
+    frame; a video of two temporal patches on the Qwen3-VL towers, attending within each, their deepstack mergers in
+    the loss) equals `vision_flops` exactly; InternVL's tiles too, with its class tokens and the projector outside
+    the tower. A family without a rule (`ModelFamily.flop_rule`) fails here."""
     from transformers import AutoModelForImageTextToText
 
     from tests.processors.helpers import image_row, noise_image
@@ -254,15 +287,17 @@ def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(variant):
     from vlmrl.models.tiny import ensure_built
     from vlmrl.processors.qwen_vl import load_processor
 
+    variant = family.tiny_variants[0]
     path = str(ensure_built(variant))
     processor = load_processor(path, DataConfig(max_prompt_length=256))
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     if processor.family.experts is not None:
         model.set_experts_implementation("eager")  # the routed tokens only, as the formula counts
     flops = model_flops(model.config)
+    assert flops is not None, f"{family.name} has no FLOP rule (ModelFamily.flop_rule): a run on it logs no MFU"
     text = model.config.text_config
-    for images in ([noise_image(112, 112, seed=1)], []):
-        request = processor.build_request(image_row("<image>" * len(images) + "Say what you see.", images))
+    for images, words in (([noise_image(112, 112, seed=1)], 1), ([], 1), ([], 16)):
+        request = processor.build_request(image_row("<image>" * len(images) + "Say what you see. " * words, images))
         prompt = processor.prompt_inputs(request)
         ids = prompt.input_ids[None]
 
@@ -273,7 +308,8 @@ def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(variant):
 
         grids = prompt.multi_modal_inputs["image_grid_thw"].tolist() if images else []
         embedding = 6 * text.vocab_size * text.hidden_size * ids.shape[1]
-        assert _counted(step) == flops.update_flops([ids.shape[1]], grids) - embedding, (variant, len(images))
+        expected = flops.update_flops([ids.shape[1]], grids) - embedding - _not_counted_by_torch(flops, [ids.shape[1]])
+        assert _counted(step) == expected, (variant, len(images), ids.shape[1])
     if processor.family.image_layout == "tiles":  # InternVL: 3 tiles through the tower and the projector after it
         tiles = torch.randn(3, 3, processor.tile, processor.tile)
 
@@ -286,7 +322,7 @@ def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(variant):
     patch = model.config.vision_config
     width = patch.in_channels * patch.temporal_patch_size * patch.patch_size ** 2
     # GLM-4.1V's tower takes a video's frames as one grid row each (its get_video_features flattens them)
-    for grid in ([1, 16, 16], [1, 8, 12] if variant == "tiny-glm4v" else [2, 8, 12]):
+    for grid in ([1, 16, 16], [1, 8, 12] if family.video_timing is None else [2, 8, 12]):
         pixels = torch.randn(grid[0] * grid[1] * grid[2], width)
 
         def encode():

@@ -58,6 +58,10 @@ class ModelFamily:
     tiny_builder: str
     """The module that builds them (`SPECS` by name, `build(out, spec)`, `BUILD_FACTS`), imported only when one is
     built: this module stays free of transformers."""
+    flop_rule: str | None = None
+    """How `vlmrl.models.flops` counts this family's model FLOPs (a key of its `RULES`: the language model's mixers
+    and MLPs, the vision tower's blocks and mergers); None: no rule, so a run logs no MFU (and the FLOP test, which
+    holds every family's rule to torch's FlopCounterMode on its embedded model, fails)."""
     sglang_caller_mm_hashes: bool = True
     """SGLang takes caller-supplied `mm_hashes` for this family's images (vlmrl salts them with the weight version so
     that no multimodal cache serves features of old vision weights). Not Qwen3-VL with sglang 0.5.23: its image path
@@ -350,6 +354,7 @@ QWEN2_5_VL = ModelFamily(
     interleaved_mrope=False,
     tiny_variants=("tiny", "tiny-large"),
     tiny_builder="vlmrl.models.tiny.qwen2_5_vl",
+    flop_rule="qwen2-vl",
     video_timing="second_per_grid_ts",
     video_model_types=("qwen2_5_vl",),
     sglang_video_per_step_grids=True,  # harmless for qwen2_vl, whose SGLang tower already attends per step
@@ -364,6 +369,7 @@ QWEN3_VL = ModelFamily(
     interleaved_mrope=True,
     tiny_variants=("tiny-qwen3-vl",),
     tiny_builder="vlmrl.models.tiny.qwen3_vl",
+    flop_rule="qwen3-vl",
     sglang_caller_mm_hashes=False,
     video_timing="timestamps",
     video_bounds_per_video=True,
@@ -378,6 +384,7 @@ QWEN3_5 = ModelFamily(
     interleaved_mrope=True,
     tiny_variants=("tiny-qwen3.5",),
     tiny_builder="vlmrl.models.tiny.qwen3_5",
+    flop_rule="qwen3.5",
     sglang_caller_mm_hashes=False,  # SGLang runs it through Qwen3-VL's multimodal path
     video_timing="timestamps",
     video_bounds_per_video=True,
@@ -414,6 +421,7 @@ GLM4V = ModelFamily(
     interleaved_mrope=False,  # its mrope sections rotate contiguously, over a partial rotary (as the engines do)
     tiny_variants=("tiny-glm4v",),
     tiny_builder="vlmrl.models.tiny.glm4v",
+    flop_rule="glm4v",
     image_placeholder="<|image|>",
     video_placeholder="<|video|>",
     image_bound_copies=2,
@@ -437,6 +445,7 @@ INTERNVL = ModelFamily(
     interleaved_mrope=False,
     tiny_variants=("tiny-internvl",),
     tiny_builder="vlmrl.models.tiny.internvl",
+    flop_rule="internvl",
     image_placeholder="<IMG_CONTEXT>",
     video_placeholder="<video>",
     image_layout="tiles",

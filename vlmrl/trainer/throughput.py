@@ -16,18 +16,22 @@ FLOPs utilisation (MFU).
 Model FLOPs (`ModelFlops`, from the model's config) follow EasyR1's flops counter for the language model, token by
 token: 6 x (its matmul parameters: q, k, v, o and the three SwiGLU projections of every layer, plus the embedding
 and the LM head, V x h each, as EasyR1 counts them) per token, plus 12 x head_dim x heads x layers x sum(s^2) for
-attention (s = a row's tokens; no halving for the causal mask, as EasyR1 and PaLM's MFU). Unlike EasyR1 they include
+attention (s = a row's tokens; no halving for the causal mask, as EasyR1 and PaLM's MFU), over the softmax attention
+layers only where a family mixes in linear attention (Qwen3.5: its Gated DeltaNet layers count their projections as
+above, plus their convolution and chunked delta rule, `vlmrl.models.flops.LinearAttentionFlops`). Which rule counts a
+model is its family's (`vlmrl.models.families.ModelFamily.flop_rule`). Unlike EasyR1 they include
 the vision tower: 6 x its matmul parameters per patch (patch embedding, blocks, the mergers' share; 4 x for the patch
 embedding, whose backward needs no gradient for the pixels) plus 12 x width x sum(s^2) for its attention, s = a
 frame's patches in full-attention blocks and a window's in Qwen2.5-VL's windowed ones; the forward's share only
 (2 x and 4 x) when the tower does not train (actor.freeze_vision_tower, or LoRA without lora.vision). Held to torch's
-FlopCounterMode on the embedded models' forward and backward (tests/trainer/test_throughput.py): equal, but for the
-embedding, which EasyR1 counts as a matmul and the counter sees as a lookup. Model FLOPs: a recomputed forward
-(gradient checkpointing) or the old-logprob pass is not work the update needed, so neither counts. They count the
-tower once per row, as EasyR1 reports them, also where actor.share_vision encodes a prompt's image once for its n
-samples (actor/vision_items_encoded of actor/vision_items): the work done is then lower than the model FLOPs by the
-shared rows' vision share, logged beside them as throughput/actor_tflops_done_per_gpu and throughput/mfu_actor_done
-(the update's actor/vision_tflops minus actor/vision_tflops_encoded taken off).
+FlopCounterMode on every family's embedded model's forward and backward (tests/trainer/test_throughput.py): equal, but
+for the embedding, which EasyR1 counts as a matmul and the counter sees as a lookup, and two parts of the Gated
+DeltaNet the counter cannot count as computed (its triangular solves; its depthwise convolution's weight gradient).
+Model FLOPs: a recomputed forward (gradient checkpointing) or the old-logprob pass is not work the update needed, so
+neither counts. They count the tower once per row, as EasyR1 reports them, also where actor.share_vision encodes a
+prompt's image once for its n samples (actor/vision_items_encoded of actor/vision_items): the work done is then lower
+than the model FLOPs by the shared rows' vision share, logged beside them as throughput/actor_tflops_done_per_gpu and
+throughput/mfu_actor_done (the update's actor/vision_tflops minus actor/vision_tflops_encoded taken off).
 """
 
 from __future__ import annotations
