@@ -16,7 +16,8 @@ import pytest
 
 from vlmrl.alignment.artifact import read_artifact, write_artifact
 from vlmrl.alignment.compare import main
-from vlmrl.alignment.diff import Cause, compare_artifacts
+from vlmrl.alignment.causes import Cause
+from vlmrl.alignment.diff import compare_artifacts
 from vlmrl.alignment.precision import FP32_THRESHOLDS
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny_synthetic.yaml"

@@ -12,18 +12,11 @@ import pytest
 
 from tests.alignment.test_routing_cause import routing_of
 from tests.alignment.toy_artifacts import VOCAB, make_side, reward_first_letter
-from vlmrl.alignment.diff import (
-    OVERALL,
-    Cause,
-    Headers,
-    NotComparableError,
-    Thresholds,
-    _classify,
-    compare_artifacts,
-    diff_sample,
-    text_window,
-)
+from vlmrl.alignment.causes import Cause, Thresholds
+from vlmrl.alignment.diff import OVERALL, NotComparableError, compare_artifacts
+from vlmrl.alignment.divergence import text_window
 from vlmrl.alignment.inputs import diff_inputs
+from vlmrl.alignment.sample_diff import Headers, classify, diff_sample
 
 
 def _compare(thresholds=None, a=None, **b_kwargs):
@@ -241,7 +234,7 @@ def _drifted(by: float = 0.5, *, tempered: float | None = None, routed: bool = F
 
 
 PROCESSED = "B's engine ran with logprobs_mode=processed_logprobs"
-# (id, (A, B), greedy, headers, the cause, a part of its explanation): every explanation `_classify` gives
+# (id, (A, B), greedy, headers, the cause, a part of its explanation): every explanation `classify` gives
 CAUSES = [
     ("inputs", lambda: (_record(), dataclasses.replace(_record(), image_hashes=["other"])), True, Headers(),
      Cause.INPUT_MISMATCH, "image 0 bytes differ"),
@@ -296,8 +289,8 @@ def test_each_explanation_the_cause_logic_gives(case):
 def test_the_cases_reach_every_return_of_the_cause_logic():
     """Every `return` of the cause function runs for some case above: a return no input reaches (a line left after
     another return) fails here, naming its line."""
-    code = _classify.__code__
-    source = textwrap.dedent(inspect.getsource(_classify))
+    code = classify.__code__
+    source = textwrap.dedent(inspect.getsource(classify))
     returns = {code.co_firstlineno - 1 + node.lineno for node in ast.walk(ast.parse(source))
                if isinstance(node, ast.Return)}
     ran: set[int] = set()
@@ -316,6 +309,6 @@ def test_the_cases_reach_every_return_of_the_cause_logic():
             _judged(case)
     finally:
         sys.settrace(before)
-    lines = inspect.getsourcelines(_classify)[0]
+    lines = inspect.getsourcelines(classify)[0]
     missed = {n: lines[n - code.co_firstlineno].strip() for n in sorted(returns - ran)}
-    assert returns and not missed, f"returns of _classify no case reaches: {missed}"
+    assert returns and not missed, f"returns of classify no case reaches: {missed}"

@@ -9,7 +9,8 @@ import dataclasses
 import torch
 
 from tests.alignment.toy_artifacts import make_side
-from vlmrl.alignment.diff import Cause, Thresholds, compare_artifacts
+from vlmrl.alignment.causes import Cause, Thresholds
+from vlmrl.alignment.diff import compare_artifacts
 from vlmrl.alignment.routing import compare_routing, decode_routing, encode_routing
 
 LAYERS, K = 3, 2

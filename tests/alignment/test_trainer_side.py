@@ -153,7 +153,8 @@ def test_a_lora_checkpoint_is_scored_as_its_base_with_the_trained_adapters(tmp_p
     base alone is far off)."""
     from tests.trainer.test_fit import base_args
     from tests.trainer.test_lora_fit import LORA
-    from vlmrl.alignment.diff import Thresholds, compare_artifacts
+    from vlmrl.alignment.causes import Thresholds
+    from vlmrl.alignment.diff import compare_artifacts
     from vlmrl.alignment.precision import FP32_THRESHOLDS
     from vlmrl.config import load_config
     from vlmrl.trainer.fit import fit

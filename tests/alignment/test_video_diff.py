@@ -7,7 +7,8 @@ import dataclasses
 
 from tests.alignment.toy_artifacts import make_side
 from vlmrl.alignment.artifact import records_from_rollout
-from vlmrl.alignment.diff import Cause, compare_artifacts
+from vlmrl.alignment.causes import Cause
+from vlmrl.alignment.diff import compare_artifacts
 from vlmrl.data.config import DataConfig
 from vlmrl.data.synthetic import generate_rows
 from vlmrl.processors.qwen_vl import load_processor

@@ -9,7 +9,8 @@ import pytest
 
 from tests.alignment.test_compare_engines import write_colour_set
 from vlmrl.alignment.artifact import read_artifact
-from vlmrl.alignment.diff import Cause, compare_artifacts
+from vlmrl.alignment.causes import Cause
+from vlmrl.alignment.diff import compare_artifacts
 from vlmrl.alignment.routing import compare_routing, decode_routing
 
 # A variant (marker `full`, make test-all; a vLLM start and two trainer-side actors): the routing cause end to end.

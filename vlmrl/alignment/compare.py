@@ -46,7 +46,8 @@ from rich.console import Console
 from rich.text import Text
 
 from vlmrl.alignment.artifact import ArtifactError, read_artifact
-from vlmrl.alignment.diff import NotComparableError, Thresholds, compare_artifacts
+from vlmrl.alignment.causes import Thresholds
+from vlmrl.alignment.diff import NotComparableError, compare_artifacts
 from vlmrl.alignment.gates import (
     AGENT_GATES,
     DEFAULT_ALPHA,

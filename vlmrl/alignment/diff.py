@@ -9,192 +9,38 @@ Levels, in the order they explain each other:
                 divergence-aware rule: compare up to the first differing token, judge it there, then stop.
   4. rewards  - per-sample delta; per data source each side's score with an interval and a paired test.
 
-Each differing sample gets exactly one cause (the earliest level that explains it), see `Cause`.
+Each differing sample gets exactly one cause (the earliest level that explains it), see `Cause`. This module diffs
+two artifacts (are they comparable, which settings differ, the per-sample diffs, the scores per data source, the
+gate); one sample's diff is `vlmrl.alignment.sample_diff`, its token level `vlmrl.alignment.divergence`, the causes
+and thresholds `vlmrl.alignment.causes`.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from vlmrl.alignment.artifact import ArtifactMeta, ValidationRecord
-from vlmrl.alignment.inputs import diff_inputs, first_difference
-from vlmrl.alignment.precision import FP32_THRESHOLDS, Precision, dtype_difference, precision_of
+from vlmrl.alignment.causes import CAUSE_LABELS, Cause, Thresholds
+from vlmrl.alignment.precision import Precision, dtype_difference, precision_of
+from vlmrl.alignment.sample_diff import (
+    Headers,
+    SampleDiff,
+    diff_sample,
+    numeric_parts,
+    processed_sides,
+    weights_difference,
+)
 from vlmrl.alignment.stats import PairedScore, paired_score
 
-TEXT_WINDOW = 60
-"""Characters of response text shown on each side of a divergence."""
 OVERALL = "(all)"
 
 
 class NotComparableError(ValueError):
     """The two artifacts cannot be compared sample by sample (other dataset, other rows). compare exits with 2."""
-
-
-class Cause(str, Enum):
-    """Why a sample differs between the two sides (one per differing sample, earliest level first)."""
-
-    INPUT_MISMATCH = "input_mismatch"
-    """The model saw different inputs (prompt ids, image bytes/size/grid): fix preprocessing before anything else."""
-    WEIGHTS_DIFFER = "weights_differ"
-    """The two sides loaded other weight files (their headers' `weights` fingerprints differ) and this sample's
-    outputs or logprobs differ: load the same checkpoint on both sides before reading anything else."""
-    NEAR_TIE = "near_tie"
-    """Greedy outputs split where the top two tokens were within numerical noise: expected across kernels/dtypes."""
-    REAL_DIVERGENCE = "real_divergence"
-    """Outputs split where one side's token was clearly not what the other would pick: the models compute
-    differently."""
-    UNCLASSIFIED_DIVERGENCE = "divergence_without_topk"
-    """Outputs split but an artifact has no top-k logprobs there, so near-tie vs real cannot be told."""
-    LENGTH_OR_FINISH = "length_or_finish"
-    """Same tokens where both have them; only the length or finish reason differs (max_new_tokens, abort)."""
-    REWARD_DISAGREEMENT = "reward_disagreement"
-    """Identical responses scored differently: the reward functions (or their versions/settings) disagree."""
-    LOGPROB_DRIFT = "logprob_drift"
-    """Identical responses, but some token's logprob differs by more than `Thresholds.drift_tolerance`: the models
-    compute differently even where they agree on every token (other weights, dtype, kernels)."""
-    PRECISION = "precision"
-    """Identical responses whose logprobs differ by more than float32 rounding but within the lower-precision band
-    (`Thresholds.drift_tolerance`), on sides that computed in different dtypes (a bfloat16 trainer against a
-    float32 engine): expected, and allowed by default."""
-    ROUTING = "routing"
-    """A MoE model whose sides routed some token before the gap (the split, or the token whose logprob differs most)
-    through other experts (both artifacts recorded their routing): the largest train/inference mismatch a MoE
-    model adds, what routing replay (actor.moe.routing_replay) removes from the update. The explanation names the
-    first such token and the first MoE layer whose routing differs."""
-    PROCESSED_LOGPROBS = "processed_logprobs"
-    """Identical responses whose logprobs on one side are of the distribution that side sampled from, not the raw
-    model's: they match the trainer's `tempered_logprobs` (softmax(logits / T) over the tokens the request allows,
-    after top-k/top-p), or the side's header says its engine ran with vLLM's logprobs_mode=processed_logprobs. Every
-    importance ratio computed from them is off by that processing."""
-
-
-CAUSE_LABELS = {
-    Cause.INPUT_MISMATCH: "input mismatch",
-    Cause.WEIGHTS_DIFFER: "other weights",
-    Cause.NEAR_TIE: "numerical near-tie",
-    Cause.REAL_DIVERGENCE: "real divergence",
-    Cause.UNCLASSIFIED_DIVERGENCE: "divergence (no top-k to judge)",
-    Cause.LENGTH_OR_FINISH: "length / finish reason only",
-    Cause.REWARD_DISAGREEMENT: "reward disagreement on equal text",
-    Cause.LOGPROB_DRIFT: "logprob drift on equal tokens",
-    Cause.PROCESSED_LOGPROBS: "temperature-processed logprobs",
-    Cause.ROUTING: "MoE routing",
-    Cause.PRECISION: "precision (dtype band)",
-}
-
-@dataclass
-class Thresholds:
-    """When two backends count as aligned (compare exits 0). Fractions are of all compared samples."""
-
-    max_input_mismatch: float = 0.0
-    """Largest allowed fraction of samples whose inputs differ."""
-    max_weights_differ: float = 0.0
-    """Largest allowed fraction of differing samples on sides that loaded other weight files."""
-    max_real_divergence: float = 0.0
-    """Largest allowed fraction of real divergences."""
-    max_unclassified_divergence: float = 0.0
-    """Largest allowed fraction of divergences that cannot be judged (no top-k logprobs in an artifact)."""
-    max_near_tie: float = 1.0
-    """Largest allowed fraction of near-ties (numerical noise; 1.0 = never fails on near-ties alone)."""
-    max_length_or_finish: float = 0.0
-    """Largest allowed fraction of length/finish-reason-only differences."""
-    max_reward_disagreement: float = 0.0
-    """Largest allowed fraction of equal responses scored differently."""
-    max_logprob_drift: float = 1.0
-    """Largest allowed fraction of equal responses with logprob drift (1.0 = the mean delta below gates instead)."""
-    max_precision: float = 1.0
-    """Largest allowed fraction of samples whose logprobs differ within the dtype band (1.0 = expected)."""
-    max_processed_logprobs: float = 0.0
-    """Largest allowed fraction of samples whose logprobs are temperature-processed on one side."""
-    max_routing: float = 1.0
-    """Largest allowed fraction of samples whose gap follows tokens routed through other experts (1.0 = reported,
-    never failing: in bfloat16 a MoE model's routing flips at near-tied routers by design)."""
-    drift_tolerance: float = 0.1
-    """Per-token |logprob delta| (nats) above which an otherwise identical sample counts as logprob drift."""
-    max_mean_logprob_delta: float = 0.05
-    """Largest allowed mean |logprob_a - logprob_b| over all common-prefix tokens (nats)."""
-    near_tie_margin: float = 0.5
-    """A split is a near-tie only if both tokens are in each other's top-k and the two sides' preference margins
-    (lp_a[a] - lp_a[b]) + (lp_b[b] - lp_b[a]) add up to at most this many nats."""
-    max_score_delta: float = 0.01
-    """Fails only when a score difference is larger than this AND significant at `alpha` (overall and per source)."""
-    alpha: float = 0.05
-    """Significance level of the paired test."""
-    reward_tolerance: float = 1e-6
-    """Rewards closer than this count as equal."""
-
-
-@dataclass
-class Divergence:
-    """The first response position where the two sides chose different tokens."""
-
-    position: int
-    token_a: int
-    token_b: int
-    logprob_a: float
-    """Side A's logprob of its own token."""
-    logprob_b: float
-    b_in_top_a: bool | None
-    """Whether B's token is in A's top-k there (None: A has no top-k)."""
-    a_in_top_b: bool | None
-    margin_a: float | None
-    """lp_a[token_a] - lp_a[token_b]: how strongly A preferred its token (None when token_b is not in A's top-k)."""
-    margin_b: float | None
-
-
-@dataclass
-class TextWindow:
-    """The responses around the first character where their texts differ (for the terminal and HTML)."""
-
-    position: int
-    """Character offset of the first difference (== the common prefix length)."""
-    before: str
-    """Up to TEXT_WINDOW characters of the shared text right before it."""
-    after_a: str
-    after_b: str
-
-
-@dataclass
-class SampleDiff:
-    """Everything the report says about one sample (same dataset row and sample index on both sides)."""
-
-    index: int
-    sample_index: int
-    uid: str
-    data_source: str
-    input_diffs: list[str]
-    """Human-readable input differences, empty when the inputs are identical."""
-    tokens_equal: bool
-    length_a: int
-    length_b: int
-    finish_a: str
-    finish_b: str
-    compared_positions: int
-    """Common-prefix positions whose logprobs were compared."""
-    max_abs_logprob_delta: float | None
-    mean_abs_logprob_delta: float | None
-    reward_a: float
-    reward_b: float
-    reward_extra_deltas: dict[str, float]
-    divergence: Divergence | None = None
-    text: TextWindow | None = None
-    tempered_max_delta: float | None = None
-    """max |logprob - the other side's tempered logprob| when a side recorded `tempered_logprobs` (the trainer side,
-    of the distribution the engine sampled from); None otherwise."""
-    routing: Any = None
-    """`vlmrl.alignment.routing.RoutingAgreement` over the tokens before the gap, when both sides recorded routing
-    and it differs there; None otherwise."""
-    cause: Cause | None = None
-    explanation: str = ""
-
-    @property
-    def reward_delta(self) -> float:
-        return self.reward_b - self.reward_a
 
 
 @dataclass
@@ -304,189 +150,6 @@ def setting_differences(meta_a: ArtifactMeta, meta_b: ArtifactMeta) -> list[tupl
             if a.get(key, missing) != b.get(key, missing)]
 
 
-# ---------------------------------------------------------------------------------------------- per-sample levels
-
-
-def _top_lookup(top: list[list[list[float]]] | None, position: int) -> dict[int, float] | None:
-    """The top-k at `position` as {token: logprob}; None when not recorded, or when it holds fewer than 2 entries
-    (a top-1 list is the side's own token: the other side's could never be found in it, which would judge every
-    near-tie a real divergence)."""
-    if top is None or position >= len(top) or top[position] is None or len(top[position]) < 2:
-        return None
-    return {int(token): float(logprob) for token, logprob in top[position]}
-
-
-def judge_divergence(a: ValidationRecord, b: ValidationRecord, position: int) -> Divergence:
-    """Level 3 at the split: is each side's token in the other's top-k, and by how much did each side prefer its own."""
-    ta, tb = a.response_ids[position], b.response_ids[position]
-    lpa, lpb = a.response_logprobs[position], b.response_logprobs[position]
-    top_a, top_b = _top_lookup(a.top_logprobs, position), _top_lookup(b.top_logprobs, position)
-    b_in_a = None if top_a is None else tb in top_a
-    a_in_b = None if top_b is None else ta in top_b
-    return Divergence(
-        position=position, token_a=ta, token_b=tb, logprob_a=lpa, logprob_b=lpb,
-        b_in_top_a=b_in_a, a_in_top_b=a_in_b,
-        margin_a=lpa - top_a[tb] if b_in_a else None,
-        margin_b=lpb - top_b[ta] if a_in_b else None,
-    )
-
-
-def text_window(text_a: str, text_b: str, width: int = TEXT_WINDOW) -> TextWindow | None:
-    """The two texts around their first differing character; None when the texts are equal."""
-    pos = first_difference(list(text_a), list(text_b))
-    if pos is None:
-        return None
-    return TextWindow(pos, text_a[max(0, pos - width):pos], text_a[pos:pos + width], text_b[pos:pos + width])
-
-
-def _logprob_deltas(a: ValidationRecord, b: ValidationRecord, upto: int) -> np.ndarray:
-    """|lp_a - lp_b| over the first `upto` response positions, where both sides emitted the same tokens. (upto,)"""
-    la = np.asarray(a.response_logprobs[:upto], dtype=np.float64)
-    lb = np.asarray(b.response_logprobs[:upto], dtype=np.float64)
-    deltas = np.abs(la - lb)
-    # -inf on both sides (an impossible token both emitted) is agreement, not an infinite delta.
-    return np.where(np.isneginf(la) & np.isneginf(lb), 0.0, deltas)
-
-
-def _tempered_delta(a: ValidationRecord, b: ValidationRecord, upto: int) -> float | None:
-    """max |one side's logprobs - the other side's tempered logprobs| over the first `upto` positions, for the side
-    pair where one recorded `tempered_logprobs`; None when neither did (or nothing is compared)."""
-    for raw, side in ((a, b), (b, a)):
-        if side.tempered_logprobs is not None and upto:
-            other = np.asarray(raw.response_logprobs[:upto], dtype=np.float64)
-            return float(np.abs(other - np.asarray(side.tempered_logprobs[:upto], dtype=np.float64)).max())
-    return None
-
-
-@dataclass(frozen=True)
-class Headers:
-    """What the two artifacts' headers say that can explain a sample's difference, in words ("" = nothing)."""
-
-    weights: str = ""
-    """How the sides' weight fingerprints differ (`weights_difference`)."""
-    dtypes: str = ""
-    """How the sides' dtypes differ (`dtype_difference`)."""
-    processed: str = ""
-    """Which side's engine returned processed logprobs (`processed_sides`)."""
-
-
-def _classify(sample: SampleDiff, greedy: bool, rewards_differ: bool, thresholds: Thresholds,
-              headers: Headers = Headers()) -> tuple[Cause | None, str]:
-    """One cause per differing sample: the earliest level that explains the difference."""
-    if sample.input_diffs:
-        return Cause.INPUT_MISMATCH, "; ".join(sample.input_diffs)
-    if headers.weights:
-        cause, explanation = _classify(sample, greedy, rewards_differ, thresholds, replace(headers, weights=""))
-        if cause is not None:
-            return Cause.WEIGHTS_DIFFER, f"{headers.weights}; {explanation}"
-    split = sample.divergence
-    outputs_differ = not sample.tokens_equal or sample.finish_a != sample.finish_b
-    if outputs_differ and not greedy:
-        return None, "sampled decoding: different tokens are expected; compared statistically only"
-    if split is not None:
-        where = (f"token {split.position}: A chose {split.token_a} ({split.logprob_a:.4f}), "
-                 f"B chose {split.token_b} ({split.logprob_b:.4f})")
-        if split.b_in_top_a is None or split.a_in_top_b is None:
-            return Cause.UNCLASSIFIED_DIVERGENCE, f"{where}; no top-k logprobs to judge it"
-        margin = split.margin_a + split.margin_b if split.b_in_top_a and split.a_in_top_b else None
-        if margin is not None and margin <= thresholds.near_tie_margin:
-            return Cause.NEAR_TIE, f"{where}; each in the other's top-k, margins add to {margin:.4f} nats"
-        if sample.routing is not None:  # a wide margin, or a token outside the other's top-k, after other experts
-            return Cause.ROUTING, f"{where}; before it, {sample.routing.describe()}"
-        if margin is not None:
-            return Cause.REAL_DIVERGENCE, f"{where}; in each other's top-k but margins add to {margin:.3f} nats"
-        missing = " and ".join(side for side, ok in (("B's token not in A's top-k", split.b_in_top_a),
-                                                      ("A's token not in B's top-k", split.a_in_top_b)) if not ok)
-        return Cause.REAL_DIVERGENCE, f"{where}; {missing}"
-    if outputs_differ:
-        return Cause.LENGTH_OR_FINISH, (
-            f"same tokens up to {min(sample.length_a, sample.length_b)}; lengths {sample.length_a} vs "
-            f"{sample.length_b}, finish {sample.finish_a} vs {sample.finish_b}")
-    if rewards_differ:
-        parts = ", ".join(f"{k} {v:+.3g}" for k, v in sample.reward_extra_deltas.items() if v)
-        return Cause.REWARD_DISAGREEMENT, (
-            f"identical response scored {sample.reward_a:.4g} vs {sample.reward_b:.4g}"
-            + (f" ({parts})" if parts else ""))
-    drift = sample.max_abs_logprob_delta
-    beyond = drift is not None and not drift <= thresholds.drift_tolerance  # `not <=` also catches NaN
-    tempered = sample.tempered_max_delta
-    if beyond and tempered is not None and tempered <= thresholds.drift_tolerance:
-        return Cause.PROCESSED_LOGPROBS, (
-            f"same {sample.length_a} tokens; logprobs differ by up to {drift:.4g} nats from the raw model's but by "
-            f"at most {tempered:.4g} from the distribution it sampled (softmax(logits / temperature) over the "
-            "allowed tokens, after top-k/top-p): that side returned processed logprobs")
-    if beyond and tempered is None and headers.processed:
-        return Cause.PROCESSED_LOGPROBS, (
-            f"same {sample.length_a} tokens, logprobs up to {drift:.4g} nats apart: {headers.processed}, so they are "
-            "of the distribution it sampled (temperature, the placeholder ban, top-k/top-p), not the raw model's")
-    if beyond and sample.routing is not None:
-        return Cause.ROUTING, (f"same {sample.length_a} tokens, logprobs up to {drift:.4g} nats apart; before the "
-                               f"largest gap, {sample.routing.describe()}")
-    if beyond:
-        return Cause.LOGPROB_DRIFT, (
-            f"same {sample.length_a} tokens, but logprobs differ by up to {drift:.4g} nats (mean "
-            f"{sample.mean_abs_logprob_delta:.4g})" + (f"; {headers.processed}, yet they are {tempered:.4g} nats from "
-                                                      "the distribution it sampled too" if headers.processed else ""))
-    if headers.dtypes and drift is not None and drift > FP32_THRESHOLDS["drift_tolerance"]:
-        return Cause.PRECISION, (f"same {sample.length_a} tokens, logprobs up to {drift:.4g} nats apart: within the "
-                                 f"{thresholds.drift_tolerance:g}-nat band of {headers.dtypes}")
-    return None, ""
-
-
-def _numeric_parts(extra: dict[str, Any]) -> dict[str, float]:
-    """The numeric parts of reward_extra (accuracy, format, flags as 0/1); strings and lists are not compared."""
-    return {k: float(v) for k, v in extra.items() if isinstance(v, (int, float))}
-
-
-def diff_sample(a: ValidationRecord, b: ValidationRecord, greedy: bool, thresholds: Thresholds,
-                headers: Headers = Headers()) -> SampleDiff:
-    """All four levels for one pair of records (same row, same sample index)."""
-    split_at = first_difference(a.response_ids, b.response_ids)
-    common = split_at if split_at is not None else len(a.response_ids)
-    deltas = _logprob_deltas(a, b, common)
-    parts_a, parts_b = _numeric_parts(a.reward_extra), _numeric_parts(b.reward_extra)
-    extra_deltas = {k: parts_b[k] - parts_a[k] for k in sorted(parts_a.keys() & parts_b.keys())}
-    sample = SampleDiff(
-        index=a.index, sample_index=a.sample_index, uid=a.uid, data_source=a.data_source,
-        input_diffs=diff_inputs(a, b), tokens_equal=split_at is None,
-        length_a=len(a.response_ids), length_b=len(b.response_ids), finish_a=a.finish_reason, finish_b=b.finish_reason,
-        compared_positions=common,
-        max_abs_logprob_delta=float(deltas.max()) if common else None,
-        mean_abs_logprob_delta=float(deltas.mean()) if common else None,
-        reward_a=float(a.reward), reward_b=float(b.reward), reward_extra_deltas=extra_deltas,
-        text=text_window(a.response_text, b.response_text),
-    )
-    if split_at is not None and split_at < min(len(a.response_ids), len(b.response_ids)):
-        sample.divergence = judge_divergence(a, b, split_at)
-    sample.tempered_max_delta = _tempered_delta(a, b, common)
-    if a.routing is not None and b.routing is not None:
-        from vlmrl.alignment.routing import routing_before
-
-        # the logit of response token j sits at expanded position P - 1 + j and depends on every token up to it
-        gap_at = split_at if sample.divergence is not None else (int(np.argmax(deltas)) if common else None)
-        if gap_at is not None:
-            sample.routing = routing_before(a.routing, b.routing, a.expanded_prompt_length - 1 + gap_at)
-    rewards_differ = abs(sample.reward_delta) > thresholds.reward_tolerance or any(
-        abs(v) > thresholds.reward_tolerance for v in extra_deltas.values()) or parts_a.keys() != parts_b.keys()
-    sample.cause, sample.explanation = _classify(sample, greedy, rewards_differ, thresholds, headers)
-    return sample
-
-
-def weights_difference(meta_a: ArtifactMeta, meta_b: ArtifactMeta) -> str:
-    """In words, how the two sides' weight fingerprints differ; "" when they agree or a side did not record one."""
-    if meta_a.weights and meta_b.weights and meta_a.weights != meta_b.weights:
-        return f"the sides loaded other weights (sha256 {meta_a.weights[:12]} vs {meta_b.weights[:12]})"
-    return ""
-
-
-def processed_sides(meta_a: ArtifactMeta, meta_b: ArtifactMeta, labels: tuple[str, str]) -> str:
-    """In words, which side's header says its engine returned processed logprobs; "" when none does (or the
-    artifacts predate the header's `logprobs_mode`)."""
-    named = [f"{label}'s engine ran with logprobs_mode={meta.logprobs_mode}" for label, meta in zip(labels, (meta_a,
-             meta_b)) if meta.logprobs_mode.startswith("processed")]
-    return " and ".join(named)
-
-
 # ---------------------------------------------------------------------------------------------- aggregate
 
 
@@ -515,7 +178,7 @@ def _reward_parts(records_a: list[ValidationRecord],
     def means(records):
         values: dict[str, list[float]] = defaultdict(list)
         for record in records:
-            for key, value in _numeric_parts(record.reward_extra).items():
+            for key, value in numeric_parts(record.reward_extra).items():
                 values[key].append(value)
         return {key: float(np.mean(v)) for key, v in values.items()}
 
@@ -597,4 +260,3 @@ def compare_artifacts(
     )
     comparison.checks = evaluate_checks(comparison, thresholds)
     return comparison
-

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmrl.alignment.diff import CAUSE_LABELS, Cause, Thresholds
+from vlmrl.alignment.causes import CAUSE_LABELS, Cause, Thresholds
 from vlmrl.alignment.drift_artifact import DriftError, DriftRecord, read_drift
 from vlmrl.alignment.weight_probe import ProbeError, ProbeRecord, read_probes
 from vlmrl.atomic import write_text_atomically

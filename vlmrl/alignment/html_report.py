@@ -16,8 +16,10 @@ from pathlib import Path
 import jinja2
 
 from vlmrl.alignment.artifact import ValidationRecord
-from vlmrl.alignment.diff import CAUSE_LABELS, Cause, Comparison, SampleDiff
+from vlmrl.alignment.causes import CAUSE_LABELS, Cause
+from vlmrl.alignment.diff import Comparison
 from vlmrl.alignment.report import _ci, _fmt, _p, _side, thresholds_line
+from vlmrl.alignment.sample_diff import SampleDiff
 from vlmrl.atomic import write_text_atomically
 
 MAX_TEXT = 3000

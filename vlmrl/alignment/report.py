@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from vlmrl.alignment.diff import CAUSE_LABELS, Cause, Comparison, Thresholds
+from vlmrl.alignment.causes import CAUSE_LABELS, Cause, Thresholds
+from vlmrl.alignment.diff import Comparison
 from vlmrl.atomic import write_text_atomically
 
 EXAMPLES_ON_SCREEN = 5
