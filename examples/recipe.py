@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -17,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 def pick(model: str, devices: str) -> str:
     """The demo for no model, an embedded one or a checkpoint the demo wrote (unless devices are asked for), else
-    the geo3k recipe of the model's family: by its config.json, or by a hub id's name (a Qwen2.5-VL named 32B or
-    72B: the 32B recipe). The demo's engine is vllm
-    when installed, else hf; another embedded model's demo writes beside the default's, not resuming it."""
+    the geo3k recipe of the model's family (`ModelFamily.recipe_for`: a Qwen2.5-VL named 32B or 72B takes the 32B
+    recipe), the family known by its config.json, or by a hub id's name (`family_for_hub_id`). The demo's engine is
+    vllm when installed, else hf; another embedded model's demo writes beside the default's, not resuming it."""
     from vlmrl.models.tiny import is_embedded
 
     state = Path(model, "trainer_state.json")
@@ -28,25 +27,13 @@ def pick(model: str, devices: str) -> str:
     if not devices and (not model or is_embedded(model) or wrote_demo):
         engine = "vllm" if importlib.util.find_spec("vllm") else "hf"
         return f"demo {engine} outputs/demo" + (f"-{model}" if model not in ("", "tiny") and not wrote_demo else "")
-    recipes = {"Qwen3-VL": "qwen3_vl_geo3k", "Qwen3.5": "qwen3_5_geo3k", "Qwen3-VL-MoE": "qwen3_vl_moe_geo3k",
-               "Qwen3.5-MoE": "qwen3_5_moe_geo3k", "GLM-4.1V": "glm4_1v_geo3k", "InternVL3.5": "internvl3_5_geo3k"}
-    if model and (Path(model).expanduser() / "config.json").exists():
-        from vlmrl.models.families import family_for_path
+    from vlmrl.models.families import QWEN2_5_VL, family_for_hub_id, family_for_path
 
-        family = family_for_path(Path(model).expanduser()).name
-    elif re.search(r"qwen3[-_.]?vl", model, re.IGNORECASE):  # a hub id (downloaded later)
-        family = "Qwen3-VL-MoE" if re.search(r"-A\d+B", model, re.IGNORECASE) else "Qwen3-VL"
-    elif re.search(r"qwen3[-_.]5", model, re.IGNORECASE):
-        family = "Qwen3.5-MoE" if re.search(r"-A\d+B", model, re.IGNORECASE) else "Qwen3.5"
-    elif re.search(r"glm-?4\.1v", model, re.IGNORECASE):
-        family = "GLM-4.1V"
-    elif re.search(r"internvl", model, re.IGNORECASE):
-        family = "InternVL3.5"
-    else:  # another hub id, or none: the default Qwen2.5-VL
-        family = "Qwen2.5-VL"
-    recipe = recipes.get(family, "qwen2_5_vl_geo3k")
-    if recipe == "qwen2_5_vl_geo3k" and re.search(r"-(32|72)B", model, re.IGNORECASE):
-        recipe = "qwen2_5_vl_32b_geo3k"  # bfloat16 actor and optimizer, the engine across 8 devices (EasyR1's)
+    if model and (Path(model).expanduser() / "config.json").exists():
+        family = family_for_path(Path(model).expanduser())
+    else:  # a hub id (downloaded later) names its family; another hub id, or none: the default Qwen2.5-VL
+        family = family_for_hub_id(model) or QWEN2_5_VL
+    recipe = family.recipe_for(model)
     return f"{recipe} vllm outputs/{recipe}"
 
 

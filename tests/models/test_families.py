@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import vlmrl
 import vlmrl.models.families
 from vlmrl.models.families import (
     FAMILIES,
@@ -64,6 +65,23 @@ def test_each_embedded_model_has_its_family(tiny_model_path, tiny_qwen3_vl_path,
     assert family_of(AutoConfig.from_pretrained(tiny_qwen3_vl_path)) is QWEN3_VL
     assert family_of({"model_type": "qwen2_vl"}) is QWEN2_5_VL
     assert len({t for f in FAMILIES for t in f.model_types}) == sum(len(f.model_types) for f in FAMILIES)
+
+
+def test_each_familys_recipes_exist_and_its_hub_id_pattern_names_its_released_models():
+    """The launcher picks `recipe` (or a size's own) for a model of the family, and knows a model not downloaded
+    yet by `hub_id_pattern`: every recipe named is a config file, and each released config vlmrl ships is of the
+    family its hub id's name says (family_for_hub_id refuses an id two patterns match)."""
+    from vlmrl.models.families import family_for_hub_id
+    from vlmrl.models.released import RELEASED_CONFIGS, released_models
+
+    configs = Path(vlmrl.__file__).parents[1] / "examples" / "configs"
+    for family in FAMILIES:
+        for recipe in (family.recipe, *(name for _, name in family.recipe_by_size)):
+            assert (configs / f"{recipe}.yaml").exists(), (family.name, recipe)
+    for repo in released_models():
+        config = json.loads((RELEASED_CONFIGS / f"{repo.replace('/', '--', 1)}.json").read_text())
+        assert family_for_hub_id(repo) is family_of(config), repo
+    assert QWEN2_5_VL.recipe_for("Qwen/Qwen2.5-VL-32B-Instruct") == "qwen2_5_vl_32b_geo3k"
 
 
 def test_an_unsupported_model_is_refused_naming_it_and_the_supported_ones(tmp_path):

@@ -14,6 +14,7 @@ preprocessor config, which is the source the engines read too.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,10 +59,21 @@ class ModelFamily:
     tiny_builder: str
     """The module that builds them (`SPECS` by name, `build(out, spec)`, `BUILD_FACTS`), imported only when one is
     built: this module stays free of transformers."""
+    recipe: str
+    """The geo3k recipe a run on this family starts from (examples/configs/<recipe>.yaml), what the launcher
+    (examples/qwen2_5_vl_grpo.sh, through examples/recipe.py) picks for a model of this family."""
+    hub_id_pattern: str
+    """A regular expression (case-insensitive) that the hub ids of this family's released models match, and no other
+    family's do: how the launcher knows the family of a model not downloaded yet (a folder's config.json decides
+    otherwise). `family_for_hub_id` reads it."""
     flop_rule: str | None = None
     """How `vlmrl.models.flops` counts this family's model FLOPs (a key of its `RULES`: the language model's mixers
     and MLPs, the vision tower's blocks and mergers); None: no rule, so a run logs no MFU (and the FLOP test, which
     holds every family's rule to torch's FlopCounterMode on its embedded model, fails)."""
+    recipe_by_size: tuple[tuple[str, str], ...] = ()
+    """(pattern on the model's name or folder, recipe) for sizes the family's `recipe` does not fit, the first
+    match winning (Qwen2.5-VL named 32B or 72B: a bfloat16 actor and optimizer and the engine across 8 devices, as
+    EasyR1's baseline runs them)."""
     sglang_caller_mm_hashes: bool = True
     """SGLang takes caller-supplied `mm_hashes` for this family's images (vlmrl salts them with the weight version so
     that no multimodal cache serves features of old vision weights). Not Qwen3-VL with sglang 0.5.23: its image path
@@ -188,6 +200,16 @@ class ModelFamily:
     def vision_prefixes(self) -> tuple[str, ...]:
         """Name prefixes of every vision-side module or parameter: the tower's, and a projector's outside it."""
         return tuple(f"{path}." for path in (self.vision_tower, self.vision_projector) if path)
+
+    def recipe_for(self, model: str) -> str:
+        """The geo3k recipe for a model of this family named `model` (a hub id or a folder): its size's own recipe
+        where `recipe_by_size` has one, else the family's.
+
+        >>> QWEN2_5_VL.recipe_for("Qwen/Qwen2.5-VL-72B-Instruct"), QWEN2_5_VL.recipe_for("Qwen/Qwen2.5-VL-7B-Instruct")
+        ('qwen2_5_vl_32b_geo3k', 'qwen2_5_vl_geo3k')
+        """
+        return next((recipe for pattern, recipe in self.recipe_by_size if re.search(pattern, model, re.IGNORECASE)),
+                    self.recipe)
 
     def forward_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """vlmrl's model inputs -> the keyword arguments this family's transformers forward takes. vlmrl keeps one
@@ -354,6 +376,9 @@ QWEN2_5_VL = ModelFamily(
     interleaved_mrope=False,
     tiny_variants=("tiny", "tiny-large"),
     tiny_builder="vlmrl.models.tiny.qwen2_5_vl",
+    recipe="qwen2_5_vl_geo3k",
+    hub_id_pattern=r"qwen2(\.5)?[-_.]?vl",
+    recipe_by_size=((r"-(32|72)B", "qwen2_5_vl_32b_geo3k"),),
     flop_rule="qwen2-vl",
     video_timing="second_per_grid_ts",
     video_model_types=("qwen2_5_vl",),
@@ -369,6 +394,8 @@ QWEN3_VL = ModelFamily(
     interleaved_mrope=True,
     tiny_variants=("tiny-qwen3-vl",),
     tiny_builder="vlmrl.models.tiny.qwen3_vl",
+    recipe="qwen3_vl_geo3k",
+    hub_id_pattern=r"qwen3[-_.]?vl(?!.*-A\d+B)",  # no active-parameter count: dense
     flop_rule="qwen3-vl",
     sglang_caller_mm_hashes=False,
     video_timing="timestamps",
@@ -384,6 +411,8 @@ QWEN3_5 = ModelFamily(
     interleaved_mrope=True,
     tiny_variants=("tiny-qwen3.5",),
     tiny_builder="vlmrl.models.tiny.qwen3_5",
+    recipe="qwen3_5_geo3k",
+    hub_id_pattern=r"qwen3[-_.]5(?!.*-A\d+B)",
     flop_rule="qwen3.5",
     sglang_caller_mm_hashes=False,  # SGLang runs it through Qwen3-VL's multimodal path
     video_timing="timestamps",
@@ -400,6 +429,7 @@ QWEN3_5 = ModelFamily(
 QWEN3_VL_MOE = replace(
     QWEN3_VL, name="Qwen3-VL-MoE", model_types=("qwen3_vl_moe",),
     tiny_variants=("tiny-qwen3-vl-moe",), tiny_builder="vlmrl.models.tiny.qwen3_vl_moe",
+    recipe="qwen3_vl_moe_geo3k", hub_id_pattern=r"qwen3[-_.]?vl.*-A\d+B",  # Qwen3-VL-30B-A3B: 3B active
     experts=Experts(checkpoint_layout="fused-transposed", router_class="Qwen3VLMoeTextTopKRouter"),
     sglang_deepstack_layers=3,
     sglang_moe_every_layer=True,
@@ -408,6 +438,7 @@ QWEN3_VL_MOE = replace(
 QWEN3_5_MOE = replace(
     QWEN3_5, name="Qwen3.5-MoE", model_types=("qwen3_5_moe",),
     tiny_variants=("tiny-qwen3.5-moe",), tiny_builder="vlmrl.models.tiny.qwen3_5_moe",
+    recipe="qwen3_5_moe_geo3k", hub_id_pattern=r"qwen3[-_.]5.*-A\d+B",
     experts=Experts(checkpoint_layout="per-expert", router_class="Qwen3_5MoeTopKRouter"),
     sglang_cpu_needs_amx=True,
 )
@@ -421,6 +452,8 @@ GLM4V = ModelFamily(
     interleaved_mrope=False,  # its mrope sections rotate contiguously, over a partial rotary (as the engines do)
     tiny_variants=("tiny-glm4v",),
     tiny_builder="vlmrl.models.tiny.glm4v",
+    recipe="glm4_1v_geo3k",
+    hub_id_pattern=r"glm-?4\.1v",
     flop_rule="glm4v",
     image_placeholder="<|image|>",
     video_placeholder="<|video|>",
@@ -445,6 +478,8 @@ INTERNVL = ModelFamily(
     interleaved_mrope=False,
     tiny_variants=("tiny-internvl",),
     tiny_builder="vlmrl.models.tiny.internvl",
+    recipe="internvl3_5_geo3k",
+    hub_id_pattern=r"internvl",
     flop_rule="internvl",
     image_placeholder="<IMG_CONTEXT>",
     video_placeholder="<video>",
@@ -494,6 +529,22 @@ def family_of(model_config: Mapping[str, Any] | Any) -> ModelFamily:
             return family
     arch = ", ".join(architectures or []) or f"model_type={model_type!r}"
     raise ValueError(f"architecture {arch} is not supported; vlmrl handles {supported()}")
+
+
+def family_for_hub_id(repo_id: str) -> ModelFamily | None:
+    """The family whose `hub_id_pattern` a hub id matches (None: no family's; ValueError: more than one's, which the
+    patterns must rule out).
+
+    >>> family_for_hub_id("Qwen/Qwen3-VL-30B-A3B-Instruct").name, family_for_hub_id("OpenGVLab/InternVL3_5-8B-HF").name
+    ('Qwen3-VL-MoE', 'InternVL3.5')
+    >>> family_for_hub_id("llava-hf/llava-1.5-7b-hf") is None
+    True
+    """
+    found = [family for family in FAMILIES if re.search(family.hub_id_pattern, repo_id, re.IGNORECASE)]
+    if len(found) > 1:
+        raise ValueError(f"{repo_id!r} matches the hub id patterns of {', '.join(f.name for f in found)}: make them "
+                         "exclusive in vlmrl.models.families")
+    return found[0] if found else None
 
 
 def read_model_config(model_dir: str | Path) -> dict[str, Any]:
