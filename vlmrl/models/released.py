@@ -49,6 +49,14 @@ def model_config(model_path: str) -> tuple[dict[str, Any], str]:
                             f"config (`huggingface-cli download {model_path} config.json`) or give a local folder")
 
 
+def config_object(raw: dict[str, Any]) -> Any:
+    """The transformers config of a config.json dict: the config class its model type names, built from it (what
+    `AutoModelForImageTextToText.from_config` takes, e.g. on the meta device, without a folder to read)."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+
+
 def _cached_hub_config(repo_id: str) -> str | None:
     """The cached config.json of a hub repository, None when it was never downloaded (no network is used)."""
     try:

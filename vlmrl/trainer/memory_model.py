@@ -20,7 +20,7 @@ from typing import Any
 
 from vlmrl.actor.config import ActorConfig
 from vlmrl.models.families import family_of
-from vlmrl.models.released import model_config
+from vlmrl.models.released import config_object, model_config
 
 ROOT_UNIT = ""
 """The FSDP2 root unit: every parameter outside a sharded block (embeddings, lm_head, norms, patch embedding)."""
@@ -204,7 +204,7 @@ def model_facts(actor: ActorConfig) -> ModelFacts:
     """The facts of actor.model_path as this actor config trains it (frozen tower, LoRA adapters). Builds the model
     on the meta device: seconds even for a 72B model, no memory."""
     import torch
-    from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     raw, source = model_config(actor.model_path)
@@ -213,7 +213,7 @@ def model_facts(actor: ActorConfig) -> ModelFacts:
     hf_logging.set_verbosity_error()  # a released config's legacy keys make transformers chatter, not fail
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            config = CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+            config = config_object(raw)
         with torch.device("meta"):
             model = AutoModelForImageTextToText.from_config(config)
             if actor.freeze_vision_tower:
