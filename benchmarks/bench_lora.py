@@ -62,7 +62,7 @@ def requests(model: str) -> list:
     import numpy as np
     from PIL import Image
 
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     processor = load_processor(model)
     rows = []
@@ -157,7 +157,7 @@ def memory_side(model: str, rank: int) -> dict:
     from tests.batches import make_batch, synthetic_rows
     from vlmrl.algorithms.grpo import group_advantages
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     rows = synthetic_rows(tempfile.mkdtemp(), train_size=8, val_size=2)
     processor = load_processor(model, DataConfig(max_prompt_length=64))

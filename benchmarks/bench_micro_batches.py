@@ -120,7 +120,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from vlmrl.distributed.sharding import select_rows
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     tmp = tempfile.mkdtemp(prefix="vlmrl-bench-mb-")
     try:

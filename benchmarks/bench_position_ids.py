@@ -61,7 +61,7 @@ def main() -> None:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from vlmrl.models.tiny import ensure_built
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     path = str(ensure_built("tiny"))  # only its config matters here: spatial_merge_size 2, as every Qwen2.5-VL
     processor = load_processor(path)

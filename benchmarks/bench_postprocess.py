@@ -82,7 +82,7 @@ def median_seconds(fn, repeats: int):
 
 def run_vlmrl(model_dir: str, prompts: list[dict], repeats: int) -> tuple[dict, object]:
     from vlmrl.batch.padding import pad_sample, stack_samples
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
     from vlmrl.types import RolloutRequest
 
     processor = load_processor(model_dir)

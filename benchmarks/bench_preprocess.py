@@ -151,7 +151,7 @@ def main() -> None:
         return
 
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     tmp = tempfile.mkdtemp(prefix="vlmrl-bench-pre-")
     try:

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from vlmrl.models.tiny import ensure_built  # noqa: E402
-from vlmrl.processors.qwen_vl import load_processor  # noqa: E402
+from vlmrl.processors.loading import load_processor  # noqa: E402
 from vlmrl.rollout.config import RolloutConfig, VLLMConfig  # noqa: E402
 from vlmrl.rollout.registry import cpu_env, get_backend  # noqa: E402
 from vlmrl.types import SamplingParams  # noqa: E402

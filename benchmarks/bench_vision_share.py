@@ -109,7 +109,7 @@ def main() -> None:
 
     from vlmrl.data.config import DataConfig
     from vlmrl.models.flops import model_flops
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     tmp = tempfile.mkdtemp(prefix="vlmrl-bench-vision-")
     try:

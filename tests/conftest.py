@@ -120,7 +120,7 @@ def tiny_family(request):
     """(model folder, its processor with prompts up to 64 tokens) for each embedded family in turn."""
     from vlmrl.data.config import DataConfig
     from vlmrl.models.tiny import ensure_built
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     path = str(ensure_built(request.param))
     return path, load_processor(path, DataConfig(max_prompt_length=64))
@@ -130,7 +130,7 @@ def tiny_family(request):
 def processor(tiny_model_path):
     """The tiny model's processor (prompts up to 64 tokens), shared by the actor, trainer and distributed tests."""
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     return load_processor(tiny_model_path, DataConfig(max_prompt_length=64))
 

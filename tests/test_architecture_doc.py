@@ -2,7 +2,7 @@
 
 Every dotted `vlmrl.x.y` inside backticks is resolved the way Python would: the longest prefix that imports as a
 module, then each remaining part as an attribute (`vlmrl.trainer.fit.train_step`: the module `vlmrl.trainer.fit`,
-its `train_step`; `vlmrl.processors.qwen_vl.Processor.build_request`: a method of a class). A renamed or moved name
+its `train_step`; `vlmrl.processors.base.Processor.build_request`: a method of a class). A renamed or moved name
 then fails here instead of leaving the page wrong. Importing a vlmrl module imports torch at most: no engine starts,
 engines and Ray are imported only where a backend or a worker is built.
 """

@@ -207,7 +207,7 @@ def test_a_tool_image_at_the_models_max_pixels_is_checked_when_data_max_pixels_i
 def test_image_safety_keys_are_the_processors(tmp_path, tiny_model_path):
     """The data section IS the processor's config: nothing is copied between them."""
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     config = load("data.on_bad_image=filter", f"data.data_root={tmp_path}", "data.allow_remote_images=true",
                   "data.remote_timeout_s=2.5", "data.remote_max_bytes=1024", "data.max_image_pixels=2000000",

@@ -51,7 +51,7 @@ def test_an_embedded_name_runs_the_demo_on_that_model(model, output):
     assert value(args, "trainer.output_dir") == output
     config = load_config(args)  # checks the model's context too
     assert config.actor.model_path == model and config.data.train_files == "synthetic"
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     processor = load_processor(model, config.data)  # the demo's pixel bounds fit this model's processor
     assert processor.family.name == {"tiny-qwen3-vl": "Qwen3-VL", "tiny-qwen3.5": "Qwen3.5",

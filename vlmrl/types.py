@@ -61,7 +61,7 @@ class Video:
 
 @dataclass
 class RolloutRequest:
-    """One prompt, ready for any rollout backend. Built by `vlmrl.processors.qwen_vl.Processor.build_request`."""
+    """One prompt, ready for any rollout backend. Built by `vlmrl.processors.base.Processor.build_request`."""
 
     uid: str
     """Unique id of this prompt; every sample generated from it shares it (the GRPO group id)."""

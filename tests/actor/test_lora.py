@@ -274,7 +274,7 @@ def test_qwen3_5_merged_weights_equal_peft_merge_and_a_step_trains_the_linear_at
 
     from vlmrl.actor.lora import lora_scaling, peft_config
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     lora = LoraConfig(rank=4, alpha=8)
     model = get_peft_model(_base_model(tiny_qwen3_5_path), peft_config(_base_model(tiny_qwen3_5_path), lora))
@@ -304,7 +304,7 @@ def test_glm4v_lora_adapts_its_fused_mlp_and_its_tower_and_merges_as_peft(synthe
 
     from vlmrl.data.config import DataConfig
     from vlmrl.models.tiny import ensure_built
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     path = str(ensure_built("tiny-glm4v"))
     model = _base_model(path)

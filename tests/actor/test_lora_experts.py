@@ -55,7 +55,7 @@ def trained(qwen3_vl_moe_path, synthetic_rows):
     lora_B, which starts at 0; the second lora_A too), its weights before the update, and the batch."""
     from vlmrl.algorithms.grpo import group_advantages
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     actor = expert_lora_actor(qwen3_vl_moe_path)
     processor = load_processor(qwen3_vl_moe_path, DataConfig(max_prompt_length=96))

@@ -196,7 +196,7 @@ def test_the_budget_bounds_every_forward(tiny_model_path, batch):
 def family_batches(model_path: str, synthetic_rows) -> dict:
     """Like `batch` and `padded_batch`, built with that model's processor (its own image grids)."""
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     processor = load_processor(model_path, DataConfig(max_prompt_length=64))
     plain = make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,), response_length=8)

@@ -28,7 +28,7 @@ def moe_actor(variant: str, **moe) -> Actor:
 @pytest.fixture(scope="module", params=["tiny-qwen3-vl-moe", "tiny-qwen3.5-moe"])
 def setup(request, synthetic_rows):
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     actor = moe_actor(request.param, routing_replay="trainer")
     processor = load_processor(actor.config.model_path, DataConfig(max_prompt_length=96))
@@ -218,7 +218,7 @@ def test_the_drill_down_names_the_moe_layer_whose_routing_differs(synthetic_rows
     from vlmrl.alignment.report import drill_down_line
     from vlmrl.data.config import DataConfig
     from vlmrl.models.families import QWEN3_VL_MOE
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     actor = moe_actor("tiny-qwen3-vl-moe")
     batch = make_batch(load_processor(actor.config.model_path, DataConfig(max_prompt_length=96)), synthetic_rows[:1],

@@ -34,7 +34,7 @@ def family(request, synthetic_rows):
     """(model path, batch: 3 prompts x 3 samples, prompt 1 text-only) of each family."""
     from vlmrl.data.config import DataConfig
     from vlmrl.models.tiny import ensure_built
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     path = str(ensure_built(request.param))
     processor = load_processor(path, DataConfig(max_prompt_length=64))
@@ -107,7 +107,7 @@ def test_packed_and_budgeted_micro_batches_share_what_they_hold(tiny_qwen3_vl_pa
     """Packed (Qwen3-VL: deepstack features scattered into the pack) and token-budget micro-batches: the rows of a
     group that land together share; the update equals the per-row one either way."""
     from vlmrl.data.config import DataConfig
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     batch = make_batch(load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=64)), synthetic_rows[:3], n=3,
                        text_only_rows=(1,), seed=3)
@@ -197,7 +197,7 @@ def test_videos_and_images_of_a_group_are_shared_on_qwen3_vl(tiny_qwen3_vl_path)
     from tests.processors.helpers import noise_image
     from vlmrl.data.config import DataConfig
     from vlmrl.data.synthetic import generate_rows
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     processor = load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=256))
     rows = generate_rows("last_colour", 2, seed=5, split="train")

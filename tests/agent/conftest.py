@@ -11,7 +11,7 @@ import torch
 @pytest.fixture(scope="session")
 def processor(tiny_model_path):
     """The tiny model's processor (the taught copy has the same tokenizer and processor files)."""
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     return load_processor(tiny_model_path)
 

@@ -88,7 +88,7 @@ def test_a_carried_group_with_a_video_resumes_identically(scripted_backend, proc
     next step gives the uninterrupted loop's samples (video inputs and position ids included)."""
     from vlmrl.data.config import DataConfig
     from vlmrl.data.synthetic import generate_rows
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     video_processor = load_processor(tiny_model_path, DataConfig(video_fps=1.0))
     frames = generate_rows("motion", 1, 0, "val")[0]["videos"][0]

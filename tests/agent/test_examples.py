@@ -37,7 +37,7 @@ def test_add_tools_prompt(tmp_path, tiny_model_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     script = _script()
     assert doctest.testmod(script).failed == 0
@@ -73,7 +73,7 @@ def test_example_pixel_bounds_suit_both_families(config_file, model, tmp_path):
 
     from vlmrl.config import load_config
     from vlmrl.models.tiny import ensure_built
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     folder = tmp_path / model
     shutil.copytree(ensure_built(model), folder)

@@ -19,7 +19,7 @@ def test_a_tool_conversation_reaches_the_trainer_as_the_processor_renders_it(tin
     from transformers import AutoModelForImageTextToText
 
     from tests.fakes import ScriptedBackend
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     processor = load_processor(tiny_qwen3_5_path)
     model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_5_path, dtype=torch.float32).eval()

@@ -18,7 +18,7 @@ from vlmrl.agent.tools import ToolRegistry
 
 @pytest.fixture(scope="module")
 def qwen3_processor(tiny_qwen3_vl_path):
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     return load_processor(tiny_qwen3_vl_path)
 

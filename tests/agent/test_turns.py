@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from vlmrl.agent.turns import ToolReply, TurnRenderer
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ _TAUGHT: dict[str, str] = {}
 def teach_model(tiny_model_path: str, tmp_path_factory) -> str:
     """The tiny model taught the scripted conversations, in a temp folder that lasts the session: taught once per
     session (teaching is seeded, so every caller would get the same weights); callers only read it."""
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     if tiny_model_path not in _TAUGHT:
         torch.set_num_threads(1)

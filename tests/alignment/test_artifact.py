@@ -121,7 +121,7 @@ def test_thumbnail_is_small_png():
 
 def test_records_from_rollout_with_the_real_processor(tiny_model_path, tmp_path):
     from vlmrl.alignment.artifact import records_from_rollout
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
     from vlmrl.types import RolloutResult
 
     processor = load_processor(tiny_model_path)

@@ -19,7 +19,7 @@ from vlmrl.alignment.trajectory_check import check_trajectory
 
 @pytest.fixture(scope="module")
 def processor(tiny_model_path):
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     return load_processor(tiny_model_path)
 

@@ -11,7 +11,7 @@ from vlmrl.alignment.causes import Cause
 from vlmrl.alignment.diff import compare_artifacts
 from vlmrl.data.config import DataConfig
 from vlmrl.data.synthetic import generate_rows
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 from vlmrl.types import RolloutResult
 
 

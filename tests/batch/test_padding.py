@@ -22,7 +22,7 @@ from vlmrl.batch.padding import (
     stack_samples,
     upsample_to_multiple,
 )
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 from vlmrl.types import PromptInputs, RolloutResult, TrainBatch
 
 P, R = 64, 12

@@ -11,7 +11,7 @@ import torch
 from tests.processors.helpers import image_row, noise_image
 from vlmrl.algorithms.grpo import broadcast_to_tokens, group_advantages, logprobs_from_logits, ppo_clip_loss
 from vlmrl.batch.padding import pad_sample, required_batch_multiple, stack_samples, upsample_to_multiple
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 from vlmrl.types import TrainBatch
 
 P, R, N = 48, 8, 3  # prompt length, response length, samples per prompt

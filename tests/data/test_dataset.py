@@ -191,7 +191,7 @@ def test_module_doctests():
 
 def test_synthetic_rows_become_requests_with_one_short_token_answer(tmp_path, tiny_model_path):
     from vlmrl.data.synthetic import TASKS
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     processor = load_processor(tiny_model_path)
     for task in sorted(TASKS):

@@ -81,7 +81,7 @@ def test_local_copy_becomes_verl_schema_parquet_that_loads_scores_and_builds_req
     scores, extras, failures = compute_rewards(fn, [right, RewardInput(row["data_source"], r"\boxed{1}", answer)])
     assert (scores, failures) == ([1.0, 0.0], 0)
 
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     request = load_processor(tiny_model_path).build_request(row, 2)
     assert request.ground_truth == answer and request.data_source == "hiyouga/geometry3k" and len(request.images) == 1

@@ -66,7 +66,7 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_hf_cache(tiny_model_path, tmp_
     import huggingface_hub.constants
 
     from vlmrl.models import tiny
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     repo = tmp_path / "hub" / "models--org--tiny-vl"
     shutil.copytree(tiny_model_path, repo / "snapshots" / "abc123")

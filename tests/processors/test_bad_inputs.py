@@ -17,7 +17,7 @@ import pytest
 from tests.processors.helpers import image_row, noise_image, png_bytes
 from vlmrl.data.config import DataConfig
 from vlmrl.processors.errors import BadRowError, FilteredRow
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 
 ROW = 42
 

@@ -20,7 +20,7 @@ import torch
 from tests.processors.helpers import image_row, noise_image
 from vlmrl.data.config import DataConfig
 from vlmrl.processors.errors import BadRowError
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 
 ROW = 42
 

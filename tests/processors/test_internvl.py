@@ -9,7 +9,7 @@ import torch
 
 from tests.processors.helpers import image_row, noise_image
 from vlmrl.data.config import DataConfig
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 
 # (width, height): 1 tile (square), 2 + thumbnail, 3 + thumbnail, 4 + thumbnail (wide and tall), tiny, large
 SIZES = [(64, 64), (96, 64), (200, 70), (300, 40), (40, 260), (9, 13), (1000, 700)]

@@ -14,7 +14,7 @@ from tests.processors.helpers import first_difference, noise_image
 from vlmrl.data.config import DataConfig
 from vlmrl.data.synthetic import generate_rows
 from vlmrl.processors.errors import BadRowError
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 from vlmrl.processors.video import encode_mp4
 
 NUM_GENERATED_CASES = 36

@@ -10,7 +10,7 @@ from PIL import Image
 
 from tests.processors.helpers import image_row, noise_image
 from vlmrl.data.config import DataConfig
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen3.5"])

@@ -11,7 +11,7 @@ import pytest
 from vlmrl.data.config import DataConfig
 from vlmrl.data.synthetic import generate_rows
 from vlmrl.processors.errors import BadRowError, FilteredRow
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 from vlmrl.processors.video import encode_mp4
 
 

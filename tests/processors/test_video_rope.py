@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.processors.helpers import first_difference
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 from vlmrl.processors.rope import mrope_position_ids
 
 NUM_GENERATED_CASES = 40

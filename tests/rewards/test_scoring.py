@@ -48,7 +48,7 @@ def test_a_failing_sample_scores_zero_counted_and_a_miscounted_batch_is_refused(
 
 
 def test_the_run_reward_function_scores_decoded_responses(tiny_model_path):
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     processor = load_processor(tiny_model_path)
     reward = RewardScorer.start(IN_PROCESS, ["synthetic/colour"])

@@ -11,7 +11,7 @@ from PIL import Image
 
 from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_mismatch, noise_image
 from vlmrl.data.config import DataConfig
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 from vlmrl.types import RolloutRequest
 
 

@@ -16,7 +16,7 @@ MEMORY_FRACTION = 0.3
 def test_sleep_frees_the_device_memory_and_wake_up_gives_the_same_outputs(tiny_model_path):
     import torch
 
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
     from vlmrl.rollout.registry import get_backend
 
     requests = build_batch(load_processor(tiny_model_path))

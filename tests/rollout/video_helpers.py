@@ -9,7 +9,7 @@ import pytest
 from tests.rollout.helpers import GREEDY, assert_logprobs_match_hf, greedy_mismatch, noise_image
 from vlmrl.data.config import DataConfig
 from vlmrl.data.synthetic import generate_rows
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 from vlmrl.types import RolloutRequest, SamplingParams
 
 

@@ -43,7 +43,7 @@ def _save(tmp_path, model, tiny_model_path, step, keep=None, state=None):
 def test_checkpoint_is_a_complete_model_folder(tmp_path, model, tiny_model_path):
     from transformers import AutoModelForImageTextToText
 
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     path = _save(tmp_path, model, tiny_model_path, 3)
     reloaded = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)

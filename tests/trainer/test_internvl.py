@@ -27,7 +27,7 @@ def test_train_on_vllm_checkpoint_and_validate_only_on_sglang(tmp_path):
     from transformers import AutoModelForImageTextToText
 
     from vlmrl.models.tiny import ensure_built
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     base = str(ensure_built("tiny-internvl"))
     out = tmp_path / "run"

@@ -54,7 +54,7 @@ def test_lora_checkpoint_is_a_merged_model_vllm_and_sglang_load_plus_the_adapter
         assert any(".visual.blocks." in name for name in weights.keys())  # lora.vision=tower
     assert (checkpoint / "model.safetensors").is_file()
 
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     requests = build_batch(load_processor(str(checkpoint)))
     expected = _greedy("hf", str(checkpoint), requests)  # transformers on the merged folder

@@ -32,7 +32,7 @@ from vlmrl.data.config import DataConfig
 from vlmrl.models.experts import ExpertShape
 from vlmrl.models.families import family_for_path, read_model_config
 from vlmrl.models.tiny import ensure_built
-from vlmrl.processors.qwen_vl import load_processor
+from vlmrl.processors.loading import load_processor
 from vlmrl.rollout.weights import checkpoint_names, weight_sync
 from vlmrl.trainer.memory_activations import MicroBatch, Precision, activation_bytes
 from vlmrl.trainer.memory_model import ROOT_UNIT, model_facts

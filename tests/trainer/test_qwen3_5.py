@@ -21,7 +21,7 @@ from vlmrl.trainer.metrics import read_metrics
 def test_train_checkpoint_and_validate_only(tiny_qwen3_5_path, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     out = tmp_path / "run"
     fit(load_config(base_args(tiny_qwen3_5_path, out, "trainer.total_steps=2", "trainer.save_freq=2",

@@ -42,7 +42,7 @@ def test_train_checkpoint_and_validate_only(tiny_qwen3_vl_path, tmp_path):
     # a complete Qwen3-VL folder, in the layout the engines load, with weights that moved
     from transformers import AutoModelForImageTextToText
 
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     assert _names(latest) == _names(Path(tiny_qwen3_vl_path))
     processor = load_processor(str(latest))
@@ -78,7 +78,7 @@ def test_actor_on_a_video_batch_matches_transformers_and_learns(tiny_qwen3_vl_pa
     from vlmrl.config import OptimConfig
     from vlmrl.data.config import DataConfig
     from vlmrl.data.synthetic import generate_rows
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     processor = load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=256))
     rows = generate_rows("last_colour", 3, seed=5, split="train")

@@ -285,7 +285,7 @@ def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(family):
     from tests.processors.helpers import image_row, noise_image
     from vlmrl.data.config import DataConfig
     from vlmrl.models.tiny import ensure_built
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     variant = family.tiny_variants[0]
     path = str(ensure_built(variant))

@@ -43,7 +43,7 @@ from vlmrl.types import PromptInputs, RolloutRequest, RolloutResult, Sample, Sam
 from vlmrl.utils.executor import DaemonExecutor
 
 if TYPE_CHECKING:
-    from vlmrl.processors.qwen_vl import Processor
+    from vlmrl.processors.base import Processor
     from vlmrl.rollout.base import RolloutBackend
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from vlmrl.batch.padding import pad_sample
 from vlmrl.types import PromptInputs, RolloutRequest, RolloutResult, Sample
 
 if TYPE_CHECKING:
-    from vlmrl.processors.qwen_vl import Processor
+    from vlmrl.processors.base import Processor
 
 TOOL_VERSION = -1
 """`token_versions` value of tool-turn tokens (no policy produced them)."""

@@ -27,7 +27,7 @@ from vlmrl import __version__ as VLMRL_VERSION
 from vlmrl.atomic import replace_atomically
 
 if TYPE_CHECKING:  # the compare tool reads artifacts without importing torch
-    from vlmrl.processors.qwen_vl import Processor
+    from vlmrl.processors.base import Processor
     from vlmrl.types import RolloutRequest, RolloutResult
 
 FORMAT_KIND = "vlmrl.validation"

@@ -171,7 +171,7 @@ def gate_requests(config, rows: int) -> list:
 def gate_inputs(config, rows: int) -> tuple:
     """(processor, dataset, requests) of `gate_requests`."""
     from vlmrl.data.dataset import build_requests, load_dataset
-    from vlmrl.processors.qwen_vl import load_processor
+    from vlmrl.processors.loading import load_processor
 
     d = config.data
     spec, split = (d.val_files, "val") if d.val_files else (d.train_files, "train")

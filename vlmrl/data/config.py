@@ -1,6 +1,6 @@
 """Data configuration (the run config's `data` section): datasets, batch sizes, lengths, and how a row's images and
 videos become a rollout request (sizing, safety, bad rows). The processor is built from this section
-(`vlmrl.processors.qwen_vl.load_processor(model_path, config.data)`).
+(`vlmrl.processors.loading.load_processor(model_path, config.data)`).
 """
 
 from __future__ import annotations

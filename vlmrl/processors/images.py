@@ -23,7 +23,7 @@ from vlmrl.data.config import DataConfig
 
 
 class ImageInputError(ValueError):
-    """An image that cannot be used; `vlmrl.processors.qwen_vl.Processor.build_request` turns it into a row error or skip."""
+    """An image that cannot be used; `vlmrl.processors.base.Processor.build_request` turns it into a row error or skip."""
 
 
 def load_image(source: Any, limits: DataConfig) -> Image.Image:
@@ -108,7 +108,7 @@ def processor_size(height: int, width: int, factor: int, min_pixels: int, max_pi
 @dataclass(frozen=True)
 class ImageSizing:
     """How a patch-layout model's image processor sizes an image, and the bounds vlmrl sizes it within
-    (`vlmrl.processors.qwen_vl.Processor.sizing`)."""
+    (`vlmrl.processors.patches.PatchesProcessor.sizing`)."""
 
     factor: int
     """Resized sides are multiples of this: the model's patch size x merge size (28, or 32 for Qwen3-VL)."""

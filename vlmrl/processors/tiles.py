@@ -1,6 +1,6 @@
-"""The image layout of the tiled-image families (`ModelFamily.image_layout == "tiles"`: InternVL3.5 in transformers'
-format): `TilesLayout`, the methods `vlmrl.processors.qwen_vl.TilesProcessor` puts over the patch layout of
-`vlmrl.processors.qwen_vl.Processor`. What differs:
+"""The processor of the tile layout (`ModelFamily.image_layout == "tiles"`: InternVL3.5 in transformers' format):
+`TilesProcessor`, the image methods of `vlmrl.processors.base.Processor` for tiled images. What differs from the
+patch layout (`vlmrl.processors.patches`):
 
 - An image is not resized: the model's image processor (GotOcr2's) cuts it into square tiles by its aspect ratio, plus
   a thumbnail when it takes more than one, and every backend runs that same processor on the same image. The row's
@@ -21,20 +21,13 @@ from typing import Any
 
 import torch
 
+from vlmrl.processors.base import Processor
 from vlmrl.processors.bounds import tiles_bounds_problem
 from vlmrl.types import RolloutRequest
 
 
-class TilesLayout:
-    """What a processor of a tiles family does otherwise (mixed over `Processor`; build with `load_processor`)."""
-
-    config: Any
-    family: Any
-    hf_processor: Any
-    tokenizer: Any
-    image_processor: Any
-    image_token_id: int
-    banned_token_ids: list[int]
+class TilesProcessor(Processor):
+    """`Processor` for a tile-layout family (build with `vlmrl.processors.loading.load_processor`)."""
 
     def _image_setup(self, model_config: dict) -> None:
         problem = tiles_bounds_problem(self.config, self.family.name)

@@ -142,7 +142,7 @@ class RolloutBackend(abc.ABC):
     sends only the adapted layers. False: every weight, every time."""
 
     def __init__(self, model_path: str, options: BackendOptions):
-        from vlmrl.processors.qwen_vl import load_processor
+        from vlmrl.processors.loading import load_processor
 
         self.model_path = model_path
         self.options = options

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from vlmrl.agent.loop import AgentLoop
 from vlmrl.config import Config
 from vlmrl.data.dataset import RLDataset
-from vlmrl.processors.qwen_vl import Processor, load_processor
+from vlmrl.processors.base import Processor
+from vlmrl.processors.loading import load_processor
 from vlmrl.rewards.scoring import RewardScorer
 from vlmrl.rollout.base import BackendOptions, RolloutBackend
 from vlmrl.rollout.registry import backend_options, get_backend

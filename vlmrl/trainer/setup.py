@@ -19,7 +19,7 @@ from vlmrl.alignment.drift_artifact import DRIFT_DIR, drop_steps_after
 from vlmrl.atomic import write_text_atomically
 from vlmrl.config import Config, to_dict, to_yaml
 from vlmrl.data.dataset import BatchSampler, PromptQueue, RLDataset, build_requests, load_dataset, sequential_batches
-from vlmrl.processors.qwen_vl import Processor
+from vlmrl.processors.base import Processor
 from vlmrl.rewards.scoring import RewardScorer
 from vlmrl.trainer.async_rollout import CONSUMED_FILE
 from vlmrl.trainer.checkpoint import (

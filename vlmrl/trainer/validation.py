@@ -40,7 +40,7 @@ from vlmrl.alignment.artifact import (
 )
 from vlmrl.config import Config, to_dict
 from vlmrl.data.dataset import RLDataset, build_requests, load_dataset, sequential_batches
-from vlmrl.processors.qwen_vl import Processor
+from vlmrl.processors.base import Processor
 from vlmrl.rewards.base import TIMEOUT_KEY
 from vlmrl.rewards.scoring import RewardScorer, response_texts
 from vlmrl.trainer.components import RunComponents, load_run_processor, start_agent, start_run_backend

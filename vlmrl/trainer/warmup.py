@@ -20,8 +20,8 @@ from vlmrl.actor.local import Actor
 from vlmrl.batch.padding import pad_sample, stack_samples
 from vlmrl.config import Config
 from vlmrl.data.dataset import RLDataset
+from vlmrl.processors.base import Processor
 from vlmrl.processors.errors import FilteredRow
-from vlmrl.processors.qwen_vl import Processor
 
 logger = logging.getLogger(__name__)
 

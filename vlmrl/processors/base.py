@@ -1,70 +1,40 @@
-"""The processor of the Qwen-VL-style families (Qwen2/2.5-VL, Qwen3-VL, Qwen3.5, their MoE models, GLM-4.1V):
-dataset row -> RolloutRequest, multi_modal_inputs, expanded ids, mrope ids. What differs per family (placeholder
-tokens, pixel bounds, timing of videos) is read from its `vlmrl.models.families.ModelFamily`.
+"""The processor every model family shares: dataset row -> `RolloutRequest`, and request -> the trainer's inputs
+(expanded ids, multi_modal_inputs, position ids). What differs with the family's image layout
+(`ModelFamily.image_layout`) is a subclass's: `vlmrl.processors.patches.PatchesProcessor` (Qwen-VL-style families,
+GLM-4.1V) or `vlmrl.processors.tiles.TilesProcessor` (InternVL); `vlmrl.processors.loading.load_processor` builds
+the family's. What differs per family within a layout (placeholder tokens, pixel bounds, timing of videos) is read
+from its `vlmrl.models.families.ModelFamily`.
 
-One request serves every backend: prompt ids hold ONE image placeholder (`<|image_pad|>`, GLM's `<|image|>`) per
-image (the form vLLM and SGLang take; they expand it themselves, so expanded ids would be expanded twice: a corrupted
-prompt, or a hang in SGLang), the images are already resized, and the pad tokens no backend may sample are named.
-The trainer side (expanded ids, pixel values, 3D position ids) is derived from the same request here.
+One request serves every backend: prompt ids hold ONE image placeholder (`<|image_pad|>`, GLM's `<|image|>`,
+InternVL's `<IMG_CONTEXT>`) per image (the form vLLM and SGLang take; they expand it themselves, so expanded ids
+would be expanded twice: a corrupted prompt, or a hang in SGLang), the images are already prepared, and the pad
+tokens no backend may sample are named. The trainer side (expanded ids, pixel values, position ids) is derived from
+the same request here.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import re
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from vlmrl.data.config import DataConfig
-from vlmrl.models.families import ModelFamily, family_for_path, read_model_config
-from vlmrl.processors.bounds import image_bounds
+from vlmrl.models.families import ModelFamily
 from vlmrl.processors.errors import BadRowError, FilteredRow
-from vlmrl.processors.images import ImageInputError, ImageSizing, image_hash, load_image, resize_image, source_name
-from vlmrl.processors.rope import mrope_position_ids
-from vlmrl.processors.tiles import TilesLayout
+from vlmrl.processors.images import ImageInputError, image_hash, load_image, source_name
 from vlmrl.processors.video import VideoInputError, VideoSupport
 from vlmrl.types import PromptInputs, RolloutRequest, Video
-
-logger = logging.getLogger(__name__)
 
 IMAGE_MARKER = "<image>"  # verl/EasyR1 rows mark image positions in the prompt text with it
 VIDEO_MARKER = "<video>"  # ... and video positions with this
 
 
-def load_processor(model_path: str, config: DataConfig | None = None) -> Processor:
-    """The processor of a Qwen-VL checkpoint folder (or an embedded name: `tiny`, `tiny-large`, `tiny-qwen3-vl`).
-
-    `config` is the run's data section (its image, video and prompt-length keys). Raises ValueError naming the
-    architecture for any other model (vlmrl.models.families lists the supported ones), or listing what is wrong
-    with the config. Loads no remote code.
-    """
-    from transformers import AutoProcessor
-
-    from vlmrl.models.tiny import resolve_model_path
-
-    config = config or DataConfig()
-    problems = config.problems()
-    if problems:
-        raise ValueError("invalid processor configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-    path = Path(resolve_model_path(model_path))
-    family = family_for_path(path)
-    model_config = read_model_config(path)
-    hf_processor = AutoProcessor.from_pretrained(str(path))
-    generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
-    kind = TilesProcessor if family.image_layout == "tiles" else Processor
-    processor = kind(hf_processor, model_config, generation, config, family)
-    logger.info("processor for %s (%s): %s, max_prompt_length %d", path, family.name, processor.image_summary(),
-                processor.config.max_prompt_length)
-    return processor
-
-
 class Processor:
-    """Turns dataset rows into `RolloutRequest`s and requests into the trainer's inputs. Build with `load_processor`."""
+    """Turns dataset rows into `RolloutRequest`s and requests into the trainer's inputs; the image layout's methods
+    are its subclass's. Build with `vlmrl.processors.loading.load_processor`."""
 
     def __init__(self, hf_processor: Any, model_config: dict, generation_config: dict, config: DataConfig,
                  family: ModelFamily):
@@ -85,33 +55,44 @@ class Processor:
         self.video = VideoSupport(hf_processor, model_config, config, self.image_factor, family)
         """Frame sampling, video inputs, video token counts (`vlmrl.processors.video`)."""
 
+
+    # ---------------------------------------------------------------- the image layout's (each subclass's own)
+
     def _image_setup(self, model_config: dict) -> None:
-        """The image facts of the family's layout (here "patches": patch and merge sizes, pixel bounds)."""
-        self.patch_size: int = int(self.image_processor.patch_size)
-        self.spatial_merge_size: int = int(self.image_processor.merge_size)
-        self.temporal_patch_size: int = int(self.image_processor.temporal_patch_size)
-        self.image_factor: int = self.patch_size * self.spatial_merge_size
-        """Resized image sides are multiples of this: the model's patch size x merge size."""
-        self.min_pixels, self.max_pixels = self._pixel_bounds()
-        size = self.image_processor.size
-        self.sizing = ImageSizing(self.image_factor, self.min_pixels, self.max_pixels, self.family.image_bound_copies,
-                                  (int(size["shortest_edge"]), int(size["longest_edge"])))
-        """How images are resized: as the model's image processor sizes them, within min_pixels..max_pixels."""
+        """The image facts of the family's layout (sizes, bounds, its own tokens), read once as the processor is built;
+        sets `image_factor` (resized sides are multiples of it), `min_pixels` and `max_pixels`."""
+        raise NotImplementedError
 
     def prepare_image(self, image: Any, what: str) -> Any:
-        """A decoded dataset image -> the image every backend gets (here RGB, resized as the model's image processor
-        sizes it within the pixel bounds: sides multiples of `image_factor`)."""
-        return resize_image(image, self.sizing, what)
+        """A decoded dataset image -> the image every backend gets."""
+        raise NotImplementedError
 
     def image_summary(self) -> str:
         """How images are prepared, for the log."""
-        return f"images {self.min_pixels}..{self.max_pixels} pixels, factor {self.image_factor}"
+        raise NotImplementedError
 
-    def _pixel_bounds(self) -> tuple[int, int]:
-        """Config bounds, checked to lie within the model's (`vlmrl.processors.bounds.image_bounds`): the engines
-        run the model's image processor, which must find our resized images already valid (else it resizes again
-        and the two sides disagree)."""
-        return image_bounds(self.config, self.image_processor.size, self.family.image_bound_copies)
+    def image_grid_thw(self, images: Sequence[Any]) -> torch.Tensor:
+        """(N, 3) long: one row per prepared image, from its size (no pixel work)."""
+        raise NotImplementedError
+
+    def image_token_count(self, image: Any) -> int:
+        """How many tokens one prepared image's placeholder expands to."""
+        raise NotImplementedError
+
+    def _expansion(self, token: int, grid: Sequence[int]) -> list[int]:
+        """The tokens one placeholder of an image / video with this grid row stands for."""
+        raise NotImplementedError
+
+    def multi_modal_inputs(self, request: RolloutRequest) -> dict[str, torch.Tensor]:
+        """The trainer's image and video inputs of a request (pixel values, grids); {} without images or videos."""
+        raise NotImplementedError
+
+    def position_ids(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(3, B, L) position ids of (B, L) EXPANDED ids (0 on padding)."""
+        raise NotImplementedError
 
     # ---------------------------------------------------------------- rows -> requests
 
@@ -203,15 +184,6 @@ class Processor:
 
     # ---------------------------------------------------------------- requests -> trainer inputs
 
-    def image_grid_thw(self, images: Sequence[Any]) -> torch.Tensor:
-        """(N, 3) long patch grid (t, h, w) of already-resized images, from their sizes (no pixel work)."""
-        rows = [[1, im.height // self.patch_size, im.width // self.patch_size] for im in images]
-        return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
-
-    def image_token_count(self, image: Any) -> int:
-        """How many `<|image_pad|>` tokens one resized image expands to."""
-        return (image.height // self.patch_size) * (image.width // self.patch_size) // self.spatial_merge_size**2
-
     def expand_prompt_ids(self, prompt_ids: Sequence[int], image_grid_thw: torch.Tensor | None,
                           video_grid_thw: torch.Tensor | None = None, videos: Sequence[Video] = ()) -> list[int]:
         """Unexpanded ids (one `<|image_pad|>` per image, one `<|video_pad|>` per video) -> expanded ids (one per
@@ -242,11 +214,6 @@ class Processor:
                 expanded.append(token)
         return expanded
 
-    def _expansion(self, token: int, grid: Sequence[int]) -> list[int]:
-        """The tokens one placeholder of an image / video with this (t, h, w) grid stands for: one per merged patch."""
-        t, h, w = grid
-        return [token] * (t * h * w // self.spatial_merge_size**2)
-
     def prompt_inputs(self, request: RolloutRequest) -> PromptInputs:
         """Expand a request's prompt and compute its image inputs and position ids, once for all its samples."""
         mm_inputs = self.multi_modal_inputs(request)
@@ -256,38 +223,6 @@ class Processor:
         positions = self.position_ids(ids.unsqueeze(0), None, grid, video_grid,
                                       mm_inputs.get("second_per_grid_ts"))[:, 0]
         return PromptInputs(request.uid, ids, positions, mm_inputs, request.data_source, request.ground_truth)
-
-    def multi_modal_inputs(self, request: RolloutRequest) -> dict[str, torch.Tensor]:
-        """{"pixel_values": (patches, C*T*p*p), "image_grid_thw": (N, 3)} for the trainer (and with videos
-        "pixel_values_videos", "video_grid_thw" (V, 3), and for Qwen2/2.5-VL "second_per_grid_ts" (V,)); {} without
-        images or videos."""
-        video_inputs = self.video.inputs(request.videos, request.uid) if request.videos else {}
-        if not request.images:
-            return video_inputs
-        out = self.image_processor(images=list(request.images), return_tensors="pt")
-        grid = out["image_grid_thw"].to(torch.long)
-        expected = self.image_grid_thw(request.images)
-        if not torch.equal(grid, expected):  # the image processor resized again: trainer and engines would disagree
-            raise RuntimeError(f"request {request.uid}: image processor grid {grid.tolist()} != the resized images' "
-                               f"{expected.tolist()}; check min_pixels/max_pixels against the model's processor")
-        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid, **video_inputs}
-
-    def position_ids(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
-        video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """(3, B, L) mrope ids of (B, L) EXPANDED ids; equal to transformers' `get_rope_index` (0 on padding).
-        image_grid_thw / video_grid_thw (+ second_per_grid_ts): every image / video of the batch, in row then prompt
-        order (a video's grid whole: Qwen3-VL's are split per temporal patch here, as its get_rope_index does)."""
-        return mrope_position_ids(input_ids, attention_mask, image_grid_thw, image_token_id=self.image_token_id,
-                                  spatial_merge_size=self.spatial_merge_size, video_token_id=self.video_token_id,
-                                  video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts,
-                                  tokens_per_second=self.video.tokens_per_second,
-                                  video_per_frame=self.family.timestamps_in_text)
-
-
-class TilesProcessor(TilesLayout, Processor):
-    """The processor of a tiles family (InternVL): `TilesLayout`'s image methods over `Processor`."""
 
 
 def _normalise_messages(prompt: Any, index: int) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
@@ -352,10 +287,3 @@ def _eos_ids(generation_config: dict, tokenizer_eos: int | None) -> list[int]:
     if not ids:
         raise ValueError("the model names no EOS token (generation_config.json eos_token_id, tokenizer eos_token)")
     return [int(i) for i in ids]
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"{path} not found: is {path.parent} a Hugging Face model folder?") from err
