@@ -1,7 +1,7 @@
 """Code outside the family and processor rooms (`vlmrl/models/`, `vlmrl/processors/`) asks the family a question
-(`family.experts`, `family.image_layout`), never its name: no module there reads a config's `model_type`, compares
-a value with a model type or a family name, or keys a table by one. A new family is then one entry in `FAMILIES`,
-not a hunt through the trainer for the places that test names.
+(`family.experts`, `family.inputs.image_layout`), never its name: no module there reads a config's `model_type`,
+compares a value with a model type or a family name, or keys a table by one. A new family is then one entry in
+`FAMILIES`, not a hunt through the trainer for the places that test names.
 
 Read from the source with `ast`: docstrings and messages may name a family; code may not test for one.
 """

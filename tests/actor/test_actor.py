@@ -53,7 +53,7 @@ def test_logprobs_equal_transformers_own_position_computation(family_batch):
     ours, _ = actor.compute_logprobs(batch)
     hook.remove()
     assert seen and all("mm_token_type_ids" not in kw for kw in seen)
-    rows = 3 if processor.family.mrope else None  # a 1-D family (InternVL) gets one row of positions
+    rows = 3 if processor.family.inputs.mrope else None  # a 1-D family (InternVL) gets one row of positions
     assert all(kw["position_ids"].shape == ((rows,) if rows else ()) + kw["input_ids"].shape for kw in seen)
     model = actor.model.eval()
     p_len = batch.prompt_length
@@ -61,7 +61,7 @@ def test_logprobs_equal_transformers_own_position_computation(family_batch):
         # transformers computes mrope positions itself when told which tokens are image tokens
         ids = batch.input_ids[row : row + 1]
         mm = batch.multi_modal_inputs[row]
-        inputs = processor.family.forward_inputs(dict(
+        inputs = processor.family.inputs.forward_inputs(dict(
             input_ids=ids, attention_mask=batch.attention_mask[row : row + 1],
             mm_token_type_ids=(ids == processor.image_token_id).int(), pixel_values=mm.get("pixel_values"),
             image_grid_thw=mm.get("image_grid_thw")))
@@ -112,7 +112,7 @@ def test_one_micro_batch_of_8_equals_eight_of_1(family_batch):
     family = family_of(big.model.config)
 
     def float32_inside(name: str) -> bool:
-        return family.linear_attention is not None or "visual.embeddings.position_embedding" in name
+        return family.weights.linear_attention is not None or "visual.embeddings.position_embedding" in name
 
     for name, grad in big_grads.items():
         if float32_inside(name):

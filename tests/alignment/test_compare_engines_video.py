@@ -3,7 +3,7 @@ SGLang agree exactly on every video row, and a one-sided change of the sampling 
 
 The set: six rows of the synthetic `last_colour` task (4 frames of 112x112 at data.video_fps, two temporal patches
 per video: the case where sglang 0.5.23's own Qwen2.5-VL tower attends across temporal patches and drifts by up to
-7e-3 nats, see `ModelFamily.sglang_video_per_step_grids`), two `motion` rows, and one row holding an image and a video.
+7e-3 nats, see `EngineFacts.sglang_video_per_step_grids`), two `motion` rows, and one row holding an image and a video.
 `compare --backends hf,vllm` runs once, as a user runs it (each side its own validate-only process); SGLang's side is
 validated in this process (what a side of `--backends` runs, without another interpreter importing the engines) and
 compared with that run's HF artifact.

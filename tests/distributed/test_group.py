@@ -237,7 +237,7 @@ def test_a_rank_with_only_text_rows_and_a_rank_with_images_complete_the_step(ray
             assert mine is None or torch.equal(mine, theirs), f"row {row}: dp=2 recorded other experts"
     expected = reference.update(batch, old, advantages)
     assert_same_metrics(expected, got)
-    items, encoded = (4.0, 2.0) if processor.family.image_layout == "patches" else (  # tiles: each tile an item
+    items, encoded = (4.0, 2.0) if processor.family.inputs.image_layout == "patches" else (  # tiles: each tile an item
         sum(len(mm["pixel_values"]) for mm in batch.multi_modal_inputs if mm),
         sum(len(mm["pixel_values"]) for mm in batch.multi_modal_inputs[::2] if mm))  # a prompt's 2 samples share
     assert got["actor/vision_items"] == expected["actor/vision_items"] == items

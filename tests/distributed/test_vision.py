@@ -14,7 +14,7 @@ from vlmrl.models.families import family_of
 
 
 def _forward(model, mb):
-    inputs = family_of(model.config).forward_inputs(dict(
+    inputs = family_of(model.config).inputs.forward_inputs(dict(
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
         pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw))
     return model(**inputs, use_cache=False).logits
@@ -23,7 +23,7 @@ def _forward(model, mb):
 def _vision(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The tower's parameters, and a projector's outside it (InternVL)."""
     family = family_of(model.config)
-    prefixes = tuple(p + "." for p in (family.vision_tower, family.vision_projector) if p)
+    prefixes = tuple(p + "." for p in (family.weights.vision_tower, family.weights.vision_projector) if p)
     return {n: p for n, p in model.named_parameters() if n.startswith(prefixes)}
 
 
@@ -33,7 +33,7 @@ def test_text_only_forward_runs_the_tower_and_changes_nothing(tiny_family, synth
     plain = load_policy(path, torch.float64, torch.device("cpu"))
     wrapped = VisionAlwaysOn(load_policy(path, torch.float64, torch.device("cpu")))
     calls = []
-    wrapped.model.get_submodule(family_of(plain.config).vision_tower).register_forward_hook(
+    wrapped.model.get_submodule(family_of(plain.config).weights.vision_tower).register_forward_hook(
         lambda *args: calls.append(1))
     mb = micro_batch(batch, range(len(batch)), torch.device("cpu"))
     assert mb.pixel_values is None

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 import vlmrl
 import vlmrl.models.families
+import vlmrl.models.family_parts
 from vlmrl.models.families import (
     FAMILIES,
     QWEN2_5_VL,
@@ -27,8 +28,9 @@ from vlmrl.models.families import (
 
 
 def test_doctests():
-    result = doctest.testmod(vlmrl.models.families)
-    assert result.attempted > 0 and result.failed == 0
+    for module in (vlmrl.models.families, vlmrl.models.family_parts):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +106,7 @@ def test_checkpoint_names_are_the_names_transformers_saves(built):
         family = family_for_path(folder)
         with safe_open(str(folder / "model.safetensors"), "pt") as f:
             saved = set(f.keys())
-        renamed = {family.checkpoint_name(n) for n, _ in model.named_parameters()}
+        renamed = {family.weights.checkpoint_name(n) for n, _ in model.named_parameters()}
         assert renamed == saved, f"{name}: renamed but not saved {sorted(renamed - saved)[:4]}, " \
                                  f"saved but not renamed {sorted(saved - renamed)[:4]}"
 
@@ -114,13 +116,14 @@ def test_vision_paths_name_the_tower_and_every_merger(built):
     modules whose outputs leave the tower (for Qwen3-VL: the final merger and each deepstack merger)."""
     for name, (folder, model) in built.items():
         family = family_for_path(folder)
-        tower = model.get_submodule(family.vision_tower)
-        if family.vision_projector is not None:  # InternVL: the projector after the tower, outside it
-            assert tower is model.model.vision_tower and not family.vision_mergers, name
-            assert model.get_submodule(family.vision_projector) is model.model.multi_modal_projector
+        tower = model.get_submodule(family.weights.vision_tower)
+        if family.weights.vision_projector is not None:  # InternVL: the projector after the tower, outside it
+            assert tower is model.model.vision_tower and not family.weights.vision_mergers, name
+            assert model.get_submodule(family.weights.vision_projector) is model.model.multi_modal_projector
             continue
         assert tower is model.model.visual, name
-        merger_params = {n for path in family.vision_mergers for n, _ in tower.get_submodule(path).named_parameters()}
+        merger_params = {n for path in family.weights.vision_mergers
+                         for n, _ in tower.get_submodule(path).named_parameters()}
         assert merger_params, name
     qwen3 = built["Qwen3-VL"][1]
     deepstack = qwen3.config.vision_config.deepstack_visual_indexes
@@ -167,12 +170,13 @@ def test_linear_attention_names_the_gated_deltanet_mixers_and_their_projections(
     `linear_attention_projections`: every one is a Linear of each such mixer, and together they are all of them."""
     _, model = built["Qwen3.5"]
     layers = model.model.language_model.layers
-    mixers = [getattr(layer, QWEN3_5.linear_attention) for layer in layers if hasattr(layer, QWEN3_5.linear_attention)]
+    mixer = QWEN3_5.weights.linear_attention
+    mixers = [getattr(layer, mixer) for layer in layers if hasattr(layer, mixer)]
     assert [type(m).__name__ for m in mixers] == ["Qwen3_5GatedDeltaNet"] * 2
     for mixer in mixers:
         linears = {n for n, m in mixer.named_modules() if isinstance(m, torch.nn.Linear)}
-        assert linears == set(QWEN3_5.linear_attention_projections)
-    assert all(f.linear_attention is None for f in (QWEN2_5_VL, QWEN3_VL))
+        assert linears == set(QWEN3_5.weights.linear_attention_projections)
+    assert all(f.weights.linear_attention is None for f in (QWEN2_5_VL, QWEN3_VL))
 
 
 def test_a_qwen3_5_config_sglang_would_build_other_layers_from_is_an_engine_problem(tiny_qwen3_5_path):

@@ -73,7 +73,7 @@ def test_1d_positions_give_transformers_own_logits(path, processor):
     inputs = processor.prompt_inputs(processor.build_request(image_row("<image> and <image>?", images)))
     mm = inputs.multi_modal_inputs
     ids = inputs.input_ids[None]
-    kwargs = processor.family.forward_inputs(dict(input_ids=ids, position_ids=inputs.position_ids[:, None],
+    kwargs = processor.family.inputs.forward_inputs(dict(input_ids=ids, position_ids=inputs.position_ids[:, None],
                                                   pixel_values=mm["pixel_values"], image_grid_thw=mm["image_grid_thw"]))
     assert set(kwargs) == {"input_ids", "position_ids", "pixel_values"} and kwargs["position_ids"].shape == ids.shape
     with torch.no_grad():
@@ -101,4 +101,4 @@ def test_no_engine_problem_and_sglang_takes_text(path):
     (tests/rollout/internvl/test_sglang.py)."""
     from vlmrl.models.families import INTERNVL, read_model_config
 
-    assert INTERNVL.engine_problems(read_model_config(path)) == [] and not INTERNVL.sglang_prompt_ids
+    assert INTERNVL.engine_problems(read_model_config(path)) == [] and not INTERNVL.engines.sglang_prompt_ids

@@ -41,8 +41,8 @@ def _row(rng: random.Random, processor, num_images: int, placement: str) -> tupl
     """Expanded ids of one prompt: text, then `num_images` images (patch grids of different sizes) placed first,
     in the middle or last, each wrapped in vision start/end tokens as the chat template does."""
     # the delimiters the chat template puts around an image (GLM-4.1V: <|begin_of_image|> / <|end_of_image|>)
-    start, end = ("<|vision_start|>", "<|vision_end|>") if processor.family.image_placeholder == "<|image_pad|>" else (
-        "<|begin_of_image|>", "<|end_of_image|>")
+    qwen = processor.family.inputs.image_placeholder == "<|image_pad|>"
+    start, end = ("<|vision_start|>", "<|vision_end|>") if qwen else ("<|begin_of_image|>", "<|end_of_image|>")
     vision_start, vision_end = processor.tokenizer.convert_tokens_to_ids([start, end])
 
     def text(min_len: int) -> list[int]:

@@ -160,14 +160,14 @@ def test_importing_the_registry_and_backend_modules_imports_no_engine():
 def test_checkpoint_names_follow_the_family():
     """Weight sync renames transformers-5 names into the layout each family's engines load: Qwen2.5-VL's
     checkpoints flatten the nesting, Qwen3-VL's keep it (vLLM's Qwen3-VL loader has no rule for the flat one)."""
-    assert QWEN2_5_VL.checkpoint_name("model.language_model.layers.1.mlp.up_proj.bias") == \
-        "model.layers.1.mlp.up_proj.bias"
-    assert QWEN2_5_VL.checkpoint_name("model.visual.merger.mlp.0.weight") == "visual.merger.mlp.0.weight"
-    assert QWEN2_5_VL.checkpoint_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
-    assert QWEN2_5_VL.checkpoint_name("lm_head.weight") == "lm_head.weight"
+    name = QWEN2_5_VL.weights.checkpoint_name
+    assert name("model.language_model.layers.1.mlp.up_proj.bias") == "model.layers.1.mlp.up_proj.bias"
+    assert name("model.visual.merger.mlp.0.weight") == "visual.merger.mlp.0.weight"
+    assert name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert name("lm_head.weight") == "lm_head.weight"
     for name in ("model.language_model.layers.1.mlp.up_proj.bias", "model.visual.deepstack_merger_list.0.norm.weight",
                  "model.visual.merger.linear_fc1.weight", "lm_head.weight"):
-        assert QWEN3_VL.checkpoint_name(name) == name
+        assert QWEN3_VL.weights.checkpoint_name(name) == name
     merger = "model.visual.merger.linear_fc1.weight"
     for family, name, key in ((QWEN3_VL, merger, merger),
                               (QWEN2_5_VL, "model.visual.merger.mlp.0.weight", "visual.merger.mlp.0.weight")):

@@ -302,15 +302,15 @@ def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(family):
         ids = prompt.input_ids[None]
 
         def step():
-            inputs = processor.family.forward_inputs(dict(input_ids=ids, position_ids=prompt.position_ids[:, None],
-                                                          **prompt.multi_modal_inputs))
+            inputs = processor.family.inputs.forward_inputs(dict(
+                input_ids=ids, position_ids=prompt.position_ids[:, None], **prompt.multi_modal_inputs))
             model(**inputs).logits.sum().backward()
 
         grids = prompt.multi_modal_inputs["image_grid_thw"].tolist() if images else []
         embedding = 6 * text.vocab_size * text.hidden_size * ids.shape[1]
         expected = flops.update_flops([ids.shape[1]], grids) - embedding - _not_counted_by_torch(flops, [ids.shape[1]])
         assert _counted(step) == expected, (variant, len(images), ids.shape[1])
-    if processor.family.image_layout == "tiles":  # InternVL: 3 tiles through the tower and the projector after it
+    if family.inputs.image_layout == "tiles":  # InternVL: 3 tiles through the tower and the projector after it
         tiles = torch.randn(3, 3, processor.tile, processor.tile)
 
         def encode_tiles():
@@ -322,7 +322,7 @@ def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(family):
     patch = model.config.vision_config
     width = patch.in_channels * patch.temporal_patch_size * patch.patch_size ** 2
     # GLM-4.1V's tower takes a video's frames as one grid row each (its get_video_features flattens them)
-    for grid in ([1, 16, 16], [1, 8, 12] if family.video_timing is None else [2, 8, 12]):
+    for grid in ([1, 16, 16], [1, 8, 12] if family.inputs.video_timing is None else [2, 8, 12]):
         pixels = torch.randn(grid[0] * grid[1] * grid[2], width)
 
         def encode():

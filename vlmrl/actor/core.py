@@ -203,7 +203,7 @@ def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float,
         keep = mb.response_width + 1  # positions P-1 .. L-2 predict the response tokens P .. L-1
     head = _ResponseHead(model.get_output_embeddings(), labels, temperature, chunk, with_entropy, entropy_grad,
                          drop_last=not packed)
-    inputs = family_of(model.config).forward_inputs(dict(  # a 1-D family: the first position row; tiles: no grid
+    inputs = family_of(model.config).inputs.forward_inputs(dict(  # a 1-D family: the first position row; tiles: no grid
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
         pixel_values=pixel_values, image_grid_thw=mb.image_grid_thw, **videos))
     with _output_head(model, head):

@@ -71,15 +71,15 @@ def vision_patterns(model: torch.nn.Module, vision: str) -> list[str]:
     from vlmrl.models.families import family_of
 
     family = family_of(model.config)
-    tower = re.escape(family.vision_tower)
+    tower = re.escape(family.weights.vision_tower)
     patterns = []
     if vision in ("tower", "tower+merger"):
-        patterns.append(rf"{tower}\.{re.escape(family.vision_blocks)}\.\d+\..+")
+        patterns.append(rf"{tower}\.{re.escape(family.weights.vision_blocks)}\.\d+\..+")
     if vision in ("merger", "tower+merger"):
-        if family.vision_projector is not None:
-            patterns.append(rf"{re.escape(family.vision_projector)}\..+")
+        if family.weights.vision_projector is not None:
+            patterns.append(rf"{re.escape(family.weights.vision_projector)}\..+")
         else:
-            patterns.append(rf"{tower}\.({'|'.join(re.escape(m) for m in family.vision_mergers)})\..+")
+            patterns.append(rf"{tower}\.({'|'.join(re.escape(m) for m in family.weights.vision_mergers)})\..+")
     return patterns
 
 
@@ -98,11 +98,11 @@ def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     from vlmrl.models.families import family_of
 
     family = family_of(model.config)
-    vision_side = family.vision_prefixes
+    vision_side = family.weights.vision_prefixes
     vision = vision_patterns(model, lora.vision)
     targets = list(lora.target_modules)
     if targets == QWEN_VL_LM_PROJECTIONS:  # the default: every projection of the family's language layers
-        targets += family.linear_attention_projections + family.fused_projections
+        targets += family.weights.linear_attention_projections + family.weights.fused_projections
     exclude = re.compile(lora.exclude_modules) if lora.exclude_modules else None
     names = []
     for name, module in model.named_modules():
@@ -132,7 +132,7 @@ def expert_parameters(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     if family.experts is None:
         raise ValueError(f"actor.lora.experts=true, but {type(model).__name__} ({family.name}) is a dense model: it "
                          "has no routed experts to adapt; set actor.lora.experts=false")
-    vision_side = family.vision_prefixes
+    vision_side = family.weights.vision_prefixes
     names = [f"{name}.{param}" for name, module in model.named_modules()
              if name.endswith(".mlp.experts") and not name.startswith(vision_side)
              for param in EXPERT_PARAMETERS if isinstance(getattr(module, param, None), torch.nn.Parameter)]
@@ -204,7 +204,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     adapted = adapted_modules(wrapped)
     experts = [n for n in adapted if _EXPERT_PART.match(n)]
     layers = [n for n in adapted if not _EXPERT_PART.match(n)]
-    vision_side = family_of(model.config).vision_prefixes
+    vision_side = family_of(model.config).weights.vision_prefixes
     logger.info("LoRA rank %d alpha %g on %d layers (%d of the vision side; vision: %s)%s: %.3fM adapter parameters, "
                 "base frozen", lora.rank, lora.alpha, len(layers), sum(n.startswith(vision_side) for n in layers),
                 lora.vision, f" and {len(experts)} fused expert parameters (synced merged)" if experts else "",
@@ -415,8 +415,8 @@ class LoraSync:
         self.lora, self.config = lora, peft_model.peft_config["default"]
         self.adapted = adapted_modules(peft_model)
         family = family_of(base_model_of(peft_model).config)
-        self.vision_side = family.vision_prefixes
-        self.unserved_parts = family.lora_unserved
+        self.vision_side = family.weights.vision_prefixes
+        self.unserved_parts = family.engines.lora_unserved
         self.scaling = lora_scaling(lora)
         self.folder = Path(tempfile.mkdtemp(prefix="vlmrl-lora-sync-"))
         self.version = 0
@@ -429,7 +429,7 @@ class LoraSync:
         (`vlmrl.rollout.registry.backend_options`): vLLM then loads the adapter and drops its vision layers without a
         word, and serves a policy the trainer is not training. Or adapters on the routed experts (lora.experts):
         whether vLLM serves those is unproven. Or adapters on layers the family's vLLM model takes no LoRA on
-        (`ModelFamily.lora_unserved`: InternVL's projector and its tower's attention output)."""
+        (`EngineFacts.lora_unserved`: InternVL's projector and its tower's attention output)."""
         head = [m for m in self.adapted if m == "lm_head" or m.endswith(".lm_head")]
         vision = [m for m in self.adapted if m.startswith(self.vision_side)] if self.lora.vision == "off" else []
         experts = [m for m in self.adapted if _EXPERT_PART.match(m)]

@@ -98,7 +98,7 @@ def add_row_boundaries(model: torch.nn.Module) -> int:
     forward apart; returns how many layers that is (0 for a family without linear attention)."""
     from vlmrl.models.families import family_of
 
-    attribute = family_of(model.config).linear_attention
+    attribute = family_of(model.config).weights.linear_attention
     if attribute is None:
         return 0
     layers = [m for m in model.modules() if isinstance(getattr(m, attribute, None), torch.nn.Module)]

@@ -127,7 +127,7 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
     if config.freeze_vision_tower:  # the tower with its mergers; a projector after it (InternVL) still trains
         from vlmrl.models.families import family_of
 
-        model.get_submodule(family_of(model.config).vision_tower).requires_grad_(False)
+        model.get_submodule(family_of(model.config).weights.vision_tower).requires_grad_(False)
     reference, adapters = None, None
     if lora:
         from vlmrl.actor.lora import ADAPTER_DIR, apply_lora, load_adapter_weights

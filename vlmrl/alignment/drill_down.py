@@ -142,9 +142,10 @@ def drill_down(actor, reference_model: torch.nn.Module, batch, row: int, *, fami
     batch of the engine's samples)."""
     from vlmrl.actor.core import forward_response, micro_batch
 
-    names = watched_modules(actor.model, family.vision_tower, family.vision_mergers, family.vision_projector)
-    reference_names = watched_modules(reference_model, family.vision_tower, family.vision_mergers,
-                                      family.vision_projector)
+    weights = family.weights
+    names = watched_modules(actor.model, weights.vision_tower, weights.vision_mergers, weights.vision_projector)
+    reference_names = watched_modules(reference_model, weights.vision_tower, weights.vision_mergers,
+                                      weights.vision_projector)
     trainer_mb = micro_batch(batch, [row], actor.device, packed=actor.config.padding_free)
     reference_mb = micro_batch(batch, [row], next(reference_model.parameters()).device)
 

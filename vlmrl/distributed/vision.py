@@ -4,7 +4,7 @@ carry no image.
 With FSDP2 every rank must run the same blocks in the same order; a micro-batch without an image would skip the tower
 on its rank while another runs it, and gloo aborts or the group hangs (measured: skipping it, or running it without
 using the output, fails). So the tower runs on a dummy image and the outputs of every merger the family names
-(`ModelFamily.vision_mergers`, Qwen3-VL's deepstack mergers included) are added to the input embeddings with weight 0:
+(`WeightsLayout.vision_mergers`, Qwen3-VL's deepstack mergers included) are added to the input embeddings with weight 0:
 numerically identical to the plain model (x + 0 == x), and the backward reaches every vision tensor on every rank.
 The measurements: docs/distributed.md, "Why the vision tower runs on every rank"."""
 
@@ -32,7 +32,7 @@ class VisionAlwaysOn(nn.Module):
         # paths, not modules: a module attribute would register the tower a second time (state-dict names twice)
         self.family = family_of(model.config)
         vision = model.config.vision_config
-        if self.family.image_layout == "tiles":  # pixel_values rows are whole (C, S, S) tiles
+        if self.family.inputs.image_layout == "tiles":  # pixel_values rows are whole (C, S, S) tiles
             side = vision.image_size
             self.tile_shape = (int(vision.num_channels), *(int(x) for x in (side if isinstance(side, (list, tuple))
                                                                              else (side, side))))
@@ -62,9 +62,9 @@ class VisionAlwaysOn(nn.Module):
             return self.model(input_ids=input_ids, pixel_values=pixel_values, **grid, **kwargs)
         from vlmrl.actor.lora import base_model_of
 
-        if self.family.image_layout == "tiles":  # one dummy tile through the tower and the projector
+        if self.family.inputs.image_layout == "tiles":  # one dummy tile through the tower and the projector
             hf = base_model_of(self.model)
-            tower = hf.get_submodule(self.family.vision_tower)
+            tower = hf.get_submodule(self.family.weights.vision_tower)
             dummy = torch.zeros(1, *self.tile_shape, dtype=tower.dtype, device=input_ids.device)
             # the class's method: not the per-forward sharing wrapper, which would count the dummy as an image
             features = type(hf.model).get_image_features(hf.model, pixel_values=dummy, return_dict=True).pooler_output
@@ -73,8 +73,8 @@ class VisionAlwaysOn(nn.Module):
         # run before the decoder, like a real image, so that every rank all-gathers blocks in the same order
         dummy_grid = torch.tensor([[1, self.merge, self.merge]], device=input_ids.device)
         hf = base_model_of(self.model)  # with LoRA the wrapped model is a PeftModel around the HF model
-        tower = hf.get_submodule(self.family.vision_tower)
-        mergers = _merger_modules(tower, self.family.vision_mergers)
+        tower = hf.get_submodule(self.family.weights.vision_tower)
+        mergers = _merger_modules(tower, self.family.weights.vision_mergers)
         dummy = torch.zeros(self.merge * self.merge, self.patch_dim, dtype=tower.dtype, device=input_ids.device)
         outputs: list[torch.Tensor] = []
         hooks = [m.register_forward_hook(lambda _m, _args, out: outputs.append(out)) for m in mergers]

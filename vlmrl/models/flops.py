@@ -166,7 +166,7 @@ def _text(family: ModelFamily, text: dict[str, Any], gated_query: bool = False) 
     attention_params = h * ((2 if gated_query else 1) * heads * head_dim + 2 * kv_heads * head_dim + heads * head_dim)
     linear = None
     attending = layers
-    if family.linear_attention is not None:
+    if family.weights.linear_attention is not None:
         kinds = text.get("layer_types") or ["full_attention"] * layers
         attending = sum(kind == "full_attention" for kind in kinds)
         k_heads, v_heads = text["linear_num_key_heads"], text["linear_num_value_heads"]

@@ -33,7 +33,7 @@ def save_model(model: Any, folder: str | Path) -> None:
     shape = ExpertShape.of(model.config)
     layout = family.experts.checkpoint_layout
     to_checkpoint_layout(folder, layout, shape)
-    memory = [family.checkpoint_name(name) for name in model.state_dict() if FUSED_NAME.match(name)]
+    memory = [family.weights.checkpoint_name(name) for name in model.state_dict() if FUSED_NAME.match(name)]
     check_expert_names(folder, set(convert_names(memory, layout, shape)), layout, shape)
 
 

@@ -1,6 +1,6 @@
 """The processor every model family shares: dataset row -> `RolloutRequest`, and request -> the trainer's inputs
 (expanded ids, multi_modal_inputs, position ids). What differs with the family's image layout
-(`ModelFamily.image_layout`) is a subclass's: `vlmrl.processors.patches.PatchesProcessor` (Qwen-VL-style families,
+(`InputFormat.image_layout`) is a subclass's: `vlmrl.processors.patches.PatchesProcessor` (Qwen-VL-style families,
 GLM-4.1V) or `vlmrl.processors.tiles.TilesProcessor` (InternVL); `vlmrl.processors.loading.load_processor` builds
 the family's. What differs per family within a layout (placeholder tokens, pixel bounds, timing of videos) is read
 from its `vlmrl.models.families.ModelFamily`.
@@ -44,8 +44,8 @@ class Processor:
         self.tokenizer = hf_processor.tokenizer
         self.image_processor = hf_processor.image_processor
         vocab = self.tokenizer.convert_tokens_to_ids
-        self.image_token_id: int = int(model_config.get("image_token_id", vocab(family.image_placeholder)))
-        self.video_token_id: int = int(model_config.get("video_token_id", vocab(family.video_placeholder)))
+        self.image_token_id: int = int(model_config.get("image_token_id", vocab(family.inputs.image_placeholder)))
+        self.video_token_id: int = int(model_config.get("video_token_id", vocab(family.inputs.video_placeholder)))
         self.banned_token_ids: list[int] = [self.image_token_id, self.video_token_id]
         self.eos_token_ids: list[int] = _eos_ids(generation_config, self.tokenizer.eos_token_id)
         pad = self.tokenizer.pad_token_id
@@ -132,11 +132,11 @@ class Processor:
         found = prompt_ids.count(self.image_token_id)
         family = self.family
         if found != len(images):  # e.g. a literal <|image_pad|> typed in the prompt text
-            self._bad_image(index, f"the rendered prompt holds {found} {family.image_placeholder} tokens for "
+            self._bad_image(index, f"the rendered prompt holds {found} {family.inputs.image_placeholder} tokens for "
                                    f"{len(images)} images")
         found = prompt_ids.count(self.video_token_id)
         if found != len(videos):
-            self._bad_image(index, f"the rendered prompt holds {found} {family.video_placeholder} tokens for "
+            self._bad_image(index, f"the rendered prompt holds {found} {family.inputs.video_placeholder} tokens for "
                                    f"{len(videos)} videos")
         expanded = (len(prompt_ids) - len(images) + sum(self.image_token_count(im) for im in images)
                     - len(videos) + sum(self.video.token_count(v) for v in videos))
@@ -190,7 +190,7 @@ class Processor:
         merged patch), as the trainer's forward needs. image_grid_thw / video_grid_thw: (N, 3) for the N images /
         videos of these ids, in order; `videos`: those videos, needed where the family puts each video's
         timestamps in the text (Qwen3-VL: `VideoSupport.expansion`)."""
-        timed = self.family.timestamps_in_text
+        timed = self.family.inputs.timestamps_in_text
         if timed and video_grid_thw is not None and len(videos) != len(video_grid_thw):
             raise ValueError(f"{self.family.name} videos expand with their timestamps: pass the {len(video_grid_thw)} "
                              f"videos of these ids (got {len(videos)})")
@@ -201,7 +201,7 @@ class Processor:
             rows = [] if grid is None else grid.tolist()
             count = sum(1 for t in prompt_ids if t == token)
             if count != len(rows):
-                placeholder = getattr(self.family, f"{name}_placeholder")
+                placeholder = getattr(self.family.inputs, f"{name}_placeholder")
                 raise ValueError(f"{count} {placeholder} tokens in the prompt ids but {len(rows)} {name} grids")
             grids[token] = iter(rows)
         expanded: list[int] = []

@@ -74,12 +74,12 @@ def model_bound_problems(config: DataConfig, model_dir: str | Path) -> list[str]
         return []
     image, video = _processor_sizes(Path(model_dir))
     checks = []
-    if family.image_layout == "tiles":
+    if family.inputs.image_layout == "tiles":
         problem = tiles_bounds_problem(config, family.name)
         return [problem] if problem else []
     if image is not None:
-        checks.append(lambda: image_bounds(config, image, family.image_bound_copies))
-    if video is not None and family.video_timing is not None and not family.video_bounds_per_video:
+        checks.append(lambda: image_bounds(config, image, family.inputs.image_bound_copies))
+    if video is not None and family.inputs.video_timing is not None and not family.inputs.video_bounds_per_video:
         checks.append(lambda: video_frame_bounds(config, video))
     problems = []
     for check in checks:

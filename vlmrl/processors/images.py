@@ -116,7 +116,7 @@ class ImageSizing:
     max_pixels: int
     """Pixels of one image, data.min_pixels / data.max_pixels or the model's (lying within `model_bounds`)."""
     copies: int = 1
-    """How many copies of an image the processor's bounds count (`ModelFamily.image_bound_copies`): GLM-4.1V's 2
+    """How many copies of an image the processor's bounds count (`InputFormat.image_bound_copies`): GLM-4.1V's 2
     (t x h x w, glm4v's rule in `processor_size`), else 1 (qwen2_vl's rule)."""
     model_bounds: tuple[int, int] | None = None
     """The model's image processor's own (shortest_edge, longest_edge), counting `copies`: what the engines and the

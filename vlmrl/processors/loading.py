@@ -36,7 +36,7 @@ def load_processor(model_path: str, config: DataConfig | None = None) -> Process
     model_config = read_model_config(path)
     hf_processor = AutoProcessor.from_pretrained(str(path))
     generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
-    kind = TilesProcessor if family.image_layout == "tiles" else PatchesProcessor
+    kind = TilesProcessor if family.inputs.image_layout == "tiles" else PatchesProcessor
     processor = kind(hf_processor, model_config, generation, config, family)
     logger.info("processor for %s (%s): %s, max_prompt_length %d", path, family.name, processor.image_summary(),
                 processor.config.max_prompt_length)

@@ -1,4 +1,4 @@
-"""The processor of the patch layout (`ModelFamily.image_layout == "patches"`): Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+"""The processor of the patch layout (`InputFormat.image_layout == "patches"`): Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
 Qwen3.5 and their MoE models, GLM-4.1V. An image is resized once, as the model's image processor sizes it (sides
 multiples of patch size x merge size, within the pixel bounds), and its placeholder expands to one token per merged
 patch; videos are sampled and sized alike (`vlmrl.processors.video`); position ids are 3D mrope
@@ -31,7 +31,8 @@ class PatchesProcessor(Processor):
         """Resized image sides are multiples of this: the model's patch size x merge size."""
         self.min_pixels, self.max_pixels = self._pixel_bounds()
         size = self.image_processor.size
-        self.sizing = ImageSizing(self.image_factor, self.min_pixels, self.max_pixels, self.family.image_bound_copies,
+        self.sizing = ImageSizing(self.image_factor, self.min_pixels, self.max_pixels,
+                                  self.family.inputs.image_bound_copies,
                                   (int(size["shortest_edge"]), int(size["longest_edge"])))
         """How images are resized: as the model's image processor sizes them, within min_pixels..max_pixels."""
 
@@ -48,7 +49,7 @@ class PatchesProcessor(Processor):
         """Config bounds, checked to lie within the model's (`vlmrl.processors.bounds.image_bounds`): the engines
         run the model's image processor, which must find our resized images already valid (else it resizes again
         and the two sides disagree)."""
-        return image_bounds(self.config, self.image_processor.size, self.family.image_bound_copies)
+        return image_bounds(self.config, self.image_processor.size, self.family.inputs.image_bound_copies)
 
     def image_grid_thw(self, images: Sequence[Any]) -> torch.Tensor:
         """(N, 3) long patch grid (t, h, w) of already-resized images, from their sizes (no pixel work)."""
@@ -90,4 +91,4 @@ class PatchesProcessor(Processor):
                                   spatial_merge_size=self.spatial_merge_size, video_token_id=self.video_token_id,
                                   video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts,
                                   tokens_per_second=self.video.tokens_per_second,
-                                  video_per_frame=self.family.timestamps_in_text)
+                                  video_per_frame=self.family.inputs.timestamps_in_text)

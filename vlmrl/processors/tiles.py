@@ -1,4 +1,4 @@
-"""The processor of the tile layout (`ModelFamily.image_layout == "tiles"`: InternVL3.5 in transformers' format):
+"""The processor of the tile layout (`InputFormat.image_layout == "tiles"`: InternVL3.5 in transformers' format):
 `TilesProcessor`, the image methods of `vlmrl.processors.base.Processor` for tiled images. What differs from the
 patch layout (`vlmrl.processors.patches`):
 
@@ -9,7 +9,7 @@ patch layout (`vlmrl.processors.patches`):
   `<img>` + tokens-per-tile x tiles `<IMG_CONTEXT>` + `</img>`, as transformers' InternVLProcessor writes it.
 - `pixel_values` are (tiles, C, S, S). vlmrl's bookkeeping describes each image by the rows of `pixel_values` it
   owns as an `image_grid_thw` row (tiles, 1, 1), so that slicing, hashing and reports treat both layouts alike; the
-  model's forward never sees it (`ModelFamily.forward_inputs`).
+  model's forward never sees it (`InputFormat.forward_inputs`).
 - Position ids are 1-D (a Qwen3 language model): the three rows of vlmrl's batches are equal, and the forward takes
   the first.
 """

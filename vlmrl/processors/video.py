@@ -8,7 +8,7 @@ frame within [video_min_pixels, video_max_pixels] and all frames together within
 Qwen3-VL, within its video processor's per-video bounds), so every backend gets the same uint8 frames and the same
 timing (`vlmrl.types.Video`), and no engine samples or resizes again.
 
-The timing reaches the model as its family carries it (`ModelFamily.video_timing`): Qwen2/2.5-VL through
+The timing reaches the model as its family carries it (`InputFormat.video_timing`): Qwen2/2.5-VL through
 second_per_grid_ts in the position ids; Qwen3-VL as `<x.x seconds>` text before each temporal patch
 (`VideoSupport.expansion`), its grid split per temporal patch for the position ids.
 
@@ -145,7 +145,7 @@ class FrameSizing:
     """The model's video processor's own (shortest_edge, longest_edge): what the engines and the trainer resize by;
     per frame, or per video where `per_video`. None: sizes are not checked against it."""
     per_video: bool = False
-    """The processor's bounds hold for all frames of a video together (`ModelFamily.video_bounds_per_video`)."""
+    """The processor's bounds hold for all frames of a video together (`InputFormat.video_bounds_per_video`)."""
 
     def size(self, height: int, width: int, num_frames: int, config: DataConfig, what: str) -> tuple[int, int]:
         """(height, width) the frames of `what` are resized to; VideoInputError where the model's video processor
@@ -342,13 +342,13 @@ class VideoSupport:
         self.model_type = str(model_config.get("model_type", ""))
         self.tokenizer = hf_processor.tokenizer
         vocab = self.tokenizer.convert_tokens_to_ids
-        self.video_token_id = int(model_config.get("video_token_id", vocab(family.video_placeholder)))
+        self.video_token_id = int(model_config.get("video_token_id", vocab(family.inputs.video_placeholder)))
         # the delimiters a Qwen3-VL video repeats around each temporal patch (None in a family without them)
         self.vision_start_id: int | None = _token_id(model_config, "vision_start_token_id", vocab("<|vision_start|>"))
         self.vision_end_id: int | None = _token_id(model_config, "vision_end_token_id", vocab("<|vision_end|>"))
         self.video_bounds: tuple[int, int] | None = None
         """Pixels of all frames of a video together, (min, max): the model's video processor's, where its bounds
-        are per video (`ModelFamily.video_bounds_per_video`); None where they are per frame (`bounds`)."""
+        are per video (`InputFormat.video_bounds_per_video`); None where they are per frame (`bounds`)."""
         self.model_bounds: tuple[int, int] | None = None
         """The model's video processor's own (shortest_edge, longest_edge), per frame or per video; None: no video."""
         self.bounds = self._bounds()
@@ -359,12 +359,12 @@ class VideoSupport:
     def _bounds(self) -> tuple[int, int]:
         """Per-frame pixel bounds: the config's, checked to lie within the model's video processor's (which would
         resize the frames again otherwise, and the engines and the trainer would disagree)."""
-        if self.video_processor is None or self.family.video_timing is None:  # no video: `load` refuses them
+        if self.video_processor is None or self.family.inputs.video_timing is None:  # no video: `load` refuses them
             return (self.config.video_min_pixels or 0, self.config.video_max_pixels or 0)
         size = self.video_processor.size
         model_min, model_max = int(size["shortest_edge"]), int(size["longest_edge"])
         self.model_bounds = (model_min, model_max)
-        if self.family.video_bounds_per_video:  # checked per video, once its frame count is known
+        if self.family.inputs.video_bounds_per_video:  # checked per video, once its frame count is known
             self.video_bounds = (model_min, model_max)
             return (self.config.video_min_pixels or 0, self.config.video_max_pixels or model_max)
         return video_frame_bounds(self.config, size)
@@ -374,12 +374,13 @@ class VideoSupport:
         engines' rule (`vlmrl.processors.rope`), which the hf backend and the trainer use too."""
         if self.video_processor is None:
             raise VideoInputError("the model's processor has no video processor: it takes no video")
-        if self.family.video_timing is None:
+        if self.family.inputs.video_timing is None:
             raise VideoInputError(f"vlmrl takes no video for {self.family.name}")
-        if self.family.video_model_types is not None and self.model_type not in self.family.video_model_types:
+        video_types = self.family.inputs.video_model_types
+        if video_types is not None and self.model_type not in video_types:
             raise VideoInputError(
                 f"vlmrl takes no video for model_type {self.model_type!r} (video: "
-                f"{', '.join(self.family.video_model_types)}); Qwen2-VL spaces a video's temporal position ids "
+                f"{', '.join(video_types)}); Qwen2-VL spaces a video's temporal position ids "
                 "one per temporal patch, which vlmrl does not compute yet")
         return load_video(source, self.config, self.sizing)
 
@@ -406,7 +407,7 @@ class VideoSupport:
     def token_count(self, video: Video) -> int:
         """How many tokens one video's `<|video_pad|>` expands to (Qwen3-VL: with its timestamps and per-frame
         vision start/end tokens)."""
-        if self.family.timestamps_in_text:
+        if self.family.inputs.timestamps_in_text:
             return len(self.expansion(video))
         t, h, w = self.grid(video)
         return t * h * w // self.merge**2
@@ -429,7 +430,7 @@ class VideoSupport:
         timestamp is tokenized alone, as vLLM and SGLang do (special tokens split the text the same way in HF's)."""
         t, h, w = grid if grid is not None else self.grid(video)
         per_frame = h * w // self.merge**2
-        if not self.family.timestamps_in_text:
+        if not self.family.inputs.timestamps_in_text:
             return [self.video_token_id] * (t * per_frame)
         stamps = self.timestamps(video)
         if len(stamps) != t:
@@ -457,7 +458,7 @@ class VideoSupport:
         if not torch.equal(grid, expected):
             raise RuntimeError(f"request {uid}: video processor grid {grid.tolist()} != the sampled frames' "
                                f"{expected.tolist()}; check video_min_pixels/video_max_pixels against the model's")
-        if self.family.timestamps_in_text:
+        if self.family.inputs.timestamps_in_text:
             return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid}
         seconds = torch.tensor([self.second_per_grid(v) for v in videos], dtype=torch.float32)
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid,

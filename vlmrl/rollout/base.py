@@ -93,7 +93,7 @@ class BackendOptions:
             return self.rollout.dtype
         if torch.cuda.is_available() if on_cuda is None else on_cuda:
             return "bfloat16"
-        return (family.cpu_engine_dtype if family is not None else None) or "float32"
+        return (family.engines.cpu_engine_dtype if family is not None else None) or "float32"
 
     @classmethod
     def from_kwargs(cls, backend: str, options: dict[str, Any]) -> BackendOptions:

@@ -35,7 +35,7 @@ class HFBackend(RolloutBackend):
         self.device = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         self._runner = DeadlineRunner(self.name)
         self.model = self._runner.call("load the model", self._load, self.rollout.start_timeout_s)
-        self._params = {self.processor.family.checkpoint_name(n): p for n, p in self.model.named_parameters()}
+        self._params = {self.processor.family.weights.checkpoint_name(n): p for n, p in self.model.named_parameters()}
 
     def _load(self):
         from transformers import AutoModelForImageTextToText, GenerationConfig
@@ -47,7 +47,8 @@ class HFBackend(RolloutBackend):
         # generation_config.json (Qwen2.5-Instruct ships repetition_penalty 1.05, top_k, top_p...). The engines take
         # the sampling settings vlmrl passes and nothing else, so the reference must not inherit those either.
         model.generation_config = GenerationConfig()
-        if self.processor.family.video_timing == "second_per_grid_ts":  # one grid per video: t can pass max(h, w)
+        # one grid per video: t can pass max(h, w)
+        if self.processor.family.inputs.video_timing == "second_per_grid_ts":
             _engine_rule_rope_index(model.model, self.processor)
         return model.to(self.device).eval()
 
@@ -75,7 +76,7 @@ class HFBackend(RolloutBackend):
         inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "mm_token_type_ids": types}
         for key, value in mm.items():
             inputs[key] = value.to(self.model.dtype) if key.startswith("pixel_values") else value
-        inputs = self.processor.family.forward_inputs(inputs)  # the keys this family's forward takes
+        inputs = self.processor.family.inputs.forward_inputs(inputs)  # the keys this family's forward takes
         return {k: v.to(self.device) for k, v in inputs.items()}
 
     @torch.no_grad()

@@ -115,7 +115,7 @@ def engine_args(model_path: str, options: BackendOptions, family: ModelFamily | 
         # trainer beside it needs
         args.update(device="cpu", disable_cuda_graph=True, max_total_tokens=o.max_total_tokens or 8192,
                     attention_backend=o.attention_backend or "torch_native", sleep_on_idle=True,
-                    **dict(family.sglang_cpu_args if family else ()))
+                    **dict(family.engines.sglang_cpu_args if family else ()))
     else:
         if o.max_total_tokens:
             args["max_total_tokens"] = o.max_total_tokens
@@ -154,7 +154,7 @@ class SGLangCommon(RolloutBackend):
         self.weights_backed_up = False
         """The memory saver keeps a host copy of the weights (enable_weights_cpu_backup): they survive a sleep."""
         family = self.processor.family
-        self.salt_mm_hashes = family.sglang_caller_mm_hashes
+        self.salt_mm_hashes = family.engines.sglang_caller_mm_hashes
         """Send mm_hashes salted with the weight version; where SGLang cannot take them (the family says), the
         engine must run with no multimodal cache instead: flush_cache after a sync then drops everything old."""
         if not self.salt_mm_hashes and self.rollout.sglang.vlm_cache_size_mb:
@@ -175,7 +175,7 @@ class SGLangCommon(RolloutBackend):
         ids = self.processor.expand_prompt_ids(request.prompt_ids, mm.get("image_grid_thw"), mm.get("video_grid_thw"),
                                                request.videos)
         entry: dict[str, Any] = {"format": "processor_output", **mm}
-        if self.processor.family.sglang_video_per_step_grids:
+        if self.processor.family.engines.sglang_video_per_step_grids:
             entry.update(per_step_video_grids(self.processor, ids, mm))
         if len(request.videos) == 1 and not request.images:
             # SGLang keys its prefix cache on a hash of the pixel values alone, so the same frames at another fps
@@ -193,7 +193,7 @@ class SGLangCommon(RolloutBackend):
         from vlmrl.processors.images import image_hash
 
         draws = 1 if sampling.greedy else sampling.n
-        key = "input_ids" if self.processor.family.sglang_prompt_ids else self.text_key
+        key = "input_ids" if self.processor.family.engines.sglang_prompt_ids else self.text_key
         entries: dict[str, list] = {key: [], "image_data": [], "sampling_params": [], "mm_hashes": []}
         with_video = any(r.videos for r in requests)
         if with_video:
@@ -285,7 +285,7 @@ class SGLangCommon(RolloutBackend):
         if len(outputs) != len(requests) * draws:
             raise RolloutError(f"{self.name}: {len(outputs)} outputs for {len(requests)} requests x {draws}")
         results = []
-        text_form = not self.processor.family.sglang_prompt_ids
+        text_form = not self.processor.family.engines.sglang_prompt_ids
         for position, request in enumerate(requests):
             own = outputs[position * draws:(position + 1) * draws]
             if text_form:  # the engine expanded a text prompt: its length must be the trainer's expansion
@@ -316,7 +316,7 @@ class SGLangCommon(RolloutBackend):
             raise RolloutError(
                 f"{self.name}: the engine returns logprobs after temperature ({h.response_logprobs[0]:.4f} at T=5 "
                 f"vs {g.response_logprobs[0]:.4f} raw); start it with SGLANG_RETURN_ORIGINAL_LOGPROB=1")
-        if not self.processor.family.sglang_prompt_ids:
+        if not self.processor.family.engines.sglang_prompt_ids:
             self.check_text_prompts(generate)
 
     def start_args(self) -> dict[str, Any]:
@@ -348,7 +348,7 @@ class SGLangCommon(RolloutBackend):
 
 def per_step_video_grids(processor: Any, ids: Sequence[int], mm: dict[str, Any]) -> dict[str, Any]:
     """The `processor_output` keys that make sglang 0.5.23's Qwen2.5-VL tower attend within each temporal patch of
-    a video, as transformers does (`ModelFamily.sglang_video_per_step_grids`): `video_grid_thw` with one (1, h, w)
+    a video, as transformers does (`EngineFacts.sglang_video_per_step_grids`): `video_grid_thw` with one (1, h, w)
     row per temporal patch (the patches are already in that order in `pixel_values_videos`), and the prompt's mrope
     positions from vlmrl (`mrope_positions` (3, L), `mrope_position_delta`), since SGLang's own would read the rows
     as t videos."""

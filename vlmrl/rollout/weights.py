@@ -25,7 +25,8 @@ def tied_copies(family: ModelFamily) -> dict[str, str]:
     >>> tied_copies(QWEN2_5_VL), tied_copies(QWEN3_VL)
     ({'lm_head.weight': 'model.embed_tokens.weight'}, {'lm_head.weight': 'model.language_model.embed_tokens.weight'})
     """
-    return {family.checkpoint_name(copy): family.checkpoint_name(source) for copy, source in TIED_COPIES.items()}
+    name = family.weights.checkpoint_name
+    return {name(copy): name(source) for copy, source in TIED_COPIES.items()}
 
 
 @dataclass
@@ -65,13 +66,13 @@ def weight_sync(named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequen
     if names is None:
         named_tensors = list(named_tensors)  # references to tensors that exist anyway: no copy
         names = [name for name, _ in named_tensors]
-        values = {family.checkpoint_name(name): tensor for name, tensor in named_tensors}
+        values = {family.weights.checkpoint_name(name): tensor for name, tensor in named_tensors}
     else:
         values = None
     if experts is not None:
         names = convert_names(names, *experts)
         named_tensors = convert(named_tensors, *experts)
-    keys = [family.checkpoint_name(name) for name in names]
+    keys = [family.weights.checkpoint_name(name) for name in names]
     if not keys:
         raise ValueError("update_weights got no tensors")
     seen: set[str] = set()
@@ -111,12 +112,12 @@ def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], keys: list[str],
     read = 0
     for (name, tensor), key in zip(named_tensors, keys, strict=True):
         read += 1
-        if family.checkpoint_name(name) != key:
+        if family.weights.checkpoint_name(name) != key:
             raise ValueError(f"{backend}: weight {read} is {name!r}, not the announced {key!r}")
         tensor = tensor.detach()
         if dtype is not None and tensor.is_floating_point():
             # on the trainer's device: half the bytes to move for a bf16 engine; float32 where the engine keeps it
-            keep = any(part in key for part in family.float32_in_engines)
+            keep = any(part in key for part in family.engines.float32_in_engines)
             tensor = tensor.to(torch.promote_types(dtype, torch.float32) if keep else dtype)
         tensor = tensor.to("cpu").contiguous()
         if key in sources or key in dropped:

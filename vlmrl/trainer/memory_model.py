@@ -153,7 +153,8 @@ class ModelFacts:
 def text_shape(text: Any, model: Any, family: Any) -> TextShape:
     """The language model's widths: `text` its transformers config, layer kinds counted on the built `model`."""
     layers = _decoder_layers(model, family)
-    linear = sum(1 for layer in layers if family.linear_attention and hasattr(layer, family.linear_attention))
+    mixer = family.weights.linear_attention
+    linear = sum(1 for layer in layers if mixer and hasattr(layer, mixer))
     moe = sum(1 for layer in layers if hasattr(getattr(layer, "mlp", None), "experts"))
     qk_norm = any(hasattr(getattr(layer, "self_attn", None), "q_norm") for layer in layers)
     heads = text.num_attention_heads
@@ -182,7 +183,7 @@ def vision_shape(config: Any, model: Any, family: Any) -> VisionShape | None:
     hidden = _first(vision, "embed_dim", "hidden_size")
     intermediate = getattr(vision, "intermediate_size", None) or int(hidden * vision.mlp_ratio)
     patch = _side(vision.patch_size)
-    if family.image_layout == "tiles":  # InternVL: pixel shuffle by downsample_ratio after the tower
+    if family.inputs.image_layout == "tiles":  # InternVL: pixel shuffle by downsample_ratio after the tower
         per_token = round(1 / config.downsample_ratio ** 2)
         values, mergers = _first(vision, "num_channels", "in_channels") * patch * patch, 1
         pixels = patch * patch * per_token
@@ -191,7 +192,7 @@ def vision_shape(config: Any, model: Any, family: Any) -> VisionShape | None:
         values = vision.in_channels * vision.temporal_patch_size * patch * patch
         mergers = 1 + len(getattr(vision, "deepstack_visual_indexes", None) or [])
         pixels = (patch * vision.spatial_merge_size) ** 2
-    blocks = [b for b in _blocks(model) if _name_of(model, b).startswith(family.vision_prefixes)]
+    blocks = [b for b in _blocks(model) if _name_of(model, b).startswith(family.weights.vision_prefixes)]
     mlp = getattr(blocks[0], "mlp", None) if blocks else None
     gated = mlp is not None and any("gate" in name for name, _ in mlp.named_children())
     return VisionShape(depth=_first(vision, "depth", "num_hidden_layers"), hidden=hidden,
@@ -217,7 +218,7 @@ def model_facts(actor: ActorConfig) -> ModelFacts:
         with torch.device("meta"):
             model = AutoModelForImageTextToText.from_config(config)
             if actor.freeze_vision_tower:
-                model.get_submodule(family.vision_tower).requires_grad_(False)
+                model.get_submodule(family.weights.vision_tower).requires_grad_(False)
             if actor.lora.enabled:
                 from vlmrl.actor.lora import apply_lora
 
@@ -231,7 +232,8 @@ def model_facts(actor: ActorConfig) -> ModelFacts:
     base = model.get_base_model() if actor.lora.enabled else model
     units = sorted((_name_of(model, b) for b in _blocks(model)), key=len, reverse=True)
     kv_parts = (".self_attn.k_proj.", ".self_attn.v_proj.")
-    vision_prefixes = tuple(f"base_model.model.{p}" for p in family.vision_prefixes) + family.vision_prefixes
+    own = family.weights.vision_prefixes
+    vision_prefixes = tuple(f"base_model.model.{p}" for p in own) + own
     tensors = []
     for name, param in model.named_parameters():  # tied weights once, as parameters() yields them
         unit = next((u for u in units if name.startswith(u + ".")), ROOT_UNIT)
@@ -260,7 +262,7 @@ def _name_of(model: Any, module: Any) -> str:
 def _decoder_layers(model: Any, family: Any) -> list:
     """The language model's decoder layers: the sharded blocks outside the vision side."""
     names = {id(m): n for n, m in model.named_modules()}
-    return [b for b in _blocks(model) if not names[id(b)].startswith(family.vision_prefixes)]
+    return [b for b in _blocks(model) if not names[id(b)].startswith(family.weights.vision_prefixes)]
 
 
 def _first(config: Any, *names: str) -> Any:

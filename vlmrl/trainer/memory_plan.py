@@ -296,7 +296,7 @@ def memory_plan(config: Config, facts: ModelFacts, device_gib: float = 80.0, tp:
     a, r = config.actor, config.rollout
     layout = replace(run_layout(config), tp=tp or r.tensor_parallel_size)
     k, dp, device, p = layout.tp, layout.dp, int(device_gib * GIB), precision(config, gpu)
-    cpu_dtype = family_of(facts.config).cpu_engine_dtype if facts.config else None
+    cpu_dtype = family_of(facts.config).engines.cpu_engine_dtype if facts.config else None
     trainer = trainer_state(config, facts, dp, p.stream)
     gathered_forward, gathered_update = gathered_units(facts, dp, p.stream)
     mb = micro_batch(config, facts)
