@@ -41,6 +41,10 @@ SHARED = {
     ("sglang", "tiny-glm4v"): {},
     ("vllm", "tiny-internvl"): {},
     ("sglang", "tiny-internvl"): {},
+    # launched servers of the other families: the `full` tier's family matrix (tests/rollout/test_family_contract.py)
+    ("sglang-server", "tiny-qwen3-vl"): {},
+    ("sglang-server", "tiny-glm4v"): {},
+    ("sglang-server", "tiny-internvl"): {},
 }
 ENGINE_FIXTURES = {
     "vllm_qwen2_5_vl": ("vllm", "tiny"),
@@ -102,8 +106,11 @@ ENGINES = SharedEngines()
 
 
 def shared_engines_of(item) -> set[tuple[str, str]]:
-    """The shared engines a test uses, read from the fixtures it requests (directly or through others)."""
+    """The shared engines a test uses, read from the fixtures it requests (directly or through others), or from its
+    class (a family-matrix class names its engine: `shared_engine`)."""
     keys = {ENGINE_FIXTURES[name] for name in item.fixturenames if name in ENGINE_FIXTURES}
+    if getattr(getattr(item, "cls", None), "shared_engine", None):
+        keys.add(item.cls.shared_engine)
     video = [VIDEO_ENGINE_FIXTURES[name] for name in item.fixturenames if name in VIDEO_ENGINE_FIXTURES]
     if video:
         keys |= {(backend, item.callspec.params["video_model_path"]) for backend in video}
@@ -225,25 +232,65 @@ def video_sglang(shared_engines, video_model_path):
     return shared_engines.get("sglang", _embedded_name(video_model_path))
 
 
+class References:
+    """One transformers reference per embedded model for the session, in its engines' dtype (float32; bfloat16 for a
+    family whose CPU engines run only that), with its nine requests and their greedy results: what every engine
+    test of that model compares with, whichever module or matrix class asks."""
+
+    def __init__(self) -> None:
+        self.backends: dict[str, object] = {}
+        self.batches: dict[str, list] = {}
+        self.greedy: dict[str, list] = {}
+
+    def hf(self, model_path: str):
+        if model_path not in self.backends:
+            from vlmrl.models.families import family_for_path
+            from vlmrl.rollout.registry import get_backend
+
+            dtype = family_for_path(model_path).engines.cpu_engine_dtype or "float32"
+            self.backends[model_path] = get_backend("hf", model_path, dtype=dtype, max_model_len=1024, timeout_s=300)
+        return self.backends[model_path]
+
+    def batch(self, model_path: str) -> list:
+        if model_path not in self.batches:
+            self.batches[model_path] = build_batch(self.hf(model_path).processor)
+        return self.batches[model_path]
+
+    def hf_greedy(self, model_path: str) -> list:
+        if model_path not in self.greedy:
+            self.greedy[model_path] = self.hf(model_path).generate(self.batch(model_path), GREEDY)
+        return self.greedy[model_path]
+
+    def close(self) -> None:
+        for backend in self.backends.values():
+            backend.close()
+        self.backends.clear()
+
+
 @pytest.fixture(scope="session")
-def hf(tiny_model_path):
-    """The transformers reference backend (fp32). Tests that edit its weights restore them."""
-    from vlmrl.rollout.registry import get_backend
-
-    with get_backend("hf", tiny_model_path, dtype="float32", max_model_len=1024, timeout_s=300) as backend:
-        yield backend
+def references():
+    refs = References()
+    yield refs
+    refs.close()
 
 
 @pytest.fixture(scope="session")
-def batch(hf):
+def hf(references, tiny_model_path):
+    """The transformers reference backend of `tiny_model_path` (fp32; a folder's own model in its folder). Tests that
+    edit its weights restore them."""
+    return references.hf(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def batch(references, tiny_model_path):
     """Nine requests (0, 1 and 2 images of different sizes) built by vlmrl.processors from dataset rows."""
-    return build_batch(hf.processor)
+    return references.batch(tiny_model_path)
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(hf, batch):
+def hf_greedy(references, tiny_model_path):
     """HF's greedy results for the batch (with top-5 logprobs): what every engine must reproduce."""
-    return hf.generate(batch, GREEDY)
+    return references.hf_greedy(tiny_model_path)
 
 
 @pytest.fixture(scope="module", params=VIDEO_MODELS)

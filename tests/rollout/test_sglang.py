@@ -1,4 +1,4 @@
-"""SGLang Engine backend (fp32, CPU) against the HF reference: the shared engine contract, greedy
+"""SGLang Engine backend (fp32, CPU) against the HF reference: (its engine contract: tests/rollout/test_family_contract.py) greedy
 agreement with HF on an image prompt, and a killed scheduler (last: it ends this module's engine)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, EngineContract, greedy_mismatch, is_near_tie_or_equal
+from tests.rollout.helpers import GREEDY, greedy_mismatch, is_near_tie_or_equal
 from vlmrl.rollout.errors import EngineDeadError
 from vlmrl.types import SamplingParams
 
@@ -19,10 +19,6 @@ pytestmark = pytest.mark.sglang
 def backend(sglang_qwen2_5_vl):
     # Default options: the multimodal embedding cache is off (SGLANG_VLM_CACHE_SIZE_MB=0) and hashes are salted.
     return sglang_qwen2_5_vl
-
-
-class TestSGLangBackend(EngineContract):
-    pass
 
 
 def test_sglang_greedy_on_an_image_prompt_equals_hf_or_near_tie_fp32(backend, hf, batch):

@@ -1,6 +1,6 @@
-"""SGLang HTTP server backend (launched by vlmrl on 127.0.0.1, fp32, CPU) against the HF reference: the shared
-engine contract with SGLang's multimodal embedding cache ON (the weight-versioned mm_hashes alone must keep old
-vision embeddings out), a client given the server's URL, and a killed server (last)."""
+"""SGLang HTTP server backend (launched by vlmrl on 127.0.0.1, fp32, CPU) against the HF reference, with SGLang's
+multimodal embedding cache ON (the weight-versioned mm_hashes alone must keep old vision embeddings out: the engine
+contract runs on this engine in tests/rollout/test_family_contract.py), a client given the server's URL, and a killed server (last)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, EngineContract, greedy_mismatch
+from tests.rollout.helpers import GREEDY, greedy_mismatch
 from vlmrl.rollout.errors import EngineDeadError, RolloutError
 from vlmrl.rollout.registry import get_backend
 
@@ -20,10 +20,6 @@ pytestmark = pytest.mark.sglang
 def backend(sglang_server_qwen2_5_vl):
     assert sglang_server_qwen2_5_vl.url.startswith("http://127.0.0.1:")
     return sglang_server_qwen2_5_vl
-
-
-class TestSGLangServerBackend(EngineContract):
-    pass
 
 
 def test_client_of_a_server_given_by_url(backend, tiny_model_path, batch, hf_greedy):

@@ -1,4 +1,4 @@
-"""vLLM backend (in-process, fp32) against the HF reference: the shared engine contract, greedy
+"""vLLM backend (in-process, fp32) against the HF reference: (its engine contract: tests/rollout/test_family_contract.py) greedy
 agreement with HF on an image prompt, seeds, and the full-state-dict rule of vLLM's weight reload."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, EngineContract, clone_state, greedy_mismatch
+from tests.rollout.helpers import GREEDY, clone_state, greedy_mismatch
 from vlmrl.types import SamplingParams
 
 pytestmark = pytest.mark.vllm
@@ -17,10 +17,6 @@ pytestmark = pytest.mark.vllm
 def backend(vllm_qwen2_5_vl):
     assert vllm_qwen2_5_vl.engine_pids == [], "the tests run vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
     return vllm_qwen2_5_vl
-
-
-class TestVLLMBackend(EngineContract):
-    pass
 
 
 def test_vllm_greedy_on_an_image_prompt_equals_hf_token_for_token_fp32(backend, hf, batch):

@@ -1,12 +1,12 @@
-"""vLLM (in-process, fp32) on the embedded GLM-4.1V against transformers: the shared engine contract (greedy equal on
-nine requests with 0-2 images, n=4 raw logprobs, pad ban, weight sync), and the `attention_bias` setting vlmrl passes
+"""vLLM (in-process, fp32) on the embedded GLM-4.1V against transformers (its engine contract: a line of
+tests/rollout/test_family_contract.py): the `attention_bias` setting vlmrl passes
 where config.json lacks it."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, LOGPROB_TOL, EngineContract, greedy_mismatch, max_drift_from_hf
+from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_mismatch, max_drift_from_hf
 
 pytestmark = pytest.mark.vllm
 
@@ -14,10 +14,6 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def backend(vllm_glm4v):
     return vllm_glm4v
-
-
-class TestVLLMGlm4v(EngineContract):
-    pass
 
 
 def test_config_without_attention_bias_gets_the_setting_and_matches_hf(biasless_model_path, hf, batch, hf_greedy):

@@ -1,14 +1,13 @@
 """SGLang (in-process, fp32) on the embedded InternVL3.5 against transformers. sglang 0.5.23 serves transformers'
 InternVL format only through its Transformers fallback, from chat text: vlmrl sends the request's prompt ids
 decoded to text (checked to tokenize back to them) with the images, checks at start that the engine expands a
-probe's text into exactly the ids the trainer scores, and checks every prompt's expanded length. Then the shared
-engine contract: greedy equal on nine requests, n=4 raw logprobs, pad ban, weight sync, the weight probe."""
+probe's text into exactly the ids the trainer scores, and checks every prompt's expanded length. The engine
+contract on it is a line of tests/rollout/test_family_contract.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.rollout.helpers import EngineContract
 
 pytestmark = pytest.mark.sglang
 
@@ -16,10 +15,6 @@ pytestmark = pytest.mark.sglang
 @pytest.fixture(scope="module")
 def backend(sglang_internvl):
     return sglang_internvl
-
-
-class TestSGLangInternVL(EngineContract):
-    favour_last_positions = True  # as on vLLM (tests/rollout/internvl/test_vllm.py)
 
 
 def test_prompt_ids_that_are_not_their_texts_tokens_are_refused_before_the_engine(backend, batch):

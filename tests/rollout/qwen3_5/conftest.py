@@ -1,6 +1,7 @@
 """The rollout tests of the embedded Qwen3.5 (`tiny-qwen3.5`, bfloat16: the only dtype its engines run on CPU): in
-this folder `tiny_model_path` is that model and `hf` its transformers reference in bfloat16; `batch` and
-`hf_greedy` are tests/rollout/conftest.py's fixtures registered again here, so that they are this folder's own."""
+this folder `tiny_model_path` is that model, and `hf` (its transformers reference, in bfloat16: the family's CPU
+engine dtype), `batch` and `hf_greedy` are tests/rollout/conftest.py's fixtures registered again here, so that they
+are this folder's own."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.rollout.conftest import batch, hf_greedy  # noqa: F401 - registered again: this folder's own copies
+from tests.rollout.conftest import batch, hf, hf_greedy  # noqa: F401 - registered again: this folder's own copies
 
 
 @pytest.fixture(scope="session")
@@ -18,15 +19,6 @@ def tiny_model_path() -> str:
     from vlmrl.models.tiny import ensure_built
 
     return str(ensure_built("tiny-qwen3.5"))
-
-
-@pytest.fixture(scope="session")
-def hf(tiny_model_path):
-    """transformers in bfloat16 (the engines' dtype): the reference. Tests that edit its weights restore them."""
-    from vlmrl.rollout.registry import get_backend
-
-    with get_backend("hf", tiny_model_path, dtype="bfloat16", max_model_len=1024, timeout_s=300) as backend:
-        yield backend
 
 
 def edited_copy(model_path: str, folder: Path, edit) -> str:

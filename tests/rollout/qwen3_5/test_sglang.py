@@ -1,5 +1,5 @@
 """SGLang Engine (bfloat16, CPU, the sgl_kernel stand-in's Gated DeltaNet ops) on the embedded Qwen3.5 against
-transformers in bfloat16: the engine contract in its bfloat16 form, videos, the CPU settings vlmrl starts SGLang
+transformers in bfloat16: (its bfloat16 engine contract and videos: tests/rollout/test_family_contract.py) the CPU settings vlmrl starts SGLang
 with, and the config keys it passes where config.json lacks what SGLang reads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.rollout.helpers import BF16_LOGPROB_TOL, GREEDY, Qwen3_5Contract, Qwen3_5VideoContract, greedy_problems
+from tests.rollout.helpers import BF16_LOGPROB_TOL, GREEDY, greedy_problems
 
 pytestmark = pytest.mark.sglang
 
@@ -16,10 +16,6 @@ pytestmark = pytest.mark.sglang
 @pytest.fixture(scope="module")
 def backend(sglang_qwen3_5):
     return sglang_qwen3_5
-
-
-class TestSGLangQwen3_5(Qwen3_5Contract, Qwen3_5VideoContract):
-    pass
 
 
 def test_the_engine_starts_with_the_familys_cpu_settings(backend, tiny_model_path):

@@ -1,5 +1,5 @@
 """SGLang HTTP server (launched by vlmrl, bfloat16, CPU) on the embedded Qwen3.5 against transformers in bfloat16:
-the engine contract in its bfloat16 form, the family's CPU settings as server flags, and a server given by URL that
+the family's CPU settings as server flags, and a server given by URL that
 runs a config without what SGLang reads is refused, naming the flag to restart it with."""
 
 from __future__ import annotations
@@ -8,14 +8,13 @@ import json
 
 import pytest
 
-from tests.rollout.helpers import Qwen3_5Contract
 from vlmrl.rollout.errors import RolloutError
 from vlmrl.rollout.registry import get_backend
 
 # The whole module is a variant (marker `full`, make test-all; its server start alone takes 31-38 s on 2 cores): the
 # launched SGLang server on Qwen3.5. make test keeps Qwen3.5's contract on vLLM and on in-process SGLang (with the
 # family's CPU settings, tests/rollout/qwen3_5/test_sglang.py), the server path's contract on Qwen2.5-VL
-# (tests/rollout/test_sglang_server.py), and what a config lacks read
+# (tests/rollout/test_family_contract.py), and what a config lacks read
 # from it as engine settings (tests/rollout/test_base.py).
 pytestmark = [pytest.mark.sglang, pytest.mark.full]
 
@@ -23,10 +22,6 @@ pytestmark = [pytest.mark.sglang, pytest.mark.full]
 @pytest.fixture(scope="module")
 def backend(sglang_server_qwen3_5):
     return sglang_server_qwen3_5
-
-
-class TestSGLangServerQwen3_5(Qwen3_5Contract):
-    pass
 
 
 def test_the_server_runs_with_the_familys_flags(backend):

@@ -1,11 +1,10 @@
-"""SGLang Engine (fp32, CPU) on the embedded Qwen3-VL against transformers: the shared engine contract and the
-deepstack weight sync, then the mrope setting vlmrl passes (json_model_override_args) where config.json lacks it."""
+"""SGLang Engine (fp32, CPU) on the embedded Qwen3-VL against transformers: the mrope setting vlmrl passes (json_model_override_args) where config.json lacks it."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, LOGPROB_TOL, Qwen3VLContract, greedy_mismatch, max_drift_from_hf
+from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_mismatch, max_drift_from_hf
 
 pytestmark = pytest.mark.sglang
 
@@ -13,10 +12,6 @@ pytestmark = pytest.mark.sglang
 @pytest.fixture(scope="module")
 def backend(sglang_qwen3_vl):
     return sglang_qwen3_vl
-
-
-class TestSGLangQwen3VL(Qwen3VLContract):
-    pass
 
 
 # A variant (marker `full`, make test-all): the second family of the same setting. make test keeps SGLang on Qwen3.5's

@@ -1,5 +1,5 @@
-"""SGLang HTTP server (launched by vlmrl, fp32, CPU) on the embedded Qwen3-VL against transformers: the shared engine
-contract and the deepstack weight sync, then the mrope setting: passed as a server flag where config.json lacks it,
+"""SGLang HTTP server (launched by vlmrl, fp32, CPU) on the embedded Qwen3-VL (its engine contract is a line of
+tests/rollout/test_family_contract.py): the mrope setting passed as a server flag where config.json lacks it,
 and checked on a server given by URL. The multimodal embedding cache stays off: SGLang crashes on the salted mm_hashes
 that would make it safe across weight syncs for Qwen3-VL, so vlmrl refuses to turn it on."""
 
@@ -10,10 +10,8 @@ import pytest
 from tests.rollout.helpers import (
     GREEDY,
     LOGPROB_TOL,
-    Qwen3VLContract,
     greedy_mismatch,
     max_drift_from_hf,
-    sglang_server,
 )
 from vlmrl.rollout.errors import RolloutError
 from vlmrl.rollout.registry import get_backend
@@ -22,22 +20,13 @@ pytestmark = pytest.mark.sglang
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model_path, tmp_path_factory):
-    yield from sglang_server(tiny_model_path, tmp_path_factory, "sglang-server-qwen3-vl")
+def backend(shared_engines):
+    return shared_engines.get("sglang-server", "tiny-qwen3-vl")
 
 
 def test_multimodal_cache_is_refused_before_any_server_starts(tiny_model_path):
     with pytest.raises(ValueError, match="vlm_cache_size_mb=100 on Qwen3-VL.*set vlm_cache_size_mb=0"):
         get_backend("sglang-server", tiny_model_path, max_model_len=1024, vlm_cache_size_mb=100)
-
-
-# A variant (marker `full`, make test-all; its server start alone takes 23-29 s on 2 cores): the launched SGLang
-# server on Qwen3-VL. make test keeps Qwen3-VL's contract on vLLM and on in-process SGLang (the deepstack merger sync
-# included, tests/rollout/qwen3_vl/test_sglang.py) and the server path's contract on Qwen2.5-VL
-# (tests/rollout/test_sglang_server.py), whose weight sync is the same files and /update_weights_from_disk.
-@pytest.mark.full
-class TestSGLangServerQwen3VL(Qwen3VLContract):
-    pass
 
 
 # A variant (marker `full`, make test-all): a second server started on a config without the interleaving flag. make

@@ -1,12 +1,10 @@
-"""vLLM (in-process, fp32) on the embedded Qwen3-VL against transformers: the shared engine contract (greedy equal
-on nine requests with 0-2 images, n=4 raw logprobs, pad ban, weight sync of the vision tower and of the deepstack
-mergers), and the mrope setting that vlmrl passes where config.json lacks it."""
+"""vLLM (in-process, fp32) on the embedded Qwen3-VL against transformers: the mrope setting that vlmrl passes where config.json lacks it."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.rollout.helpers import GREEDY, LOGPROB_TOL, Qwen3VLContract, greedy_mismatch, max_drift_from_hf
+from tests.rollout.helpers import GREEDY, LOGPROB_TOL, greedy_mismatch, max_drift_from_hf
 
 pytestmark = pytest.mark.vllm
 
@@ -14,10 +12,6 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def backend(vllm_qwen3_vl):
     return vllm_qwen3_vl
-
-
-class TestVLLMQwen3VL(Qwen3VLContract):
-    pass
 
 
 def test_config_without_interleaving_gets_the_setting_and_matches_hf(flagless_model_path, hf, batch, hf_greedy):
