@@ -301,7 +301,8 @@ def memory_plan(config: Config, facts: ModelFacts, device_gib: float = 80.0, tp:
     gathered_forward, gathered_update = gathered_units(facts, dp, p.stream)
     mb = micro_batch(config, facts)
     block_grads = max((n for u, n in facts.trainable_units().items() if u != ROOT_UNIT), default=0)
-    vision_trains = any(x.trainable and _vision_tensor(x.name) for x in facts.tensors)
+    vision = family_of(facts.config).weights.vision_prefixes if facts.config else VISION_PREFIXES
+    vision_trains = any(x.trainable and x.name.startswith(vision) for x in facts.tensors)
     acts = activation_bytes(facts.text, facts.vision, mb, p, a.gradient_checkpointing, a.logprob_chunk_size,
                             facts.trainable, block_grads, vision_trains)
     no_grad = forward_bytes(facts.text, facts.vision, mb, p, a.logprob_chunk_size)
@@ -371,5 +372,6 @@ def head_problem(k: int, facts: ModelFacts) -> str:
     return "; ".join(tensor_parallel_problems(k, facts.config, facts.model))
 
 
-def _vision_tensor(name: str) -> bool:
-    return ".visual." in name or ".vision_tower." in name or name.startswith(("visual.", "vision_tower."))
+VISION_PREFIXES = ("model.visual.", "model.vision_tower.")
+"""The vision side's parameter names when the plan has no model config to ask the family (the family's
+`weights.vision_prefixes` otherwise: InternVL's projector outside its tower among them)."""
