@@ -73,7 +73,9 @@ def reported_error(error: BaseException) -> tuple[str, int] | None:
 
     if isinstance(error, DataError) or (isinstance(error, BadRowError) and error.__cause__ is None):
         return str(error), 2  # a BadRowError with a cause is a bug in building a row
-    refused = _in_chain(error, EngineSettingError)  # an engine refused before its start: the setting to change
+    # an engine refused before its start, or a server given by URL whose probes found it running otherwise: the
+    # setting to change (ServerSettingError is an EngineSettingError)
+    refused = _in_chain(error, EngineSettingError)
     if refused is not None:
         return str(refused), 2
     mismatch = _in_chain(error, EngineModelError)  # the start-up check: the engine computes another model

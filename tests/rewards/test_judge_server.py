@@ -182,3 +182,17 @@ def test_a_vllm_judge_server_gives_the_sglang_judges_scores(server, tiny_model_p
     sglang_scores = [v.score for v in logprobs_judge(server.url, tiny_model_path).score(
         requests_, responses(requests_), len(ANSWERS))]
     assert vllm_scores == pytest.approx(sglang_scores, abs=1e-4), list(zip(sglang_scores, vllm_scores))
+
+
+def test_a_rollout_client_of_a_server_without_raw_logprobs_is_refused_in_one_line(server, tiny_model_path):
+    """The judge's server runs without SGLANG_RETURN_ORIGINAL_LOGPROB (it reads logprobs after the logit bias): a
+    rollout client given its URL finds that at connect and refuses it, naming the setting; the command line reports
+    it as one line (exit 2), not a traceback."""
+    from vlmrl.rollout.errors import ServerSettingError
+    from vlmrl.rollout.registry import get_backend
+    from vlmrl.train import reported_error
+
+    with pytest.raises(ServerSettingError, match="after temperature.*SGLANG_RETURN_ORIGINAL_LOGPROB=1") as raised:
+        get_backend("sglang-server", tiny_model_path, url=server.url, max_model_len=1024, timeout_s=120)
+    message, code = reported_error(raised.value)
+    assert code == 2 and "\n" not in message and message.startswith("sglang-server: ")

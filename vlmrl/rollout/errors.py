@@ -26,6 +26,12 @@ class EngineSettingError(ValueError):
     `error:` line."""
 
 
+class ServerSettingError(EngineSettingError, RolloutError):
+    """A server vlmrl connects to (given by URL) runs with settings vlmrl cannot train on, found by its start-up
+    probes (the message names the setting and how to restart the server). The command line reports it as one
+    `error:` line, like an engine refused before its start."""
+
+
 class InvalidRequestError(ValueError):
     """A request that no engine may receive (placeholder/image mismatch, overlong, bad sampling settings).
     Raised before anything reaches the engine; the message names the request."""

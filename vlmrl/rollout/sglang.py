@@ -41,7 +41,7 @@ from vlmrl.rollout.base import (
     release_memory,
 )
 from vlmrl.rollout.config import SGLangConfig
-from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError, RolloutError
+from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError, RolloutError, ServerSettingError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import describe, sample_seed, top_allowed
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
@@ -313,7 +313,7 @@ class SGLangCommon(RolloutBackend):
                                banned_token_ids=self.processor.banned_token_ids)
         (g,), (h,) = (self.parse(generate(self.payload([probe], s)), [probe], s) for s in (greedy, hot))
         if g.response_ids == h.response_ids and abs(g.response_logprobs[0] - h.response_logprobs[0]) > 1e-3:
-            raise RolloutError(
+            raise ServerSettingError(
                 f"{self.name}: the engine returns logprobs after temperature ({h.response_logprobs[0]:.4f} at T=5 "
                 f"vs {g.response_logprobs[0]:.4f} raw); start it with SGLANG_RETURN_ORIGINAL_LOGPROB=1")
         if not self.processor.family.engines.sglang_prompt_ids:
