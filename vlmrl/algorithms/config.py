@@ -6,7 +6,7 @@ from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KL_TYPES = ("low_var_kl", "k1", "k2", "mse")
 """KL estimators of `vlmrl.algorithms.grpo.kl_penalty` (actor.kl_loss_type)."""
@@ -20,6 +20,69 @@ ROLLOUT_CORRECTIONS = ("off", "token_tis", "token_icepop", "seq_mis", "seq_rs", 
 """Rollout corrections of `vlmrl.algorithms.correction` (algorithm.rollout_correction)."""
 SEQ_RATIOS = ("product", "geometric")
 """How seq_rs forms a sequence's ratio (algorithm.rollout_correction_seq_ratio); seq_mis takes the product."""
+DISTILL_MODES = ("advantage", "loss")
+"""How on-policy distillation uses the teacher (algorithm.distill.mode; `vlmrl.algorithms.distill`)."""
+DISTILL_ESTIMATORS = ("k1", "k3")
+"""Reverse-KL estimators of the distillation loss (algorithm.distill.estimator): verl's `k1` and `k3` (low_var_kl)."""
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (`algorithm.distill`): a frozen teacher in the trainer scores the student's own samples
+    (the same rows, images and image tokens) token by token, and the student moves toward it by the reverse KL on its
+    sampled tokens. Off while `teacher` is empty."""
+
+    teacher: str = ""
+    """The teacher: a model folder, an embedded name (`tiny-large`) or a hub id, resolved like actor.model_path. Same
+    family and vocabulary as the student (another size of the family is the normal case); empty = off."""
+    teacher_dtype: str = "auto"
+    """The teacher's weights: auto (bfloat16 on CUDA, float32 elsewhere), float32 or bfloat16."""
+    mode: str = "advantage"
+    """advantage: -(log p_student - log p_teacher) of each sampled token is a per-token reward, summed with
+    `discount` into a per-token advantage (Thinking Machines' On-Policy Distillation; verl's use_policy_gradient);
+    loss: the `estimator` of KL(student || teacher) over the loss mask, times `coef`, added to the policy loss
+    (GKD's supervised form; verl's default)."""
+    estimator: str = "k1"
+    """The loss mode's reverse-KL estimator: k1 (log p_s - log p_t) or k3 (p_t/p_s - log(p_t/p_s) - 1, verl's
+    low_var_kl). The advantage mode is k1 (its per-token reward)."""
+    discount: float = 0.0
+    """advantage: the discount of the future tokens' rewards in a token's advantage, in [0, 1]; 0 = each token's own
+    reverse KL (Thinking Machines' default)."""
+    coef: float = 1.0
+    """advantage: the weight of the distillation advantage (Thinking Machines' kl_penalty_coef); loss: the weight of
+    the distillation loss (verl's distillation_loss_coef)."""
+    reward_weight: float = 1.0
+    """The weight of the reward's advantage (algorithm.adv_estimator's) beside the distillation's; 0 = pure
+    distillation (the reward is still computed and logged)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher)
+
+    def problems(self) -> list[str]:
+        """What is wrong, each with what to change; empty when valid (or off)."""
+        if not self.enabled:
+            return []
+        out = []
+        if self.mode not in DISTILL_MODES:
+            out.append(f"algorithm.distill.mode={self.mode!r} is not one of {list(DISTILL_MODES)}")
+        if self.estimator not in DISTILL_ESTIMATORS:
+            out.append(f"algorithm.distill.estimator={self.estimator!r} is not one of {list(DISTILL_ESTIMATORS)}")
+        elif self.mode == "advantage" and self.estimator != "k1":
+            out.append(f"algorithm.distill.estimator={self.estimator} applies to mode=loss; the advantage mode's "
+                       "per-token reward is k1: set algorithm.distill.mode=loss or estimator=k1")
+        if self.teacher_dtype not in ("auto", "float32", "bfloat16"):
+            out.append(f"algorithm.distill.teacher_dtype={self.teacher_dtype!r} is not auto, float32 or bfloat16")
+        if not 0.0 <= self.discount <= 1.0:
+            out.append(f"algorithm.distill.discount={self.discount} must be in [0, 1] (0 = each token's own KL)")
+        if self.mode == "loss" and self.discount:
+            out.append(f"algorithm.distill.discount={self.discount} applies to mode=advantage: set it to 0 or "
+                       "mode=advantage")
+        if self.coef < 0 or self.reward_weight < 0:
+            out.append(f"algorithm.distill.coef={self.coef} and reward_weight={self.reward_weight} must be >= 0")
+        if self.coef == 0 and self.reward_weight == 0:
+            out.append("algorithm.distill.coef=0 and reward_weight=0 leave nothing to learn: raise one of them")
+        return out
 
 
 @dataclass
@@ -64,6 +127,8 @@ class AlgorithmConfig:
     mask_truncated: bool = False
     """Take responses cut at data.max_response_length (finish_reason length) out of the loss (DAPO's overlong
     filtering)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher model (off while distill.teacher is empty)."""
 
     def __post_init__(self) -> None:
         # yaml reads `off` (and false / no) as the boolean False, which reaches a str field as "False"
@@ -103,4 +168,4 @@ class AlgorithmConfig:
             out.append(f"algorithm.overlong_buffer_len={self.overlong_buffer_len} must be >= 0 (0 = off)")
         if self.overlong_penalty_factor < 0:
             out.append(f"algorithm.overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0 (DAPO: 1.0)")
-        return out
+        return out + self.distill.problems()

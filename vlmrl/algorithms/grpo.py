@@ -27,8 +27,9 @@ __all__ = [
 
 
 def broadcast_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) sequence advantages -> (B, R) token advantages (the advantages' dtype), 0 where response_mask is 0."""
-    values = advantages.unsqueeze(-1).expand(response_mask.shape)
+    """(B,) sequence advantages -> (B, R) token advantages (the advantages' dtype), 0 where response_mask is 0.
+    (B, R) per-token advantages (on-policy distillation's) are taken as they are, 0 where response_mask is 0."""
+    values = advantages.unsqueeze(-1).expand(response_mask.shape) if advantages.dim() == 1 else advantages
     return torch.where(response_mask != 0, values, torch.zeros((), dtype=advantages.dtype, device=advantages.device))
 
 
