@@ -1,6 +1,7 @@
 """Throughput metrics: the model-FLOPs formula on known configs (Qwen2.5-VL-3B by hand; the tiny models against
 their own modules, counted; the vision attention spans against transformers'), EasyR1's flops counter written out,
-the device peak table, and the step metrics."""
+the device peak table, and the step metrics. Every family's rule against torch's FlopCounterMode is in the family
+matrix (tests/families/test_family_matrix.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import random
 import pytest
 import torch
 
-from vlmrl.models.families import FAMILIES
 from vlmrl.models.flops import ModelFlops, model_flops
 from vlmrl.trainer.throughput import batch_shapes, device_peak_flops, step_throughput
 
@@ -248,86 +248,3 @@ def test_a_moe_layer_counts_the_experts_a_token_runs_through_as_verl_does():
     per_patch = visual.patch_embed.proj.weight.numel() + _linear_params(visual.blocks) + merger_params / 4
     assert f.vision_params == per_patch
 
-
-def _counted(run) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        run()
-    return counter.get_total_flops()
-
-
-def _not_counted_by_torch(flops: ModelFlops, seqlens: list[int]) -> float:
-    """What FlopCounterMode counts otherwise than it is computed (`LinearAttentionFlops`' docstring): it has no
-    formula for the Gated DeltaNet's triangular solves, and counts the depthwise convolution's weight gradient as a
-    dense convolution's (2 x channels^2 x kernel per output position, where 2 x channels x kernel are computed)."""
-    linear = flops.linear
-    if linear is None:
-        return 0.0
-    c, k = linear.conv_channels, linear.conv_kernel
-    return sum(linear.solve_flops(s) - 2.0 * c * (c - 1) * k * linear.conv_outputs(s) * linear.layers
-               for s in seqlens)
-
-
-@pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.name)
-def test_model_flops_are_torchs_flop_counter_on_a_forward_and_backward(family):
-    """Every family's FLOP rule, on its embedded model: torch's FlopCounterMode on the model's own forward and
-    backward (eager attention and experts, so that every matmul is one it counts) over a row with an image, a short
-    text-only row and one over 64 tokens (two chunks of Qwen3.5's linear attention) equals
-    `ModelFlops.update_flops` exactly, but for declared differences: EasyR1's formula counts the embedding as a
-    matmul (6 x V x h per token), the counter sees a lookup; and what the counter cannot see or miscounts of the
-    Gated DeltaNet (`_not_counted_by_torch`). The tower alone on larger grids (Qwen2.5-VL's windows: 4 windows a
-    frame; a video of two temporal patches on the Qwen3-VL towers, attending within each, their deepstack mergers in
-    the loss) equals `vision_flops` exactly; InternVL's tiles too, with its class tokens and the projector outside
-    the tower. A family without a rule (`ModelFamily.flop_rule`) fails here."""
-    from transformers import AutoModelForImageTextToText
-
-    from tests.processors.helpers import image_row, noise_image
-    from vlmrl.data.config import DataConfig
-    from vlmrl.models.tiny import ensure_built
-    from vlmrl.processors.loading import load_processor
-
-    variant = family.tiny_variants[0]
-    path = str(ensure_built(variant))
-    processor = load_processor(path, DataConfig(max_prompt_length=256))
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    if processor.family.experts is not None:
-        model.set_experts_implementation("eager")  # the routed tokens only, as the formula counts
-    flops = model_flops(model.config)
-    assert flops is not None, f"{family.name} has no FLOP rule (ModelFamily.flop_rule): a run on it logs no MFU"
-    text = model.config.text_config
-    for images, words in (([noise_image(112, 112, seed=1)], 1), ([], 1), ([], 16)):
-        request = processor.build_request(image_row("<image>" * len(images) + "Say what you see. " * words, images))
-        prompt = processor.prompt_inputs(request)
-        ids = prompt.input_ids[None]
-
-        def step():
-            inputs = processor.family.inputs.forward_inputs(dict(
-                input_ids=ids, position_ids=prompt.position_ids[:, None], **prompt.multi_modal_inputs))
-            model(**inputs).logits.sum().backward()
-
-        grids = prompt.multi_modal_inputs["image_grid_thw"].tolist() if images else []
-        embedding = 6 * text.vocab_size * text.hidden_size * ids.shape[1]
-        expected = flops.update_flops([ids.shape[1]], grids) - embedding - _not_counted_by_torch(flops, [ids.shape[1]])
-        assert _counted(step) == expected, (variant, len(images), ids.shape[1])
-    if family.inputs.image_layout == "tiles":  # InternVL: 3 tiles through the tower and the projector after it
-        tiles = torch.randn(3, 3, processor.tile, processor.tile)
-
-        def encode_tiles():
-            model.model.get_image_features(pixel_values=tiles).pooler_output.sum().backward()
-
-        assert _counted(encode_tiles) == flops.vision_flops([[3, 1, 1]])
-        return
-    tower = model.model.visual
-    patch = model.config.vision_config
-    width = patch.in_channels * patch.temporal_patch_size * patch.patch_size ** 2
-    # GLM-4.1V's tower takes a video's frames as one grid row each (its get_video_features flattens them)
-    for grid in ([1, 16, 16], [1, 8, 12] if family.inputs.video_timing is None else [2, 8, 12]):
-        pixels = torch.randn(grid[0] * grid[1] * grid[2], width)
-
-        def encode():
-            out = tower(pixels, grid_thw=torch.tensor([grid]))
-            outputs = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]  # every merger's
-            sum(o.sum() for o in outputs).backward()
-
-        assert _counted(encode) == flops.vision_flops([grid]), (variant, grid)
