@@ -1,6 +1,6 @@
 """The processor on the embedded InternVL3.5 (`tiny-internvl`): a tiles family. Its requests (one `<IMG_CONTEXT>` per
-image, the images as they came) and trainer inputs (expanded ids, tiles, 1-D positions) agree with what transformers'
-InternVLProcessor and InternVLForConditionalGeneration make of the same chat."""
+image, the images as they came) and trainer inputs (expanded ids, tiles) agree with what transformers'
+InternVLProcessor makes of the same chat on every tile layout; its 1-D positions reach the forward as one row."""
 
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ def hf_processor(path):
     return AutoProcessor.from_pretrained(path)
 
 
-@pytest.mark.parametrize("sizes", [[], [SIZES[0]], *([s] for s in SIZES[1:]), [SIZES[1], SIZES[4]],
-                                   [SIZES[6], SIZES[5], SIZES[2]]], ids=str)
-def test_requests_and_trainer_inputs_equal_transformers_processor(processor, hf_processor, sizes):
-    """The request keeps one placeholder per image and the image unresized; its expansion (`<img>` + 16 x tiles
-    `<IMG_CONTEXT>` + `</img>`) and the tiles equal InternVLProcessor's on the chat text, and the token count the
-    processor predicts (what max_prompt_length and max_model_len are checked with) is the expanded length."""
+@pytest.mark.parametrize("sizes", [*([s] for s in SIZES), [SIZES[6], SIZES[5], SIZES[2]]], ids=str)
+def test_every_tile_layout_equals_transformers_processor(processor, hf_processor, sizes):
+    """Each tile layout (1 tile, 2 to 4 tiles and a thumbnail, wide and tall, tiny and large images, and three of
+    them in one prompt): the request keeps one placeholder per image and the image unresized; its expansion
+    (`<img>` + 16 x tiles `<IMG_CONTEXT>` + `</img>`) and the tiles equal InternVLProcessor's on the chat text, and
+    the token count the processor predicts (what max_prompt_length and max_model_len are checked with) is the
+    expanded length. Text, one and two images, and the positions, are the family matrix's
+    (tests/families/test_family_matrix.py)."""
     images = [noise_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
     row = image_row("<image>" * len(images) + "What is shown?", images)
     request = processor.build_request(row)
@@ -52,37 +54,20 @@ def test_requests_and_trainer_inputs_equal_transformers_processor(processor, hf_
     assert inputs.input_ids.tolist() == expected["input_ids"][0].tolist()
     expanded = len(request.prompt_ids) - len(images) + sum(processor.image_token_count(im) for im in images)
     assert expanded == len(inputs.input_ids)
-    if images:
-        assert torch.equal(inputs.multi_modal_inputs["pixel_values"], expected["pixel_values"])
-        tiles = inputs.multi_modal_inputs["image_grid_thw"]
-        assert tiles[:, 1:].eq(1).all() and int(tiles[:, 0].sum()) == expected["pixel_values"].shape[0]
-    else:
-        assert inputs.multi_modal_inputs == {}
-    # 1-D positions in three equal rows: 0 .. L-1
-    assert torch.equal(inputs.position_ids, torch.arange(len(inputs.input_ids)).expand(3, -1))
+    assert torch.equal(inputs.multi_modal_inputs["pixel_values"], expected["pixel_values"])
+    tiles = inputs.multi_modal_inputs["image_grid_thw"]
+    assert tiles[:, 1:].eq(1).all() and int(tiles[:, 0].sum()) == expected["pixel_values"].shape[0]
 
 
-def test_1d_positions_give_transformers_own_logits(path, processor):
-    """The forward gets the first of the three position rows ((B, L)), and its logits equal the model's without
-    any position ids (transformers counts 0 .. L-1 itself), image tokens and tiles included; on a left-padded
-    batch the positions start at each row's first token."""
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    images = [noise_image(200, 70, seed=1), noise_image(64, 64, seed=2)]
-    inputs = processor.prompt_inputs(processor.build_request(image_row("<image> and <image>?", images)))
-    mm = inputs.multi_modal_inputs
+def test_the_forward_gets_one_row_of_positions_and_no_grid(processor):
+    """A tiles family's forward takes (B, L) positions (the first of vlmrl's three equal rows) and pixel values
+    whose rows are whole tiles, without the grid vlmrl keeps per image."""
+    inputs = processor.prompt_inputs(processor.build_request(image_row("<image>?", [noise_image(200, 70, seed=1)])))
     ids = inputs.input_ids[None]
     kwargs = processor.family.inputs.forward_inputs(dict(input_ids=ids, position_ids=inputs.position_ids[:, None],
-                                                  pixel_values=mm["pixel_values"], image_grid_thw=mm["image_grid_thw"]))
-    assert set(kwargs) == {"input_ids", "position_ids", "pixel_values"} and kwargs["position_ids"].shape == ids.shape
-    with torch.no_grad():
-        ours = model(**kwargs).logits
-        theirs = model(input_ids=ids, pixel_values=mm["pixel_values"]).logits
-    assert torch.equal(ours, theirs)
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    positions = processor.position_ids(torch.ones(2, 5, dtype=torch.long), mask, None)
-    assert positions.shape == (3, 2, 5) and positions[0].tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+                                                         **inputs.multi_modal_inputs))
+    assert set(kwargs) == {"input_ids", "position_ids", "pixel_values"}
+    assert torch.equal(kwargs["position_ids"], inputs.position_ids[0][None])
 
 
 def test_pixel_bounds_do_not_apply_and_videos_are_refused(path, processor):

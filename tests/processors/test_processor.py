@@ -1,4 +1,6 @@
-"""The processor: rows -> requests that every backend takes, trainer inputs derived from the same request."""
+"""The processor: rows -> requests that every backend takes, on the default family (Qwen2.5-VL): image forms, markers
+and content parts, pixel bounds and config checks. That every family's trainer inputs are what transformers'
+processor and get_rope_index make of the same chat is the family matrix's (tests/families/test_family_matrix.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from tests.processors.helpers import image_row, noise_image, png_bytes
 from vlmrl.data.config import DataConfig
@@ -112,35 +113,6 @@ def test_text_only_row(processor):
     assert request.images == [] and processor.image_token_id not in request.prompt_ids
     assert request.ground_truth == "4"
     assert processor.multi_modal_inputs(request) == {}
-
-
-def test_trainer_inputs_match_the_expansion(processor):
-    images = [noise_image(200, 120, seed=4), noise_image(56, 84, seed=5)]
-    request = processor.build_request(image_row("<image><image>Compare.", images))
-    mm = processor.multi_modal_inputs(request)
-    grid = mm["image_grid_thw"]
-    assert grid.tolist() == [[1, im.height // 14, im.width // 14] for im in request.images]
-    assert mm["pixel_values"].shape[0] == int(grid.prod(-1).sum())  # one row per 14x14 patch
-    expanded = processor.expand_prompt_ids(request.prompt_ids, grid)
-    tokens_per_image = (grid.prod(-1) // 4).tolist()
-    assert expanded.count(processor.image_token_id) == sum(tokens_per_image)
-    assert len(expanded) == len(request.prompt_ids) - 2 + sum(tokens_per_image)
-    # text tokens unchanged, in order
-    assert [t for t in expanded if t != processor.image_token_id] == [
-        t for t in request.prompt_ids if t != processor.image_token_id]
-
-
-def test_expanded_ids_run_through_the_model(processor, tiny_model_path):
-    """The trainer's view of a request is accepted by the real model (tokens and features agree)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_path).eval()
-    request = processor.build_request(image_row("<image>Describe.", [noise_image(150, 100, seed=6)]))
-    mm = processor.multi_modal_inputs(request)
-    ids = torch.tensor([processor.expand_prompt_ids(request.prompt_ids, mm["image_grid_thw"])])
-    with torch.no_grad():
-        out = model(input_ids=ids, position_ids=processor.position_ids(ids, None, mm["image_grid_thw"]), **mm)
-    assert out.logits.shape[:2] == ids.shape and torch.isfinite(out.logits).all()
 
 
 def test_pixel_bounds_come_from_the_model_or_the_config(tiny_model_path):

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tests.processors.helpers import first_difference, noise_image
+from tests.processors.helpers import first_difference
 from vlmrl.data.config import DataConfig
 from vlmrl.data.synthetic import generate_rows
 from vlmrl.processors.errors import BadRowError
@@ -57,10 +57,9 @@ def _mp4_row(frames: int, fps: float, prompt: str = "<video>Which way?", size: i
 def _hf_inputs(hf_processor, processor, request):
     """What Qwen3VLProcessor makes of the request's rendered prompt and its (already sampled) frames."""
     text = processor.tokenizer.decode(request.prompt_ids)
-    kwargs = {"images": list(request.images)} if request.images else {}
     return hf_processor(text=[text], videos=[v.frames for v in request.videos], return_tensors="pt",
                         videos_kwargs={"do_sample_frames": False,
-                                       "video_metadata": [v.metadata() for v in request.videos]}, **kwargs)
+                                       "video_metadata": [v.metadata() for v in request.videos]})
 
 
 @pytest.mark.parametrize(("row", "fps"), [
@@ -68,10 +67,12 @@ def _hf_inputs(hf_processor, processor, request):
     (lambda: generate_rows("last_colour", 1, 1, "val")[0], 24.0),
     (lambda: _mp4_row(30, 10.0), 2.0),  # 3 s at 10 fps sampled at 2 fps: 6 frames, 3 temporal patches
     (lambda: _mp4_row(41, 25.0), 4.0),
-    (lambda: dict(_mp4_row(20, 10.0, "<image>first, then <video>: same?"), images=[noise_image(90, 70, 3)]), 2.0),
 ])
 def test_expanded_ids_pixels_and_positions_equal_transformers(processor, hf_processor, hf_model, tiny_qwen3_vl_path,
                                                               row, fps):
+    """Each sampling (frame lists at data.video_fps 2 and 24, clips sampled from 10 and 25 fps) gives the timestamps,
+    pixels, grids and positions transformers gives; an image and a video in one prompt is the family matrix's
+    (tests/families/test_family_matrix.py)."""
     processor = load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=2048, video_fps=fps))
     request = processor.build_request(row(), 0)
     inputs = processor.prompt_inputs(request)
@@ -81,14 +82,11 @@ def test_expanded_ids_pixels_and_positions_equal_transformers(processor, hf_proc
     assert torch.equal(mm["video_grid_thw"], expected["video_grid_thw"])
     assert torch.equal(mm["pixel_values_videos"], expected["pixel_values_videos"])
     assert "second_per_grid_ts" not in mm  # the timing is in the text
-    if request.images:
-        assert torch.equal(mm["pixel_values"], expected["pixel_values"])
-    positions, _ = hf_model.model.get_rope_index(expected["input_ids"], expected["mm_token_type_ids"],
-                                                 expected.get("image_grid_thw"), expected["video_grid_thw"])
+    positions, _ = hf_model.model.get_rope_index(expected["input_ids"], expected["mm_token_type_ids"], None,
+                                                 expected["video_grid_thw"])
     assert torch.equal(inputs.position_ids, positions[:, 0]), first_difference(positions[:, 0], inputs.position_ids)
     # the length every backend checks is that of the expansion, timestamps included
-    assert len(inputs.input_ids) == (len(request.prompt_ids) - 1 - len(request.images) + processor.video.token_count(
-        request.videos[0]) + sum(processor.image_token_count(im) for im in request.images))
+    assert len(inputs.input_ids) == len(request.prompt_ids) - 1 + processor.video.token_count(request.videos[0])
 
 
 def test_timestamps_are_the_temporal_patches_mean_times(processor):

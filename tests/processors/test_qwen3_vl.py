@@ -1,11 +1,11 @@
 """The processor on the embedded Qwen3-VL (and Qwen3.5, whose processor is Qwen3-VL's): what differs from Qwen2.5-VL (16 px patches, so sides are multiples of
-32; the model's own pixel bounds and mean/std 0.5) comes from the model's preprocessor config, and the requests and
-trainer inputs agree with what transformers' Qwen3VLProcessor makes of the same chat."""
+32; the model's own pixel bounds and mean/std 0.5) comes from the model's preprocessor config. That the requests and
+trainer inputs are what transformers' Qwen3VLProcessor makes of the same chat is the family matrix's
+(tests/families/test_family_matrix.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 from PIL import Image
 
 from tests.processors.helpers import image_row, noise_image
@@ -44,25 +44,9 @@ def test_bounds_outside_the_models_are_refused(tiny_qwen3_vl_path, bounds):
         load_processor(tiny_qwen3_vl_path, DataConfig(**bounds))
 
 
-def test_requests_give_the_ids_and_pixels_transformers_processor_gives(processor, tiny_qwen3_vl_path):
-    """Expanded ids, grid and pixel values (normalised with the model's mean/std 0.5) equal Qwen3VLProcessor's on
-    the already-resized images: the trainer sees what the model was built to see."""
-    from transformers import AutoProcessor
-
-    hf = AutoProcessor.from_pretrained(tiny_qwen3_vl_path)
-    images = [noise_image(200, 120, seed=4), noise_image(64, 96, seed=5)]
-    request = processor.build_request(image_row("<image> and <image>: compare.", images))
-    mm = processor.multi_modal_inputs(request)
-    text = hf.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " and "},
-                                                                {"type": "image"}, {"type": "text",
-                                                                                    "text": ": compare."}]}],
-                                  add_generation_prompt=True, tokenize=False)
-    expected = hf(text=[text], images=list(request.images), return_tensors="pt")
-    expanded = processor.expand_prompt_ids(request.prompt_ids, mm["image_grid_thw"])
-    assert expanded == expected["input_ids"][0].tolist()
-    assert torch.equal(mm["image_grid_thw"], expected["image_grid_thw"])
-    assert torch.equal(mm["pixel_values"], expected["pixel_values"])
-    # mean = std = 0.5: a mid-grey image maps to about 0 (Qwen2.5-VL's CLIP mean/std would not)
+def test_pixels_are_normalised_with_the_models_mean_and_std(processor):
+    """mean = std = 0.5 (the model's preprocessor config): a mid-grey image maps to about 0, where Qwen2.5-VL's CLIP
+    mean/std would not."""
     grey = processor.multi_modal_inputs(processor.build_request(image_row("<image>", [Image.new("RGB", (64, 64),
                                                                                                 (128, 128, 128))])))
     assert grey["pixel_values"].abs().max() < 0.01
@@ -77,15 +61,3 @@ def test_pad_tokens_are_banned_and_the_tokens_are_the_models(processor, tiny_qwe
     assert set(processor.banned_token_ids) == {config["image_token_id"], config["video_token_id"]}
     vocab = processor.tokenizer.convert_tokens_to_ids
     assert vocab("<|im_end|>") in processor.eos_token_ids and processor.pad_token_id == vocab("<|endoftext|>")
-
-
-def test_expanded_ids_run_through_the_model(processor, tiny_qwen3_vl_path):
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_path).eval()
-    request = processor.build_request(image_row("<image>Describe.", [noise_image(150, 100, seed=6)]))
-    mm = processor.multi_modal_inputs(request)
-    ids = torch.tensor([processor.expand_prompt_ids(request.prompt_ids, mm["image_grid_thw"])])
-    with torch.no_grad():
-        out = model(input_ids=ids, position_ids=processor.position_ids(ids, None, mm["image_grid_thw"]), **mm)
-    assert out.logits.shape[:2] == ids.shape and torch.isfinite(out.logits).all()

@@ -1,6 +1,8 @@
-"""mrope position ids: equal to transformers' get_rope_index on generated batches and real requests, for both embedded
-families (Qwen2.5-VL's `Qwen2_5_VLModel.get_rope_index`, Qwen3-VL's `Qwen3VLModel.get_rope_index`, Qwen3.5's
-`Qwen3_5Model.get_rope_index` and GLM-4.1V's `Glm4vModel.get_rope_index`)."""
+"""mrope position ids: equal to transformers' get_rope_index on generated batches (0-3 images of random grids, first,
+in the middle or last, left, right or no padding, holes in the mask), on each embedded dense mrope family
+(Qwen2.5-VL's `Qwen2_5_VLModel.get_rope_index`, Qwen3-VL's `Qwen3VLModel.get_rope_index`, Qwen3.5's
+`Qwen3_5Model.get_rope_index` and GLM-4.1V's `Glm4vModel.get_rope_index`). Real requests, every family's, are the
+family matrix's (tests/families/test_family_matrix.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tests.processors.helpers import first_difference, hf_rope_index, image_row, noise_image
+from tests.processors.helpers import first_difference, hf_rope_index
 from vlmrl.processors.loading import load_processor
 from vlmrl.processors.rope import mrope_position_ids
 
@@ -88,22 +90,6 @@ def test_generated_batch_equals_transformers(case, processor, hf_model):
     actual = processor.position_ids(input_ids, mask, grid)
     assert actual.shape == (3, *input_ids.shape) and actual.dtype == torch.long
     assert torch.equal(expected, actual), first_difference(expected, actual)
-
-
-def test_real_requests_left_padded_equal_transformers(processor, hf_model):
-    sizes = [[(150, 90)], [], [(60, 200), (112, 112)], [(300, 300), (40, 40), (90, 150)]]
-    requests = [processor.build_request(image_row("<image>" * len(s) + f"question {i}?", [
-        noise_image(w, h, seed=10 * i + j) for j, (w, h) in enumerate(s)]), i) for i, s in enumerate(sizes)]
-    grids = [processor.multi_modal_inputs(r).get("image_grid_thw") for r in requests]
-    expanded = [processor.expand_prompt_ids(r.prompt_ids, g) for r, g in zip(requests, grids)]
-    rows = [(ids, [] if g is None else g.tolist()) for ids, g in zip(expanded, grids)]
-    input_ids, mask, grid = _batch(rows, "left", processor.pad_token_id, extra=2)
-
-    expected = hf_rope_index(hf_model, input_ids, mask, grid, processor.image_token_id)
-    actual = processor.position_ids(input_ids, mask, grid)
-    assert torch.equal(expected, actual), first_difference(expected, actual)
-    # images of different sizes really were different grids, so the test exercised distinct layouts
-    assert len({tuple(g) for g in grid.tolist()}) >= 4
 
 
 def test_padding_holes_in_the_middle_equal_transformers(processor, hf_model):
