@@ -1,12 +1,11 @@
 """LoRA on a Mixture-of-Experts policy's routed experts (actor.lora.experts, PEFT `target_parameters`) on the embedded
 MoE models: every MoE layer's fused gate_up_proj / down_proj carries an adapter and a step trains exactly the
-adapters, the merged stream is PEFT's `merge_and_unload()` bit for bit under transformers' fused names and shapes
-(one layer's parts held at a time), and the adapter folder round-trips through a resume exactly. The merged sync into
+adapters, the merged stream comes under transformers' fused names and shapes (one layer's parts held at a time; that
+it is PEFT's `merge_and_unload()` bit for bit, and gives the unmerged model's logprobs, is the family matrix's:
+tests/families/test_family_matrix.py), and the adapter folder round-trips through a resume exactly. The merged sync into
 vLLM is tested beside its engine (tests/moe/test_qwen3_vl_moe_vllm.py)."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -87,10 +86,10 @@ def test_every_moe_layers_experts_get_adapters_and_a_step_trains_only_adapters(t
 
 
 @pytest.mark.parametrize("variant", MOE_VARIANTS)
-def test_merged_experts_equal_peft_merge_and_unload_exactly(variant):
-    """float64, random B in every adapter: the merged stream equals PEFT's own merge bit for bit, under transformers'
-    fused names and shapes, in the plain model's order; the changed-only stream is exactly the adapted tensors,
-    and each MoE layer's two merged expert tensors come out as soon as that layer's last expert part is read."""
+def test_merged_experts_stream_under_transformers_fused_names_and_shapes(variant):
+    """float64, random B in every adapter: the merged stream holds transformers' fused names and shapes, in the plain
+    model's order; the changed-only stream is exactly the adapted tensors, and each MoE layer's two merged expert
+    tensors come out as soon as that layer's last expert part is read."""
     from vlmrl.models.experts import ExpertShape
     from vlmrl.models.tiny import ensure_built
 
@@ -104,10 +103,7 @@ def test_merged_experts_equal_peft_merge_and_unload_exactly(variant):
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
     state = model.state_dict()
     ours = dict(merged_tensors(state.items(), lora_scaling(lora)))
-    theirs = copy.deepcopy(model).merge_and_unload().state_dict()
-    assert list(ours) == list(theirs) == list(_base_model(path).state_dict())
-    differ = [k for k in theirs if not torch.equal(ours[k], theirs[k])]
-    assert not differ, f"merged != merge_and_unload for {differ[:3]}"
+    assert list(ours) == list(_base_model(path).state_dict())
     shape = ExpertShape.of(model.get_base_model().config)
     fused = {k for k in ours if k.endswith(tuple(f"mlp.experts.{p}" for p in EXPERT_PARAMETERS))}
     assert fused and all(tuple(ours[k].shape) == shape.fused(k.rsplit(".", 1)[1]) for k in fused)
