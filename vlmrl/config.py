@@ -165,6 +165,12 @@ def load_config(args: list[str] | None = None, check_model: bool = True) -> Conf
         problems = check_model_context(config)
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    if check_model and config.algorithm.distill.enabled:  # before any engine: the teacher must read the student's ids
+        from vlmrl.processors.teacher import teacher_refusal
+
+        refusal = teacher_refusal(config.actor.model_path, config.algorithm.distill.teacher)
+        if refusal:
+            raise ConfigError(refusal)
     return config
 
 
