@@ -218,6 +218,9 @@ class TrainBatch:
     engines: list[int] = field(default_factory=list)
     """Per row, the engine that sampled it (`RolloutResult.engine`; -1 on padding rows); empty when the run has one
     engine."""
+    teacher_logprobs: torch.Tensor | None = None
+    """(B, R) the distillation teacher's logprobs of the sampled tokens, set on the update's batch when
+    algorithm.distill.mode=loss (the update adds the distillation loss where it is set); None otherwise."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -248,4 +251,5 @@ class TrainBatch:
             data_sources=pick(self.data_sources), reward_extra=pick(self.reward_extra),
             finish_reasons=pick(self.finish_reasons),
             routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
-            engines=pick(self.engines))
+            engines=pick(self.engines),
+            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[index])

@@ -25,10 +25,12 @@ class PolicyActor(Protocol):
     """Data-parallel ranks: 1 for the single-process actor. Batches must divide by it (padding rows)."""
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False,
-                         record_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         record_routing: bool = False, teacher: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) logprobs of the response tokens (0 on padding) and, optionally, their (B, R) entropy;
-        `reference=True` uses the frozen reference; `record_routing`: a MoE policy's routing kept per row in
-        `batch.routed_experts` (the old-logprob pass; sharded: gathered back in batch order)."""
+        `reference=True` uses the frozen reference, `teacher=True` the distillation teacher (algorithm.distill);
+        `record_routing`: a MoE policy's routing kept per row in `batch.routed_experts` (the old-logprob pass;
+        sharded: gathered back in batch order)."""
         ...
 
     def needs_old_logprobs(self, batch_rows: int) -> bool:

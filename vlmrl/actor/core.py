@@ -29,6 +29,7 @@ from vlmrl.actor.router_hooks import RouterHooks, collect_aux
 from vlmrl.actor.step_metrics import mean_metrics
 from vlmrl.actor.vision_share import VisionCounts, shared_vision
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean
+from vlmrl.algorithms.distill import reverse_kl_loss
 from vlmrl.algorithms.grpo import broadcast_to_tokens, kl_penalty
 from vlmrl.algorithms.logprobs import logprobs_and_entropy
 from vlmrl.algorithms.mismatch import MismatchAccumulator, modality
@@ -275,6 +276,7 @@ class ActorCore:
         self.peft_config = policy.peft_config
         """The PEFT LoraConfig with actor.lora on (the model is a PeftModel), else None."""
         self.reference_on_host = policy.reference_on_host
+        self.teacher, self.distill = policy.teacher, policy.distill  # on-policy distillation (algorithm.distill)
         # actor.offload.optimizer: AdamW's state waits in host memory between steps (with offloaded parameters it
         # lives there anyway: the optimizer steps on the CPU)
         self.offload_optimizer = config.offload.optimizer and not config.offload.params
@@ -354,20 +356,24 @@ class ActorCore:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False,
-                         record_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         record_routing: bool = False, teacher: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) logprobs of the response tokens (0 on padding) and, optionally, their (B, R) entropy.
         `reference=True` uses the frozen reference (only when the KL loss is on): with LoRA, the policy itself with
         its adapters disabled. On a sharded model every rank must call it with the same number of rows (the forwards
         are collectives). `record_routing` (the old-logprob pass of a MoE policy): each row's routing is kept in
-        `batch.routed_experts`, which the update replays or compares with (`routing_replay`)."""
+        `batch.routed_experts`, which the update replays or compares with (`routing_replay`). `teacher=True`: the
+        distillation teacher's, on the same rows (its own routing, never recorded or replayed)."""
         if reference and self.peft_config is not None:
             from vlmrl.actor.lora import adapters_disabled
 
             with adapters_disabled(self.model):
                 return self.compute_logprobs(batch, reference=False, with_entropy=with_entropy)
-        model = self.reference if reference else self.model
+        model = self.teacher if teacher else self.reference if reference else self.model
         if model is None:
-            raise RuntimeError("no reference model: it is loaded only when actor.use_kl_loss is true")
+            raise RuntimeError("no teacher: set algorithm.distill.teacher" if teacher else
+                               "no reference model: it is loaded only when actor.use_kl_loss is true")
+        frozen = reference or teacher  # no routing of the policy's is recorded or replayed
         was_training = model.training
         model.eval()
         if reference and self.reference_on_host:  # actor.offload.reference: on the device for this pass only
@@ -377,8 +383,8 @@ class ActorCore:
         precision = torch.promote_types(next(model.parameters()).dtype, torch.float32)
         logprobs = torch.zeros(batch.response_mask.shape, dtype=precision)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
-        engine = self.config.moe.routing_replay == "engine" and not reference
-        record = record_routing and self.routing is not None and not reference and not engine
+        engine = self.config.moe.routing_replay == "engine" and not frozen
+        record = record_routing and self.routing is not None and not frozen and not engine
         routes: list[torch.Tensor | None] = [None] * len(batch)
         for rows in self.micro_batches(batch, range(len(batch))):
             mb = micro_batch(batch, rows, self.device, self.config.padding_free)
@@ -425,7 +431,7 @@ class ActorCore:
             batch: B = len(normalisers) * mini_batch_rows rows; row block m is mini-batch m. Its response_mask is
                 the loss mask (a row masked out by rollout correction or mask_truncated is all 0).
             old_logprobs: (B, R), or None when there is exactly one optimizer step (ratio 1, see `update`).
-            advantages: (B,) sequence advantages (0 on padding rows).
+            advantages: (B,) sequence advantages, or (B, R) per-token ones (distillation); 0 on padding rows.
             ref_logprobs: (B, R) reference logprobs; required when the KL loss is on.
             mini_batch_rows: rows per mini-batch.
             normalisers: per mini-batch, what its aggregated loss divides by (`mini_batch_scales`): the mini-batch's
@@ -448,7 +454,7 @@ class ActorCore:
             raise ValueError("actor.use_kl_loss is on but no reference logprobs were given")
         # in the weights' precision, at least float32 (not cast down to float32: a float64 model's loss stays float64)
         precision = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
-        token_adv = broadcast_to_tokens(advantages.to(precision), batch.response_mask)
+        token_adv = broadcast_to_tokens(advantages.to(precision), batch.response_mask)  # (B, R) ones pass as they are
         self.model.train()
         steps: list[dict[str, float]] = []
         empty_steps = empty_micro_batches = non_finite = 0
@@ -511,6 +517,7 @@ class ActorCore:
             start["actor/entropy_loss"] = 0.0
         if cfg.use_kl_loss:
             start["actor/kl_loss"] = 0.0
+        start.update({"distill/loss": 0.0} if batch.teacher_logprobs is not None else {})  # algorithm.distill.mode=loss
         if cfg.moe.aux_loss_coef and self.routing is not None:
             start["actor/moe_aux_loss"] = 0.0
         compare_rollout = batch.rollout_logprobs is not None and self.temperature == 1.0
@@ -558,6 +565,11 @@ class ActorCore:
                     kl_loss = agg_loss(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, mode, normaliser)
                     loss = loss + cfg.kl_loss_coef * kl_loss
                     parts["actor/kl_loss"] += scalar(kl_loss)
+                if batch.teacher_logprobs is not None:  # algorithm.distill.mode=loss: coef * reverse KL, aggregated
+                    distill_loss = reverse_kl_loss(logprobs, batch.teacher_logprobs[rows, :width].to(self.device), mask,
+                                                   self.distill.estimator, mode, normaliser)
+                    loss = loss + self.distill.coef * distill_loss
+                    parts["distill/loss"] += scalar(distill_loss)
                 if aux_on:  # this micro-batch's share of the mini-batch's tokens, as the token-mean metrics
                     balance = aux.value()
                     loss = loss + cfg.moe.aux_loss_coef * share * balance

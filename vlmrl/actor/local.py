@@ -13,6 +13,7 @@ from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.core import ActorCore, forward_response, micro_batch, mini_batch_scales, needs_old_logprobs
 from vlmrl.actor.lora import ADAPTER_DIR, LoraSync, merged_tensors, peft_model_of, write_adapter
 from vlmrl.actor.policy import build_policy
+from vlmrl.algorithms.config import DistillConfig
 from vlmrl.algorithms.grpo import token_mean
 from vlmrl.rollout.base import RolloutBackend
 from vlmrl.types import TrainBatch
@@ -24,7 +25,7 @@ class Actor(ActorCore):
     dp_size = 1
 
     def __init__(self, config: ActorConfig, total_steps: int, mini_batch_samples: int, temperature: float = 1.0,
-                 init_path: str | None = None):
+                 init_path: str | None = None, distill: DistillConfig | None = None):
         """
         Args:
             config: actor settings.
@@ -33,8 +34,10 @@ class Actor(ActorCore):
             temperature: the sampling temperature; logprobs are of softmax(logits / temperature), the policy sampled.
             init_path: load weights from here instead of config.model_path (a checkpoint to resume from); the
                 reference always comes from config.model_path.
+            distill: on-policy distillation (algorithm.distill): with a teacher, it is loaded frozen beside the
+                policy, and `compute_logprobs(teacher=True)` scores with it.
         """
-        super().__init__(config, build_policy(config, total_steps, init_path), temperature)
+        super().__init__(config, build_policy(config, total_steps, init_path, distill=distill), temperature)
         self.mini_batch_samples = mini_batch_samples
         self.lora_sync = LoraSync(config.lora, self.model) if self.peft_config is not None else None
         self.last_sync_bytes = 0
@@ -58,7 +61,7 @@ class Actor(ActorCore):
                 the loss mask.
             old_logprobs: (B, R) logprobs of the policy that generated the batch; None only when
                 `needs_old_logprobs(B)` is false (then they are the update forward's own, detached: ratio 1).
-            advantages: (B,) sequence advantages (0 on padding rows).
+            advantages: (B,) sequence advantages, or (B, R) per-token ones (distillation); 0 on padding rows.
             ref_logprobs: (B, R) reference logprobs; required when the KL loss is on.
             loss_weights: (B, R) rollout-correction weights multiplying the loss matrix; None = 1.
             old_from_engine: old_logprobs are the engine's (the bypass correction): rollout/logprob_abs_diff and
@@ -71,7 +74,8 @@ class Actor(ActorCore):
             extremes), actor/ppo_kl, actor/entropy, actor/kl_loss, actor/entropy_loss, actor/grad_norm, actor/lr,
             actor/skipped_steps (optimizer steps not taken: empty or non-finite gradient), actor/empty_steps (of
             those, mini-batches without a policy token: padding rows only, or every token masked),
-            actor/empty_micro_batches (micro-batches without a policy token, skipped), and
+            actor/empty_micro_batches (micro-batches without a policy token, skipped), distill/loss (the batch's
+            teacher_logprobs set: algorithm.distill.mode=loss), and
             rollout/logprob_abs_diff (|old - backend| logprobs, at temperature 1 only).
         """
         if len(batch) % self.mini_batch_samples:

@@ -3,7 +3,8 @@
 Device and dtypes are resolved once, the model is loaded with its cache off (training never decodes), gradient
 checkpointing and the frozen vision tower are applied, LoRA adapters are added (actor.lora: then the KL reference is
 the same model with its adapters disabled) or else the KL reference is copied from the initial weights, and AdamW
-plus the lr schedule are built over the trainable parameters. A sharded rank passes `wrap` (FSDP2 around the
+plus the lr schedule are built over the trainable parameters. With on-policy distillation (algorithm.distill) a
+frozen teacher is loaded beside them and wrapped like the reference. A sharded rank passes `wrap` (FSDP2 around the
 model) and gets everything else unchanged, so the two actors cannot differ in what they train or in which dtype.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from vlmrl.actor.config import ActorConfig, OptimConfig
+from vlmrl.algorithms.config import DistillConfig
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +99,16 @@ class Policy:
     """The PEFT LoraConfig when actor.lora is on (the model is then a PeftModel, its reference the base inside)."""
     reference_on_host: bool = False
     """The (unsharded) reference waits in host memory and is moved to `device` for its logprob pass only."""
+    teacher: torch.nn.Module | None = None
+    """The frozen distillation teacher (algorithm.distill.teacher; wrapped like the reference), else None."""
+    distill: DistillConfig | None = None
+    """Distillation's settings when there is a teacher (its loss mode's estimator and coefficient)."""
 
 
 def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = None,
                  wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-                 wrap_reference: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> Policy:
+                 wrap_reference: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+                 distill: DistillConfig | None = None) -> Policy:
     """Load, configure and wrap the policy (and reference), and build its optimizer and lr schedule.
 
     Args:
@@ -113,6 +120,8 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
         wrap: applied to the policy and to the reference after freezing (a sharded rank: FSDP2); the optimizer is
             built on the wrapped model's parameters, which wrapping may replace.
         wrap_reference: applied to the reference instead of `wrap` (a sharded rank offloading it); None = `wrap`.
+        distill: on-policy distillation's settings: with a teacher, it is loaded frozen in its own dtype and wrapped
+            by `wrap_reference` (or `wrap`), as the reference is.
     """
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -155,6 +164,15 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
                        "parameters on %s", device)
     if wrap is None and reference is not None and config.offload.reference and device.type != "cpu":
         reference, reference_on_host = reference.to("cpu"), True  # actor.offload.reference
+    teacher = None
+    if distill is not None and distill.enabled:
+        teacher = load_policy(distill.teacher, resolve_dtype(distill.teacher_dtype, device), device)
+        teacher.config.use_cache = False
+        teacher = teacher.eval().requires_grad_(False)
+        if wrap is not None:
+            teacher = (wrap_reference or wrap)(teacher).eval()
+        logger.info("distillation teacher loaded from %s (%s, mode %s)", distill.teacher,
+                    next(teacher.parameters()).dtype, distill.mode)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
                                   weight_decay=config.optim.weight_decay)
@@ -162,7 +180,7 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
     logger.info("actor %s: %.2fM trainable parameters, %s weights, %s compute on %s", init_path or config.model_path,
                 sum(p.numel() for p in trainable) / 1e6, dtype, compute_dtype, device)
     return Policy(device, dtype, compute_dtype, model, reference, trainable, optimizer, scheduler, adapters,
-                  reference_on_host)
+                  reference_on_host, teacher, distill if teacher is not None else None)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:

@@ -2,7 +2,8 @@
 a per-token advantage or a loss. Pure functions over tensors (no config, no process group, no device assumption).
 
 Shapes: B = rows, R = padded response length. `student` and `teacher` are (B, R) logprobs of the SAME sampled tokens
-(the student's samples, at the temperature the student sampled with), `mask` the (B, R) loss mask (1 = policy token).
+(the student's samples; both scored at rollout.temperature, the distribution the student sampled from: at 1, the
+plain models', as in both anchors), `mask` the (B, R) loss mask (1 = policy token).
 
 What the anchors define, and how this matches:
 - Thinking Machines, "On-Policy Distillation" (2025) and its Tinker cookbook (`incorporate_kl_penalty`): the per-token

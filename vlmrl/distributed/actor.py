@@ -20,6 +20,7 @@ import torch
 from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.core import ActorCore
 from vlmrl.actor.policy import build_policy
+from vlmrl.algorithms.config import DistillConfig
 from vlmrl.distributed.fsdp import clip_grad_norm, iter_full_state_dict, shard_model
 from vlmrl.distributed.vision import WRAPPED_PREFIX, VisionAlwaysOn
 from vlmrl.types import TrainBatch
@@ -41,7 +42,8 @@ class UpdateShard:
     """(b, R) logprobs of the policy that generated the rows; None when the batch gets exactly one optimizer step
     (the update forward's own detached logprobs are then the old ones: ratio 1)."""
     advantages: torch.Tensor
-    """(b,) sequence advantages (computed by the driver over whole groups; 0 on padding rows)."""
+    """(b,) sequence advantages (computed by the driver over whole groups; 0 on padding rows), or (b, R) per-token
+    ones (on-policy distillation's advantage mode)."""
     ref_logprobs: torch.Tensor | None
     """(b, R) reference logprobs when the KL loss is on."""
     mini_batch_normalisers: list[float]
@@ -59,7 +61,7 @@ class ShardedActor(ActorCore):
     process group is up (`vlmrl.distributed.fsdp.init_process_group`)."""
 
     def __init__(self, config: ActorConfig, world_size: int, temperature: float = 1.0, init_path: str | None = None,
-                 total_steps: int = 1):
+                 total_steps: int = 1, distill: DistillConfig | None = None):
         """
         Args:
             config: actor settings (model, optimizer, clip ratios, KL, micro-batch size...).
@@ -68,6 +70,7 @@ class ShardedActor(ActorCore):
             init_path: weights to start from instead of config.model_path (a checkpoint); the reference is always
                 config.model_path.
             total_steps: training steps (the lr schedule's length, as for the single-process actor).
+            distill: on-policy distillation: with a teacher, its shard is loaded here and sharded as the reference.
         """
         self.world_size = world_size
 
@@ -79,8 +82,8 @@ class ShardedActor(ActorCore):
             logger.warning("actor.offload.params needs FSDP sharding (dp >= 2): one rank keeps its parameters on "
                            "its device")
         super().__init__(config, build_policy(config, total_steps, init_path, wrap=shard,
-                                              wrap_reference=lambda m: shard(m, config.offload.reference)),
-                         temperature)
+                                              wrap_reference=lambda m: shard(m, config.offload.reference),
+                                              distill=distill), temperature)
 
     def agree_count(self, count: int) -> int:
         """The most micro-batches any rank plans (a collective): every rank runs that many forwards, so that their

@@ -189,15 +189,17 @@ class DistributedActor:
     # ---- the actor's interface --------------------------------------------------------------------------------------
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False,
-                         record_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         record_routing: bool = False, teacher: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, R) logprobs (and optionally entropy) of the batch, each rank computing an equal contiguous slice.
         B must divide by dp_size (upsample with padding rows first). `record_routing` (the old-logprob pass of a MoE
         policy): each rank records its rows' routing and the rows' routes come back into `batch.routed_experts`
-        (in batch order), so that `update` hands every row's routing to whichever rank updates that row."""
+        (in batch order), so that `update` hands every row's routing to whichever rank updates that row. `teacher`:
+        the distillation teacher's logprobs, sharded like the reference's."""
         blocks = logprob_row_blocks(batch, self.dp_size, balanced=self.spec.actor.micro_batch_tokens > 0)
         parts = self._each("compute_logprobs",
-                           [(batch.select(rows), reference, with_entropy, record_routing) for rows in blocks],
-                           "reference logprobs" if reference else "logprobs")
+                           [(batch.select(rows), reference, with_entropy, record_routing, teacher) for rows in blocks],
+                           "teacher logprobs" if teacher else "reference logprobs" if reference else "logprobs")
         order = torch.as_tensor([row for rows in blocks for row in rows], dtype=torch.long)
         gathered = torch.cat([lp for lp, _, _ in parts])  # the ranks' precision: float32, or float64 for float64
         logprobs = torch.empty_like(batch.response_mask, dtype=gathered.dtype)

@@ -79,7 +79,8 @@ def update_shards(batch: TrainBatch, old_logprobs: torch.Tensor | None, advantag
 
     Args:
         batch: B rows, B a multiple of mini_batch_rows; its response_mask is the loss mask.
-        old_logprobs: (B, R) or None (one optimizer step); advantages: (B,); ref_logprobs: (B, R) or None.
+        old_logprobs: (B, R) or None (one optimizer step); advantages: (B,), or (B, R) per token (distillation);
+            ref_logprobs: (B, R) or None.
         mini_batch_rows: rows per optimizer step (ppo_mini_batch_size x rollout.n).
         world_size: dp ranks; must divide mini_batch_rows.
         loss_agg_mode: actor.loss_agg_mode.

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from vlmrl.actor.config import ActorConfig
+from vlmrl.algorithms.config import DistillConfig
 from vlmrl.distributed.layout import EngineLayout
 from vlmrl.rollout.base import BackendOptions
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams, TrainBatch
@@ -60,6 +61,8 @@ class WorkerSpec:
     """torch.set_num_threads in the worker; 0 = torch's default."""
     timeout_s: float = 600.0
     """Process-group timeout: a collective that waits longer (a rank that died or took another path) fails."""
+    distill: DistillConfig | None = None
+    """On-policy distillation: with a teacher, every rank holds its FSDP shard of it, as of the reference."""
 
 
 class TrainWorker:
@@ -108,7 +111,7 @@ class TrainWorker:
             torch.cuda.set_device(0)
         init_process_group(rank, world_size, master[0], master[1], device, self.spec.timeout_s)
         self.actor = ShardedActor(self.spec.actor, world_size, self.spec.temperature, self.spec.init_path,
-                                  self.spec.total_steps)
+                                  self.spec.total_steps, distill=self.spec.distill)
         if self.actor.peft_config is not None:
             from vlmrl.actor.lora import LoraSync
 
@@ -134,12 +137,14 @@ class TrainWorker:
 
     # ---- training (collectives: every rank, same calls) --------------------------------------------------------------
 
-    def compute_logprobs(self, batch: TrainBatch, reference: bool, with_entropy: bool, record_routing: bool = False):
+    def compute_logprobs(self, batch: TrainBatch, reference: bool, with_entropy: bool, record_routing: bool = False,
+                         teacher: bool = False):
         """(logprobs, entropy, routes): routes are the rows' recorded MoE routing (`batch.routed_experts` after a
-        recording pass, else None), for the driver to hand back with each row's update shard."""
+        recording pass, else None), for the driver to hand back with each row's update shard. `teacher`: the
+        distillation teacher's logprobs (its shards' forward, a collective like the reference's)."""
         self._rest_engine()
         logprobs, entropy = self.actor.compute_logprobs(batch, reference=reference, with_entropy=with_entropy,
-                                                        record_routing=record_routing)
+                                                        record_routing=record_routing, teacher=teacher)
         return logprobs, entropy, batch.routed_experts if record_routing else None
 
     def update_shard(self, shard, old_from_engine: bool = False) -> dict[str, float]:

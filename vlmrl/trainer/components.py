@@ -132,7 +132,7 @@ def training_worker_spec(config: Config, total_steps: int, init_path: str | None
     start = config.actor.model_path if config.actor.lora.enabled else init_path or config.actor.model_path
     engine = EngineSpec(name, start, run_backend_options(config, colocated=True))
     return WorkerSpec(actor=config.actor, temperature=config.rollout.temperature, init_path=init_path,
-                      total_steps=total_steps, engine=engine,
+                      total_steps=total_steps, engine=engine, distill=config.algorithm.distill,
                       torch_threads=config.trainer.torch_threads, timeout_s=config.rollout.timeout_s)
 
 

@@ -1,8 +1,8 @@
 """The GRPO fit loop: each step is a sequence of named, timed phases.
 
     collect (rollout -> reward [-> more rollouts and rewards: dynamic sampling]) -> [engine_sleep] -> old_logprobs
-    (`old_logprob_source`) -> [drift: a few samples' logprobs kept] -> ref_logprobs (KL only) -> advantages ->
-    update -> weight_sync -> [weight_probe] -> [validate] -> [save]
+    (`old_logprob_source`) -> [drift: a few samples' logprobs kept] -> ref_logprobs (KL only) -> teacher_logprobs
+    (distillation only) -> advantages -> update -> weight_sync -> [weight_probe] -> [validate] -> [save]
 
 Where the batch comes from and how the sync reaches the engine is the run's placement (`vlmrl.trainer.placement`:
 synchronous colocated, or asynchronous); a plain and a multi-turn rollout differ only inside it; both give a
@@ -24,7 +24,9 @@ import torch
 from vlmrl.actor.base import PolicyActor
 from vlmrl.algorithms.advantages import compute_advantages
 from vlmrl.algorithms.correction import rollout_correction
+from vlmrl.algorithms.config import DistillConfig
 from vlmrl.algorithms.dapo import mask_truncated
+from vlmrl.algorithms.distill import distill_advantages, distill_metrics, mixed_advantages
 from vlmrl.alignment.drift_artifact import write_step
 from vlmrl.batch.padding import batch_metrics
 from vlmrl.config import Config, to_dict
@@ -122,11 +124,18 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     if cfg.actor.use_kl_loss:
         with timer("ref_logprobs"):
             ref_logprobs, _ = actor.compute_logprobs(batch, reference=True)
+    teacher_logprobs = None
+    if cfg.algorithm.distill.enabled:  # the teacher scores the student's rows as they are (same ids and images)
+        with timer("teacher_logprobs"):
+            teacher_logprobs, _ = actor.compute_logprobs(batch, teacher=True)
     with timer("advantages"):
         al = cfg.algorithm
         advantages = compute_advantages(al.adv_estimator, batch.rewards, batch.uids, batch.is_padding,
                                         batch.response_mask, norm_by_std=al.norm_adv_by_std_in_grpo)
         loss_batch, loss_weights, loss_metrics = loss_inputs(cfg, batch, old_logprobs)
+        if teacher_logprobs is not None:
+            advantages, loss_batch = distill_inputs(al.distill, loss_batch, advantages, old_logprobs, teacher_logprobs)
+            loss_metrics.update(distill_metrics(old_logprobs, teacher_logprobs, batch.response_mask))
     with timer("update"):
         actor_metrics = actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights,
                                      old_from_engine=source == "engine")
@@ -143,8 +152,8 @@ def old_logprob_source(config: Config, batch: TrainBatch, actor: PolicyActor) ->
     - "engine": algorithm.rollout_correction=bypass (verl's bypass mode): the engine's own logprobs anchor the ratio,
       no recomputing pass;
     - "recompute": a trainer forward before the update, when the batch gets more than one optimizer step, rollout
-      correction compares the engine's logprobs with the trainer's, or partial rollout carried tokens sampled by
-      older policies (verl's recompute);
+      correction compares the engine's logprobs with the trainer's, partial rollout carried tokens sampled by
+      older policies (verl's recompute), or on-policy distillation needs the student's logprobs beside the teacher's;
     - "update": one optimizer step on fresh samples: the update's own forward gives them (ratio 1)."""
     if config.algorithm.rollout_correction == "bypass":
         if batch.rollout_logprobs is None:
@@ -152,7 +161,8 @@ def old_logprob_source(config: Config, batch: TrainBatch, actor: PolicyActor) ->
                              f"{config.rollout.name} did not return")
         return "engine"
     carries = config.agent.enable and config.agent.partial.enable
-    if carries or config.algorithm.rollout_correction != "off" or actor.needs_old_logprobs(len(batch)):
+    if carries or config.algorithm.rollout_correction != "off" or config.algorithm.distill.enabled or \
+            actor.needs_old_logprobs(len(batch)):
         return "recompute"
     return "update"
 
@@ -181,6 +191,19 @@ def loss_inputs(config: Config, batch: TrainBatch, old_logprobs: torch.Tensor | 
         metrics["batch/truncated_masked"] = float((mask.any(-1) & ~cut.any(-1)).sum()) / max(real, 1)
         mask = cut
     return (batch if mask is batch.response_mask else replace(batch, response_mask=mask)), weights, metrics
+
+
+def distill_inputs(config: DistillConfig, batch: TrainBatch, advantages: torch.Tensor, student: torch.Tensor,
+                   teacher: torch.Tensor) -> tuple[torch.Tensor, TrainBatch]:
+    """On-policy distillation's part of the update's inputs (`vlmrl.algorithms.distill`), over the loss mask of
+    `batch` (the update's): the advantages, reward_weight times the reward's, plus (mode=advantage) the (B, R)
+    per-token distillation advantages from the student's pre-update logprobs `student` and the teacher's; or
+    (mode=loss) the batch carrying the teacher's logprobs, from which the update adds coef x the reverse-KL loss."""
+    mask = batch.response_mask
+    per_token = (distill_advantages(student, teacher, mask, config.discount, config.coef) if config.mode == "advantage"
+                 else None)
+    advantages = mixed_advantages(advantages, per_token, mask, config.reward_weight)
+    return advantages, (replace(batch, teacher_logprobs=teacher) if config.mode == "loss" else batch)
 
 
 def keep_drift_samples(run: Run, batch: TrainBatch, old_logprobs: torch.Tensor | None, step: int,

@@ -115,7 +115,7 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         opened.append(backend.close)  # stops the workers too
     else:
         actor = Actor(config.actor, total_steps, config.derived.mini_batch_samples,
-                      temperature=config.rollout.temperature, init_path=init_path)
+                      temperature=config.rollout.temperature, init_path=init_path, distill=config.algorithm.distill)
         # A resumed backend starts from the checkpoint folder (HF format): weights already in sync. With LoRA it
         # starts on the base model (an adapter applies to the base) and gets the policy's weights below.
         # asynchronous: the engine generates while the actor trains, so it never gives its memory back to it
