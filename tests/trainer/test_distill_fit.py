@@ -5,6 +5,10 @@ moves nothing."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +21,7 @@ from vlmrl.algorithms.config import DistillConfig
 from vlmrl.algorithms.distill import distill_advantages
 from vlmrl.config import ConfigError, load_config
 from vlmrl.models.families import family_of
+from vlmrl.processors.teacher import teacher_refusal
 from vlmrl.train import main
 from vlmrl.trainer.fit import fit
 
@@ -33,6 +38,39 @@ def test_a_teacher_of_another_family_is_refused_with_one_error_line(tmp_path, ca
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("error: algorithm.distill.teacher=tiny-glm4v "), err
     assert "actor.model_path=tiny" in err[0] and "GLM-4.1V" in err[0] and "Qwen2.5-VL" in err[0], err
+
+
+def _student_copy(student: str, folder: Path) -> Path:
+    """The student's config, tokenizer and processor files (no weights: the check reads none) in `folder`."""
+    folder.mkdir()
+    for file in Path(student).iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, folder / file.name)
+    return folder
+
+
+def test_a_teacher_with_other_image_token_ids_is_refused(tiny_model_path, tmp_path):
+    """Same family and tokenizer, but the image placeholder is another id: the teacher would read the student's
+    image tokens as text."""
+    teacher = _student_copy(tiny_model_path, tmp_path / "teacher")
+    config = json.loads((teacher / "config.json").read_text())
+    config["image_token_id"] += 1
+    (teacher / "config.json").write_text(json.dumps(config))
+    refusal = teacher_refusal(tiny_model_path, str(teacher))
+    assert refusal is not None and "image_token_id differs" in refusal and str(teacher) in refusal, refusal
+
+
+def test_a_teacher_with_another_vocabulary_is_refused(tiny_model_path, tmp_path):
+    """Same family and image tokens, one token more in the tokenizer: ids past the student's mean other text."""
+    from transformers import AutoTokenizer
+
+    teacher = _student_copy(tiny_model_path, tmp_path / "teacher")
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    tokenizer.add_tokens(["<a_teacher_only_token>"])
+    tokenizer.save_pretrained(teacher)
+    refusal = teacher_refusal(tiny_model_path, str(teacher))
+    assert refusal is not None and "tokenizer vocabulary differs" in refusal, refusal
+    assert teacher_refusal(tiny_model_path, str(_student_copy(tiny_model_path, tmp_path / "same"))) is None
 
 
 def test_another_size_of_the_family_may_teach(tmp_path):
