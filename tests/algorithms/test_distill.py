@@ -4,6 +4,8 @@ distributions given by logits."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -120,3 +122,20 @@ def test_metrics_are_means_over_the_masks_tokens():
     mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
     assert distill_metrics(student, teacher, mask) == {"distill/reverse_kl": 0.0, "distill/teacher_logprob": -2.0,
                                                        "distill/student_logprob": -2.0}
+
+
+def test_the_config_refuses_what_distillation_cannot_run_and_says_what_to_change():
+    from vlmrl.config import ConfigError, load_config
+
+    base = ["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic",
+            "algorithm.distill.teacher=tiny"]
+    assert not load_config(base[:3], check_model=False).algorithm.distill.enabled, "off by default"
+    for extra, says in [(["algorithm.distill.mode=sft"], "is not one of ['advantage', 'loss']"),
+                        (["algorithm.distill.estimator=k3"], "set algorithm.distill.mode=loss or estimator=k1"),
+                        (["algorithm.distill.discount=1.5"], "must be in [0, 1]"),
+                        (["algorithm.distill.mode=loss", "algorithm.distill.discount=0.5"], "applies to mode=advantage"),
+                        (["algorithm.distill.coef=0", "algorithm.distill.reward_weight=0"], "nothing to learn")]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(base + extra, check_model=False)
+    config = load_config(base + ["algorithm.distill.mode=loss", "algorithm.distill.estimator=k3"], check_model=False)
+    assert (config.algorithm.distill.mode, config.algorithm.distill.estimator) == ("loss", "k3")
