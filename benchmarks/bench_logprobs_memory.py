@@ -34,7 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from vlmrl.actor.config import ActorConfig
-from vlmrl.actor.core import MicroBatch, forward_response
+from vlmrl.actor.forward import MicroBatch, forward_response
 from vlmrl.algorithms.grpo import entropy_from_logits, logprobs_from_logits
 
 VOCAB = 151_936

@@ -16,7 +16,7 @@ import torch
 
 from tests.actor.test_actor import actor_config
 from tests.batches import make_batch
-from vlmrl.actor.core import micro_batch
+from vlmrl.actor.forward import micro_batch
 from vlmrl.actor.local import Actor
 from vlmrl.actor.micro_batches import cost, plan_micro_batches, row_spans, split_to_count
 from vlmrl.algorithms.grpo import group_advantages
@@ -129,7 +129,7 @@ def test_transformers_packed_detection_needs_the_text_position_row(tiny_model_pa
     mb = micro_batch(batch, [0, 2, 5], actor.device, packed=True)
     assert mb.position_ids.shape[:2] == (4, 1) and mb.attention_mask is None
     padded, _ = actor.compute_logprobs(batch)
-    from vlmrl.actor.core import forward_response
+    from vlmrl.actor.forward import forward_response
 
     with torch.no_grad():
         good, _ = forward_response(actor.model.eval(), mb, 1.0, False)
@@ -245,7 +245,7 @@ def test_qwen3_5_packed_logprobs_equal_each_row_alone(tiny_qwen3_5_path, qwen3_5
     """A packed micro-batch gives each row's logprobs as the padded pass (rows alone in their own sequence) does:
     the linear-attention layers' convolution and recurrent state restart at every row. Without the row boundaries
     (the layers as transformers ships them) the rows after the first read the state the previous row left."""
-    from vlmrl.actor.core import forward_response
+    from vlmrl.actor.forward import forward_response
     from vlmrl.actor.packing import add_row_boundaries
 
     data = qwen3_5_batches[kind]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.batches import make_batch
-from vlmrl.actor.core import forward_response, micro_batch
+from vlmrl.actor.forward import forward_response, micro_batch
 from vlmrl.actor.local import Actor
 from vlmrl.config import ActorConfig, OptimConfig
 

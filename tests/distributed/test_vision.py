@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tests.batches import make_batch
-from vlmrl.actor.core import micro_batch
+from vlmrl.actor.forward import micro_batch
 from vlmrl.actor.policy import load_policy
 from vlmrl.distributed.vision import VisionAlwaysOn
 from vlmrl.models.families import family_of

@@ -52,15 +52,15 @@ IMAGES = {"text": [], "one image": [(300, 100)], "two images": [(300, 100), (64,
 """Image sizes (width, height) of each request: the two of a row resize (or tile) to different grids in every
 family."""
 
-
-def _family(name: str) -> ModelFamily:
-    return next(family for family in FAMILIES if family.name == name)
+BY_NAME = {family.name: family for family in FAMILIES}
 
 
 def test_every_family_is_in_the_matrix():
-    """A family in FAMILIES without its line here would be held to none of these checks."""
-    missing = [family.name for family in FAMILIES if family.name not in MATRIX]
+    """A family in FAMILIES without its line here would be held to none of these checks (and a line without its
+    family to nothing)."""
+    missing = [name for name in BY_NAME if name not in MATRIX]
     assert not missing, f"families without a line in MATRIX: {missing}"
+    assert set(MATRIX) <= set(BY_NAME), f"lines of no family in FAMILIES: {sorted(set(MATRIX) - set(BY_NAME))}"
     assert all(family.tiny_variants for family in FAMILIES), "a family without an embedded model to test"
 
 
@@ -69,7 +69,8 @@ def test_every_family_is_in_the_matrix():
 
 @pytest.fixture(scope="module", params=MATRIX)
 def family(request) -> ModelFamily:
-    return _family(request.param)
+    """Each family of the matrix in turn; every fixture below is that family's, built once."""
+    return BY_NAME[request.param]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,7 @@ def model_path(family) -> str:
 
 @pytest.fixture(scope="module")
 def family_processor(model_path):
+    """vlmrl's processor of the family, prompts up to 2048 tokens (a video's expansion fits)."""
     from vlmrl.data.config import DataConfig
     from vlmrl.processors.loading import load_processor
 
@@ -126,6 +128,14 @@ def _video_row() -> dict:
 def _image_rows() -> dict[str, dict]:
     return {name: _row([noise_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)])
             for name, sizes in IMAGES.items()}
+
+
+@pytest.fixture(scope="module")
+def sides(family, family_processor, hf_processor) -> dict[str, tuple]:
+    """Request name -> `_both_sides` of the family's requests: those of `IMAGES`, and "image and video" where vlmrl
+    takes the family's video."""
+    rows = _image_rows() | ({"image and video": _video_row()} if family.inputs.video_timing is not None else {})
+    return {name: _both_sides(family_processor, hf_processor, row) for name, row in rows.items()}
 
 
 def _both_sides(processor, hf_processor, row: dict):
@@ -177,8 +187,8 @@ def _assert_equal_sides(processor, request, ours, theirs) -> None:
 
 
 @pytest.mark.parametrize("name", list(IMAGES))
-def test_requests_equal_transformers_processor_and_positions(family, family_processor, hf_processor, hf_model, name):
-    request, ours, theirs = _both_sides(family_processor, hf_processor, _image_rows()[name])
+def test_requests_equal_transformers_processor_and_positions(family, family_processor, hf_model, sides, name):
+    request, ours, theirs = sides[name]
     _assert_equal_sides(family_processor, request, ours, theirs)
     grid = ours.multi_modal_inputs.get("image_grid_thw")
     if grid is not None and len(grid) > 1:  # the sizes really were different grids
@@ -187,25 +197,23 @@ def test_requests_equal_transformers_processor_and_positions(family, family_proc
     assert torch.equal(ours.position_ids, expected), first_difference(expected[:, None], ours.position_ids[:, None])
 
 
-@pytest.mark.parametrize("family", [name for name in MATRIX if _family(name).inputs.video_timing is not None],
-                         indirect=True)
-def test_a_video_request_equals_transformers_processor_and_positions(family, family_processor, hf_processor,
-                                                                      hf_model):
-    request, ours, theirs = _both_sides(family_processor, hf_processor, _video_row())
+@pytest.mark.parametrize("family", [name for name in MATRIX if name in BY_NAME
+                                    and BY_NAME[name].inputs.video_timing is not None], indirect=True)
+def test_a_video_request_equals_transformers_processor_and_positions(family, family_processor, hf_model, sides):
+    request, ours, theirs = sides["image and video"]
     assert len(request.videos) == 1 and request.videos[0].num_frames == 4
     _assert_equal_sides(family_processor, request, ours, theirs)
     expected = _transformers_positions(family, hf_model, theirs, theirs["input_ids"], None)[:, 0]
     assert torch.equal(ours.position_ids, expected), first_difference(expected[:, None], ours.position_ids[:, None])
 
 
-def test_left_padded_requests_give_transformers_positions(family, family_processor, hf_processor, hf_model):
+def test_left_padded_requests_give_transformers_positions(family, family_processor, hf_model, sides):
     """The family's requests (a video among them where it takes video) left-padded into one batch, two extra
     columns of padding: vlmrl's position ids of the batch are transformers' on every attended token."""
-    rows = list(_image_rows().values()) + ([_video_row()] if family.inputs.video_timing is not None else [])
-    sides = [_both_sides(family_processor, hf_processor, row) for row in rows]
+    sides = list(sides.values())
     length = max(len(ours.input_ids) for _, ours, _ in sides) + 2
     pad = family_processor.pad_token_id
-    ids = torch.full((len(rows), length), pad, dtype=torch.long)
+    ids = torch.full((len(sides), length), pad, dtype=torch.long)
     mask, types = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.int32)
     for i, (_, ours, theirs) in enumerate(sides):
         n = len(ours.input_ids)
@@ -231,24 +239,24 @@ def test_left_padded_requests_give_transformers_positions(family, family_process
 
 
 def test_packed_logprobs_equal_the_padded_pass(family, model_path, synthetic_rows):
-    """A batch of image rows, a text-only row and padding rows: the packed forward (rows laid end to end in one
+    """Three image rows, a text-only row and two padding rows: the packed forward (rows laid end to end in one
     sequence, logprobs 2 positions at a time) gives the padded pass's logprobs and entropies. A pack of an image
     row, the text-only row and another image row whose text positions count on through the pack (no row boundary:
     one causal sequence, and one linear-attention state) gives other logprobs on the rows after the first, so the
     boundaries are what keeps the rows apart."""
     from tests.actor.test_actor import actor_config
     from tests.batches import make_batch
-    from vlmrl.actor.core import forward_response, micro_batch
+    from vlmrl.actor.forward import forward_response, micro_batch
     from vlmrl.actor.local import Actor
     from vlmrl.batch.padding import upsample_to_multiple
     from vlmrl.data.config import DataConfig
     from vlmrl.processors.loading import load_processor
 
     processor = load_processor(model_path, DataConfig(max_prompt_length=64))
-    plain = make_batch(processor, synthetic_rows[:4], n=2, text_only_rows=(2,), response_length=8)
-    data = upsample_to_multiple(plain, 12, eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
+    plain = make_batch(processor, synthetic_rows[:4], n=1, text_only_rows=(2,), response_length=8)
+    data = upsample_to_multiple(plain, 6, eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
     assert data.is_padding.any()
-    actor = Actor(actor_config(model_path, ppo_micro_batch_size_per_gpu=3), total_steps=1, mini_batch_samples=8)
+    actor = Actor(actor_config(model_path, ppo_micro_batch_size_per_gpu=3), total_steps=1, mini_batch_samples=6)
     expected, expected_entropy = actor.compute_logprobs(data, with_entropy=True)
     assert (expected[data.response_mask > 0] != 0).all()
     actor.config.padding_free, actor.config.logprob_chunk_size = True, 2
@@ -256,7 +264,7 @@ def test_packed_logprobs_equal_the_padded_pass(family, model_path, synthetic_row
     assert (got - expected).abs().max() <= FLOAT32_ROUNDING, (got - expected).abs().max()
     assert (entropy - expected_entropy).abs().max() <= FLOAT32_ROUNDING, (entropy - expected_entropy).abs().max()
 
-    rows = [0, 4, 6]  # an image row, the text-only row, an image row
+    rows = [0, 2, 3]  # an image row, the text-only row, an image row
     assert [bool(data.multi_modal_inputs[r]) for r in rows] == [True, False, True]
     mb = micro_batch(data, rows, actor.device, packed=True)
     assert mb.input_ids.shape[0] == 1
@@ -271,10 +279,10 @@ def test_packed_logprobs_equal_the_padded_pass(family, model_path, synthetic_row
 # ---------------------------------------------------------------------------------------------------- LoRA
 
 
-def test_lora_merged_weights_give_the_peft_models_logprobs(family, family_processor, hf_model):
+def test_lora_merged_weights_give_the_peft_models_logprobs(family, hf_model, sides):
     """Adapters on the language layers, the vision tower and its merger (and the routed experts of a MoE family),
     every lora_B drawn at random: vlmrl's merged tensors are PEFT's merge_and_unload exactly, and the plain model
-    holding them gives the unmerged PEFT model's logprobs on a prompt with two images, within float32 drift, where
+    holding them gives the unmerged PEFT model's logprobs on the prompt with two images, within float32 drift, where
     the adapters moved them beyond it."""
     from vlmrl.actor.lora import apply_lora, lora_scaling, merged_tensors
     from vlmrl.config import LoraConfig
@@ -286,21 +294,22 @@ def test_lora_merged_weights_give_the_peft_models_logprobs(family, family_proces
         for name, p in peft.named_parameters():
             if "lora_B" in name:  # 0.1: adapters that move the policy by nats, as a trained one does
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    ours = dict(merged_tensors(peft.state_dict().items(), lora_scaling(lora)))
-    theirs = copy.deepcopy(peft).merge_and_unload().state_dict()
-    assert ours.keys() == theirs.keys()
-    differ = [k for k in theirs if not torch.equal(ours[k], theirs[k])]
-    assert not differ, f"merged != merge_and_unload for {differ[:3]}"
-    merged = copy.deepcopy(hf_model)
-    merged.load_state_dict(ours, strict=True)
-
-    request = family_processor.build_request(_image_rows()["two images"], 0)
-    prompt = family_processor.prompt_inputs(request)
+    _, prompt, _ = sides["two images"]
     inputs = family.inputs.forward_inputs(dict(input_ids=prompt.input_ids[None],
                                                position_ids=prompt.position_ids[:, None],
                                                **prompt.multi_modal_inputs))
     with torch.no_grad():
-        unmerged, folded, base = (m(**inputs).logits.log_softmax(-1) for m in (peft, merged, hf_model))
+        unmerged, base = (m(**inputs).logits.log_softmax(-1) for m in (peft, hf_model))
+
+    ours = dict(merged_tensors(peft.state_dict().items(), lora_scaling(lora)))
+    merged = peft.merge_and_unload()  # PEFT's merge, in place: the plain model
+    theirs = merged.state_dict()
+    assert ours.keys() == theirs.keys()
+    differ = [k for k in theirs if not torch.equal(ours[k], theirs[k])]
+    assert not differ, f"merged != merge_and_unload for {differ[:3]}"
+    merged.load_state_dict(ours, strict=True)  # vlmrl's tensors in it
+    with torch.no_grad():
+        folded = merged(**inputs).logits.log_softmax(-1)
     assert (folded - unmerged).abs().max() <= FLOAT32_DRIFT, (folded - unmerged).abs().max()
     assert (unmerged - base).abs().max() > FLOAT32_DRIFT, "the adapters did not move the policy: nothing compared"
 

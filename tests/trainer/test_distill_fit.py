@@ -15,7 +15,7 @@ import torch
 from tests.batches import make_batch
 from tests.trainer.test_fit import base_args
 from vlmrl.actor.config import ActorConfig
-from vlmrl.actor.core import micro_batch
+from vlmrl.actor.forward import micro_batch
 from vlmrl.actor.local import Actor
 from vlmrl.algorithms.config import DistillConfig
 from vlmrl.algorithms.distill import distill_advantages

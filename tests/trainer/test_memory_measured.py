@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tests.batches import synthetic_rows
 from vlmrl.actor.config import ActorConfig, LoraConfig, OptimConfig
-from vlmrl.actor.core import forward_response, micro_batch
+from vlmrl.actor.forward import forward_response, micro_batch
 from vlmrl.actor.local import Actor
 from vlmrl.batch.padding import pad_sample, stack_samples
 from vlmrl.config import Config

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from vlmrl.actor.config import ActorConfig
-from vlmrl.actor.core import ActorCore, forward_response, micro_batch, mini_batch_scales, needs_old_logprobs
+from vlmrl.actor.core import ActorCore, mini_batch_scales, needs_old_logprobs
+from vlmrl.actor.forward import forward_response, micro_batch
 from vlmrl.actor.lora import ADAPTER_DIR, LoraSync, merged_tensors, peft_model_of, write_adapter
 from vlmrl.actor.policy import build_policy
 from vlmrl.algorithms.config import DistillConfig

@@ -1,6 +1,6 @@
 """Row boundaries for the linear-attention layers of a packed forward (actor.padding_free).
 
-A packed micro-batch lays its rows one after another in one (1, T) sequence (`vlmrl.actor.core.packed_micro_batch`)
+A packed micro-batch lays its rows one after another in one (1, T) sequence (`vlmrl.actor.forward.packed_micro_batch`)
 and tells transformers where each row starts through the text-position row of its position ids, which restarts at
 0. Attention layers read that and attend within each row. A linear-attention layer (Qwen3.5's Gated DeltaNet) does
 not: its causal convolution and its recurrent state run straight across the sequence, so each row would start from

@@ -140,7 +140,7 @@ def drill_down(actor, reference_model: torch.nn.Module, batch, row: int, *, fami
                tolerance: float) -> DrillDown:
     """The per-module comparison of the trainer's policy and `reference_model` on row `row` of `batch` (a scored
     batch of the engine's samples)."""
-    from vlmrl.actor.core import forward_response, micro_batch
+    from vlmrl.actor.forward import forward_response, micro_batch
 
     weights = family.weights
     names = watched_modules(actor.model, weights.vision_tower, weights.vision_mergers, weights.vision_projector)
