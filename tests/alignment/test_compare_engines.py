@@ -4,7 +4,8 @@ Each comparison validates its sides in this process (`compare_in_process`: what 
 without the two interpreters that would import the engines again) and compares the artifacts with the CLI; the
 one-process-per-side path (`compare --backends vllm,sglang`, each side's log kept, its artifact moved into place) is
 run by the README's tour (tests/test_tour.py). The injected faults run on the HF backend (the diff does not care which
-engine made an artifact, and HF starts in a second).
+engine made an artifact, and HF starts in a second). The other embedded families run the same checks on real
+engines from one matrix (test_compare_families.py), with these helpers.
 """
 
 from __future__ import annotations
