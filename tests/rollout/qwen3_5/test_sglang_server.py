@@ -41,7 +41,7 @@ def test_a_server_on_a_misset_config_is_refused_unless_told(backend, misset_conf
     (family_engine_settings=false, as a deployment outside vlmrl would; it starts, then computes another model): it
     was told no mrope_interleaved either (its own config.json has it), and the client is given the copy. (In bfloat16
     the diff itself cannot tell this engine from a correct one on the tiny model: see
-    tests/alignment/test_compare_engines_qwen3_5.py. Without full_attention_interval or deepstack_visual_indexes such
+    tests/alignment/test_compare_families.py, its Qwen3.5 line. Without full_attention_interval or deepstack_visual_indexes such
     a server does not even start or serve an image. A server launched on a config without the key, then refused, is
     the `full` variant in tests/rollout/qwen3_vl/test_sglang_server.py.)"""
     import requests
