@@ -8,6 +8,8 @@ Contract shared by all backends (`hf`, `vllm`, `sglang`, `sglang-server`), enfor
   - Logprobs are of the RAW model distribution: log_softmax of the model's logits over the whole vocabulary, before
     temperature, top-p/top-k and before the pad-token ban (what the trainer recomputes). Top-k lists rank the
     tokens that may be sampled (banned ids are left out) with those same raw values.
+  - `score(requests, responses)` gives the raw logprob of each given response token after the same request's
+    prompt, teacher-forced (`vlmrl.rollout.scoring` checks what goes in and comes out).
   - Every engine call runs under `timeout_s`; a dead engine process raises `EngineDeadError` naming the backend.
   - `sleep()` frees the accelerator memory of an engine started for it (`releases_memory`); `generate`,
     `update_weights` and `update_adapter` wake what they need first.
@@ -36,6 +38,7 @@ from vlmrl.rollout.errors import (
     RolloutError,
 )
 from vlmrl.rollout.requests import check_results, validate_requests
+from vlmrl.rollout.scoring import check_responses, check_scores
 from vlmrl.rollout.weights import WeightSync, checkpoint_names, weight_sync
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.executor import DaemonExecutor, DeadlineExceeded
@@ -201,6 +204,33 @@ class RolloutBackend(abc.ABC):
         check_results(results, requests, sampling, self.name)
         return results
 
+    def score(self, requests: Sequence[RolloutRequest], responses: Sequence[Sequence[int]]) -> list[list[float]]:
+        """For each request, the raw logprob (the distribution `generate`'s logprobs are of) of each token of its
+        response after the prompt and the response tokens before it: one forward of prompt + response on the
+        engine's model, the request's images included. An empty response scores []. Raises InvalidRequestError
+        before the engine for a request generate would refuse or a response it cannot score, RolloutError when the
+        engine fails or answers another number of logprobs."""
+        check_responses(requests, responses, {self.processor.image_token_id, self.processor.video_token_id},
+                        self.name)
+        self.check_requests(requests, SamplingParams(max_new_tokens=1), [len(r) + 1 for r in responses])
+        if self.weights_dropped:
+            raise RolloutError(f"{self.name}: the engine discarded its weights while asleep: sync the policy's "
+                               "weights before scoring")
+        self.wake_up()
+        todo = [i for i, response in enumerate(responses) if len(response)]
+        scores: list[list[float]] = [[] for _ in requests]
+        if todo:
+            chosen, given = [requests[i] for i in todo], [list(responses[i]) for i in todo]
+            scored = self._score(chosen, given)
+            check_scores(scored, chosen, given, self.name)
+            for i, lps in zip(todo, scored):
+                scores[i] = list(lps)
+        return scores
+
+    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]]) -> list[list[float]]:
+        """The engine call behind `score`, for checked requests and non-empty responses, under the deadline."""
+        raise NotImplementedError(f"{self.name}: this backend cannot score given tokens")
+
     def generate_on_each(self, requests: Sequence[RolloutRequest], sampling: SamplingParams
                          ) -> list[list[RolloutResult]]:
         """The same requests on every engine this backend drives (one list of results per engine, engine 0 first):
@@ -337,15 +367,17 @@ class RolloutBackend(abc.ABC):
             self._logged_once.add(key)
             logger.warning(message)
 
-    def check_requests(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> None:
-        """Reject what no engine may receive, naming the request (see `validate_requests`)."""
+    def check_requests(self, requests: Sequence[RolloutRequest], sampling: SamplingParams,
+                       new_tokens: Sequence[int] | None = None) -> None:
+        """Reject what no engine may receive, naming the request (see `validate_requests`; `new_tokens`: per
+        request, what follows the prompt instead of sampling.max_new_tokens)."""
         validate_requests(requests, sampling, image_token_id=self.processor.image_token_id,
                           video_token_id=self.processor.video_token_id,
                           tokens_per_image=self.processor.image_token_count,
                           tokens_per_video=self.processor.video.token_count,
                           image_factor=self.processor.image_factor,
                           max_model_len=self.options.max_model_len, limit_images=self.rollout.limit_images,
-                          limit_videos=self.rollout.limit_videos, backend=self.name)
+                          limit_videos=self.rollout.limit_videos, backend=self.name, new_tokens=new_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------- engine settings

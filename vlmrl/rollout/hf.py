@@ -119,21 +119,27 @@ class HFBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------------ scoring
 
-    def score(self, request: RolloutRequest, response_ids: Sequence[int]) -> list[float]:
-        """Teacher-forced raw logprobs of `response_ids` after the request's prompt (one forward pass): the
-        reference the engines' sampled logprobs are compared with."""
-        self.check_requests([request], SamplingParams(max_new_tokens=max(1, len(response_ids))))
-        self.wake_up()
+    def score(self, requests: Sequence[RolloutRequest] | RolloutRequest,
+              responses: Sequence[Sequence[int]] | Sequence[int]) -> list[list[float]] | list[float]:
+        """`RolloutBackend.score`; also takes one request and its response ids (`score(request, ids)` -> one list):
+        the reference the engines' sampled logprobs are compared with."""
+        if isinstance(requests, RolloutRequest):
+            return super().score([requests], [responses])[0]
+        return super().score(requests, responses)
 
+    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]]) -> list[list[float]]:
         @torch.no_grad()
-        def run() -> list[float]:
-            inputs = self.model_inputs(request, response_ids)
-            start = inputs["input_ids"].shape[1] - len(response_ids)
-            logits = self.model(**inputs, use_cache=False).logits[0, start - 1:-1].float()  # (R, V)
-            targets = torch.tensor(list(response_ids), dtype=torch.long, device=logits.device)
-            return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+        def run() -> list[list[float]]:
+            scores = []
+            for request, response in zip(requests, responses):  # one forward each, as generate runs them
+                inputs = self.model_inputs(request, response)
+                start = inputs["input_ids"].shape[1] - len(response)
+                logits = self.model(**inputs, use_cache=False).logits[0, start - 1:-1].float()  # (R, V)
+                targets = torch.tensor(response, dtype=torch.long, device=logits.device)
+                scores.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist())
+            return scores
 
-        return self._runner.call("score a response", run, self.rollout.timeout_s)
+        return self._runner.call(f"score {len(requests)} responses", run, self.rollout.timeout_s)
 
     # ------------------------------------------------------------------------------------------------ weights
 

@@ -22,6 +22,7 @@ def validate_requests(
     requests: Sequence[RolloutRequest], sampling: SamplingParams, *, image_token_id: int, video_token_id: int,
     tokens_per_image: Callable[[Any], int], image_factor: int, max_model_len: int, limit_images: int,
     backend: str, tokens_per_video: Callable[[Any], int] | None = None, limit_videos: int = 0,
+    new_tokens: Sequence[int] | None = None,
 ) -> None:
     """Raise InvalidRequestError for the first request an engine must not see:
     a placeholder count that differs from the image count (an engine would hang, crash or misalign images),
@@ -29,7 +30,8 @@ def validate_requests(
     even and sides multiples of `image_factor`, images that are not RGB or not resized to multiples
     of `image_factor` (each engine would resize differently), more images than `limit_images`, an empty prompt, or
     an expanded prompt + max_new_tokens over `max_model_len` (never truncated: that would cut through an image).
-    Bad sampling settings raise too."""
+    Bad sampling settings raise too. `new_tokens`: per request, the tokens that follow the prompt instead of
+    max_new_tokens (a response to score and the one token generated after it)."""
     _validate_sampling(sampling, backend)
     for position, request in enumerate(requests):
         name = describe(request, position)
@@ -67,10 +69,12 @@ def validate_requests(
         expanded = len(request.prompt_ids) - placeholders + sum(tokens_per_image(im) for im in request.images)
         if tokens_per_video is not None:
             expanded += sum(tokens_per_video(v) - 1 for v in request.videos)
-        if expanded + sampling.max_new_tokens > max_model_len:
+        after, what = ((sampling.max_new_tokens, "max_new_tokens") if new_tokens is None
+                       else (new_tokens[position], "response + 1 generated"))
+        if expanded + after > max_model_len:
             raise InvalidRequestError(
-                f"{backend}: {name}: prompt of {expanded} tokens (expanded) + max_new_tokens="
-                f"{sampling.max_new_tokens} > max_model_len={max_model_len}; raise max_model_len or filter the row")
+                f"{backend}: {name}: prompt of {expanded} tokens (expanded) + {what}={after} > "
+                f"max_model_len={max_model_len}; raise max_model_len or filter the row")
 
 
 def _validate_sampling(sampling: SamplingParams, backend: str) -> None:
