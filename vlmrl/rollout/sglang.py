@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import dataclasses
 import hashlib
 import json
 import logging
@@ -44,6 +45,7 @@ from vlmrl.rollout.config import SGLangConfig
 from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError, RolloutError, ServerSettingError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import describe, sample_seed, top_allowed
+from vlmrl.rollout.scoring import response_tail
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
 
@@ -299,6 +301,35 @@ class SGLangCommon(RolloutBackend):
                 results.append(_result(own[i % draws], request, i, sampling.top_logprobs,
                                        self.routing_layout() if self.captures_routing() else None))
         return results
+
+    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]]) -> list[list[float]]:
+        """prompt + response as the input of a one-token generation with input logprobs from `logprob_start_len`
+        (raw: SGLANG_RETURN_ORIGINAL_LOGPROB=1, no ban bias asked). The entry AT that start carries no logprob
+        (measured: None), so it is the position before the response's first token; it counts the engine's
+        expanded tokens, so the unexpanded prompt length - 1 starts at or before it (on image tokens, whose
+        entries read id 0), and the response's logprobs are the last len(response) entries."""
+        if not self.processor.family.engines.sglang_prompt_ids:
+            raise InvalidRequestError(f"{self.name}: SGLang takes {self.processor.family.name} prompts as text, "
+                                      "which cannot carry given response ids token for token; score on vllm or hf")
+        unbanned = [dataclasses.replace(r, banned_token_ids=[]) for r in requests]
+        body = self.payload(unbanned, SamplingParams(temperature=0.0, max_new_tokens=1))
+        prompts = body["input_ids"]
+        body["input_ids"] = [list(ids) + response for ids, response in zip(prompts, responses)]
+        body["logprob_start_len"] = [len(ids) - 1 for ids in prompts]
+        outputs = self.call_engine("generate", body)
+        if len(outputs) != len(requests):
+            raise RolloutError(f"{self.name}: {len(outputs)} outputs for {len(requests)} responses to score")
+        scores = []
+        for request, response, out in zip(requests, responses, outputs):
+            entries = out["meta_info"]["input_token_logprobs"]
+            tail = [e[1] for e in entries[len(entries) - len(response):]]
+            # SGLang reports as 0 every input id >= vocab_size - 1 (meant for image hash values; the last id of the
+            # vocabulary too, an off-by-one of its display only: the logprob is that id's)
+            if any(seen != given and seen != 0 for seen, given in zip(tail, response)) or len(tail) != len(response):
+                raise RolloutError(f"{self.name}: request {request.uid}: the engine's input ends with {tail}, not "
+                                   f"with the response {response}")
+            scores.append(response_tail([e[0] for e in entries], response, self.name, f"request {request.uid}"))
+        return scores
 
     def captures_routing(self) -> bool:
         return captures_routing(self.rollout, self.name, self.processor.family)

@@ -32,9 +32,10 @@ from vlmrl.rollout.base import (
     merged,
     release_memory,
 )
-from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError
+from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError, RolloutError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import sample_seed, top_allowed
+from vlmrl.rollout.scoring import response_tail
 from vlmrl.rollout.vllm_cpu import cpu_env, name_cpu_shared_memory
 from vlmrl.rollout.vllm_moe import RoutingCaptureExtension, repack_cpu_experts_on_reload
 from vlmrl.rollout.weights import checkpoint_names
@@ -290,20 +291,11 @@ class VLLMBackend(RolloutBackend):
         if self._per_sample_routing():
             return self._generate_routed(requests, sampling)
         from vllm import SamplingParams as VLLMSampling
-        from vllm.inputs import TokensPrompt
 
         draws = 1 if sampling.greedy else sampling.n  # greedy samples are identical: compute one, repeat it
         prompts, params = [], []
         for position, request in enumerate(requests):
-            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
-            data: dict = {}
-            if request.images:
-                data["image"] = list(request.images)
-            if request.videos:
-                data["video"] = [(v.frames, v.metadata()) for v in request.videos]
-            if data:
-                prompt["multi_modal_data"] = data
-            prompts.append(prompt)
+            prompts.append(self._prompt(request))
             params.append(VLLMSampling(
                 n=draws, temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0),
                 max_tokens=sampling.max_new_tokens, seed=sample_seed(sampling, position),
@@ -317,6 +309,42 @@ class VLLMBackend(RolloutBackend):
                                     self.rollout.timeout_s)
         return [result for request, output in zip(requests, outputs) for result in self._results(request, output,
                                                                                                  sampling)]
+
+    def _prompt(self, request: RolloutRequest, extra_ids: Sequence[int] = ()):
+        """The request as vLLM takes it: unexpanded ids (+ `extra_ids`) and its images and videos."""
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids) + list(extra_ids))
+        data: dict = {}
+        if request.images:
+            data["image"] = list(request.images)
+        if request.videos:
+            data["video"] = [(v.frames, v.metadata()) for v in request.videos]
+        if data:
+            prompt["multi_modal_data"] = data
+        return prompt
+
+    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]]) -> list[list[float]]:
+        """prompt + response as the prompt of a one-token generation with `prompt_logprobs=0` (each prompt token's
+        own logprob): the response's are the last len(response) of them. vLLM computes prompt logprobs as
+        log_softmax of the raw logits in both logprobs modes (no sampling processor touches prompt tokens), and a
+        request that asks for them reads nothing from the prefix cache."""
+        from vllm import SamplingParams as VLLMSampling
+
+        prompts = [self._prompt(request, response) for request, response in zip(requests, responses)]
+        params = VLLMSampling(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        lora = self._lora_request
+        outputs = self._runner.call(f"score {len(requests)} responses",
+                                    lambda: self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora),
+                                    self.rollout.timeout_s)
+        scores = []
+        for request, response, output in zip(requests, responses, outputs):
+            ids = list(output.prompt_token_ids)  # expanded
+            if ids[len(ids) - len(response):] != response:
+                raise RolloutError(f"vllm: request {request.uid}: the engine's prompt does not end with the response")
+            entries = [None if pos is None else pos[t].logprob for pos, t in zip(output.prompt_logprobs, ids)]
+            scores.append(response_tail(entries, response, self.name, f"request {request.uid}"))
+        return scores
 
     def _bad_words_for(self, request: RolloutRequest) -> list[str] | None:
         missing = [t for t in request.banned_token_ids if t not in self._bad_words]
