@@ -121,26 +121,6 @@ def padded_batch(processor, batch):
     return upsample_to_multiple(batch, 12, eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
 
 
-def test_transformers_packed_detection_needs_the_text_position_row(tiny_model_path, batch):
-    """transformers 5.19 builds the packed (block-diagonal) mask only from (4, 1, T) ids, whose row 0 holds text
-    positions; from (3, 1, T) mrope ids alone it builds one causal mask over the whole sequence, so rows would
-    attend to the rows before them. Measured here: with the text row the logprobs are the padded ones."""
-    actor = Actor(actor_config(tiny_model_path), total_steps=1, mini_batch_samples=8)
-    mb = micro_batch(batch, [0, 2, 5], actor.device, packed=True)
-    assert mb.position_ids.shape[:2] == (4, 1) and mb.attention_mask is None
-    padded, _ = actor.compute_logprobs(batch)
-    from vlmrl.actor.forward import forward_response
-
-    with torch.no_grad():
-        good, _ = forward_response(actor.model.eval(), mb, 1.0, False)
-        mb.position_ids = mb.position_ids[1:]  # mrope ids only
-        leaky, _ = forward_response(actor.model, mb, 1.0, False)
-    width = mb.response_width
-    mask = batch.response_mask[[0, 2, 5], :width]
-    assert torch.allclose(good * mask, padded[[0, 2, 5], :width], atol=1e-5)
-    assert not torch.allclose(leaky[1:] * mask[1:], padded[[2, 5], :width], atol=1e-3)
-
-
 @pytest.mark.parametrize("budget, packed", [(200, False), (200, True), (1, True)],
                          ids=["budget-padded", "budget-packed", "every-row-overlong"])
 def test_logprobs_and_entropy_equal_the_fixed_row_padded_pass(tiny_model_path, batch, budget, packed):

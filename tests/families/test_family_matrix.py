@@ -240,10 +240,12 @@ def test_left_padded_requests_give_transformers_positions(family, family_process
 
 def test_packed_logprobs_equal_the_padded_pass(family, model_path, synthetic_rows):
     """Three image rows, a text-only row and two padding rows: the packed forward (rows laid end to end in one
-    sequence, logprobs 2 positions at a time) gives the padded pass's logprobs and entropies. A pack of an image
-    row, the text-only row and another image row whose text positions count on through the pack (no row boundary:
-    one causal sequence, and one linear-attention state) gives other logprobs on the rows after the first, so the
-    boundaries are what keeps the rows apart."""
+    sequence, logprobs 2 positions at a time) gives the padded pass's logprobs and entropies. A pack is one (4, 1, T)
+    sequence without a mask: transformers 5.19 builds its block-diagonal mask only from the text-position row 0,
+    which restarts at each row (from an mrope family's (3, 1, T) ids alone it builds one causal mask), and vlmrl's
+    linear-attention layers read their row boundaries there too. So a pack of an image row, the text-only row and
+    another image row whose text positions count on through it (one causal sequence, one linear-attention state)
+    gives other logprobs on the rows after the first."""
     from tests.actor.test_actor import actor_config
     from tests.batches import make_batch
     from vlmrl.actor.forward import forward_response, micro_batch
@@ -267,7 +269,7 @@ def test_packed_logprobs_equal_the_padded_pass(family, model_path, synthetic_row
     rows = [0, 2, 3]  # an image row, the text-only row, an image row
     assert [bool(data.multi_modal_inputs[r]) for r in rows] == [True, False, True]
     mb = micro_batch(data, rows, actor.device, packed=True)
-    assert mb.input_ids.shape[0] == 1
+    assert mb.position_ids.shape[:2] == (4, 1) and mb.attention_mask is None
     mb.position_ids[0] = torch.arange(mb.input_ids.shape[1])
     with torch.no_grad():
         leaky, _ = forward_response(actor.model.eval(), mb, 1.0, False)

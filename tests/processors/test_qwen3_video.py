@@ -65,13 +65,12 @@ def _hf_inputs(hf_processor, processor, request):
 @pytest.mark.parametrize(("row", "fps"), [
     (lambda: generate_rows("motion", 1, 0, "val")[0], 2.0),  # 4 frame images taken at data.video_fps
     (lambda: generate_rows("last_colour", 1, 1, "val")[0], 24.0),
-    (lambda: _mp4_row(30, 10.0), 2.0),  # 3 s at 10 fps sampled at 2 fps: 6 frames, 3 temporal patches
-    (lambda: _mp4_row(41, 25.0), 4.0),
+    (lambda: _mp4_row(41, 25.0), 4.0),  # 1.64 s at 25 fps sampled at 4 fps: 6 frames, 3 temporal patches
 ])
 def test_expanded_ids_pixels_and_positions_equal_transformers(processor, hf_processor, hf_model, tiny_qwen3_vl_path,
                                                               row, fps):
-    """Each sampling (frame lists at data.video_fps 2 and 24, clips sampled from 10 and 25 fps) gives the timestamps,
-    pixels, grids and positions transformers gives; an image and a video in one prompt is the family matrix's
+    """Frame lists at data.video_fps 2 and 24 and a clip sampled at 4 fps from 25 give the timestamps, pixels, grids
+    and positions transformers gives; a clip sampled at 2 fps beside an image is the family matrix's
     (tests/families/test_family_matrix.py)."""
     processor = load_processor(tiny_qwen3_vl_path, DataConfig(max_prompt_length=2048, video_fps=fps))
     request = processor.build_request(row(), 0)
