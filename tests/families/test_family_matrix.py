@@ -20,6 +20,7 @@ A new family: an entry in `vlmrl.models.families.FAMILIES`, its tiny builder, an
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -117,12 +118,17 @@ def _row(images: list, video: bytes | None = None) -> dict:
     return row
 
 
-def _video_row() -> dict:
-    """An image, then 2 s of a 10 fps clip (sampled at data.video_fps = 2: 4 frames, 2 temporal patches)."""
+@functools.cache
+def _clip() -> bytes:
+    """2 s of random frames at 10 fps, as an mp4 (encoded once: every video family decodes the same bytes)."""
     from vlmrl.processors.video import encode_mp4
 
-    frames = np.random.default_rng(3).integers(0, 256, size=(20, 150, 190, 3), dtype=np.uint8)
-    return _row([noise_image(90, 70, seed=3)], encode_mp4(frames, 10.0))
+    return encode_mp4(np.random.default_rng(3).integers(0, 256, size=(20, 112, 140, 3), dtype=np.uint8), 10.0)
+
+
+def _video_row() -> dict:
+    """An image, then the clip (sampled at data.video_fps = 2: 4 frames, 2 temporal patches)."""
+    return _row([noise_image(90, 70, seed=3)], _clip())
 
 
 def _image_rows() -> dict[str, dict]:
