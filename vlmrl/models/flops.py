@@ -4,7 +4,7 @@ definitions (EasyR1's for the language model, plus the vision tower) are in vlmr
 
 Which rule counts a model is a fact of its family (`ModelFamily.flop_rule`, a key of `RULES`); a family without one
 logs no MFU, and the FLOP test over every family fails for it. Each rule is held to torch's FlopCounterMode on the
-family's embedded model (tests/trainer/test_throughput.py).
+family's embedded model (tests/families/test_family_matrix.py).
 """
 
 from __future__ import annotations

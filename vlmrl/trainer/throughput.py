@@ -24,7 +24,7 @@ the vision tower: 6 x its matmul parameters per patch (patch embedding, blocks, 
 embedding, whose backward needs no gradient for the pixels) plus 12 x width x sum(s^2) for its attention, s = a
 frame's patches in full-attention blocks and a window's in Qwen2.5-VL's windowed ones; the forward's share only
 (2 x and 4 x) when the tower does not train (actor.freeze_vision_tower, or LoRA without lora.vision). Held to torch's
-FlopCounterMode on every family's embedded model's forward and backward (tests/trainer/test_throughput.py): equal, but
+FlopCounterMode on every family's embedded model's forward and backward (tests/families/test_family_matrix.py): equal, but
 for the embedding, which EasyR1 counts as a matmul and the counter sees as a lookup, and two parts of the Gated
 DeltaNet the counter cannot count as computed (its triangular solves; its depthwise convolution's weight gradient).
 Model FLOPs: a recomputed forward (gradient checkpointing) or the old-logprob pass is not work the update needed, so
