@@ -111,14 +111,7 @@ class Processor:
             BadRowError: the row is unusable and the config says to fail.
         """
         messages, inline_images, inline_videos = _normalise_messages(row.get("prompt"), index)
-        listed = list(row.get("images") or [])
-        if listed and inline_images:
-            self._bad_image(index, f"images both in the `images` column ({len(listed)}) and inline in the prompt's "
-                                   f"content parts ({len(inline_images)}): give them in one place")
-        sources = listed or inline_images
-        placeholders = sum(_count_parts(m["content"], "image") for m in messages)
-        if placeholders != len(sources):
-            self._bad_image(index, f"{placeholders} image placeholders in the prompt but {len(sources)} images")
+        sources = self._media_sources("image", list(row.get("images") or []), inline_images, messages, index)
         videos = self._videos(row, messages, inline_videos, index)
         images = []
         for i, source in enumerate(sources):
@@ -159,18 +152,25 @@ class Processor:
             index=index,
         )
 
+    def _media_sources(self, kind: str, listed: list[Any], inline: list[Any], messages: list[dict[str, Any]],
+                       index: int) -> list[Any]:
+        """A row's images or videos (`kind`), from its column or inline in the prompt, never both, one for each of
+        the prompt's placeholders of that kind."""
+        if listed and inline:
+            self._bad_image(index, f"{kind}s both in the `{kind}s` column ({len(listed)}) and inline in the prompt's "
+                                   f"content parts ({len(inline)}): give them in one place")
+        sources = listed or inline
+        placeholders = sum(_count_parts(m["content"], kind) for m in messages)
+        if placeholders != len(sources):
+            self._bad_image(index, f"{placeholders} {kind} placeholders in the prompt but {len(sources)} {kind}s")
+        return sources
+
     def _videos(self, row: dict[str, Any], messages: list[dict[str, Any]], inline: list[Any], index: int) -> list:
         """The row's videos (`videos` column or inline content parts), sampled and resized, checked against the
         prompt's video placeholders."""
         listed = row.get("videos")
         listed = [] if listed is None else ([listed] if isinstance(listed, (str, dict, bytes)) else list(listed))
-        if listed and inline:
-            self._bad_image(index, f"videos both in the `videos` column ({len(listed)}) and inline in the prompt's "
-                                   f"content parts ({len(inline)}): give them in one place")
-        sources = listed or inline
-        placeholders = sum(_count_parts(m["content"], "video") for m in messages)
-        if placeholders != len(sources):
-            self._bad_image(index, f"{placeholders} video placeholders in the prompt but {len(sources)} videos")
+        sources = self._media_sources("video", listed, inline, messages, index)
         videos = []
         for i, source in enumerate(sources):
             try:
