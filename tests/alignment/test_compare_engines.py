@@ -154,8 +154,8 @@ def _fp32_margins(overrides, splits):
     with start_run_backend(config, "hf") as hf:
         for index, position, ids_a, ids_b in splits:
             request = processor.build_request(dataset[index], index)
-            lp_a = hf.score(request, ids_a[: position + 1])[position]
-            lp_b = hf.score(request, ids_b[: position + 1])[position]
+            lp_a = hf.score([request], [ids_a[: position + 1]])[0][position]
+            lp_b = hf.score([request], [ids_b[: position + 1]])[0][position]
             margins.append(abs(lp_a - lp_b))
     return margins
 

@@ -38,7 +38,8 @@ def drift_problems(hf32, hf16, requests, results) -> list[str]:
     distance from HF bfloat16 on them; else what it is."""
     engine, dtype = [], []
     for request, result in zip(requests, results):
-        ref16, ref32 = hf16.score(request, result.response_ids), hf32.score(request, result.response_ids)
+        ref16, ref32 = (hf16.score([request], [result.response_ids])[0],
+                        hf32.score([request], [result.response_ids])[0])
         engine += [abs(a - b) for a, b in zip(ref16, result.response_logprobs)]
         dtype += [abs(a - b) for a, b in zip(ref16, ref32)]
     gap, band = sum(engine) / len(engine), 2 * sum(dtype) / len(dtype)

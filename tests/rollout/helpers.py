@@ -165,7 +165,7 @@ def assert_logprobs_match_hf(hf, requests, results, n: int, tol: float, backend:
     worst = 0.0
     for j, request in enumerate(requests):
         for result in results[j * n:(j + 1) * n]:
-            reference = hf.score(request, result.response_ids)
+            reference = hf.score([request], [result.response_ids])[0]
             diff = max(abs(a - b) for a, b in zip(reference, result.response_logprobs))
             assert diff <= tol, (f"{backend}: request {j} sample {result.sample_index}: logprobs differ from HF "
                                  f"teacher-forced by {diff:.2e} > {tol:g}\n{backend}: {result.response_logprobs}\n"
@@ -488,7 +488,7 @@ class Qwen3_5Contract(EngineContract):
         largest token crosses the per-token bound."""
         results = backend.generate(batch, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5))
         diffs = [abs(a - b) for j, request in enumerate(batch) for r in results[2 * j:2 * j + 2]
-                 for a, b in zip(hf.score(request, r.response_ids), r.response_logprobs)]
+                 for a, b in zip(hf.score([request], [r.response_ids])[0], r.response_logprobs)]
         assert sum(diffs) / len(diffs) < BF16_MEAN_LOGPROB_TOL, f"mean |dlogprob| {sum(diffs) / len(diffs):.3f}"
 
     def test_every_linear_attention_tensor_lands(self, backend, hf, batch):

@@ -75,7 +75,7 @@ def test_hf_batch_score_equals_its_per_request_score_and_empty_scores_nothing(hf
     others' scores as they are."""
     responses = [r.response_ids for r in hf_greedy[2:5]]
     batched = hf.score(batch[2:5], [responses[0], [], responses[2]])
-    assert batched == [hf.score(batch[2], responses[0]), [], hf.score(batch[4], responses[2])]
+    assert batched == [hf.score([batch[2]], [responses[0]])[0], [], hf.score([batch[4]], [responses[2]])[0]]
 
 
 def test_what_no_engine_can_score_is_refused_naming_the_request(hf, batch):

@@ -26,7 +26,7 @@ class TestHFBackend(EngineContract):
 def test_greedy_logprobs_equal_teacher_forced_score(hf, batch, hf_greedy):
     """generate's per-step raw logprobs and one teacher-forced forward agree: both see the same positions/images."""
     for request, result in zip(batch, hf_greedy):
-        scored = hf.score(request, result.response_ids)
+        scored = hf.score([request], [result.response_ids])[0]
         assert max(abs(a - b) for a, b in zip(scored, result.response_logprobs)) < 1e-4
 
 

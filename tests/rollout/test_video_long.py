@@ -95,7 +95,7 @@ def test_hf_uses_vlmrls_positions_and_its_decode_steps_continue_them(hf, request
         expected = hf.processor.prompt_inputs(request).position_ids
         assert torch.equal(positions[:, 0], expected), request.uid
         assert deltas.tolist() == [[int(expected.max()) + 1 - expected.shape[1]]]
-        scored = hf.score(request, result.response_ids)
+        scored = hf.score([request], [result.response_ids])[0]
         assert max(abs(a - b) for a, b in zip(scored, result.response_logprobs)) < 1e-4, request.uid
 
 

@@ -119,14 +119,6 @@ class HFBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------------ scoring
 
-    def score(self, requests: Sequence[RolloutRequest] | RolloutRequest,
-              responses: Sequence[Sequence[int]] | Sequence[int]) -> list[list[float]] | list[float]:
-        """`RolloutBackend.score`; also takes one request and its response ids (`score(request, ids)` -> one list):
-        the reference the engines' sampled logprobs are compared with."""
-        if isinstance(requests, RolloutRequest):
-            return super().score([requests], [responses])[0]
-        return super().score(requests, responses)
-
     def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]]) -> list[list[float]]:
         @torch.no_grad()
         def run() -> list[list[float]]:
