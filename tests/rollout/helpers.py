@@ -412,7 +412,7 @@ def assert_sync_changes_seen_images_like_hf(backend, hf, batch, state: dict[str,
 
 def max_drift_from_hf(hf, requests, results) -> float:
     """Largest |logprob - HF teacher-forced logprob| over these results (one per request)."""
-    return max(max(abs(a - b) for a, b in zip(hf.score(r, res.response_ids), res.response_logprobs))
+    return max(max(abs(a - b) for a, b in zip(hf.score([r], [res.response_ids])[0], res.response_logprobs))
                for r, res in zip(requests, results))
 
 
