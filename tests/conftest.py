@@ -34,8 +34,11 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Under --dist loadgroup every test must carry its unit in its id (pytest-xdist appends `@unit`): where a
-    pytest release stops taking that, tests/rollout's shared engines would be started on every worker at once."""
+    pytest release stops taking that, tests/rollout's shared engines would be started on every worker at once. Not
+    with --collect-only, where xdist steps aside (no worker, no ids rewritten, nothing run)."""
     items = session.items
+    if session.config.option.collectonly:
+        return
     if _distributed_by_group(session.config) and items and "@" not in items[0].nodeid:
         raise pytest.UsageError("pytest-xdist did not group the tests (--dist loadgroup): this pytest is newer than "
                                 "the range pyproject.toml's test extra allows; run `make setup`")
@@ -155,8 +158,9 @@ def pytest_unconfigure(config):
     """Leave with the session's status once every report is written, without the interpreter's native teardown: as
     `vlmrl.train` does (`exit_without_native_teardown`), and for the same reason. After a whole suite the process
     holds the engines' and pyarrow's native thread pools; tearing them down at exit segfaulted once (status 139, on a
-    fresh clone, after "1832 passed"), turning a green run red. atexit handlers still run, and output is flushed."""
-    if not _EXIT_STATUS or os.environ.get("VLMRL_TEST_NATIVE_EXIT"):
+    fresh clone, after "1832 passed"), turning a green run red. atexit handlers still run, and output is flushed. A
+    usage error leaves the ordinary way: pytest prints its message only after this hook (and no engine ran)."""
+    if not _EXIT_STATUS or _EXIT_STATUS[-1] == pytest.ExitCode.USAGE_ERROR or os.environ.get("VLMRL_TEST_NATIVE_EXIT"):
         return
     import atexit
     import logging
