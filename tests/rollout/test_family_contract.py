@@ -53,30 +53,36 @@ MARKS = {"vllm": pytest.mark.vllm, "sglang": pytest.mark.sglang, "sglang-server"
 
 
 class OnSharedEngine:
-    """The fixtures a contract class reads, for the class's own (engine, model): `shared_engine`."""
+    """The fixtures a contract class reads, for the class's own (engine, model): `shared_engine`. Class-scoped, so
+    classmethods (pytest's rule: one call per class, not per test instance)."""
 
     shared_engine: tuple[str, str]
 
     @pytest.fixture(scope="class")
-    def tiny_model_path(self, request) -> str:
+    @classmethod
+    def tiny_model_path(cls) -> str:
         from vlmrl.models.tiny import ensure_built
 
-        return str(ensure_built(request.cls.shared_engine[1]))
+        return str(ensure_built(cls.shared_engine[1]))
 
     @pytest.fixture(scope="class")
-    def backend(self, request, shared_engines):
-        return shared_engines.get(*request.cls.shared_engine)
+    @classmethod
+    def backend(cls, shared_engines):
+        return shared_engines.get(*cls.shared_engine)
 
     @pytest.fixture(scope="class")
-    def hf(self, references, tiny_model_path):
+    @classmethod
+    def hf(cls, references, tiny_model_path):
         return references.hf(tiny_model_path)
 
     @pytest.fixture(scope="class")
-    def batch(self, references, tiny_model_path):
+    @classmethod
+    def batch(cls, references, tiny_model_path):
         return references.batch(tiny_model_path)
 
     @pytest.fixture(scope="class")
-    def hf_greedy(self, references, tiny_model_path):
+    @classmethod
+    def hf_greedy(cls, references, tiny_model_path):
         return references.hf_greedy(tiny_model_path)
 
 
