@@ -3,7 +3,7 @@ MoE models: every MoE layer's fused gate_up_proj / down_proj carries an adapter 
 adapters, the merged stream comes under transformers' fused names and shapes (one layer's parts held at a time; that
 it is PEFT's `merge_and_unload()` bit for bit, and gives the unmerged model's logprobs, is the family matrix's:
 tests/families/test_family_matrix.py), and the adapter folder round-trips through a resume exactly. The merged sync into
-vLLM is tested beside its engine (tests/moe/test_qwen3_vl_moe_vllm.py)."""
+vLLM is tested beside its engine (tests/rollout/qwen3_vl_moe/test_vllm.py)."""
 
 from __future__ import annotations
 

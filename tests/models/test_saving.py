@@ -57,7 +57,7 @@ def test_a_lora_policy_with_expert_adapters_is_checkpointed_merged_in_the_hub_la
     experts in Qwen3-VL-MoE's hub layout, and transformers reloads the merged weights."""
     from transformers import AutoModelForImageTextToText
 
-    from tests.moe.contract import expert_lora_actor
+    from tests.rollout.moe_contract import expert_lora_actor
     from vlmrl.models.tiny import ensure_built
 
     actor = expert_lora_actor(str(ensure_built("tiny-qwen3-vl-moe")))

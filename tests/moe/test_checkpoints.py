@@ -56,8 +56,9 @@ def test_a_qwen3_vl_moe_checkpoint_starts_vllm_and_sglang_to_transformers_output
 
 def test_a_qwen3_5_moe_checkpoint_starts_vllm_to_transformers_outputs(moe_batch, tmp_path):
     """bfloat16 (vLLM's only CPU dtype for it; SGLang needs AMX for this family on a CPU): vLLM's greedy tokens on the
-    nine requests score under transformers within bfloat16's drift (tests/moe/test_qwen3_5_moe_vllm.py's rule)."""
-    from tests.moe.test_qwen3_5_moe_vllm import drift_problems
+    nine requests score under transformers within bfloat16's drift (the family matrix's rule for it,
+    tests.rollout.moe_contract.drift_problems)."""
+    from tests.rollout.moe_contract import drift_problems
 
     latest = trained_checkpoint("tiny-qwen3.5-moe", tmp_path / "run")
     results = _greedy("vllm", latest, "bfloat16", moe_batch)

@@ -15,7 +15,7 @@ from vlmrl.alignment.routing import compare_routing, decode_routing
 
 # A variant (marker `full`, make test-all; a vLLM start and two trainer-side actors): the routing cause end to end.
 # make test keeps its parts: vLLM's captured routing equal to transformers' and a moved router named by its layer
-# (tests/moe/test_qwen3_vl_moe_vllm.py), the cause in the diff (tests/alignment/test_routing_cause.py), and the
+# (tests/rollout/qwen3_vl_moe/test_vllm.py), the cause in the diff (tests/alignment/test_routing_cause.py), and the
 # actor's recording in the logprob pass the trainer side runs (tests/actor/test_router_hooks.py).
 pytestmark = [pytest.mark.vllm, pytest.mark.full]
 

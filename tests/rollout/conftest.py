@@ -1,14 +1,14 @@
 """Fixtures of the rollout tests: the processor's request batch, the HF reference (one per session), and the engines
 shared by the modules that test the same engine on the same family with the same settings.
 
-Shared engines (`SharedEngines`): one started engine per (backend, embedded model), fp32, started by the first test
-that uses it and closed right after the last one. The tests of this folder run grouped by the shared engine they use
-(`pytest_collection_modifyitems`): first those that use none, then each engine's tests one after another, so that
-each is started once and only one is alive at a time. Both matter on CPU (measured): two in-process vLLM engines
-break each other (vLLM's parallel state is global: "pipeline model parallel group is not initialized"), and an idle
-SGLang scheduler polls at about half a core. A test that changes a shared engine puts it back (weights, options)
-before it ends; a test that kills one (marked `ends_engine`) runs after the engine's other tests, and a later test
-that needs it gets a fresh one.
+Shared engines (`SharedEngines`): one started engine per (backend, embedded model), fp32 (bfloat16 for a family whose
+CPU engines run only that), started by the first test that uses it and closed right after the last one. The tests of
+this folder run grouped by the shared engine they use (`pytest_collection_modifyitems`): first those that use none, then
+each engine's tests one after another, so that each is started once and only one is alive at a time. Both matter on CPU
+(measured): two in-process vLLM engines break each other (vLLM's parallel state is global: "pipeline model parallel
+group is not initialized"), and an idle SGLang scheduler polls at about half a core. A test that changes a shared engine
+puts it back (weights, options) before it ends; a test that kills one (marked `ends_engine`) runs after the engine's
+other tests, and a later test that needs it gets a fresh one.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ SHARED = {
     ("sglang-server", "tiny-qwen3-vl"): {},
     ("sglang-server", "tiny-glm4v"): {},
     ("sglang-server", "tiny-internvl"): {},
+    # the Mixture-of-Experts families
+    ("vllm", "tiny-qwen3-vl-moe"): {},
+    ("sglang", "tiny-qwen3-vl-moe"): {},
+    ("sglang-server", "tiny-qwen3-vl-moe"): {},
+    ("vllm", "tiny-qwen3.5-moe"): {"dtype": "bfloat16"},
 }
 ENGINE_FIXTURES = {
     "vllm_qwen2_5_vl": ("vllm", "tiny"),
@@ -59,6 +64,8 @@ ENGINE_FIXTURES = {
     "sglang_glm4v": ("sglang", "tiny-glm4v"),
     "vllm_internvl": ("vllm", "tiny-internvl"),
     "sglang_internvl": ("sglang", "tiny-internvl"),
+    "vllm_qwen3_vl_moe": ("vllm", "tiny-qwen3-vl-moe"),
+    "sglang_qwen3_vl_moe": ("sglang", "tiny-qwen3-vl-moe"),
 }
 VIDEO_ENGINE_FIXTURES = {"video_vllm": "vllm", "video_sglang": "sglang"}
 """The shared engine of a backend on the module's current `video_model_path` family."""
@@ -216,6 +223,16 @@ def sglang_internvl(shared_engines):
     return shared_engines.get("sglang", "tiny-internvl")
 
 
+@pytest.fixture(scope="module")
+def vllm_qwen3_vl_moe(shared_engines):
+    return shared_engines.get("vllm", "tiny-qwen3-vl-moe")
+
+
+@pytest.fixture(scope="module")
+def sglang_qwen3_vl_moe(shared_engines):
+    return shared_engines.get("sglang", "tiny-qwen3-vl-moe")
+
+
 def _embedded_name(model_path: str) -> str:
     from vlmrl.models.tiny import ensure_built
 
@@ -235,21 +252,27 @@ def video_sglang(shared_engines, video_model_path):
 class References:
     """One transformers reference per embedded model for the session, in its engines' dtype (float32; bfloat16 for a
     family whose CPU engines run only that), with its nine requests and their greedy results: what every engine
-    test of that model compares with, whichever module or matrix class asks."""
+    test of that model compares with, whichever module or matrix class asks. A bfloat16 family's float32 reference
+    too, where a test asks for it (the drift band of Qwen3.5-MoE: how far bfloat16 alone moves transformers)."""
 
     def __init__(self) -> None:
-        self.backends: dict[str, object] = {}
+        self.backends: dict[tuple[str, str], object] = {}
         self.batches: dict[str, list] = {}
         self.greedy: dict[str, list] = {}
+        self.videos: dict[tuple[str, float], tuple[list, list]] = {}
 
-    def hf(self, model_path: str):
-        if model_path not in self.backends:
+    def hf(self, model_path: str, dtype: str | None = None):
+        """The reference in `dtype` (None: the family's CPU engine dtype, float32 unless it runs only another)."""
+        if dtype is None:
             from vlmrl.models.families import family_for_path
-            from vlmrl.rollout.registry import get_backend
 
             dtype = family_for_path(model_path).engines.cpu_engine_dtype or "float32"
-            self.backends[model_path] = get_backend("hf", model_path, dtype=dtype, max_model_len=1024, timeout_s=300)
-        return self.backends[model_path]
+        if (model_path, dtype) not in self.backends:
+            from vlmrl.rollout.registry import get_backend
+
+            self.backends[model_path, dtype] = get_backend("hf", model_path, dtype=dtype, max_model_len=1024,
+                                                           timeout_s=300)
+        return self.backends[model_path, dtype]
 
     def batch(self, model_path: str) -> list:
         if model_path not in self.batches:
@@ -260,6 +283,15 @@ class References:
         if model_path not in self.greedy:
             self.greedy[model_path] = self.hf(model_path).generate(self.batch(model_path), GREEDY)
         return self.greedy[model_path]
+
+    def hf_videos(self, model_path: str, fps: float) -> tuple[list, list]:
+        """(seven video requests with frames at `fps`, one also holding an image; the reference's greedy results)."""
+        if (model_path, fps) not in self.videos:
+            from tests.rollout.video_helpers import video_batch
+
+            requests = video_batch(model_path, fps)
+            self.videos[model_path, fps] = requests, self.hf(model_path).generate(requests, GREEDY)
+        return self.videos[model_path, fps]
 
     def close(self) -> None:
         for backend in self.backends.values():

@@ -1,13 +1,15 @@
-"""The engine contract (tests.rollout.helpers.EngineContract) on every embedded dense family and every engine it runs
-on: one line per family in `MATRIX`. Each line names the contract the family is held to (its tolerances and its own
-checks: Qwen3-VL's deepstack mergers, Qwen3.5's bfloat16 band and linear-attention tensors, InternVL's tiles), the
-engines, which of them only the `full` tier runs, and the engines its video contract runs on.
+"""The engine contract on every embedded family and every engine it runs on: one line per family in `MATRIX`. Each
+line names the contract the family is held to (tests.rollout.helpers.EngineContract for the dense families, with
+their tolerances and own checks: Qwen3-VL's deepstack mergers, Qwen3.5's bfloat16 band and linear-attention tensors,
+InternVL's tiles; tests.rollout.moe_contract for the Mixture-of-Experts families: every kind of expert tensor, and
+Qwen3.5-MoE's bfloat16 drift band), the engines, which of them only the `full` tier runs, and the engines its video
+contract runs on.
 
 A class per (family, engine) is made from the line; it runs on the session's shared engine of that pair
 (`shared_engine`, tests/rollout/conftest.py: one start per engine and model, shared with that engine's other tests on
 the family) and on the family's transformers reference, batch and greedy results (`References`). A family's own
 settings and refusals (a config without a key an engine reads, an engine-specific path) stay in its folder
-(tests/rollout/<family>/). The Mixture-of-Experts families have their contract in tests/moe.
+(tests/rollout/<family>/: the MoE families' routing capture, routing replay and expert LoRA are there too).
 
 A new family: an entry in `vlmrl.models.families.FAMILIES`, its tiny builder, and one line here.
 """
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.rollout.helpers import EngineContract, Qwen3_5Contract, Qwen3_5VideoContract, Qwen3VLContract
+from tests.rollout.moe_contract import Qwen3_5MoEContract, Qwen3VLMoEContract, Qwen3VLMoEVideoContract
 
 
 class TileContract(EngineContract):
@@ -38,6 +41,9 @@ class Line:
     sync is the same files and /update_weights_from_disk on every family; its start costs 23-40 s)."""
     video: type | None = None
     video_engines: tuple[str, ...] = ()
+    in_process_only: tuple[str, ...] = ()
+    """Tests of the contract that the launched server (sglang-server) does not run: the in-process engine runs them
+    through the same update path in SGLang."""
 
 
 MATRIX: dict[str, Line] = {
@@ -46,6 +52,12 @@ MATRIX: dict[str, Line] = {
     "tiny-qwen3.5": Line(Qwen3_5Contract, video=Qwen3_5VideoContract, video_engines=("vllm", "sglang")),
     "tiny-glm4v": Line(EngineContract),
     "tiny-internvl": Line(TileContract),
+    # the server gets the rolled experts, bucketed, through its disk shards; the per-kind pushes stay in-process. No
+    # videos on the server: it refuses them for every family (tests/rollout/test_video_sglang_server.py)
+    "tiny-qwen3-vl-moe": Line(Qwen3VLMoEContract, video=Qwen3VLMoEVideoContract, video_engines=("vllm", "sglang"),
+                              in_process_only=("test_every_kind_of_moe_tensor_lands",)),
+    # SGLang serves it on a CPU only with Intel AMX (refused before start: tests/rollout/qwen3_5_moe/)
+    "tiny-qwen3.5-moe": Line(Qwen3_5MoEContract, engines=("vllm",), full=()),
 }
 """Embedded model -> how its family is held to the contract."""
 
@@ -95,18 +107,20 @@ def _classes() -> dict[str, type]:
                 bases.append(line.video)
             marks = [MARKS[engine]] + ([pytest.mark.full] if engine in line.full else [])
             name = "Test_" + "_".join(part.replace("-", "_").replace(".", "_") for part in (engine, model))
-            out[name] = type(name, tuple(bases), {"shared_engine": (engine, model), "pytestmark": marks,
-                                                  "__module__": __name__})
+            body = {"shared_engine": (engine, model), "pytestmark": marks, "__module__": __name__}
+            if engine == "sglang-server":
+                body.update(dict.fromkeys(line.in_process_only))  # None: not collected
+            out[name] = type(name, tuple(bases), body)
     return out
 
 
 globals().update(_classes())
 
 
-
-def test_every_dense_family_has_a_line():
-    """A dense family in FAMILIES whose embedded models have no line here would run no engine contract."""
+def test_every_family_has_a_line():
+    """A family in FAMILIES (dense or Mixture-of-Experts) whose embedded models have no line here would run no engine
+    contract."""
     from vlmrl.models.families import FAMILIES
 
-    missing = [f.name for f in FAMILIES if f.experts is None and not set(f.tiny_variants) & set(MATRIX)]
-    assert not missing, f"dense families without a line in MATRIX: {missing}"
+    missing = [f.name for f in FAMILIES if not set(f.tiny_variants) & set(MATRIX)]
+    assert not missing, f"families without a line in MATRIX: {missing}"

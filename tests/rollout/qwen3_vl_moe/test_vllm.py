@@ -1,27 +1,21 @@
-"""vLLM (in-process, float32) on the embedded Qwen3-VL-MoE against transformers: greedy == HF token for token on
-nine requests with 0-2 images, and expert weight sync (vLLM's CPU MoE kernel repacks the experts on a reload only
-because vlmrl's worker extension asks it to: without that, the push fails or loads the wrong packing)."""
+"""vLLM (in-process, float32) on the embedded Qwen3-VL-MoE against transformers: its routing captured from the CPU
+engine is transformers' routing (a moved router named by its layer), the trainer replays it (routing replay R3), and
+a LoRA policy with expert adapters syncs as merged weights. The engine contract (greedy == HF, expert weight sync:
+vLLM's CPU MoE kernel repacks the experts on a reload only because vlmrl's worker extension asks it to) is the family
+matrix's (tests/rollout/test_family_contract.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.moe.contract import Qwen3VLMoEContract
 from tests.rollout.helpers import GREEDY
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def backend(qwen3_vl_moe_path):
-    from vlmrl.rollout.registry import get_backend
-
-    with get_backend("vllm", qwen3_vl_moe_path, dtype="float32", max_model_len=1024, timeout_s=300) as started:
-        yield started
-
-
-class TestVLLMQwen3VLMoE(Qwen3VLMoEContract):
-    pass
+def backend(vllm_qwen3_vl_moe):
+    return vllm_qwen3_vl_moe
 
 
 def test_the_engines_routing_is_transformers_routing(backend, hf, batch):
@@ -41,7 +35,7 @@ def test_the_engines_routing_is_transformers_routing(backend, hf, batch):
 def test_a_router_moved_in_the_engine_shows_as_routing_from_its_layer(backend, hf, batch):
     """Only the second MoE layer's router moved in the engine: the comparison with transformers names layer 1 as
     the first whose routing differs, with the first layer's routing untouched."""
-    from tests.moe.contract import moved
+    from tests.rollout.moe_contract import moved
     from tests.rollout.helpers import clone_state
     from vlmrl.alignment.routing import compare_routing, differing_sets, transformers_routing
 
@@ -65,7 +59,7 @@ def test_engine_routing_replay_scores_with_the_engines_experts(backend, hf, batc
     flips them, while the mixing weights barely move), the trainer that replays the engine's experts sits closer to
     the engine's logprobs on average than the trainer routing on its own, and reports the share of (token, layer)
     pairs it would route elsewhere."""
-    from tests.moe.contract import moved
+    from tests.rollout.moe_contract import moved
     from tests.rollout.helpers import clone_state
     from vlmrl.actor.config import MoEConfig
     from vlmrl.actor.local import Actor
@@ -117,7 +111,7 @@ def test_merged_expert_lora_syncs_like_hf_running_the_merged_model(backend, hf, 
     checkpoint's expert layout by the same sync as a full model's), and the engine's greedy outputs equal
     transformers running the merged model, token for token and to float rounding; the originals bring the first
     outputs back."""
-    from tests.moe.contract import expert_lora_actor
+    from tests.rollout.moe_contract import expert_lora_actor
     from tests.rollout.helpers import LOGPROB_TOL, clone_state, greedy_problems
 
     actor = expert_lora_actor(backend.model_path)

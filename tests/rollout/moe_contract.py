@@ -1,13 +1,16 @@
-"""The engine contract of a MoE family (subclassed per engine in this folder): the engine gives transformers'
-outputs, and a weight sync lands every kind of MoE tensor (each expert's gate, up and down projections, the router,
-Qwen3.5-MoE's shared expert and its gate) in the engine's own layout, checked against transformers with the same
-weights, and the originals bring the first outputs back exactly."""
+"""The engine contract of the Mixture-of-Experts families (lines of the family matrix,
+tests/rollout/test_family_contract.py): the engine gives transformers' outputs, and a weight sync lands every kind of
+MoE tensor (each expert's gate, up and down projections, the router, Qwen3.5-MoE's shared expert and its gate) in the
+engine's own layout, checked against transformers with the same weights, and the originals bring the first outputs
+back exactly. Qwen3-VL-MoE is held to it in float32, token for token; Qwen3.5-MoE in bfloat16, within a drift band
+(`drift_problems`)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tests.rollout.helpers import GREEDY, LOGPROB_TOL, clone_state, greedy_problems
+from tests.rollout.helpers import GREEDY, LOGPROB_TOL, clone_state, float32_checkpoint, greedy_problems
 from vlmrl.types import SamplingParams
 
 ONE = SamplingParams(temperature=0.0, max_new_tokens=4, top_logprobs=5)
@@ -55,7 +58,8 @@ def moved(state: dict[str, torch.Tensor], name_part: str, rows: slice | None = N
 
 
 class MoEContract:
-    """Fixtures: `backend` (module-scoped engine), `hf` (the reference in the engine's dtype), `batch`."""
+    """Fixtures: `backend` (the session's shared engine of the class), `hf` (the reference in the engine's dtype),
+    `batch`."""
 
     def like_hf_problems(self, hf, requests, results, backend) -> list[str]:
         """How the engine's greedy results differ from what HF (with its current weights) gives (empty: they do
@@ -129,15 +133,77 @@ class MoEContract:
 class Qwen3VLMoEContract(MoEContract):
     """The contract in float32 on Qwen3-VL-MoE: greedy == HF token for token besides the sync tests."""
 
-    def test_greedy_equals_hf(self, backend, batch, hf_qwen3_vl_moe_greedy):
+    def test_greedy_equals_hf(self, backend, batch, hf_greedy):
         """Nine requests with 0, 1 and 2 images: HF's ids token for token, its logprobs to float rounding."""
         results = backend.generate(batch, GREEDY)
-        problems = greedy_problems(hf_qwen3_vl_moe_greedy, results, backend.name, LOGPROB_TOL)
+        problems = greedy_problems(hf_greedy, results, backend.name, LOGPROB_TOL)
         assert not problems, "\n".join(problems)
 
-    def test_videos_equal_hf(self, backend, moe_videos):
+
+class Qwen3VLMoEVideoContract:
+    """Qwen3-VL-MoE's videos, on the engines that take them (not sglang-server, which refuses videos)."""
+
+    def test_videos_equal_hf(self, backend, references, tiny_model_path):
         """Seven video requests (one also holding an image; Qwen3-VL's timestamps in the text), frames at 2 fps,
         through the MoE layers: HF's ids token for token, its logprobs to float rounding."""
-        requests, expected = moe_videos
+        requests, expected = references.hf_videos(tiny_model_path, 2.0)
         problems = greedy_problems(expected, backend.generate(requests, GREEDY), backend.name, LOGPROB_TOL)
         assert not problems, "\n".join(problems)
+
+
+def drift_problems(hf32, hf16, requests, results) -> list[str]:
+    """[] when the engine's mean |logprob - HF bfloat16| over its own tokens is at most twice HF float32's mean
+    distance from HF bfloat16 on them; else what it is."""
+    engine, dtype = [], []
+    for request, result in zip(requests, results):
+        ref16, ref32 = (hf16.score([request], [result.response_ids])[0],
+                        hf32.score([request], [result.response_ids])[0])
+        engine += [abs(a - b) for a, b in zip(ref16, result.response_logprobs)]
+        dtype += [abs(a - b) for a, b in zip(ref16, ref32)]
+    gap, band = sum(engine) / len(engine), 2 * sum(dtype) / len(dtype)
+    return [] if gap <= band else [f"mean |engine - HF bf16| {gap:.3f} > 2 x HF's own fp32-bf16 gap ({band:.3f})"]
+
+
+class Qwen3_5MoEContract(MoEContract):
+    """The contract in bfloat16 (its CPU engines' only dtype: vLLM's GDN kernel) on Qwen3.5-MoE, against transformers
+    in bfloat16: the engine's own tokens, scored by HF, stay within bfloat16's mean drift; expert, router and
+    shared-expert sync in the per-expert layout lands and restores.
+
+    Why not greedy token for token, as for Qwen3-VL-MoE in float32: in bfloat16 a router's top-k is decided by
+    rounding wherever two experts nearly tie, and a token routed through another expert continues differently without
+    any near-tie in its output distribution. transformers itself routes some token of each of the nine prompts
+    differently in float32 and bfloat16 (measured with `vlmrl.alignment.routing.transformers_routing`), and vLLM's
+    greedy then splits from HF's on 7 of 9 requests at 12 tokens. That is the train/inference mismatch routing replay
+    exists for; on the engine side it is not a defect. The rule instead: over the engine's own tokens, its mean
+    |logprob - HF bfloat16| is at most twice transformers' own float32-vs-bfloat16 mean gap on the same tokens (the
+    triangle inequality, for an engine no less exact than transformers in the same dtype). A wrong expert layout or a
+    missed tensor moves it by nats."""
+
+    def original_state(self, hf):
+        """The checkpoint's float32 tensors (a trainer's master weights), not the bfloat16 reference's: vLLM keeps
+        linear_attn.A_log in float32, and a restore must give it back unrounded."""
+        return float32_checkpoint(hf.model_path)
+
+    @pytest.fixture(autouse=True)
+    def _float32_reference(self, references, hf):
+        """The band's float32 transformers (the session's, `References`), as `self.hf32`."""
+        self.hf32 = references.hf(hf.model_path, "float32")
+
+    def like_hf_problems(self, hf, requests, results, backend) -> list[str]:
+        return drift_problems(self.hf32, hf, requests, results)
+
+    def test_rolled_experts_sync_in_buckets_like_hf_and_restore(self, backend, hf, batch):
+        rolled = rolled_experts(self.original_state(hf))
+        self.hf32.update_weights(rolled.items())  # the float32 reference of the band holds them too
+        try:
+            super().test_rolled_experts_sync_in_buckets_like_hf_and_restore(backend, hf, batch)
+        finally:
+            self.hf32.update_weights(self.original_state(hf).items())
+
+    def test_greedy_and_sampled_tokens_score_like_hf(self, backend, hf, batch):
+        """The engine's greedy and sampled (n=2, T=1) tokens on nine requests with 0-2 images: within the band."""
+        for sampling in (GREEDY, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5)):
+            results = backend.generate(batch, sampling)
+            requests = [r for r in batch for _ in range(sampling.n)]
+            problems = drift_problems(self.hf32, hf, requests, results)
+            assert not problems, problems
