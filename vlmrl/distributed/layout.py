@@ -107,7 +107,7 @@ class EngineLayout:
         >>> EngineLayout(dp=4, tp=2, engine="sglang").cpu_binding(2, cores=8)
         '4-5|6-7'
         """
-        from vlmrl.rollout.sglang import even_binding
+        from vlmrl.rollout.config import even_binding
 
         first = rank - self.tp_rank(rank)
         return "|".join(even_binding(self.dp, cores).split("|")[first:first + self.tp])

@@ -39,6 +39,7 @@ from vlmrl.rollout.errors import (
 )
 from vlmrl.rollout.requests import check_results, validate_requests
 from vlmrl.rollout.scoring import check_responses, check_scores
+from vlmrl.rollout.weight_group import BucketMeta, WeightGroup
 from vlmrl.rollout.weights import WeightSync, checkpoint_names, weight_sync
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.executor import DaemonExecutor, DeadlineExceeded
@@ -143,6 +144,9 @@ class RolloutBackend(abc.ABC):
     accepts_partial_weights: bool = False
     """`update_weights` may be given some of the weights only (the others stay): a LoRA policy's merged sync then
     sends only the adapted layers. False: every weight, every time."""
+    weight_group_backends: tuple[str, ...] = ()
+    """The collective transports (gloo, nccl) this engine receives weights over (`join_weight_group`); () = none:
+    its weights come through `update_weights` only."""
 
     def __init__(self, model_path: str, options: BackendOptions):
         from vlmrl.processors.loading import load_processor
@@ -258,6 +262,50 @@ class RolloutBackend(abc.ABC):
         """Whether `update_weights` may be given only the weights that changed: the backend loads by name
         (`accepts_partial_weights`) and holds every other weight (none was dropped by a sleep)."""
         return self.accepts_partial_weights and not self.weights_dropped
+
+    # ---- weights through a collective group (`vlmrl.rollout.weight_group`)
+
+    def join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
+        """Join `group` with every TP rank of the engine (rank `rank_offset` + its TP rank), under the deadline;
+        the sender joins as rank 0 at the same time. Raises RolloutError naming the group when the engine cannot
+        (port taken, wrong world size: the rendezvous runs past group.timeout_s)."""
+        if group.backend not in self.weight_group_backends:
+            raise RolloutError(f"{self.name}: this backend receives no weights over a {group.backend} group "
+                               f"(it takes {list(self.weight_group_backends) or 'none'})")
+        self._join_weight_group(group, rank_offset)
+
+    def begin_receive(self) -> None:
+        """Open a weight load over the joined group: `receive_bucket` per bucket, then `end_receive`; together
+        `update_weights` with the tensors coming over the group. A failure between begin and end leaves the engine
+        unusable until a full load lands (never on mixed weights unnoticed): the error says so."""
+        self.wake_up(("weights",))
+        self._begin_receive()
+
+    def receive_bucket(self, meta: BucketMeta) -> int:
+        """Load the bucket rank 0 of the joined group broadcasts now (the sender broadcasts while this runs);
+        returns the number of tensors loaded."""
+        return self._receive_bucket(meta)
+
+    def end_receive(self) -> None:
+        """Close the load: drop every cache computed with the old weights, count one weight update."""
+        self._end_receive()
+        self.weights_dropped = False
+        self.weights_loaded()
+
+    def leave_weight_group(self) -> None:
+        """Leave the joined group (before a new one is formed); a no-op without one."""
+
+    def _join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
+        raise NotImplementedError
+
+    def _begin_receive(self) -> None:
+        raise NotImplementedError
+
+    def _receive_bucket(self, meta: BucketMeta) -> int:
+        raise NotImplementedError
+
+    def _end_receive(self) -> None:
+        raise NotImplementedError
 
     def serves_adapters(self) -> bool:
         """Whether `update_adapter` works: the engine was started to serve LoRA adapters (vLLM with enable_lora)."""

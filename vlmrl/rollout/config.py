@@ -277,3 +277,15 @@ class RolloutConfig:
             out.append(f"rollout.limit_videos={self.limit_videos} must be >= 0")
         return (out + self.vllm.problems("rollout.vllm") + self.sglang.problems("rollout.sglang")
                 + self.server.problems("rollout.server"))
+
+
+def even_binding(ranks: int, cores: int) -> str:
+    """`ranks` TP ranks over `cores` cores, evenly, in the form both CPU engines bind TP ranks' threads by
+    (SGLANG_CPU_OMP_THREADS_BIND, VLLM_CPU_OMP_THREADS_BIND).
+
+    >>> even_binding(2, 2), even_binding(2, 8), even_binding(4, 2)
+    ('0|1', '0-3|4-7', '0|1|0|1')
+    """
+    per = max(1, cores // ranks)
+    ranges = [((i * per) % cores, (i * per) % cores + per - 1) for i in range(ranks)]
+    return "|".join(str(low) if low == high else f"{low}-{high}" for low, high in ranges)

@@ -41,11 +41,12 @@ from vlmrl.rollout.base import (
     merged,
     release_memory,
 )
-from vlmrl.rollout.config import SGLangConfig
+from vlmrl.rollout.config import SGLangConfig, even_binding
 from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError, RolloutError, ServerSettingError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import describe, sample_seed, top_allowed
 from vlmrl.rollout.scoring import response_tail
+from vlmrl.rollout.weight_group import BucketMeta, WeightGroup
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
 
@@ -63,17 +64,6 @@ def engine_env(options: BackendOptions, on_cuda: bool) -> dict[str, str]:
     if not on_cuda and k > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
         env["SGLANG_CPU_OMP_THREADS_BIND"] = options.cpu_binding or even_binding(k, os.cpu_count() or 1)
     return env
-
-
-def even_binding(ranks: int, cores: int) -> str:
-    """`ranks` TP ranks over `cores` cores, evenly, in SGLANG_CPU_OMP_THREADS_BIND's form.
-
-    >>> even_binding(2, 2), even_binding(2, 8), even_binding(4, 2)
-    ('0|1', '0-3|4-7', '0|1|0|1')
-    """
-    per = max(1, cores // ranks)
-    ranges = [((i * per) % cores, (i * per) % cores + per - 1) for i in range(ranks)]
-    return "|".join(str(low) if low == high else f"{low}-{high}" for low, high in ranges)
 
 
 def server_env(section: SGLangConfig, on_cuda: bool) -> dict[str, str]:
@@ -439,6 +429,7 @@ class SGLangBackend(SGLangCommon):
 
     name = "sglang"
     accepts_partial_weights = True  # update_weights_from_tensor loads the tensors it is given, by name
+    weight_group_backends = ("gloo", "nccl")  # init_weights_update_group takes either (gloo measured on CPU)
 
     def __init__(self, model_path: str, options: BackendOptions):
         super().__init__(model_path, options)
@@ -504,20 +495,63 @@ class SGLangBackend(SGLangCommon):
                 if not ok:
                     raise RolloutError(f"{self.name}: update_weights_from_tensor refused: {message}")
                 del bucket  # host memory holds one bucket while the next is read
-            # The cache flushed once, not per bucket: by a load of no tensors with flush_cache, which clears the
-            # scheduler's pools as flush_cache does but without the garbage-collection pass flush_cache adds on a
-            # CPU (measured on the tiny model: 2-5 ms against 0.33 s, of a 0.36-0.42 s sync). Refused, like the
-            # loads, while requests still run.
-            ok, message = self._runner.call("flush the cache",
-                                            lambda: self.engine.update_weights_from_tensor([], flush_cache=True),
-                                            timeout)[:2]
-            if not ok:
-                raise RolloutError(f"{self.name}: the cache flush after the weight update was refused: {message}")
+            self._flush_cache()
         finally:
             self._runner.call("end the weight update", self.engine.end_weight_update, timeout)
         self.weight_version += 1
         logger.debug("sglang: loaded %d tensors (weight version %d); caches flushed", len(sync.names),
                      self.weight_version)
+
+    def _flush_cache(self) -> None:
+        """The cache flushed once per load, not per bucket: by a load of no tensors with flush_cache, which clears
+        the scheduler's pools as flush_cache does but without the garbage-collection pass flush_cache adds on a CPU
+        (measured on the tiny model: 2-5 ms against 0.33 s, of a 0.36-0.42 s sync). Refused, like the loads, while
+        requests still run."""
+        ok, message = self._runner.call("flush the cache",
+                                        lambda: self.engine.update_weights_from_tensor([], flush_cache=True),
+                                        self.rollout.timeout_s)[:2]
+        if not ok:
+            raise RolloutError(f"{self.name}: the cache flush after the weight update was refused: {message}")
+
+    # ---- weights over a collective group: SGLang's own weight update group
+
+    def _join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
+        self.leave_weight_group()
+        ok, message = self._runner.call(
+            f"join the weight group {group.name}",
+            lambda: self.engine.init_weights_update_group(group.address, group.port, rank_offset, group.world_size,
+                                                          group.name, group.backend), group.timeout_s + 30)[:2]
+        if not ok:
+            raise RolloutError(f"{self.name}: init_weights_update_group refused: {message}")
+        self._weight_group = group.name
+
+    def leave_weight_group(self) -> None:
+        name, self._weight_group = getattr(self, "_weight_group", None), None
+        if name is not None and self.engine is not None:
+            self._runner.call("leave the weight group", lambda: self.engine.destroy_weights_update_group(name),
+                              self.rollout.timeout_s)
+
+    def _begin_receive(self) -> None:
+        if getattr(self, "_weight_group", None) is None:
+            raise RolloutError(f"{self.name}: no weight group joined (join_weight_group first)")
+        self._runner.call("begin the weight update", self.engine.begin_weight_update, self.rollout.timeout_s)
+
+    def _receive_bucket(self, meta: BucketMeta) -> int:
+        ok, message = self._runner.call(
+            f"receive {len(meta.names)} tensors", lambda: self.engine.update_weights_from_distributed(
+                list(meta.names), list(meta.dtypes), [list(s) for s in meta.shapes], self._weight_group,
+                flush_cache=False, load_format="flattened_bucket"), self.rollout.timeout_s)[:2]
+        if not ok:
+            raise RolloutError(f"{self.name}: update_weights_from_distributed refused ({message}); the engine holds "
+                               "some new weights and some old: a full weight load must land before it generates")
+        return len(meta.names)
+
+    def _end_receive(self) -> None:
+        try:
+            self._flush_cache()
+        finally:
+            self._runner.call("end the weight update", self.engine.end_weight_update, self.rollout.timeout_s)
+        self.weight_version += 1
 
     def call_engine(self, method: str, body: dict) -> Any:
         return self._runner.call(method, lambda: getattr(self.engine, method)(**body), self.rollout.timeout_s)

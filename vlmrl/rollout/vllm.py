@@ -32,12 +32,14 @@ from vlmrl.rollout.base import (
     merged,
     release_memory,
 )
+from vlmrl.rollout.config import even_binding
 from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError, RolloutError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import sample_seed, top_allowed
 from vlmrl.rollout.scoring import response_tail
 from vlmrl.rollout.vllm_cpu import cpu_env, name_cpu_shared_memory
 from vlmrl.rollout.vllm_moe import RoutingCaptureExtension, repack_cpu_experts_on_reload
+from vlmrl.rollout.vllm_weight_group import VLLMWeightGroup, WeightGroupExtension
 from vlmrl.rollout.weights import checkpoint_names
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
@@ -56,9 +58,10 @@ SHUTDOWN_S = 10.0
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
-class WeightSyncWorkerExtension(RoutingCaptureExtension):
+class WeightSyncWorkerExtension(RoutingCaptureExtension, WeightGroupExtension):
     """Mixed into vLLM's worker class (`worker_extension_cls`, with the routing capture of
-    `vlmrl.rollout.vllm_moe.RoutingCaptureExtension`); `self` is the worker.
+    `vlmrl.rollout.vllm_moe.RoutingCaptureExtension` and the weight group's receiving side,
+    `vlmrl.rollout.vllm_weight_group.WeightGroupExtension`); `self` is the worker.
 
     A sync is begin, one load per bucket, finish: vLLM's own in-place reload (`reload_weights`) split into its three
     steps, so that the weights can arrive a bucket at a time. Begin puts every layer back on the meta device with
@@ -170,6 +173,8 @@ def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily 
     )
     if options.spmd:  # one TP rank in each training worker's process, through the trainer's own process group
         kwargs["distributed_executor_backend"] = "external_launcher"
+    elif r.tensor_parallel_size > 1:  # an engine of its own (a rollout worker's): vLLM starts its TP processes
+        kwargs["distributed_executor_backend"] = "mp"
     if captures_routing(r, "vllm", family) and on_cuda:
         kwargs["enable_return_routed_experts"] = True  # its V2 model runner's capture; on a CPU: _generate_routed
     if options.lora_rank > 0:
@@ -185,6 +190,13 @@ def engine_kwargs(model_path: str, options: BackendOptions, family: ModelFamily 
         kwargs["hf_overrides"] = merged(overrides, extra.pop("hf_overrides", {}))
     kwargs.update(extra)
     env = {} if v.multiprocess is None else {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if v.multiprocess else "0"}
+    if kwargs.get("distributed_executor_backend") == "mp":
+        # measured on CPU with the engine core in a process of its own; each TP rank's cores named (vLLM refuses
+        # more CPU TP ranks than NUMA nodes otherwise; an explicit value in the environment wins)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        if not on_cuda and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = options.cpu_binding or even_binding(r.tensor_parallel_size,
+                                                                                  os.cpu_count() or 1)
     if not on_cuda:
         env = {**cpu_env(v), **env}
     return kwargs, env
@@ -213,7 +225,7 @@ def check_logprobs_mode(mode: str) -> None:
             "processed_logprobs. Remove the key for training")
 
 
-class VLLMBackend(RolloutBackend):
+class VLLMBackend(VLLMWeightGroup, RolloutBackend):
     """vLLM's offline engine; every call on one engine thread under a deadline."""
 
     name = "vllm"
@@ -400,15 +412,15 @@ class VLLMBackend(RolloutBackend):
             self._runner.broken = f"a weight update failed half-way ({type(err).__name__}: {err})"
             raise
 
-        def finish() -> None:
-            self.llm.collective_rpc("vlmrl_finish_reload")
-            # Images already seen would otherwise reuse vision embeddings (and prompts their KV) of the old weights.
-            self.llm.llm_engine.reset_encoder_cache()
-            if not self.llm.reset_prefix_cache():
-                raise RuntimeError("reset_prefix_cache() refused (requests still running?)")
-
-        self._runner.call("finish the weight update", finish, timeout)
+        self._runner.call("finish the weight update", self._finish_reload, timeout)
         logger.debug("vllm: loaded %d tensors; encoder and prefix caches reset", count)  # every sync: DEBUG
+
+    def _finish_reload(self) -> None:
+        self.llm.collective_rpc("vlmrl_finish_reload")
+        # Images already seen would otherwise reuse vision embeddings (and prompts their KV) of the old weights.
+        self.llm.llm_engine.reset_encoder_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache() refused (requests still running?)")
 
     def generate_with_routing(self, requests: Sequence[RolloutRequest], sampling: SamplingParams
                               ) -> list[tuple[RolloutResult, torch.Tensor]]:
