@@ -330,6 +330,8 @@ def cross_section_problems(config: Config) -> list[str]:
     need(al.overlong_buffer_len <= d.max_response_length,
          f"algorithm.overlong_buffer_len={al.overlong_buffer_len} must be in [0, data.max_response_length="
          f"{d.max_response_length}] (0 = off; DAPO: 4096 of 20480)")
+    problems += al.distill.run_problems(world_size=world, multi_turn=config.agent.enable,
+                                        temperature=r.temperature)
     need(not (al.dynamic_sampling and config.agent.enable),
          "algorithm.dynamic_sampling needs the plain rollout: the agent loop takes its prompts from a queue and carries "
          "partial groups between steps. Set algorithm.dynamic_sampling=false or agent.enable=false")

@@ -100,9 +100,10 @@ class Policy:
     reference_on_host: bool = False
     """The (unsharded) reference waits in host memory and is moved to `device` for its logprob pass only."""
     teacher: torch.nn.Module | None = None
-    """The frozen distillation teacher (algorithm.distill.teacher; wrapped like the reference), else None."""
+    """The frozen distillation teacher (algorithm.distill.teacher; wrapped like the reference) when it runs in the
+    trainer (teacher_engine=trainer), else None."""
     distill: DistillConfig | None = None
-    """Distillation's settings when there is a teacher (its loss mode's estimator and coefficient)."""
+    """Distillation's settings when it is on, wherever its teacher runs (the loss mode's estimator and coefficient)."""
 
 
 def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = None,
@@ -120,8 +121,8 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
         wrap: applied to the policy and to the reference after freezing (a sharded rank: FSDP2); the optimizer is
             built on the wrapped model's parameters, which wrapping may replace.
         wrap_reference: applied to the reference instead of `wrap` (a sharded rank offloading it); None = `wrap`.
-        distill: on-policy distillation's settings: with a teacher, it is loaded frozen in its own dtype and wrapped
-            by `wrap_reference` (or `wrap`), as the reference is.
+        distill: on-policy distillation's settings: with a teacher in the trainer (teacher_engine=trainer), it is
+            loaded frozen in its own dtype and wrapped by `wrap_reference` (or `wrap`), as the reference is.
     """
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -165,7 +166,8 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
     if wrap is None and reference is not None and config.offload.reference and device.type != "cpu":
         reference, reference_on_host = reference.to("cpu"), True  # actor.offload.reference
     teacher = None
-    if distill is not None and distill.enabled:
+    distilling = distill is not None and distill.enabled
+    if distilling and distill.teacher_engine == "trainer":  # else an engine of the run's scores the samples
         teacher = load_policy(distill.teacher, resolve_dtype(distill.teacher_dtype, device), device)
         teacher.config.use_cache = False
         teacher = teacher.eval().requires_grad_(False)
@@ -180,7 +182,7 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
     logger.info("actor %s: %.2fM trainable parameters, %s weights, %s compute on %s", init_path or config.model_path,
                 sum(p.numel() for p in trainable) / 1e6, dtype, compute_dtype, device)
     return Policy(device, dtype, compute_dtype, model, reference, trainable, optimizer, scheduler, adapters,
-                  reference_on_host, teacher, distill if teacher is not None else None)
+                  reference_on_host, teacher, distill if distilling else None)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:

@@ -6,6 +6,7 @@ from here.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 KL_TYPES = ("low_var_kl", "k1", "k2", "mse")
@@ -24,6 +25,11 @@ DISTILL_MODES = ("advantage", "loss")
 """How on-policy distillation uses the teacher (algorithm.distill.mode; `vlmrl.algorithms.distill`)."""
 DISTILL_ESTIMATORS = ("k1", "k3")
 """Reverse-KL estimators of the distillation loss (algorithm.distill.estimator): verl's `k1` and `k3` (low_var_kl)."""
+TEACHER_ENGINES = ("trainer", "hf", "vllm", "sglang")
+"""Where the distillation teacher runs (algorithm.distill.teacher_engine): frozen in the trainer, or on a rollout
+backend of its own that scores the student's samples (`RolloutBackend.score`)."""
+TEACHER_ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang"}
+"""The package each engine teacher needs installed."""
 
 
 @dataclass
@@ -36,7 +42,22 @@ class DistillConfig:
     """The teacher: a model folder, an embedded name (`tiny-large`) or a hub id, resolved like actor.model_path. Same
     family and vocabulary as the student (another size of the family is the normal case); empty = off."""
     teacher_dtype: str = "auto"
-    """The teacher's weights: auto (bfloat16 on CUDA, float32 elsewhere), float32 or bfloat16."""
+    """The teacher's weights: auto (bfloat16 on CUDA, float32 elsewhere), float32 or bfloat16; on an engine, the
+    engine's dtype (auto: as rollout.dtype's auto)."""
+    teacher_engine: str = "trainer"
+    """Where the teacher runs: trainer (frozen beside the policy, FSDP-sharded like the reference at dp > 1), or an
+    engine of its own (vllm, sglang; hf: transformers' reference backend) started with the run from the rollout
+    section's options (its deadlines, engine_kwargs) in teacher_dtype, which scores the student's samples on the
+    same requests (the same images and image tokens) by its prompt logprobs. An engine teacher needs
+    rollout.temperature=1 (engines score the raw distribution), the plain rollout and one training device."""
+    teacher_gpu_memory_utilization: float = 0.3
+    """An engine teacher's share of GPU memory (vllm gpu_memory_utilization, sglang mem_fraction_static), beside
+    rollout.gpu_memory_utilization of the student's engine and the actor's memory. Not used on CPU."""
+    engine_check_samples: int = 4
+    """An engine teacher: at the first step, this many of the student's samples are also scored by the teacher
+    loaded in the trainer (the alignment tool's trainer side), and the run stops with one error line unless the two
+    agree within the teacher dtype's band (logged as distill/first_step_engine_gap); 0 = no check (a teacher too
+    large to load in the trainer's process)."""
     mode: str = "advantage"
     """advantage: -(log p_student - log p_teacher) of each sampled token is a per-token reward, summed with
     `discount` into a per-token advantage (Thinking Machines' On-Policy Distillation; verl's use_policy_gradient);
@@ -82,6 +103,40 @@ class DistillConfig:
             out.append(f"algorithm.distill.coef={self.coef} and reward_weight={self.reward_weight} must be >= 0")
         if self.coef == 0 and self.reward_weight == 0:
             out.append("algorithm.distill.coef=0 and reward_weight=0 leave nothing to learn: raise one of them")
+        if self.teacher_engine not in TEACHER_ENGINES:
+            out.append(f"algorithm.distill.teacher_engine={self.teacher_engine!r} is not one of "
+                       f"{list(TEACHER_ENGINES)}")
+        package = TEACHER_ENGINE_PACKAGES.get(self.teacher_engine)
+        if package and importlib.util.find_spec(package) is None:
+            out.append(f"algorithm.distill.teacher_engine={self.teacher_engine} needs {package}, which is not "
+                       "installed in this environment: install it or set algorithm.distill.teacher_engine=trainer")
+        if not 0 < self.teacher_gpu_memory_utilization <= 1:
+            out.append(f"algorithm.distill.teacher_gpu_memory_utilization={self.teacher_gpu_memory_utilization} must "
+                       "be in (0, 1]")
+        if self.engine_check_samples < 0:
+            out.append(f"algorithm.distill.engine_check_samples={self.engine_check_samples} must be >= 0 (0 = no "
+                       "check)")
+        return out
+
+    def run_problems(self, *, world_size: int, multi_turn: bool, temperature: float) -> list[str]:
+        """What an engine teacher does not run with, from the other sections: its scores are the engine's raw
+        logprobs (the student's are of softmax(logits / rollout.temperature)), of a prompt plus the sampled tokens
+        (a multi-turn trajectory also holds tool tokens and images of later turns), in the driver's process (at
+        dp > 1 the devices are the training workers')."""
+        if not self.enabled or self.teacher_engine == "trainer":
+            return []
+        out = []
+        key = f"algorithm.distill.teacher_engine={self.teacher_engine}"
+        if temperature != 1.0:
+            out.append(f"{key} scores the raw model distribution, the student's logprobs are of rollout.temperature="
+                       f"{temperature}: set rollout.temperature=1.0 or algorithm.distill.teacher_engine=trainer")
+        if multi_turn:
+            out.append(f"{key} scores a prompt plus the sampled tokens; agent.enable trajectories hold tool turns: "
+                       "set algorithm.distill.teacher_engine=trainer or agent.enable=false")
+        if world_size > 1:
+            out.append(f"{key} runs in the driver's process, and at trainer.n_gpus_per_node x nnodes = {world_size} "
+                       "the devices are the training workers': set algorithm.distill.teacher_engine=trainer (sharded "
+                       "like the reference) or train on one device")
         return out
 
 

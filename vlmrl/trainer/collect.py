@@ -18,7 +18,7 @@ from vlmrl.rewards.scoring import response_texts
 from vlmrl.rollout.segments import generate_in_segments
 from vlmrl.trainer.run import PhaseTimer, Rollout, Run, StepBatch
 from vlmrl.trainer.throughput import throughput_metrics
-from vlmrl.types import RolloutResult, Sample, SamplingParams, TrainBatch
+from vlmrl.types import RolloutRequest, RolloutResult, Sample, SamplingParams, TrainBatch
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,13 @@ def collect_step(run: Run, step: int, timer: PhaseTimer) -> StepBatch:
     cfg, al = run.config, run.config.algorithm
     wanted = cfg.data.train_batch_size
     kept = Scored([], [], [], [])
+    requests: list[RolloutRequest] = []  # every draw's: the kept rows' requests among them
     failures = filtered = groups = dropped = surplus = draw = 0
     while True:
         sampling = training_sampling(cfg, step, draw)
         with timer("rollout"):  # plain, multi-turn, or taken from the asynchronous placement's rollout thread
             rollout = run.placement.collect(run, step, sampling)
+        requests += rollout.requests
         with timer("reward"):
             scored, draw_failures = score_rollout(run, rollout, sampling)
         failures, filtered = failures + draw_failures, filtered + rollout.filtered
@@ -71,7 +73,7 @@ def collect_step(run: Run, step: int, timer: PhaseTimer) -> StepBatch:
         batch = scored_batch(kept.samples, kept.rewards, kept.parts,
                              multiple=cfg.derived.batch_multiple,
                              eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
-    return StepBatch(batch, metrics, failures, filtered, rollout.engine_version)
+    return StepBatch(batch, metrics, failures, filtered, rollout.engine_version, requests)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """A run's components built from its config, shared by the fit loop and validation (`RunComponents`: the
 processor, the reward (its function, worker processes and judge), the validation set, the rollout backend, the agent
-loop), and how each is built: every backend a run starts (one engine, the Ray workers' colocated engines, rollout
-workers of their own) starts from the options `run_backend_options` builds.
+loop, a distillation teacher's engine), and how each is built: every backend a run starts (one engine, the Ray
+workers' colocated engines, rollout workers of their own) starts from the options `run_backend_options` builds, and
+the teacher's engine from the same rollout section (`teacher_backend_options`).
 
 `vlmrl.distributed` is imported only where Ray workers start: the single-process trainer never needs it."""
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from vlmrl.distributed.layout import EngineLayout
     from vlmrl.distributed.rollout_workers import RemoteEngines
     from vlmrl.distributed.worker import WorkerSpec
+    from vlmrl.trainer.teacher_engine import EngineTeacher
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +47,22 @@ class RunComponents:
     """The validation set (data.val_files); None = no validation."""
     agent: AgentLoop | None = None
     """The multi-turn loop over `backend` when agent.enable: training and validation rollouts go through it."""
+    teacher: EngineTeacher | None = None
+    """The distillation teacher's engine (algorithm.distill.teacher_engine other than trainer), else None."""
 
     def close(self) -> None:
-        """Closes the agent loop, the backend and the reward (the reward also when closing the others fails)."""
+        """Closes the agent loop, the backend, the teacher's engine and the reward (each also when closing an
+        earlier one fails)."""
         try:
             if self.agent is not None:
                 self.agent.close()  # releases the tools of carried trajectories before the backend goes
             self.backend.close()
         finally:
-            self.reward.close()
+            try:
+                if self.teacher is not None:
+                    self.teacher.close()
+            finally:
+                self.reward.close()
 
 
 def load_run_processor(config: Config) -> Processor:
@@ -78,6 +87,37 @@ def start_run_backend(config: Config, name: str | None = None, model_path: str |
     model_path = model_path or config.actor.model_path
     logger.info("starting rollout backend %s on %s", name, model_path)
     return get_backend(name, model_path, run_backend_options(config, name, colocated))
+
+
+def teacher_backend_options(config: Config) -> BackendOptions:
+    """What the distillation teacher's engine starts from: the run's rollout section (deadlines, limits,
+    engine_kwargs) in algorithm.distill.teacher_dtype with teacher_gpu_memory_utilization, sized like the run's
+    engine, no LoRA and no routing capture, releasing its memory while the actor trains where it can (a GPU). Beside
+    a vLLM student it runs its engine core in a process of its own: two engines in one process share vLLM's global
+    parallel state (rollout.vllm.multiprocess null is in-process on a CPU)."""
+    d, r = config.algorithm.distill, config.rollout
+    beside_vllm = r.name == "vllm" and d.teacher_engine == "vllm" and r.vllm.multiprocess is None
+    rollout = replace(r, dtype=d.teacher_dtype, gpu_memory_utilization=d.teacher_gpu_memory_utilization,
+                      vllm=replace(r.vllm, capture_routing=False, multiprocess=True if beside_vllm else
+                                   r.vllm.multiprocess),
+                      sglang=replace(r.sglang, capture_routing=False))
+    return backend_options(rollout, d.teacher_engine, max_model_len=config.derived.max_model_len,
+                           seed=config.trainer.seed, colocated=True)
+
+
+def start_teacher_engine(config: Config) -> EngineTeacher | None:
+    """The distillation teacher's engine (algorithm.distill.teacher_engine = hf | vllm | sglang) on
+    algorithm.distill.teacher, from `teacher_backend_options`; None when the teacher runs in the trainer (or there
+    is none)."""
+    from vlmrl.trainer.teacher_engine import EngineTeacher
+
+    d = config.algorithm.distill
+    if not d.enabled or d.teacher_engine == "trainer":
+        return None
+    options = teacher_backend_options(config)
+    logger.info("starting the distillation teacher's engine %s on %s (%s)", d.teacher_engine, d.teacher,
+                options.rollout.dtype)
+    return EngineTeacher(get_backend(d.teacher_engine, d.teacher, options), d)
 
 
 def start_agent(config: Config, backend: RolloutBackend, processor: Processor) -> AgentLoop:

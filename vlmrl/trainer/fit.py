@@ -124,10 +124,13 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     if cfg.actor.use_kl_loss:
         with timer("ref_logprobs"):
             ref_logprobs, _ = actor.compute_logprobs(batch, reference=True)
-    teacher_logprobs = None
+    teacher_logprobs, teacher_metrics = None, {}
     if cfg.algorithm.distill.enabled:  # the teacher scores the student's rows as they are (same ids and images)
-        with timer("teacher_logprobs"):
-            teacher_logprobs, _ = actor.compute_logprobs(batch, teacher=True)
+        with timer("teacher_logprobs"):  # in the trainer, or on its engine from the rows' requests
+            if run.parts.teacher is None:
+                teacher_logprobs, _ = actor.compute_logprobs(batch, teacher=True)
+            else:  # at its first call also the first-step check against the teacher loaded in the trainer
+                teacher_logprobs, teacher_metrics = run.parts.teacher.logprobs(cfg, batch, collected.requests)
     with timer("advantages"):
         al = cfg.algorithm
         advantages = compute_advantages(al.adv_estimator, batch.rewards, batch.uids, batch.is_padding,
@@ -135,7 +138,7 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
         loss_batch, loss_weights, loss_metrics = loss_inputs(cfg, batch, old_logprobs)
         if teacher_logprobs is not None:
             advantages, loss_batch = distill_inputs(al.distill, loss_batch, advantages, old_logprobs, teacher_logprobs)
-            loss_metrics.update(distill_metrics(old_logprobs, teacher_logprobs, batch.response_mask))
+            loss_metrics.update(distill_metrics(old_logprobs, teacher_logprobs, batch.response_mask), **teacher_metrics)
     with timer("update"):
         actor_metrics = actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights,
                                      old_from_engine=source == "engine")

@@ -58,6 +58,9 @@ class StepBatch:
     """Prompts of the step skipped by the processor (over data.max_prompt_length, bad images)."""
     engine_version: int = 0
     """The step whose weights the engine held when it generated the batch (its last draw's)."""
+    requests: list[RolloutRequest] = field(default_factory=list)
+    """The requests the batch's samples were generated from (every draw's; a row's by its uid): what an engine
+    teacher scores them after (algorithm.distill.teacher_engine)."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""A run's setup: the process, every component built (engines, actor, Ray workers, the reward with its worker
-processes and judge) and the resume from the newest checkpoint, the inputs checked before any engine starts; and the
-validate-only mode."""
+"""A run's setup: the process, every component built (engines, a distillation teacher's engine, actor, Ray workers,
+the reward with its worker processes and judge) and the resume from the newest checkpoint, the inputs checked before
+any engine starts; and the validate-only mode."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from vlmrl.trainer.components import (
     start_distributed,
     start_rollout_workers,
     start_run_backend,
+    start_teacher_engine,
 )
 from vlmrl.trainer.engine_probe import WeightProbe
 from vlmrl.trainer.metrics import METRICS_FILE, MetricsLogger, truncate_after
@@ -125,6 +126,9 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         else:
             backend = start_run_backend(config, model_path=start_path, colocated=not t.async_rollout.enable)
         opened.append(backend.close)
+    teacher = start_teacher_engine(config)  # after the student's engine: the order their memory is taken in
+    if teacher is not None:
+        opened.append(teacher.close)
     if checkpoint is not None and config.actor.lora.enabled:
         actor.sync_weights(backend)
     step = 0
@@ -148,7 +152,7 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
 
     sink = MetricsLogger(output_dir, t.logger, to_dict(config), t.project_name, t.experiment_name, console=tqdm.write)
     opened.append(sink.close)
-    parts = RunComponents(config, processor, reward, backend, val_data)
+    parts = RunComponents(config, processor, reward, backend, val_data, teacher=teacher)
     run = Run(config, output_dir, parts, train_data, sampler, actor, sink, total_steps, start_placement(config),
               dp_size, step, engine_version=step)  # the engine starts on the checkpoint's weights (or synced above)
     if t.weight_probe_tokens > 0:
