@@ -51,14 +51,17 @@ def _distributed_by_group(config) -> bool:
 
 
 def distribution_unit(item) -> str:
-    """The work unit of a test when the suite runs on several workers: tests/rollout as one (its shared engines are
-    started once per process and closed after their last user, tests/rollout/conftest.py); a test that uses a
-    module-scoped fixture (an engine, a Ray cluster, a run's artifacts) with its module, which then sets it up once;
-    the other Ray tests as one (one Ray cluster at a time); the other slow tests alone (end-to-end runs that share
-    nothing with their neighbours); everything else by module."""
+    """The work unit of a test when the suite runs on several workers: tests/rollout as two, by the shared engines a
+    test uses (the Mixture-of-Experts families' and the others'; each engine is started once per process and closed
+    after its last user, tests/rollout/conftest.py `rollout_unit`); a test that uses a module-scoped fixture (an
+    engine, a Ray cluster, a run's artifacts) with its module, which then sets it up once; the other Ray tests as one
+    (one Ray cluster at a time); the other slow tests alone (end-to-end runs that share nothing with their
+    neighbours); everything else by module."""
     path = item.nodeid.split("::")[0]
     if path.startswith("tests/rollout/"):
-        return "rollout"
+        from tests.rollout.conftest import rollout_unit
+
+        return rollout_unit(item)
     scoped = [defs[-1].scope for defs in item._fixtureinfo.name2fixturedefs.values() if defs]
     if any(scope in ("module", "class", "package") for scope in scoped):
         return path
@@ -71,8 +74,8 @@ def distribution_unit(item) -> str:
 
 def distribution_units(items: list) -> list:
     """`items` marked with their unit (xdist_group) and reordered unit by unit, the costliest first so that no long
-    run starts last: the slow runs, then tests/rollout and the Ray tests, then the rest in collection order. Within a
-    unit the collection order is kept."""
+    run starts last: the slow runs, then tests/rollout's units and the Ray tests, then the rest in collection order.
+    Within a unit the collection order is kept."""
     units: dict[str, list] = {}
     for item in items:
         unit = distribution_unit(item)
@@ -81,7 +84,7 @@ def distribution_units(items: list) -> list:
 
     def rank(entry: tuple[int, str]) -> tuple[int, int]:
         index, unit = entry
-        return (0 if unit.startswith("slow:") else 1 if unit in ("rollout", "ray") else 2, index)
+        return (0 if unit.startswith("slow:") else 1 if unit in ("rollout", "rollout:moe", "ray") else 2, index)
 
     order = sorted(enumerate(units), key=rank)
     return [item for _, unit in order for item in units[unit]]

@@ -1,11 +1,29 @@
 """How make test's two workers split the suite (tests/conftest.py, `distribution_units`): what shares an engine or a
-Ray cluster stays in one worker's unit, the long runs go first."""
+Ray cluster stays in one worker's unit (tests/rollout's shared engines in two: the Mixture-of-Experts families' and the
+others'), the long runs go first."""
 
 from __future__ import annotations
 
 from tests.conftest import distribution_unit, distribution_units
 
 pytest_plugins = ["pytester"]
+
+ENGINES = """
+import pytest
+
+@pytest.fixture(scope="module")
+def vllm_qwen3_vl_moe():  # the name of a shared engine of a Mixture-of-Experts family (tests/rollout/conftest.py)
+    return object()
+
+def test_one():
+    pass
+
+def test_two():
+    pass
+
+def test_on_a_moe_engine(vllm_qwen3_vl_moe):
+    pass
+"""
 
 ALPHA = """
 import pytest
@@ -35,12 +53,13 @@ def test_ray():
 def test_units_keep_shared_engines_together_and_put_the_long_runs_first(pytester):
     pytester.makeini("[pytest]\nmarkers =\n  slow: s\n  ray: r\n")
     pytester.makepyfile(**{
-        "tests/rollout/test_engine": "def test_one():\n    pass\n\ndef test_two():\n    pass\n",
+        "tests/rollout/test_engine": ENGINES,
         "tests/alpha/test_alpha": ALPHA,
         "tests/beta/test_beta": "import pytest\n\n@pytest.mark.ray\ndef test_ray_too():\n    pass\n"})
     items, _ = pytester.inline_genitems("tests")
     units = {item.nodeid.split("::")[1]: distribution_unit(item) for item in items}
     assert units["test_one"] == units["test_two"] == "rollout", "tests/rollout shares its engines: one worker"
+    assert units["test_on_a_moe_engine"] == "rollout:moe", "the MoE families' shared engines: a unit of their own"
     assert units["test_slow_with_the_modules_engine"] == units["test_plain"] == "tests/alpha/test_alpha.py", \
         "a module-scoped fixture keeps its users in one unit, set up once"
     assert units["test_ray"] == units["test_ray_too"] == "ray", "one Ray cluster at a time"
@@ -49,5 +68,5 @@ def test_units_keep_shared_engines_together_and_put_the_long_runs_first(pytester
 
     ordered = [item.nodeid.split("::")[1] for item in distribution_units(items)]
     assert ordered[:2] == ["test_slow_alone[vllm]", "test_slow_alone[sglang]"], ordered
-    assert set(ordered[2:6]) == {"test_one", "test_two", "test_ray", "test_ray_too"}, ordered
-    assert ordered[6:] == ["test_plain", "test_slow_with_the_modules_engine"], "the rest in collection order"
+    assert set(ordered[2:7]) == {"test_one", "test_two", "test_on_a_moe_engine", "test_ray", "test_ray_too"}, ordered
+    assert ordered[7:] == ["test_plain", "test_slow_with_the_modules_engine"], "the rest in collection order"

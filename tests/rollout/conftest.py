@@ -8,7 +8,9 @@ each engine's tests one after another, so that each is started once and only one
 (measured): two in-process vLLM engines break each other (vLLM's parallel state is global: "pipeline model parallel
 group is not initialized"), and an idle SGLang scheduler polls at about half a core. A test that changes a shared engine
 puts it back (weights, options) before it ends; a test that kills one (marked `ends_engine`) runs after the engine's
-other tests, and a later test that needs it gets a fresh one.
+other tests, and a later test that needs it gets a fresh one. Under make test's workers the folder is two units
+(`rollout_unit`): the tests on the Mixture-of-Experts families' engines run on one worker while the others run on the
+other.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ SHARED = {
     ("sglang-server", "tiny-qwen3-vl"): {},
     ("sglang-server", "tiny-glm4v"): {},
     ("sglang-server", "tiny-internvl"): {},
-    # the Mixture-of-Experts families
+    # the Mixture-of-Experts families (their tests a unit of their own for make test's workers: `rollout_unit`)
     ("vllm", "tiny-qwen3-vl-moe"): {},
     ("sglang", "tiny-qwen3-vl-moe"): {},
     ("sglang-server", "tiny-qwen3-vl-moe"): {},
@@ -124,14 +126,25 @@ def shared_engines_of(item) -> set[tuple[str, str]]:
     return keys
 
 
+def rollout_unit(item) -> str:
+    """This folder's work unit for the test workers (tests/conftest.py, `distribution_unit`): "rollout:moe" for a
+    test that uses a shared engine of a Mixture-of-Experts family, "rollout" for the others. The two run beside each
+    other on make test's two workers; one alone would hold every engine start of the folder. Every user of a shared
+    engine is in one unit, as its close after the last user is decided per process."""
+    from vlmrl.models.tiny.registry import VARIANTS
+
+    return "rollout:moe" if any(VARIANTS[model].experts for _, model in shared_engines_of(item)) else "rollout"
+
+
 def pytest_collection_modifyitems(config, items):
     """This folder's tests grouped by the shared engine they use (see the module's docstring); collection order kept
-    within a group, except that the tests which end the engine go last."""
-    here = [i for i, item in enumerate(items) if item.nodeid.startswith("tests/rollout/")]
-    if not here:
-        return
-    first, last = here[0], here[-1] + 1
-    assert len(here) == last - first, "tests/rollout's tests are not collected together"
+    within a group, except that the tests which end the engine go last. Under make test the folder is two units
+    (`rollout_unit`, marked by tests/conftest.py), each a block of the list: each is sorted among its own places."""
+    places: dict[str, list[int]] = {}
+    for index, item in enumerate(items):
+        if item.nodeid.startswith("tests/rollout/"):
+            unit = item.get_closest_marker("xdist_group")
+            places.setdefault(unit.args[0] if unit else "", []).append(index)
     order = list(SHARED)
 
     def group(pair):
@@ -139,7 +152,17 @@ def pytest_collection_modifyitems(config, items):
         engines = sorted(order.index(key) + 1 for key in shared_engines_of(item))
         return (engines[0] if engines else 0, item.get_closest_marker("ends_engine") is not None, index)
 
-    items[first:last] = [item for _, item in sorted(enumerate(items[first:last]), key=group)]
+    for unit, indices in places.items():
+        assert indices == list(range(indices[0], indices[-1] + 1)), \
+            f"tests/rollout's tests {'of unit ' + unit + ' ' if unit else ''}are not collected together"
+        items[indices[0]:indices[-1] + 1] = [item for _, item in sorted(
+            enumerate(items[indices[0]:indices[-1] + 1]), key=group)]
+    users: dict[tuple[str, str], set[str]] = {}
+    for item in items:
+        for key in shared_engines_of(item) if item.nodeid.startswith("tests/rollout/") else ():
+            users.setdefault(key, set()).add(rollout_unit(item))
+    split = {key: units for key, units in users.items() if len(units) > 1}
+    assert not split, f"a shared engine used by tests of two units (each would start it): {split}"
 
 
 def pytest_collection_finish(session):
