@@ -281,9 +281,16 @@ def cross_section_problems(config: Config) -> list[str]:
          "its capture on: set rollout.name=vllm and rollout.vllm.capture_routing=true (CPU or GPU), or "
          "rollout.sglang.capture_routing=true (GPU)")
     world = derived.world_size
-    need(world > 1 or r.tensor_parallel_size == 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size} spans "
-         f"that many training workers (one device each), and this run has one: set trainer.n_gpus_per_node x "
-         f"trainer.nnodes to a multiple of {r.tensor_parallel_size}, or rollout.tensor_parallel_size=1")
+    workers = t.async_rollout.rollout_workers if t.async_rollout.enable else 0
+    need(world > 1 or workers > 0 or r.tensor_parallel_size == 1, f"rollout.tensor_parallel_size="
+         f"{r.tensor_parallel_size} spans that many training workers (one device each), and this run has one: set "
+         f"trainer.n_gpus_per_node x trainer.nnodes to a multiple of {r.tensor_parallel_size}, run the engines as "
+         "rollout workers of their own (trainer.async_rollout.rollout_workers), or rollout.tensor_parallel_size=1")
+    k = r.tensor_parallel_size
+    need(k == 1 or r.name in ("vllm", "sglang"), f"rollout.tensor_parallel_size={k}: rollout.name={r.name} runs on "
+         "one device; tensor parallel engines are vllm or sglang")
+    need(k == 1 or not (a.lora.enabled and a.lora.may_sync_adapter), f"rollout.tensor_parallel_size={k} syncs LoRA "
+         "policies as merged weights (adapters served across TP ranks are not tested yet): set actor.lora.sync=merged")
     if world > 1:
         need(derived.mini_batch_samples % world == 0,
              f"a mini-batch of {derived.mini_batch_samples} samples (ppo_mini_batch_size * rollout.n) does not split "
@@ -292,21 +299,13 @@ def cross_section_problems(config: Config) -> list[str]:
              "tiny model): set it to 0 or run on one device")
         need(r.name != "sglang-server", "rollout.name=sglang-server cannot be colocated with multi-device training: "
              "use sglang (one engine per worker) or vllm")
-        k = r.tensor_parallel_size
-        need(world % k == 0, f"rollout.tensor_parallel_size={k} must divide the {world} devices (n_gpus_per_node x "
-             "nnodes): each colocated engine spans that many consecutive training workers")
-        need(k == 1 or t.engine_placement == "worker", f"trainer.engine_placement={t.engine_placement} runs one "
-             f"single-device engine per node: with rollout.tensor_parallel_size={k} use engine_placement=worker")
-        need(k == 1 or r.name in ("vllm", "sglang"), f"rollout.tensor_parallel_size={k}: rollout.name={r.name} runs "
-             "on one device; tensor parallel engines are vllm or sglang")
-        need(k == 1 or t.async_rollout.rollout_workers == 0, f"rollout.tensor_parallel_size={k} with rollout "
-             "workers of their own (trainer.async_rollout.rollout_workers): each rollout worker is one device for "
-             "now; set rollout.tensor_parallel_size=1 or run the engines colocated")
-        need(k == 1 or not (a.lora.enabled and a.lora.may_sync_adapter), f"rollout.tensor_parallel_size={k} syncs "
-             "LoRA policies as merged weights (adapters served across TP ranks are not tested yet): set "
-             "actor.lora.sync=merged")
+        need(workers > 0 or world % k == 0, f"rollout.tensor_parallel_size={k} must divide the {world} devices "
+             "(n_gpus_per_node x nnodes): each colocated engine spans that many consecutive training workers")
+        need(k == 1 or workers > 0 or t.engine_placement == "worker", f"trainer.engine_placement="
+             f"{t.engine_placement} runs one single-device engine per node: with rollout.tensor_parallel_size={k} use "
+             "engine_placement=worker")
         need(not (a.lora.enabled and a.lora.experts), f"actor.lora.experts=true runs on one device for now (PEFT's "
-             f"expert adapters under FSDP2 are not tested yet): set it to false, or train on one device")
+             "expert adapters under FSDP2 are not tested yet): set it to false, or train on one device")
     if a.lora.enabled:
         need(a.lora.sync != "adapter" or r.name in ADAPTER_BACKENDS,
              f"actor.lora.sync=adapter needs a backend that serves LoRA adapters ({list(ADAPTER_BACKENDS)}); "

@@ -44,13 +44,13 @@ class EngineLayout:
     nodes: tuple[str, ...] = ()
     """The node of each rank (known once the workers are placed; only `node` placement reads it)."""
     rollout_workers: int = 0
-    """> 0: the engines run in that many Ray actors of their own (trainer.async_rollout.rollout_workers, one device
-    each), not in the training ranks: the ranks then only train."""
+    """> 0: the engines run in that many Ray actors of their own (trainer.async_rollout.rollout_workers, each engine
+    at TP `tp` on a placement group of its own), not in the training ranks: the ranks then only train."""
 
     def __post_init__(self) -> None:
         if self.placement not in ("worker", "node"):
             raise ValueError(f"engine placement {self.placement!r}: choose worker or node")
-        if self.tp < 1 or self.dp % self.tp:
+        if self.tp < 1 or (self.dp % self.tp and not self.rollout_workers):
             raise ValueError(f"rollout.tensor_parallel_size={self.tp} must divide the {self.dp} training ranks "
                              "(n_gpus_per_node x nnodes): each engine spans that many consecutive ranks")
         if self.placement == "node" and self.tp > 1:
@@ -124,8 +124,11 @@ class EngineLayout:
                  "optimizer state" if self.dp > 1 else "1 training process: the whole actor"]
         if self.rollout_workers:
             return "\n".join(lines + [f"{self.rollout_workers} {self.engine} rollout worker"
-                                      f"{'s' if self.rollout_workers > 1 else ''} in Ray actors of their own, one "
-                                      "device each; weights through Ray's object store"])
+                                      f"{'s' if self.rollout_workers > 1 else ''} at tensor parallel {self.tp}, in "
+                                      "Ray actors of their own, each on a placement group of "
+                                      f"{self.tp} device{'s' if self.tp > 1 else ''} on any node with room; weights "
+                                      "through a collective group or Ray's object store "
+                                      "(trainer.async_rollout.weight_transfer)"])
         if self.engine is None:
             return lines[0] + "\nno colocated engine"
         if self.dp == 1:

@@ -1,44 +1,56 @@
-"""Rollout workers of their own: each rollout engine in a Ray actor (a process of its own; on a GPU node, a device
-of its own), seen by the fit loop and validation as one rollout backend (`RemoteEngines`). The asynchronous
-placement uses them with trainer.async_rollout.rollout_workers > 0: the engines then generate in their processes
-while the trainer updates in its own, with no interpreter shared between the two.
+"""Rollout workers of their own: each rollout engine in a Ray actor (a process of its own, its engine at
+rollout.tensor_parallel_size k across k devices or CPUs of one node), seen by the fit loop and validation as one
+rollout backend (`RemoteEngines`). The asynchronous placement uses them with trainer.async_rollout.rollout_workers
+> 0: the engines then generate in their processes while the trainer updates in its own, with no interpreter shared
+between the two.
 
-    trainer (driver):  update -> sync: the buckets into Ray's object store once -> every worker loads them
-    worker k:          RolloutWorker(engine) : generate(its contiguous run of the requests) / update_weights(buckets)
+    trainer (driver):  update -> sync: every bucket broadcast over the weight group (or put into Ray's object store)
+    worker k:          RolloutWorker(engine at TP k) : generate(its contiguous run of the requests) / receive weights
 
+- **Placement.** Each worker is one Ray placement group of one bundle: k CPUs (and k GPUs on a GPU cluster) on one
+  node, any node of the cluster that has room (Ray picks; the driver's node is not required). A cluster that cannot
+  hold every worker's bundle within rollout.start_timeout_s is one named error, before any engine starts. The
+  engine starts its own k TP processes (vLLM's mp executor, SGLang's tp_size) in the worker's bundle.
 - **Generation** cuts the requests into one contiguous run per worker (results request-major). A seeded request
   draws what it draws on one engine (each run's seed starts at its first request's, `sample_seed`), so N workers give
-  the single engine's samples.
-- **Weight sync** is the backends' own bucketed path: the driver cuts the weights into rollout.sync_bucket_mb
-  buckets in the engine's dtype and checkpoint names (`sync_plan`), puts each bucket into Ray's object store once,
-  and every worker streams them into its engine a bucket at a time. The object store holds one copy of the weights
-  in the engine's dtype until the next sync: a worker that is restarted loads them from there.
+  the single engine's samples, on whichever nodes they run.
+- **Weight sync** (`vlmrl.distributed.weight_transfer`): the backends' bucketed sync plan (rollout.sync_bucket_mb
+  in the engine's dtype and checkpoint names), sent through a collective group from the driver into every engine
+  rank, or through Ray's object store (trainer.async_rollout.weight_transfer). Every sync carries a version; each
+  worker reports the version it holds.
 - **A worker that dies** (its process killed, its engine crashed: Ray reports the actor dead) is started again
   (trainer.async_rollout.worker_restarts times in a run), given the last synced weights, and its run of requests is
   generated again with the same seeds; once the restarts are used up, the call fails with EngineDeadError naming the
-  worker. A call that overruns rollout.timeout_s fails with EngineTimeoutError. Never a hang.
-- **Devices.** The workers run on the driver's node. On a node with GPUs the trainer's come first (GPU 0 at dp = 1, in the driver; 0..dp-1 at dp > 1) and
-  worker k gets the next, GPU dp + k (`CUDA_VISIBLE_DEVICES`, set for it; Ray does not assign it), modulo the node's
-  GPUs: on one GPU the worker shares it with the trainer. On CPU each worker reserves one Ray CPU.
+  worker. A death during a collective sync restarts the dead worker (and any whose engine the broken load left
+  half-loaded), forms the group again and sends the whole sync again; between syncs, the object store path reloads
+  the stored copy, while the collective path (which stores nothing) sends the restarted worker the weights at the
+  next sync and generates its run on the workers that hold the current ones. A call that overruns
+  rollout.timeout_s fails with EngineTimeoutError. Never a hang.
+- **Adapters** (a LoRA policy synced as its adapter) travel as the folder's files through the object store, written
+  by each worker into a folder of its own: the driver's disk need not be shared with the workers' nodes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from vlmrl.distributed.engines import engine_dtype
 from vlmrl.distributed.group import FORWARDED_ENV, ensure_ray
+from vlmrl.distributed.weight_transfer import CollectiveSender, resolve_transfer
 from vlmrl.distributed.worker import EngineSpec
 from vlmrl.rollout.base import RolloutBackend
-from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError, RestartsUsedUp
+from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError, RestartsUsedUp, RolloutError
 from vlmrl.rollout.registry import backend_class
 from vlmrl.rollout.requests import numbered_engines, sample_seed
+from vlmrl.rollout.weight_group import BucketMeta, WeightGroup
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.sequences import split_evenly
 
@@ -54,9 +66,17 @@ class RolloutWorkerSpec:
 
     engine: EngineSpec
     """Its engine: the backend's name, the weights it starts from and the options the run built for it (not
-    colocated: a worker's engine has its process, and on a GPU node its device, to itself)."""
+    colocated: a worker's engine has its process, and on a GPU node its devices, to itself)."""
     torch_threads: int = 0
     """torch.set_num_threads in the worker; 0 = torch's default."""
+    weight_transfer: str = "auto"
+    """trainer.async_rollout.weight_transfer: auto | collective | object_store (`vlmrl.distributed.weight_transfer`)."""
+    group_port: int = 0
+    """trainer.async_rollout.weight_group_port: the port the driver listens on for the weight group; 0 = a free one."""
+
+    @property
+    def tp(self) -> int:
+        return self.engine.options.rollout.tensor_parallel_size
 
 
 class RolloutWorker:
@@ -68,25 +88,32 @@ class RolloutWorker:
         if spec.torch_threads > 0:
             torch.set_num_threads(spec.torch_threads)
         self.index = index
+        self.version = 0
+        """The weight sync the engine holds (0: the weights it started from)."""
         engine = spec.engine
         logger.info("rollout worker %d: starting rollout backend %s on %s", index, engine.name, engine.model_path)
         self.backend = get_backend(engine.name, engine.model_path, engine.options)
+        self.adapters = Path(tempfile.mkdtemp(prefix=f"vlmrl-rollout-worker-{index}-"))
 
     def info(self) -> dict[str, Any]:
-        """The worker's process, its engine's processes (to end if the worker dies) and its backend's name."""
+        """The worker's process and node, its engine's processes (to end if the worker dies), its backend's name,
+        dtype and what it receives weights over, and the weight version it holds."""
         import psutil
+        import ray
 
         engines = [(pid, psutil.Process(pid).create_time()) for pid in self.backend.engine_pids
                    if psutil.pid_exists(pid)]
-        return {"pid": os.getpid(), "engines": engines, "name": self.backend.name, "dtype": self.backend.dtype,
-                "serves_adapters": self.backend.serves_adapters()}
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "engines": engines,
+                "name": self.backend.name, "dtype": self.backend.dtype, "version": self.version,
+                "serves_adapters": self.backend.serves_adapters(),
+                "group_backends": tuple(self.backend.weight_group_backends)}
 
     def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         return self.backend.generate(requests, sampling)
 
-    def update_weights(self, buckets: list, names: list[str]) -> None:
+    def update_weights(self, buckets: list, names: list[str], version: int) -> int:
         """Stream the buckets (object refs of {checkpoint name: tensor}, in `names`' order) into the engine, one at a
-        time."""
+        time; the engine then holds sync `version`."""
         import ray
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -94,20 +121,51 @@ class RolloutWorker:
                 yield from ray.get(ref).items()
 
         self.backend.update_weights(stream(), names)
+        self.version = version
+        return version
 
-    def update_adapter(self, folder: str) -> None:
-        self.backend.update_adapter(folder)
+    def join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
+        self.backend.join_weight_group(group, rank_offset)
+
+    def begin_receive(self) -> None:
+        self.backend.begin_receive()
+
+    def receive_bucket(self, meta: BucketMeta) -> int:
+        return self.backend.receive_bucket(meta)
+
+    def end_receive(self, version: int) -> int:
+        self.backend.end_receive()
+        self.version = version
+        return version
+
+    def weights_checksum(self) -> str:
+        return self.backend.weights_checksum()
+
+    def update_adapter(self, files: dict[str, bytes], version: int) -> int:
+        """Write the adapter's files into this worker's own folder and generate under it from now on."""
+        folder = self.adapters / f"v{version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        self.backend.update_adapter(str(folder))
+        self.version = version
+        return version
 
     def close(self) -> None:
-        self.backend.close()
+        import shutil
+
+        try:
+            self.backend.leave_weight_group()
+        finally:
+            self.backend.close()
+            shutil.rmtree(self.adapters, ignore_errors=True)
 
 
 class RemoteEngines(RolloutBackend):
     """`workers` rollout engines in Ray actors of their own, as one backend (see the module docstring). Starts Ray
     (a local cluster) when this process has not joined one. Close it to end the workers."""
 
-    def __init__(self, spec: RolloutWorkerSpec, workers: int, restarts: int = 1, use_gpu: bool | None = None,
-                 first_device: int = 1):
+    def __init__(self, spec: RolloutWorkerSpec, workers: int, restarts: int = 1, use_gpu: bool | None = None):
         if workers < 1:
             raise ValueError(f"RemoteEngines needs at least one worker, got {workers}")
         super().__init__(spec.engine.model_path, spec.engine.options)
@@ -115,47 +173,103 @@ class RemoteEngines(RolloutBackend):
         self.name = spec.engine.name  # artifacts and logs name the real engine
         self.accepts_partial_weights = cls.accepts_partial_weights
         self.spec = spec
+        self.tp = spec.tp
         self.restarts_left = restarts
         self.restarts = 0
         """Workers started again after dying (over the run)."""
         self.use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
-        self.first_device = first_device
-        """GPU of worker 0 (the trainer's devices before it: 1 at dp = 1, dp at dp > 1)."""
         self.call_timeout_s = self.rollout.timeout_s + CALL_MARGIN_S
         self.closed = False
         self.close_after: list = []
         """More to close with these workers (at dp > 1, the training workers they serve: the run closes its
         backend)."""
-        self._last_sync: tuple[list, list[str]] | None = None  # the last weights loaded (object refs), for a restart
-        self._last_adapter: str | None = None
+        self.version = 0
+        """Weight syncs sent so far: the version every worker holds after the last."""
+        self._last_sync: tuple[list, list[str]] | None = None  # object store: the last weights loaded, for a restart
+        self._last_adapter: dict[str, bytes] | None = None
+        self.sender: CollectiveSender | None = None
+        self._died: set[int] = set()  # workers whose actor Ray reported dead, until restarted
         self.workers: list = [None] * workers
+        self.groups: list = [None] * workers
         self.infos: list[dict[str, Any]] = [{} for _ in range(workers)]
-        ensure_ray(workers)
+        ensure_ray(workers * self.tp)
         try:
+            self._reserve(range(workers))
             for index in range(workers):  # started at once, waited for together
                 self.workers[index] = self._spawn(index)
             self._wait_started(range(workers))
+            self._serves_adapters = bool(self.infos[0]["serves_adapters"])
+            # the dtype the workers' engines resolved where they run (`auto` follows THEIR devices, not the driver's)
+            self.dtype = engine_dtype([info["dtype"] for info in self.infos], self.dtype, self.name)
+            self.transfer = self._resolve_transfer()
+            if self.transfer == "collective":  # formed now: a group the engines refuse stops the run before training
+                self.sender = CollectiveSender(self.group_backend, self._driver_address(), spec.group_port,
+                                               self.rollout.timeout_s, self._get)
+                self._form_group()
         except BaseException:
             self.close()
             raise
-        self._serves_adapters = bool(self.infos[0]["serves_adapters"])
-        # the dtype the workers' engines resolved where they run (`auto` follows THEIR devices, not the driver's)
-        self.dtype = engine_dtype([info["dtype"] for info in self.infos], self.dtype, self.name)
+        logger.info("rollout workers: %d %s engine(s) at tensor parallel %d on nodes %s; weights through %s",
+                    workers, self.name, self.tp, sorted({info.get("node", "?")[:8] for info in self.infos}),
+                    "a collective group" if self.transfer == "collective" else "Ray's object store")
 
     # ---- the workers
 
+    @property
+    def group_backend(self) -> str:
+        return "nccl" if self.use_gpu else "gloo"
+
+    def _resolve_transfer(self) -> str:
+        try:
+            return resolve_transfer(self.spec.weight_transfer, self.group_backend,
+                                    [info["group_backends"] for info in self.infos], self.name)
+        except ValueError as err:
+            raise RolloutError(str(err)) from None
+
+    def _driver_address(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def _bundle(self) -> dict[str, float]:
+        return {"CPU": self.tp, **({"GPU": self.tp} if self.use_gpu else {})}
+
+    def _reserve(self, indices: Iterable[int]) -> None:
+        """A placement group of one bundle (k CPUs, k GPUs on a GPU cluster: one node) for each worker, any node."""
+        from ray.util.placement_group import placement_group
+
+        for index in indices:
+            self.groups[index] = placement_group([self._bundle()], strategy="STRICT_PACK",
+                                                 name=f"vlmrl-rollout-worker-{index}-{os.getpid()}-{id(self)}")
+        self._await_groups(indices)
+
+    def _await_groups(self, indices: Iterable[int]) -> None:
+        """The workers' placement groups placed within rollout.start_timeout_s (again, after a node is lost: Ray
+        places a group again where there is room), else one error naming what the cluster lacks."""
+        import ray
+
+        ready = [self.groups[i].ready() for i in indices]
+        done, _ = ray.wait(ready, num_returns=len(ready), timeout=self.rollout.start_timeout_s)
+        if len(done) < len(ready):
+            nodes = [{k: v for k, v in node["Resources"].items() if k in ("CPU", "GPU")}
+                     for node in ray.nodes() if node.get("Alive")]
+            raise RolloutError(f"{self.name}: the Ray cluster cannot hold {len(ready) - len(done)} of "
+                               f"{len(ready)} rollout workers within {self.rollout.start_timeout_s:.0f} s: each "
+                               f"needs {self._bundle()} on one node (rollout.tensor_parallel_size={self.tp}); the "
+                               f"cluster's live nodes have {nodes}. Add nodes, or lower "
+                               "trainer.async_rollout.rollout_workers or rollout.tensor_parallel_size")
+
     def _spawn(self, index: int):
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         env = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_ENV)}
-        if self.use_gpu:  # the trainer's GPUs come first; on a node with too few GPUs some share one
-            device = (self.first_device + index) % max(1, torch.cuda.device_count())
-            env.update({"CUDA_VISIBLE_DEVICES": str(device), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
-        # on the driver's node: the GPUs counted above are its own, and an adapter folder it writes is readable
-        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        remote = ray.remote(RolloutWorker).options(num_cpus=1, num_gpus=0, max_restarts=0, max_concurrency=1,
-                                                   scheduling_strategy=here, runtime_env={"env_vars": env})
+        where = PlacementGroupSchedulingStrategy(self.groups[index], placement_group_bundle_index=0,
+                                                 placement_group_capture_child_tasks=True)
+        # the actor takes the whole bundle: Ray sets CUDA_VISIBLE_DEVICES to its k GPUs for the engine's TP ranks
+        remote = ray.remote(RolloutWorker).options(num_cpus=self.tp, num_gpus=self.tp if self.use_gpu else 0,
+                                                   max_restarts=0, max_concurrency=1, scheduling_strategy=where,
+                                                   runtime_env={"env_vars": env})
         return remote.remote(self.spec, index)
 
     def _wait_started(self, indices: Iterable[int]) -> None:
@@ -181,30 +295,64 @@ class RemoteEngines(RolloutBackend):
             raise EngineTimeoutError(f"{self.name}: {what}: rollout worker {index} gave no answer within "
                                      f"{timeout:.0f} s") from None
         except RayActorError as err:
+            self._died.add(index)
             raise EngineDeadError(f"{self.name}: {what}: rollout worker {index} (pid {self.infos[index].get('pid')}) "
                                   f"died: {type(err).__name__}") from err
 
-    def _restart(self, index: int, error: EngineDeadError) -> None:
-        """Start worker `index` again and give it the last synced weights, or raise `error` when no restart is left."""
+    def _form_group(self) -> None:
+        try:
+            self.sender.form(self.workers, [self.tp] * len(self.workers))
+        except (RuntimeError, EngineTimeoutError) as err:
+            raise RolloutError(f"{self.name}: trainer.async_rollout.weight_transfer={self.transfer}: {err}. Use "
+                               "weight_transfer=object_store, or free the port (weight_group_port)") from err
+
+    def _restart(self, index: int, error: EngineDeadError, load: bool = True) -> None:
+        """Start worker `index` again, in its placement group (Ray places a group again on a node that has room
+        when its node is gone), and give it the last synced weights (`load`), or raise `error` when no restart is
+        left."""
         if self.restarts_left <= 0:
             raise RestartsUsedUp(f"{error} (trainer.async_rollout.worker_restarts used up: the run stops)") from error
         self.restarts_left -= 1
         self.restarts += 1
         logger.warning("%s; starting it again (%d restart(s) left)", error, self.restarts_left)
-        _end_leftovers(self.infos[index])
-        self.workers[index] = self._spawn(index)
-        self._wait_started([index])
-        if self._last_adapter is not None:
-            self._get(self.workers[index].update_adapter.remote(self._last_adapter), index, "loading the adapter")
-        elif self._last_sync is not None:
-            buckets, names = self._last_sync
-            self._get(self.workers[index].update_weights.remote(buckets, names), index, "loading the weights")
+        self._respawn(index)
+        if load:
+            self._reload(index)
 
-    def _on_each(self, calls: list[tuple[int, Any]], what: str) -> list[Any]:
-        """Run `call(worker)` for each (index, call) at once; a worker that died is restarted and its call made again.
-        Results in the calls' order."""
+    def _respawn(self, index: int) -> None:
         import ray
 
+        _end_leftovers(self.infos[index])
+        if self.workers[index] is not None:
+            ray.kill(self.workers[index])
+        self._await_groups([index])
+        self.workers[index] = self._spawn(index)
+        self._wait_started([index])
+        self._died.discard(index)
+
+    def _reload(self, index: int) -> None:
+        """The last synced weights into a restarted worker: the stored copy (object store, adapter files); with the
+        collective group, nothing is stored: the worker waits for the next sync (`current` leaves it out)."""
+        if self._last_adapter is not None:
+            self._get(self.workers[index].update_adapter.remote(self._last_adapter, self.version), index,
+                      "loading the adapter")
+        elif self._last_sync is not None:
+            buckets, names = self._last_sync
+            self._get(self.workers[index].update_weights.remote(buckets, names, self.version), index,
+                      "loading the weights")
+        elif self.transfer == "collective" and self.version > 0:
+            logger.warning("%s: rollout worker %d was restarted between weight syncs: it holds the start weights "
+                           "and generates again after the next sync (the collective group stores no copy)",
+                           self.name, index)
+
+    def current(self) -> list[int]:
+        """The workers whose engine holds the last sync's weights."""
+        return [i for i, info in enumerate(self.infos) if info.get("version") == self.version]
+
+    def _on_each(self, calls: list[tuple[int, Any]], what: str) -> list[Any]:
+        """Run `call(worker)` for each (index, call) at once; a worker that died is restarted and its call made again
+        (on a worker that holds the last sync's weights, when the restarted one does not yet). Results in the calls'
+        order."""
         refs = {index: call(self.workers[index]) for index, call in calls}
         out: dict[int, Any] = {}
         for index, call in calls:
@@ -212,25 +360,59 @@ class RemoteEngines(RolloutBackend):
                 try:
                     out[index] = self._get(refs[index], index, what)
                 except EngineDeadError as err:
-                    if not isinstance(err.__cause__, ray.exceptions.RayActorError):
+                    if index not in self._died:
                         raise
                     self._restart(index, err)
-                    refs[index] = call(self.workers[index])
+                    where = index if index in self.current() else next(iter(self.current()), None)
+                    if where is None:
+                        raise EngineDeadError(f"{err}; restarted, but no rollout worker holds the last synced "
+                                              f"weights (version {self.version}) to run its call: the collective "
+                                              "group stores no copy (trainer.async_rollout.weight_transfer="
+                                              "object_store does)") from err
+                    refs[index] = call(self.workers[where])
         return [out[index] for index, _ in calls]
 
     # ---- the backend
 
     def _generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
-        runs = split_evenly(list(requests), len(self.workers))
+        workers = self.current()
+        if not workers:
+            raise EngineDeadError(f"{self.name}: no rollout worker holds the last synced weights (version "
+                                  f"{self.version}): every one was restarted since and waits for the next sync "
+                                  "(trainer.async_rollout.weight_transfer=collective stores no copy to reload; "
+                                  "object_store does)")
+        runs = split_evenly(list(requests), len(workers))
         starts = [sum(len(run) for run in runs[:k]) for k in range(len(runs))]
         calls = [(index, (lambda w, run=run, s=replace(sampling, seed=sample_seed(sampling, start)):
                           w.generate.remote(run, s)))
-                 for index, (run, start) in enumerate(zip(runs, starts)) if run]
+                 for index, run, start in zip(workers, runs, starts) if run]
         results = [result for part in self._on_each(calls, "generation") for result in part]
-        return numbered_engines(results, [len(run) for run in runs], sampling.n)
+        return numbered_engines(results, [len(run) for run in runs], sampling.n, engines=workers)
+
+    def generate_on_each(self, requests: Sequence[RolloutRequest], sampling: SamplingParams
+                         ) -> list[list[RolloutResult]]:
+        """The same requests on every worker (the weight probe's question to each engine after a sync)."""
+        self.check_requests(requests, sampling)
+        return self._on_each([(i, lambda w: w.generate.remote(list(requests), sampling))
+                              for i in range(len(self.workers))], "generation on each worker")
+
+    def weights_checksums(self) -> list[str]:
+        """Each worker's `weights_checksum`: equal on workers that hold the same weights."""
+        return self._on_each([(i, lambda w: w.weights_checksum.remote()) for i in range(len(self.workers))],
+                             "checksum of the weights")
 
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None
                         ) -> None:
+        self.version += 1
+        if self.transfer == "collective":
+            self._send_collective(named_tensors, names)
+        else:
+            self._send_stored(named_tensors, names)
+        behind = [i for i, info in enumerate(self.infos) if info.get("version") != self.version]
+        if behind:  # never a run on mixed weights
+            raise RolloutError(f"{self.name}: weight sync {self.version} did not reach rollout workers {behind}")
+
+    def _send_stored(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None) -> None:
         import ray
 
         buckets, order = [], []
@@ -238,24 +420,61 @@ class RemoteEngines(RolloutBackend):
             order.extend(bucket)
             buckets.append(ray.put(bucket))  # once: every worker reads the same objects
         self._last_sync, self._last_adapter = (buckets, order), None
-        self._on_each([(i, lambda w: w.update_weights.remote(buckets, order)) for i in range(len(self.workers))],
-                      "weight sync")
+        versions = self._on_each([(i, lambda w: w.update_weights.remote(buckets, order, self.version))
+                                  for i in range(len(self.workers))], "weight sync")
+        for info, version in zip(self.infos, versions):
+            info["version"] = version
+
+    def _send_collective(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None
+                         ) -> None:
+        """The sync broadcast over the group. A worker that dies during it is restarted (one restart), every other
+        worker started again too (the broken load left its engine half-loaded; not counted), the group formed again
+        and the whole sync sent again: `named_tensors` must then be read again (a list; a stream that can be read
+        once makes it an error)."""
+        again = isinstance(named_tensors, (list, tuple))
+        self._last_sync, self._last_adapter = None, None
+        self._died.clear()
+        for attempt in range(2):
+            try:
+                self.sent_bytes = self.sender.send(self.sync_plan(named_tensors, names).buckets, self.version)
+                break
+            except (RuntimeError, RolloutError) as err:
+                dead = sorted(self._died)
+                if attempt or not dead or not again:
+                    raise RolloutError(f"{self.name}: weight sync {self.version} over the collective group failed: "
+                                       f"{err}") from err
+                self.sender.close()
+                self._restart(dead[0], err if isinstance(err, EngineDeadError) else EngineDeadError(str(err)),
+                              load=False)
+                for index in range(len(self.workers)):
+                    if index != dead[0]:
+                        self._respawn(index)
+                self._form_group()
+        for info in self.infos:
+            info["version"] = self.version
 
     def serves_adapters(self) -> bool:
         return self._serves_adapters
 
     def _update_adapter(self, folder: str) -> None:
-        self._last_adapter = folder
-        self._on_each([(i, lambda w: w.update_adapter.remote(folder)) for i in range(len(self.workers))],
-                      "adapter update")
+        self.version += 1
+        files = {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
+        self._last_adapter, self._last_sync = files, None
+        versions = self._on_each([(i, lambda w: w.update_adapter.remote(files, self.version))
+                                  for i in range(len(self.workers))], "adapter update")
+        for info, version in zip(self.infos, versions):
+            info["version"] = version
 
     def close(self) -> None:
-        """End every worker and the engine processes it started. Safe to call twice."""
+        """End every worker, the engine processes it started and its placement group. Safe to call twice."""
         if self.closed:
             return
         self.closed = True
         import ray
+        from ray.util.placement_group import remove_placement_group
 
+        if self.sender is not None:
+            self.sender.close()
         alive = [w for w in self.workers if w is not None]
         try:
             ray.get([w.close.remote() for w in alive], timeout=60)
@@ -266,6 +485,12 @@ class RemoteEngines(RolloutBackend):
                 ray.kill(worker)
             _end_leftovers(info)
         _wait_gone([info.get("pid") for info in self.infos])
+        for group in self.groups:
+            if group is not None:
+                try:
+                    remove_placement_group(group)
+                except Exception as err:  # noqa: BLE001 - the cluster may be gone already
+                    logger.warning("removing a rollout worker's placement group: %s", err)
         self._last_sync = None
         for close in self.close_after:
             close()

@@ -292,6 +292,13 @@ class RolloutBackend(abc.ABC):
         self.weights_dropped = False
         self.weights_loaded()
 
+    def weights_checksum(self) -> str:
+        """A digest of the weights as the engine holds them (its own names and layout, every TP rank's shard): two
+        engines of the same kind and TP size on the same weights give the same digest, whatever path the weights
+        came by. What "bitwise the same weights" is checked by where an engine's outputs are not reproducible to
+        the last bit run to run (SGLang on a CPU)."""
+        raise NotImplementedError(f"{self.name}: this backend reports no weights checksum")
+
     def leave_weight_group(self) -> None:
         """Leave the joined group (before a new one is formed); a no-op without one."""
 

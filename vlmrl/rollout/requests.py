@@ -103,9 +103,11 @@ def sample_seed(sampling: SamplingParams, request_position: int) -> int | None:
 
 
 
-def numbered_engines(results: list[RolloutResult], run_sizes: Sequence[int], n: int) -> list[RolloutResult]:
+def numbered_engines(results: list[RolloutResult], run_sizes: Sequence[int], n: int,
+                     engines: Sequence[int] | None = None) -> list[RolloutResult]:
     """Results of requests cut into contiguous runs, one run per engine (`run_sizes` requests each, n results per
-    request, request-major), each tagged with its engine's index; untouched when there is one engine.
+    request, request-major), each tagged with its engine's index (`engines[k]` for run k; default k); untouched
+    when there is one engine.
 
     >>> r = [RolloutResult(f"u{i}", 0, [1], [0.0], "stop") for i in range(3)]
     >>> [x.engine for x in numbered_engines(r, [2, 1], 1)], [x.engine for x in numbered_engines(r, [3], 1)]
@@ -115,8 +117,9 @@ def numbered_engines(results: list[RolloutResult], run_sizes: Sequence[int], n: 
         return results
     if len(results) != n * sum(run_sizes):
         raise ValueError(f"{len(results)} results for {sum(run_sizes)} requests at n = {n}")
-    engines = [k for k, size in enumerate(run_sizes) for _ in range(size * n)]
-    return [replace(result, engine=k) for result, k in zip(results, engines)]
+    numbers = list(engines) if engines is not None else list(range(len(run_sizes)))
+    tags = [numbers[k] for k, size in enumerate(run_sizes) for _ in range(size * n)]
+    return [replace(result, engine=k) for result, k in zip(results, tags)]
 
 
 def finish_at_stop(token_ids: Sequence[int], stop_ids: set[int]) -> tuple[list[int], str]:

@@ -46,7 +46,7 @@ from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError, Rollou
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import describe, sample_seed, top_allowed
 from vlmrl.rollout.scoring import response_tail
-from vlmrl.rollout.weight_group import BucketMeta, WeightGroup
+from vlmrl.rollout.sglang_weight_group import SGLangWeightGroup
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
 
@@ -424,12 +424,11 @@ def _quit_signal_survivor(signum, frame) -> None:
 # ---------------------------------------------------------------------------------------------------- Engine
 
 
-class SGLangBackend(SGLangCommon):
+class SGLangBackend(SGLangWeightGroup, SGLangCommon):
     """SGLang's in-process `Engine` (scheduler and detokenizer in child processes)."""
 
     name = "sglang"
     accepts_partial_weights = True  # update_weights_from_tensor loads the tensors it is given, by name
-    weight_group_backends = ("gloo", "nccl")  # init_weights_update_group takes either (gloo measured on CPU)
 
     def __init__(self, model_path: str, options: BackendOptions):
         super().__init__(model_path, options)
@@ -512,46 +511,6 @@ class SGLangBackend(SGLangCommon):
                                         self.rollout.timeout_s)[:2]
         if not ok:
             raise RolloutError(f"{self.name}: the cache flush after the weight update was refused: {message}")
-
-    # ---- weights over a collective group: SGLang's own weight update group
-
-    def _join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
-        self.leave_weight_group()
-        ok, message = self._runner.call(
-            f"join the weight group {group.name}",
-            lambda: self.engine.init_weights_update_group(group.address, group.port, rank_offset, group.world_size,
-                                                          group.name, group.backend), group.timeout_s + 30)[:2]
-        if not ok:
-            raise RolloutError(f"{self.name}: init_weights_update_group refused: {message}")
-        self._weight_group = group.name
-
-    def leave_weight_group(self) -> None:
-        name, self._weight_group = getattr(self, "_weight_group", None), None
-        if name is not None and self.engine is not None:
-            self._runner.call("leave the weight group", lambda: self.engine.destroy_weights_update_group(name),
-                              self.rollout.timeout_s)
-
-    def _begin_receive(self) -> None:
-        if getattr(self, "_weight_group", None) is None:
-            raise RolloutError(f"{self.name}: no weight group joined (join_weight_group first)")
-        self._runner.call("begin the weight update", self.engine.begin_weight_update, self.rollout.timeout_s)
-
-    def _receive_bucket(self, meta: BucketMeta) -> int:
-        ok, message = self._runner.call(
-            f"receive {len(meta.names)} tensors", lambda: self.engine.update_weights_from_distributed(
-                list(meta.names), list(meta.dtypes), [list(s) for s in meta.shapes], self._weight_group,
-                flush_cache=False, load_format="flattened_bucket"), self.rollout.timeout_s)[:2]
-        if not ok:
-            raise RolloutError(f"{self.name}: update_weights_from_distributed refused ({message}); the engine holds "
-                               "some new weights and some old: a full weight load must land before it generates")
-        return len(meta.names)
-
-    def _end_receive(self) -> None:
-        try:
-            self._flush_cache()
-        finally:
-            self._runner.call("end the weight update", self.engine.end_weight_update, self.rollout.timeout_s)
-        self.weight_version += 1
 
     def call_engine(self, method: str, body: dict) -> Any:
         return self._runner.call(method, lambda: getattr(self.engine, method)(**body), self.rollout.timeout_s)

@@ -30,6 +30,18 @@ class WeightGroupExtension:
         leave_group(getattr(self, "_vlmrl_weight_group", None))
         self._vlmrl_weight_group = None
 
+    def vlmrl_weights_checksum(self) -> str:
+        """sha256 of this rank's parameters (names sorted, raw bytes)."""
+        import hashlib
+
+        import torch
+
+        digest = hashlib.sha256()
+        for name, param in sorted(self.get_model().named_parameters()):
+            digest.update(name.encode())
+            digest.update(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
     def vlmrl_receive_bucket(self, meta: dict[str, Any]) -> int:
         """One bucket from rank 0's broadcast, loaded by the model's own load_weights (between the weight-sync
         extension's begin and finish)."""
@@ -86,6 +98,13 @@ class VLLMWeightGroup:
             self._runner.broken = f"a weight load over the group failed half-way ({type(err).__name__}: {err})"
             raise
         return counts[0]
+
+    def weights_checksum(self) -> str:
+        import hashlib
+
+        ranks = self._runner.call("checksum the weights", lambda: self.llm.collective_rpc("vlmrl_weights_checksum"),
+                                  self.rollout.timeout_s)
+        return hashlib.sha256("".join(ranks).encode()).hexdigest()
 
     def _end_receive(self) -> None:
         self._runner.call("finish the weight update", self._finish_reload, self.rollout.timeout_s)

@@ -134,9 +134,10 @@ def start_rollout_workers(config: Config, start_path: str | None) -> RemoteEngin
 
     t = config.trainer
     engine = EngineSpec(config.rollout.name, start_path or config.actor.model_path, run_backend_options(config))
-    return RemoteEngines(RolloutWorkerSpec(engine, torch_threads=t.torch_threads),
-                         workers=t.async_rollout.rollout_workers, restarts=t.async_rollout.worker_restarts,
-                         first_device=config.derived.world_size)
+    a = t.async_rollout
+    return RemoteEngines(RolloutWorkerSpec(engine, torch_threads=t.torch_threads, weight_transfer=a.weight_transfer,
+                                           group_port=a.weight_group_port),
+                         workers=a.rollout_workers, restarts=a.worker_restarts)
 
 
 def run_layout(config: Config) -> EngineLayout:

@@ -27,10 +27,18 @@ class AsyncRolloutConfig:
     buffer_steps: int = 2
     """Batches the rollout thread may hold ready ahead of the trainer."""
     rollout_workers: int = 0
-    """0: the engine runs in the trainer's process (its rollout thread calls it there). N >= 1: N rollout workers on
-    the driver's node, each an engine in a Ray actor of its own (its own process; on a GPU node its own device, the
-    one after the trainer's: GPU dp + k), the batch's requests split between them
+    """0: the engine runs in the trainer's process (its rollout thread calls it there). N >= 1: N rollout workers,
+    each an engine at rollout.tensor_parallel_size k in a Ray actor of its own, placed by a placement group of k
+    CPUs (k GPUs on a GPU cluster) on any node with room; the batch's requests split between them
     (`vlmrl.distributed.rollout_workers`)."""
+    weight_transfer: str = "auto"
+    """How a weight sync reaches the rollout workers (`vlmrl.distributed.weight_transfer`): `collective` (the trainer
+    broadcasts each bucket over a gloo/NCCL group straight into every engine rank, through the engines' own update
+    APIs; nothing stored), `object_store` (each bucket put into Ray's object store once and read by every worker; the
+    last sync kept there for a restarted worker), `auto` (collective where the engines join a group: vllm, sglang)."""
+    weight_group_port: int = 0
+    """The port the trainer's process listens on for the weight group's rendezvous (reachable from the workers'
+    nodes); 0 = a free one each time a group is formed."""
     interrupt_tokens: int = 0
     """0: a batch in flight when a weight sync comes finishes on the old weights first (its version says so). N > 0:
     the rollout generates in segments of N tokens and a sync (or probe, or validation) interrupts the batch in
@@ -45,7 +53,9 @@ class AsyncRolloutConfig:
     copy of the weights while one is staged. Not with actor.lora."""
     worker_restarts: int = 1
     """How many times in a run a rollout worker that died is started again (given the last synced weights, its
-    requests generated again); after that a worker's death stops the run with an error naming it."""
+    requests generated again; with the collective weight transfer, a worker that died between syncs gets them at the
+    next sync and its requests go to the workers that hold them); after that a worker's death stops the run with an
+    error naming it."""
 
     def problems(self) -> list[str]:
         out = []
@@ -53,6 +63,12 @@ class AsyncRolloutConfig:
             out.append(f"trainer.async_rollout.max_staleness={self.max_staleness} must be >= 0")
         if self.buffer_steps < 1:
             out.append(f"trainer.async_rollout.buffer_steps={self.buffer_steps} must be >= 1")
+        if self.weight_transfer not in ("auto", "collective", "object_store"):
+            out.append(f"trainer.async_rollout.weight_transfer={self.weight_transfer!r}: choose auto, collective or "
+                       "object_store")
+        if not 0 <= self.weight_group_port < 65536:
+            out.append(f"trainer.async_rollout.weight_group_port={self.weight_group_port} must be a port (0 = any "
+                       "free one)")
         if self.rollout_workers < 0 or self.worker_restarts < 0 or self.interrupt_tokens < 0:
             out.append(f"trainer.async_rollout.rollout_workers={self.rollout_workers}, worker_restarts="
                        f"{self.worker_restarts} and interrupt_tokens={self.interrupt_tokens} must be >= 0")

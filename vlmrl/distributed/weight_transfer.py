@@ -1,0 +1,151 @@
+"""How a weight sync reaches rollout workers (trainer.async_rollout.weight_transfer): through a collective group
+from the trainer's process straight into every engine rank, or through Ray's object store.
+
+    collective:    trainer (rank 0) --broadcast, a bucket at a time--> every TP rank of every worker's engine
+    object_store:  trainer --ray.put(bucket) once--> the object store --ray.get--> every worker --> its engine
+
+- **collective** (slime's, AReaL's and verl's layout: the engines' own weight-update APIs over a NCCL group; gloo
+  on CPU): the driver joins the group as rank 0 (`vlmrl.rollout.weight_group`) and broadcasts each bucket of the
+  sync plan once; every engine rank receives it while its worker's `receive_bucket` call runs. Nothing is stored:
+  the driver holds one bucket at a time and the object store nothing.
+- **object_store** (the fallback): each bucket put once into Ray's object store and read by every worker; the last
+  sync stays stored until the next one, so a restarted worker reloads it from there.
+- **auto** takes the group where every worker's engine receives over the device's transport (gloo on CPU, NCCL on
+  GPU: vLLM and SGLang do; hf and a launched sglang-server do not), the object store otherwise.
+
+A sync carries a version (the number of syncs so far); every worker reports the version its engine holds after it,
+and a sync that leaves any worker short of it is an error, never an engine on mixed weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlmrl.rollout.weight_group import WeightGroup, free_port, join_group, leave_group, pack_bucket
+
+logger = logging.getLogger(__name__)
+
+TRANSFERS = ("auto", "collective", "object_store")
+
+
+@dataclass
+class GroupMember:
+    """One worker in the group: its Ray handle and its first rank (each of its engine's TP ranks follows)."""
+
+    worker: Any
+    rank_offset: int
+
+
+class CollectiveSender:
+    """Rank 0 of a weight group over rollout workers: forms the group (`form`), sends a sync (`send`), leaves it
+    (`close`). `call(refs, index, what)` is the caller's ray.get with its deadline and dead-worker errors."""
+
+    def __init__(self, backend: str, address: str, port: int, timeout_s: float,
+                 call: Callable[[Any, int, str], Any]):
+        self.backend = backend
+        self.address = address
+        self.port = port
+        """0: a free port picked for each group formed."""
+        self.timeout_s = timeout_s
+        self.call = call
+        self.group: WeightGroup | None = None
+        self.pg = None
+        self.members: list[GroupMember] = []
+
+    def form(self, workers: list[Any], tp_sizes: list[int]) -> None:
+        """A new group over `workers` (each with its engine's TP size): the driver joins as rank 0 while every
+        worker's engine joins at its offset. Raises RuntimeError naming the group when the rendezvous fails (the
+        port is taken, a rank never comes within the deadline)."""
+        self.close()
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(workers))]
+        port = self.port or free_port(self.address)
+        self.group = WeightGroup(address=self.address, port=port, world_size=1 + sum(tp_sizes),
+                                 name=f"vlmrl-weights-{uuid.uuid4().hex[:8]}", backend=self.backend,
+                                 timeout_s=self.timeout_s)
+        self.members = [GroupMember(w, o) for w, o in zip(workers, offsets)]
+        refs = [m.worker.join_weight_group.remote(self.group, m.rank_offset) for m in self.members]
+        try:
+            self.pg = join_group(self.group, 0)
+        except RuntimeError:
+            for ref in refs:  # the engines' side of the same failure, if they said more
+                _cancel(ref)
+            raise
+        for index, ref in enumerate(refs):
+            self.call(ref, index, f"joining weight group {self.group.name}")
+        logger.info("weight group %s: %d ranks (%s) at %s:%d", self.group.name, self.group.world_size,
+                    self.backend, self.address, port)
+
+    def send(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> int:
+        """Broadcast the buckets into every member's engine (begin, a receive per bucket, end at `version`);
+        returns the bytes broadcast. Any failure raises: the caller restarts or stops."""
+        if self.pg is None:
+            raise RuntimeError("the weight group is not formed")
+        self._on_all(lambda m: m.worker.begin_receive.remote(), "opening the weight load")
+        sent = 0
+        for bucket in buckets:
+            meta, flat = pack_bucket(bucket)
+            del bucket
+            refs = [m.worker.receive_bucket.remote(meta) for m in self.members]
+            error: list[BaseException] = []
+            # the broadcast blocks until every rank took the bucket: beside it, the workers' answers are awaited, so
+            # a worker that dies shows as its Ray error rather than as the group's timeout alone
+            thread = threading.Thread(target=_broadcast, args=(flat, self.pg, error), daemon=True)
+            thread.start()
+            for index, ref in enumerate(refs):
+                self.call(ref, index, "receiving weights")
+            thread.join(self.timeout_s)
+            if thread.is_alive() or error:
+                raise RuntimeError(f"weight group {self.group.name}: the broadcast of a bucket failed: "
+                                   f"{error[0] if error else 'no answer within the deadline'}")
+            sent += flat.numel()
+        self._on_all(lambda m: m.worker.end_receive.remote(version), "closing the weight load")
+        return sent
+
+    def _on_all(self, make: Callable[[GroupMember], Any], what: str) -> list[Any]:
+        refs = [make(m) for m in self.members]
+        return [self.call(ref, index, what) for index, ref in enumerate(refs)]
+
+    def close(self) -> None:
+        """Leave the group (the workers leave theirs when they form a new one or end)."""
+        leave_group(self.pg)
+        self.pg, self.group, self.members = None, None, []
+
+
+def _broadcast(flat: torch.Tensor, pg, error: list[BaseException]) -> None:
+    try:
+        torch.distributed.broadcast(flat, src=0, group=pg)
+    except BaseException as err:  # noqa: BLE001 - handed to the sending thread
+        error.append(err)
+
+
+def _cancel(ref) -> None:
+    import ray
+
+    try:
+        ray.cancel(ref, force=False)
+    except Exception:  # noqa: BLE001 - nothing to cancel
+        pass
+
+
+def resolve_transfer(setting: str, backend: str, engines_take: list[tuple[str, ...]], engine: str) -> str:
+    """`collective` or `object_store` for trainer.async_rollout.weight_transfer=`setting`, given the transports each
+    worker's engine receives over (`RolloutBackend.weight_group_backends`) and the group's `backend`. Raises
+    ValueError when `collective` is asked of an engine that cannot join.
+
+    >>> resolve_transfer("auto", "gloo", [("gloo", "nccl")], "vllm"), resolve_transfer("auto", "gloo", [()], "hf")
+    ('collective', 'object_store')
+    """
+    if setting not in TRANSFERS:
+        raise ValueError(f"trainer.async_rollout.weight_transfer={setting!r}: choose one of {TRANSFERS}")
+    joins = all(backend in takes for takes in engines_take)
+    if setting == "collective" and not joins:
+        raise ValueError(f"trainer.async_rollout.weight_transfer=collective: rollout.name={engine} receives no "
+                         f"weights over a {backend} group (vllm and sglang do); use object_store or auto")
+    return "collective" if setting == "collective" or (setting == "auto" and joins) else "object_store"
