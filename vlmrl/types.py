@@ -221,6 +221,11 @@ class TrainBatch:
     teacher_logprobs: torch.Tensor | None = None
     """(B, R) the distillation teacher's logprobs of the sampled tokens, set on the update's batch when
     algorithm.distill.mode=loss (the update adds the distillation loss where it is set); None otherwise."""
+    teacher_topk_ids: torch.Tensor | None = None
+    """(B, R, K) long: the teacher's K most likely tokens at each response position, set on the update's batch with
+    algorithm.distill.estimator=forward_kl_topk (the update then reads the student's logprobs at them); else None."""
+    teacher_topk_logprobs: torch.Tensor | None = None
+    """(B, R, K) the teacher's logprobs of `teacher_topk_ids` (0 on padding)."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -252,4 +257,6 @@ class TrainBatch:
             finish_reasons=pick(self.finish_reasons),
             routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
             engines=pick(self.engines),
-            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[index])
+            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[index],
+            teacher_topk_ids=None if self.teacher_topk_ids is None else self.teacher_topk_ids[index],
+            teacher_topk_logprobs=None if self.teacher_topk_logprobs is None else self.teacher_topk_logprobs[index])

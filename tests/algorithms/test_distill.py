@@ -1,6 +1,6 @@
 """On-policy distillation's math (`vlmrl.algorithms.distill`) against its definitions: verl's estimator functions
-(ported below as verl writes them), Thinking Machines' discounted per-token advantage written out as a sum, and
-distributions given by logits."""
+and its top-k forward KL (ported below as verl writes them), Thinking Machines' discounted per-token advantage
+written out as a sum, and distributions given by logits."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser
-from vlmrl.algorithms.distill import (discounted_future_sum, distill_advantages, distill_metrics, mixed_advantages,
-                                      reverse_kl, reverse_kl_loss)
+from vlmrl.algorithms.distill import (discounted_future_sum, distill_advantages, distill_metrics, forward_kl_topk,
+                                      forward_kl_topk_loss, mixed_advantages, reverse_kl, reverse_kl_loss, topk_mass)
 
 
 def verl_kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
@@ -23,6 +23,20 @@ def verl_kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl
         kl = torch.clamp(ref_logprob - logprob, min=-20, max=20)
         return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
     raise NotImplementedError(kl_penalty)
+
+
+def verl_forward_kl_topk(student_logits: torch.Tensor, teacher_topk_log_probs: torch.Tensor,
+                         teacher_topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verl's `compute_forward_kl_topk` (verl/trainer/distillation/fsdp/losses.py, loss_mode forward_kl_topk) without
+    its sequence-parallel split, its log_prob_min_clamp (off by default) and its overlap diagnostics: the student's
+    full-vocabulary logprobs gathered at the teacher's top-k ids (its `_chunked_topk_log_probs`: logits.gather -
+    logsumexp), then `kl_divergence(log_q=student, log_p=teacher)` = sum p (log p - log q); the masses are each
+    side's probabilities summed over those ids. Returns (losses, student_mass, teacher_mass)."""
+    logits = student_logits.float()
+    student = torch.gather(logits, -1, teacher_topk_ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    teacher = teacher_topk_log_probs.float()
+    losses = (teacher.exp() * (teacher - student)).sum(dim=-1)
+    return losses, student.exp().sum(-1), teacher.exp().sum(-1)
 
 
 def _logprobs(shape: tuple[int, ...], seed: int, scale: float = 3.0) -> torch.Tensor:
@@ -100,6 +114,62 @@ def test_the_estimators_and_advantage_equal_a_direct_computation_from_logits():
     torch.testing.assert_close(reverse_kl(student, teacher, "k3"), p_t / p_s - torch.log(p_t / p_s) - 1)
 
 
+def _two_models(seed: int, vocab: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2, 5, V) student and teacher logits, float64."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 5, vocab, generator=gen, dtype=torch.float64),
+            torch.randn(2, 5, vocab, generator=gen, dtype=torch.float64) * 2)
+
+
+@pytest.mark.parametrize("k", [1, 4, 11])
+def test_forward_kl_topk_is_verls_and_a_direct_computation_from_the_two_models_logits(k):
+    """The teacher's top-k ids and logprobs from its logits, the student's logprobs read at those ids: the loss equals
+    verl's function and sum_{i in teacher top-k} p_t(i) log(p_t(i) / p_s(i)) from the two probability vectors; the
+    masses verl's; k = V is the full KL(teacher || student), which torch's kl_div computes too."""
+    student_logits, teacher_logits = _two_models(8)
+    teacher_all = torch.log_softmax(teacher_logits, -1)
+    top = teacher_all.topk(k, dim=-1)
+    student_at = torch.log_softmax(student_logits, -1).gather(-1, top.indices)
+    losses = forward_kl_topk(student_at, top.values)
+    # verl computes in float32: its inputs and ours in float32, equal within float32 rounding
+    verl_losses, verl_student_mass, verl_teacher_mass = verl_forward_kl_topk(student_logits.float(), top.values.float(),
+                                                                             top.indices)
+    torch.testing.assert_close(forward_kl_topk(student_at.float(), top.values.float()), verl_losses)
+    torch.testing.assert_close(topk_mass(student_at.float()), verl_student_mass)
+    torch.testing.assert_close(topk_mass(top.values.float()), verl_teacher_mass)
+    p_s, p_t = torch.softmax(student_logits, -1), torch.softmax(teacher_logits, -1)
+    in_top = torch.zeros_like(p_t).scatter(-1, top.indices, 1.0)
+    torch.testing.assert_close(losses, (in_top * p_t * torch.log(p_t / p_s)).sum(-1))
+    if k == 11:
+        full = torch.nn.functional.kl_div(torch.log(p_s), torch.log(p_t), reduction="none", log_target=True).sum(-1)
+        torch.testing.assert_close(losses, full)
+
+
+def test_forward_kl_topk_is_zero_for_a_teacher_equal_to_the_student_with_zero_gradient_at_k_equal_v():
+    """Equal models: 0 on every token for any k; at k = V the gradient of the student's logits is 0 too (the full
+    forward KL's minimum; below V verl's unrenormalised loss still pushes mass into the teacher's top-k)."""
+    logits, _ = _two_models(9)
+    logits.requires_grad_(True)
+    student = torch.log_softmax(logits, -1)
+    top = student.detach().topk(3, dim=-1)
+    assert torch.equal(forward_kl_topk(student.gather(-1, top.indices), top.values), torch.zeros(2, 5).double())
+    forward_kl_topk_loss(student, student.detach(), torch.ones(2, 5, dtype=torch.float64), "token-mean").backward()
+    torch.testing.assert_close(logits.grad, torch.zeros_like(logits), rtol=0, atol=1e-12)
+
+
+def test_forward_kl_topk_loss_aggregates_as_verls_supervised_update():
+    student_logits, teacher_logits = _two_models(10)
+    top = torch.log_softmax(teacher_logits, -1).topk(3, dim=-1)
+    student_at = torch.log_softmax(student_logits, -1).gather(-1, top.indices)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.float64)
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        normaliser = loss_normaliser(mask, mode, 5)
+        expected = agg_loss(verl_forward_kl_topk(student_logits.float(), top.values.float(), top.indices)[0],
+                            mask.float(), mode, normaliser)
+        torch.testing.assert_close(forward_kl_topk_loss(student_at.float(), top.values.float(), mask.float(), mode,
+                                                        normaliser), expected)
+
+
 def test_discount_zero_and_one():
     values = torch.tensor([[1.0, -2.0, 3.0]])
     assert discounted_future_sum(values, 0.0).tolist() == [[1.0, -2.0, 3.0]]
@@ -135,6 +205,13 @@ def test_the_config_refuses_what_distillation_cannot_run_and_says_what_to_change
                         (["algorithm.distill.discount=1.5"], "must be in [0, 1]"),
                         (["algorithm.distill.mode=loss", "algorithm.distill.discount=0.5"], "applies to mode=advantage"),
                         (["algorithm.distill.coef=0", "algorithm.distill.reward_weight=0"], "nothing to learn")]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(base + extra, check_model=False)
+    topk = ["algorithm.distill.mode=loss", "algorithm.distill.estimator=forward_kl_topk"]
+    for extra, says in [(["algorithm.distill.estimator=forward_kl_topk"], "set algorithm.distill.mode=loss"),
+                        (topk + ["algorithm.distill.topk=0"], "topk=0 must be >= 1"),
+                        (topk + ["trainer.n_gpus_per_node=2"],
+                         "forward_kl_topk with the teacher in the trainer runs on one device")]:
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(base + extra, check_model=False)
     config = load_config(base + ["algorithm.distill.mode=loss", "algorithm.distill.estimator=k3"], check_model=False)

@@ -141,3 +141,56 @@ def test_a_fit_with_another_teacher_and_the_reward_logs_the_distill_metrics(tmp_
     for key in ("distill/reverse_kl", "distill/teacher_logprob", "distill/student_logprob", "distill/loss"):
         assert key in row and torch.isfinite(torch.tensor(row[key])), key
     assert row["distill/teacher_logprob"] != row["distill/student_logprob"]
+
+
+def _full_logprobs(actor: Actor, model: torch.nn.Module, batch) -> torch.Tensor:
+    """(B, R, V) log_softmax of `model`'s logits at every response position, one row at a time (float64), 0 after
+    each row's response: the whole distributions the top-k functions read from."""
+    width = batch.response_mask.shape[1]
+    out = None
+    for row in range(len(batch)):
+        mb = micro_batch(batch, [row], actor.device)
+        inputs = family_of(model.config).inputs.forward_inputs(dict(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+            pixel_values=None if mb.pixel_values is None else mb.pixel_values.to(torch.float64),
+            image_grid_thw=mb.image_grid_thw))
+        with torch.no_grad():
+            logits = model(**inputs, use_cache=False).logits[0, -mb.response_width - 1:-1]
+        if out is None:
+            out = torch.zeros(len(batch), width, logits.shape[-1], dtype=torch.float64)
+        out[row, :mb.response_width] = torch.log_softmax(logits, -1)
+    return out * batch.response_mask[..., None]
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_top_k_forward_kl_equals_a_direct_computation_from_the_two_models_logits(tiny_model_path, processor,
+                                                                                  synthetic_rows, padding_free):
+    """The trainer-side teacher's top-5 per position (`teacher_top_logprobs`) are its 5 largest logprobs, largest
+    first, at their ids; the update's distill/loss (one mini-batch, token-mean, coef 1, zero advantages) is
+    sum_{i in teacher top-5} p_t(i) (log p_t(i) - log p_s(i)) from the two models' full distributions, meaned over
+    the response tokens, and distill/student_topk_mass the student's probability of those ids; padded and packed
+    micro-batches alike (a text-only row included). float64: equal up to summation order."""
+    from dataclasses import replace
+
+    config = ActorConfig(model_path=tiny_model_path, dtype="float64", compute_dtype="float64",
+                         ppo_micro_batch_size_per_gpu=2, padding_free=padding_free, ppo_mini_batch_size=1)
+    batch = make_batch(processor, synthetic_rows[:3], n=2, response_length=4, text_only_rows=(1,))
+    actor = Actor(config, total_steps=1, mini_batch_samples=len(batch),
+                  distill=DistillConfig(teacher="tiny-large", teacher_dtype="float64", mode="loss",
+                                        estimator="forward_kl_topk", topk=5))
+    teacher_all, student_all = _full_logprobs(actor, actor.teacher, batch), _full_logprobs(actor, actor.model, batch)
+    logprobs, values, ids = actor.teacher_top_logprobs(batch, 5)
+    mask = batch.response_mask
+    real = mask != 0
+    top = teacher_all.topk(5, dim=-1)
+    torch.testing.assert_close(values, top.values * mask[..., None], rtol=0, atol=1e-10)
+    torch.testing.assert_close(teacher_all.gather(-1, ids) * mask[..., None], values, rtol=0, atol=1e-10)
+    sampled = teacher_all.gather(-1, batch.response_ids[..., None])[..., 0] * mask
+    torch.testing.assert_close(logprobs, sampled, rtol=0, atol=1e-10)
+    metrics = actor.update(replace(batch, teacher_topk_ids=ids, teacher_topk_logprobs=values), None,
+                           torch.zeros(len(batch), dtype=torch.float64))
+    student_at = student_all.gather(-1, ids)
+    per_token = (values.exp() * (values - student_at)).sum(-1)
+    assert metrics["distill/loss"] == pytest.approx(float(per_token[real].mean()), abs=1e-10)
+    assert metrics["distill/student_topk_mass"] == pytest.approx(float(student_at.exp().sum(-1)[real].mean()),
+                                                                 abs=1e-10)

@@ -23,8 +23,10 @@ contract's 1e-4 was measured on the smaller tiny; this deeper, wider teacher sit
 SUMMATION_SLACK = 1e-6
 """Float rounding of a mean of ~10-nat float32 logprobs (relative 1e-7)."""
 TEACHER = ("algorithm.distill.teacher=tiny-large", "algorithm.distill.mode=loss", "actor.ppo_mini_batch_size=4",
+           "algorithm.distill.estimator=forward_kl_topk", "algorithm.distill.topk=4",
            "algorithm.distill.engine_check_samples=16")
-"""One optimizer step (the batch is one mini-batch) and the check on all 16 samples of the step."""
+"""Top-k forward KL (the teacher's top 4 per position), one optimizer step (the batch is one mini-batch) and the
+check on all 16 samples of the step."""
 
 
 @pytest.mark.parametrize("extra, says", [
@@ -59,17 +61,21 @@ def trainer_teacher_fit(tmp_path_factory):
 
 
 def assert_equals_the_trainer_teacher_fit(metrics: dict, reference: dict, engine: str) -> None:
-    """The engine teacher's first-step check held on every sample, and the fit's distillation metrics are the
+    """The engine teacher's first-step check held on every sample (the sampled tokens' logprobs and the engine's
+    top-4 ids' logprobs against the teacher in the trainer), and the fit's sampled-token metrics are the
     trainer-teacher fit's: the same samples (the student samples on hf, seeded) and student logprobs, the teacher's
-    within the check's gap per token, so their means (reverse KL, the teacher's logprob, the k1 token-mean loss)
-    within that gap too: |mean(a) - mean(b)| <= max |a - b|."""
+    within the check's gap per token, so their means (reverse KL, the teacher's logprob) within that gap too:
+    |mean(a) - mean(b)| <= max |a - b|. The top-k loss and masses are logged."""
     gap = metrics["distill/first_step_engine_gap"]
     assert 0 <= gap <= FP32_BAND, f"{engine} teacher vs the teacher in the trainer: max |d| {gap:.2e}"
     assert "distill/first_step_engine_gap" not in reference
     assert metrics["distill/student_logprob"] == reference["distill/student_logprob"]
-    for key in ("distill/reverse_kl", "distill/teacher_logprob", "distill/loss"):
+    for key in ("distill/reverse_kl", "distill/teacher_logprob"):
         assert abs(metrics[key] - reference[key]) <= gap + SUMMATION_SLACK, (engine, key, metrics[key], reference[key])
     assert metrics["distill/teacher_logprob"] != metrics["distill/student_logprob"]
+    for key in ("distill/teacher_topk_mass", "distill/student_topk_mass"):
+        assert 0 < metrics[key] <= 1 + SUMMATION_SLACK, (engine, key, metrics[key])
+    assert metrics["distill/loss"] > 0, metrics["distill/loss"]  # the untrained tiny student is far from tiny-large
 
 
 def test_a_fit_with_the_teacher_on_the_hf_backend_equals_the_trainer_teacher_fit(tmp_path, trainer_teacher_fit):
@@ -112,24 +118,46 @@ def student_samples(processor, synthetic_rows):
     return requests, batch
 
 
-def test_engine_scores_are_the_trainer_teachers_logprobs_in_the_batch_layout(tmp_path, student_samples):
-    """The teacher's backend scores each real row after its own request (found by uid): equal to the teacher in the
-    trainer (its `compute_logprobs` on the same rows) on every response token, 0 on the response padding and on
-    the padding rows; the first-step check passes and reports that gap."""
+def assert_same_top_k(engine_ids: torch.Tensor, engine_values: torch.Tensor, trainer_ids: torch.Tensor,
+                      trainer_values: torch.Tensor, mask: torch.Tensor, tol: float) -> None:
+    """Two top-k lists per position agree: their k values rank by rank within `tol` (order statistics move no more
+    than the values do, so near-ties change nothing), and every id the trainer ranks clear of its k-th value by more
+    than 2 tol (no near-tie at the cut) is among the engine's ids."""
+    real = mask != 0
+    worst = float((engine_values - trainer_values).abs()[real].max())
+    assert worst <= tol, f"top-k values, engine vs trainer: max |d| {worst:.2e}"
+    clear = trainer_values > trainer_values[..., -1:] + 2 * tol  # (B, R, k)
+    found = (trainer_ids.unsqueeze(-1) == engine_ids.unsqueeze(-2)).any(-1)  # trainer id among the engine's
+    missing = clear & ~found & real.unsqueeze(-1)
+    assert not missing.any(), f"{int(missing.sum())} of the trainer's top-k ids (clear of the cut) not in the engine's"
+
+
+def test_engine_scores_are_the_trainer_teachers_in_the_batch_layout(tmp_path, student_samples):
+    """The teacher's backend scores each real row after its own request (found by uid): its sampled-token logprobs
+    and its top-4 per position equal the teacher in the trainer (`teacher_top_logprobs`) on every response token
+    (values rank by rank, ids up to near-ties), largest first; 0 on the response padding and on the padding rows;
+    the first-step check passes and reports that gap."""
+    from vlmrl.actor.local import Actor
+    from vlmrl.algorithms.config import DistillConfig
     from vlmrl.rollout.registry import get_backend
-    from vlmrl.trainer.teacher_engine import engine_scores, first_step_check, trainer_side_teacher
+    from vlmrl.trainer.teacher_engine import engine_scores, first_step_check
 
     requests, batch = student_samples
     config = load_config(base_args("tiny", tmp_path / "run", "algorithm.distill.teacher=tiny-large",
                                    "algorithm.distill.teacher_engine=hf", "algorithm.distill.engine_check_samples=8"))
     with get_backend("hf", "tiny-large", dtype="float32", max_model_len=128) as teacher:
-        scores = engine_scores(teacher, batch, list(reversed(requests)))  # found by uid, not by position
+        scores = engine_scores(teacher, batch, list(reversed(requests)), top_k=4)  # found by uid, not by position
         gap = first_step_check(config, batch, scores, teacher)
-    expected, _ = trainer_side_teacher(config).compute_logprobs(batch)
-    assert scores[batch.is_padding].abs().sum() == 0 and scores[batch.response_mask == 0].abs().sum() == 0
-    assert (scores[batch.response_mask != 0] < 0).all()
-    worst = float((scores - expected).abs().max())
-    assert worst <= FP32_BAND and gap == pytest.approx(worst, abs=SUMMATION_SLACK), (worst, gap)
+    actor = Actor(config.actor, total_steps=1, mini_batch_samples=8,
+                  distill=DistillConfig(teacher="tiny-large", teacher_dtype="float32"))
+    expected, values, ids = actor.teacher_top_logprobs(batch, 4)
+    real = batch.response_mask != 0
+    for tensor in (scores.logprobs, scores.topk_logprobs, scores.topk_ids):
+        assert not tensor[~real].any(), "padding must hold 0"
+    assert (scores.logprobs[real] < 0).all() and (scores.topk_logprobs[real].diff(dim=-1) <= 0).all()
+    worst = float((scores.logprobs - expected).abs().max())
+    assert worst <= FP32_BAND and gap <= FP32_BAND, (worst, gap)
+    assert_same_top_k(scores.topk_ids, scores.topk_logprobs, ids, values, batch.response_mask, FP32_BAND)
 
 
 def test_the_check_stops_a_run_whose_engine_scores_another_model_naming_the_token(tmp_path, student_samples):
@@ -146,16 +174,16 @@ def test_the_check_stops_a_run_whose_engine_scores_another_model_naming_the_toke
     with get_backend("hf", "tiny", dtype="float32", max_model_len=128) as other:
         with pytest.raises(TeacherEngineError, match=r"distill/first_step_engine_gap=[0-9.e+-]+ nats > 0\.001 "
                                                      r"\(the band of float32 vs float32\); first at sample \d") as err:
-            first_step_check(config, batch, engine_scores(other, batch, requests), other)
+            first_step_check(config, batch, engine_scores(other, batch, requests, top_k=2), other)
     assert reported_error(err.value) == (str(err.value), 1)
     assert "engine_check_samples=0" in str(err.value)
 
 
 def test_largest_gap_counts_the_masked_tokens_only():
-    engine = torch.tensor([[-1.0, -2.0, 0.0], [-3.0, -4.5, -1.0]])
-    trainer = torch.tensor([[-1.0, -2.0005, 0.0], [-3.0, -4.0, -9.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the last column is padding: its gap does not count
     from vlmrl.trainer.teacher_engine import largest_gap
 
-    assert largest_gap(engine, trainer, mask) == (pytest.approx(0.5), 1, 1)
+    engine = torch.tensor([[[-1.0, -1.0], [-2.0, -3.0], [0.0, 0.0]], [[-3.0, -3.0], [-4.5, -5.0], [-1.0, -1.0]]])
+    trainer = torch.tensor([[[-1.0, -1.0], [-2.0005, -3.0], [0.0, 0.0]], [[-3.0, -3.0], [-4.5, -4.0], [-9.0, 0.0]]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the last column is padding: its gap does not count
+    assert largest_gap(engine, trainer, mask) == (pytest.approx(1.0), 1, 1, 1)
     assert largest_gap(engine[:1], trainer[:1], mask[:1])[0] == pytest.approx(5e-4, rel=1e-4)  # float32's -2.0005

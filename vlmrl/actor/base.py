@@ -33,6 +33,12 @@ class PolicyActor(Protocol):
         sharded: gathered back in batch order)."""
         ...
 
+    def teacher_top_logprobs(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The trainer-side distillation teacher's (B, R) logprobs of the sampled tokens and its k most likely
+        tokens' (B, R, k) logprobs and ids at each response position (algorithm.distill.estimator=forward_kl_topk);
+        one device only for now (the config refuses it at dp > 1)."""
+        ...
+
     def needs_old_logprobs(self, batch_rows: int) -> bool:
         """False when a batch of `batch_rows` rows gets exactly one optimizer step: the update forward's own
         (detached) logprobs are then the old ones, and `update` takes `old_logprobs=None`."""

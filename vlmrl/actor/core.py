@@ -20,14 +20,14 @@ from functools import partial
 import torch
 
 from vlmrl.actor.config import ActorConfig
-from vlmrl.actor.forward import MicroBatch, forward_response, micro_batch
+from vlmrl.actor.forward import MicroBatch, forward_response, forward_top_logprobs, micro_batch
 from vlmrl.actor.micro_batches import micro_batch_rows, row_spans, split_to_count
 from vlmrl.actor.policy import Policy, move_optimizer_state
 from vlmrl.actor.router_hooks import RouterHooks, collect_aux
 from vlmrl.actor.step_metrics import mean_metrics
 from vlmrl.actor.vision_share import VisionCounts, shared_vision
 from vlmrl.algorithms.aggregation import agg_loss, loss_normaliser, token_mean
-from vlmrl.algorithms.distill import reverse_kl_loss
+from vlmrl.algorithms.distill import forward_kl_topk_loss, reverse_kl_loss, topk_mass
 from vlmrl.algorithms.grpo import broadcast_to_tokens, kl_penalty
 from vlmrl.algorithms.mismatch import MismatchAccumulator, modality
 from vlmrl.algorithms.policy_loss import POLICY_LOSS_FNS
@@ -224,6 +224,29 @@ class ActorCore:
             batch.routed_experts = routes
         return logprobs * batch.response_mask, (entropy * batch.response_mask if entropy is not None else None)
 
+    @torch.no_grad()
+    def teacher_top_logprobs(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The distillation teacher's (B, R) logprobs of the sampled tokens and, at each response position, its k
+        most likely tokens' (B, R, k) logprobs and (B, R, k) ids (algorithm.distill.estimator=forward_kl_topk), in
+        one pass over the micro-batches `compute_logprobs` runs; 0 (ids 0) on padding."""
+        if self.teacher is None:
+            raise RuntimeError("no teacher in the trainer: set algorithm.distill.teacher (teacher_engine=trainer)")
+        width = batch.response_mask.shape[1]
+        precision = torch.promote_types(next(self.teacher.parameters()).dtype, torch.float32)
+        logprobs = torch.zeros(batch.response_mask.shape, dtype=precision)
+        values = torch.zeros((*batch.response_mask.shape, k), dtype=precision)
+        ids = torch.zeros((*batch.response_mask.shape, k), dtype=torch.long)
+        for rows in self.micro_batches(batch, range(len(batch))):
+            mb = micro_batch(batch, rows, self.device, self.config.padding_free)
+            with self.forward_context(self.teacher):
+                lp, top, top_ids = forward_top_logprobs(self.teacher, mb, k, self.temperature,
+                                                        chunk=self.config.logprob_chunk_size)
+            logprobs[rows] = _pad_to(lp.cpu(), width)
+            values[rows, :top.shape[1]] = top.cpu().to(precision)
+            ids[rows, :top_ids.shape[1]] = top_ids.cpu()
+        mask = batch.response_mask
+        return logprobs * mask, values * mask.unsqueeze(-1), ids * mask.unsqueeze(-1).long()
+
     def routing_replay(self, batch: TrainBatch, rows: Sequence[int], mb: MicroBatch):
         """The update forward's routing (a context): the rows' routing recorded by the old-logprob pass replayed
         (actor.moe.routing_replay=trainer) or compared with the update's own; a dense model, or rows without a
@@ -335,7 +358,11 @@ class ActorCore:
             start["actor/entropy_loss"] = 0.0
         if cfg.use_kl_loss:
             start["actor/kl_loss"] = 0.0
-        start.update({"distill/loss": 0.0} if batch.teacher_logprobs is not None else {})  # algorithm.distill.mode=loss
+        topk = batch.teacher_topk_ids is not None  # algorithm.distill.estimator=forward_kl_topk
+        if batch.teacher_logprobs is not None or topk:  # algorithm.distill.mode=loss
+            start["distill/loss"] = 0.0
+        if topk:
+            start["distill/student_topk_mass"] = 0.0
         if cfg.moe.aux_loss_coef and self.routing is not None:
             start["actor/moe_aux_loss"] = 0.0
         compare_rollout = batch.rollout_logprobs is not None and self.temperature == 1.0
@@ -361,8 +388,11 @@ class ActorCore:
             with self.routing_replay(batch, rows, mb), (collect_aux(self.routing, mb.attended()) if aux_on
                                                         else contextlib.nullcontext()) as aux:
                 with self.forward_context(self.model, self.vision_counts):
-                    logprobs, entropy = forward_response(self.model, mb, self.temperature, True,
-                                                         bool(cfg.entropy_coeff), chunk=cfg.logprob_chunk_size)
+                    logprobs, entropy = forward_response(
+                        self.model, mb, self.temperature, True, bool(cfg.entropy_coeff), chunk=cfg.logprob_chunk_size,
+                        extra_ids=batch.teacher_topk_ids[rows, :width] if topk else None)
+                if topk:  # (b, r, 1 + K): the sampled tokens', then the student's at the teacher's top-k
+                    logprobs, student_topk = logprobs[..., 0], logprobs[..., 1:]
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :width].to(self.device)
                 adv = token_adv[rows, :width].to(self.device)
                 out = loss_fn(logprobs, old, adv, mask, **loss_kwargs)
@@ -383,7 +413,14 @@ class ActorCore:
                     kl_loss = agg_loss(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask, mode, normaliser)
                     loss = loss + cfg.kl_loss_coef * kl_loss
                     parts["actor/kl_loss"] += scalar(kl_loss)
-                if batch.teacher_logprobs is not None:  # algorithm.distill.mode=loss: coef * reverse KL, aggregated
+                if topk:  # coef * the forward KL over the teacher's top-k, aggregated
+                    teacher_topk = batch.teacher_topk_logprobs[rows, :width].to(self.device)
+                    distill_loss = forward_kl_topk_loss(student_topk, teacher_topk, mask, mode, normaliser)
+                    loss = loss + self.distill.coef * distill_loss
+                    parts["distill/loss"] += scalar(distill_loss)
+                    parts["distill/student_topk_mass"] += scalar(token_mean(topk_mass(student_topk.detach()), mask,
+                                                                            num_tokens))
+                elif batch.teacher_logprobs is not None:  # algorithm.distill.mode=loss: coef * reverse KL, aggregated
                     distill_loss = reverse_kl_loss(logprobs, batch.teacher_logprobs[rows, :width].to(self.device), mask,
                                                    self.distill.estimator, mode, normaliser)
                     loss = loss + self.distill.coef * distill_loss

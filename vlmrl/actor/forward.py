@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlmrl.algorithms.logprobs import logprobs_and_entropy
+from vlmrl.algorithms.logprobs import logprobs_and_entropy, top_logprobs
 from vlmrl.models.families import family_of
 from vlmrl.types import TrainBatch
 
@@ -165,15 +165,14 @@ def _output_head(model: torch.nn.Module, head: torch.nn.Module):
 
 
 def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool,
-                     entropy_grad: bool = False, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy_grad: bool = False, chunk: int = 0, extra_ids: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (b, r) of the response tokens under softmax(logits / temperature), and their entropy (b, r)
     (without a graph unless `entropy_grad`: a metric needs no backward). `chunk` > 0: the logits are made `chunk`
     tokens at a time and recomputed in the backward (actor.logprob_chunk_size), so the full (b, r, V) logits never
     exist; the values are the unchunked ones (float32 or the weights' wider precision, up to the projection's
-    summation order)."""
-    dtype = next(model.parameters()).dtype
-    pixel_values = mb.pixel_values.to(dtype) if mb.pixel_values is not None else None
-    videos = {k: v.to(dtype) if k == "pixel_values_videos" else v for k, v in mb.video_inputs.items()}
+    summation order). `extra_ids` (b, r, K): the logprobs of these ids at each response position too (a distillation
+    teacher's top-k), in the same pass: the logprobs then come as (b, r, 1 + K), the response tokens' first."""
     packed = mb.response_index is not None
     if packed:
         labels = mb.input_ids[:, mb.response_index + 1]  # (1, N)
@@ -181,20 +180,70 @@ def forward_response(model: torch.nn.Module, mb: MicroBatch, temperature: float,
     else:
         labels = mb.input_ids[:, -mb.response_width :]
         keep = mb.response_width + 1  # positions P-1 .. L-2 predict the response tokens P .. L-1
+    if extra_ids is not None:  # (b, r, K) -> labels (b, r, 1 + K); packed: the rows' own positions, one after another
+        extra = (torch.cat([ids[:n] for ids, n in zip(extra_ids, mb.response_lengths)]).unsqueeze(0) if packed
+                 else extra_ids)
+        labels = torch.cat([labels.unsqueeze(-1), extra.to(labels.device)], dim=-1)
     head = _ResponseHead(model.get_output_embeddings(), labels, temperature, chunk, with_entropy, entropy_grad,
                          drop_last=not packed)
-    inputs = family_of(model.config).inputs.forward_inputs(dict(  # a 1-D family: the first position row; tiles: no grid
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-        pixel_values=pixel_values, image_grid_thw=mb.image_grid_thw, **videos))
     with _output_head(model, head):
-        out = model(**inputs, use_cache=False, logits_to_keep=keep)
+        out = model(**_model_inputs(model, mb), use_cache=False, logits_to_keep=keep)
     if not packed:
         return out.logits, head.entropy
     return (_unpack(out.logits[0], mb.response_lengths, mb.response_width),
             None if head.entropy is None else _unpack(head.entropy[0], mb.response_lengths, mb.response_width))
 
 
+class _TopHead(torch.nn.Module):
+    """Stands in for a frozen model's lm_head: the response tokens' logprobs (its `logits`) and, kept on it, the k
+    largest logprobs at each position with their ids (`vlmrl.algorithms.logprobs.top_logprobs`)."""
+
+    def __init__(self, lm_head: torch.nn.Module, labels: torch.Tensor, k: int, temperature: float, chunk: int,
+                 drop_last: bool):
+        super().__init__()
+        self.lm_head, self.labels, self.k, self.drop_last = lm_head, labels, k, drop_last
+        self.options = {"temperature": temperature, "chunk": chunk}
+        self.top: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden[:, :-1] if self.drop_last else hidden
+        logprobs, values, ids = top_logprobs(hidden, self.lm_head, self.labels, self.k, **self.options)
+        self.top = values, ids
+        return logprobs
+
+
+@torch.no_grad()
+def forward_top_logprobs(model: torch.nn.Module, mb: MicroBatch, k: int, temperature: float = 1.0, chunk: int = 0
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A frozen model's (b, r) logprobs of the response tokens and, at each response position, its k largest
+    logprobs (b, r, k) with their ids (b, r, k), largest first; 0 (ids 0) after each row's response."""
+    packed = mb.response_index is not None
+    labels = mb.input_ids[:, mb.response_index + 1] if packed else mb.input_ids[:, -mb.response_width:]
+    head = _TopHead(model.get_output_embeddings(), labels, k, temperature, chunk, drop_last=not packed)
+    with _output_head(model, head):
+        out = model(**_model_inputs(model, mb), use_cache=False,
+                    logits_to_keep=mb.response_index if packed else mb.response_width + 1)
+    values, ids = head.top
+    if not packed:
+        return out.logits, values, ids
+    lengths, width = mb.response_lengths, mb.response_width
+    return (_unpack(out.logits[0], lengths, width), _unpack(values[0], lengths, width),
+            _unpack(ids[0], lengths, width))
+
+
+def _model_inputs(model: torch.nn.Module, mb: MicroBatch) -> dict:
+    """The model's forward inputs of a micro-batch: its ids, mask, explicit position ids and vision inputs in the
+    weights' dtype (a 1-D family takes the first position row; tiles: no grid)."""
+    dtype = next(model.parameters()).dtype
+    pixel_values = mb.pixel_values.to(dtype) if mb.pixel_values is not None else None
+    videos = {k: v.to(dtype) if k == "pixel_values_videos" else v for k, v in mb.video_inputs.items()}
+    return family_of(model.config).inputs.forward_inputs(dict(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+        pixel_values=pixel_values, image_grid_thw=mb.image_grid_thw, **videos))
+
+
 def _unpack(values: torch.Tensor, lengths: list[int], width: int) -> torch.Tensor:
-    """(N,) row-by-row response values -> (b, width), zero-filled after each row's own length."""
+    """(N, ...) row-by-row response values -> (b, width, ...), zero-filled after each row's own length."""
     rows = torch.split(values, lengths)
-    return torch.stack([torch.nn.functional.pad(row, (0, width - row.shape[0])) for row in rows])
+    tail = (0, 0) * (values.dim() - 1)  # the trailing dimensions stay as they are
+    return torch.stack([torch.nn.functional.pad(row, (*tail, 0, width - row.shape[0])) for row in rows])

@@ -23,8 +23,9 @@ SEQ_RATIOS = ("product", "geometric")
 """How seq_rs forms a sequence's ratio (algorithm.rollout_correction_seq_ratio); seq_mis takes the product."""
 DISTILL_MODES = ("advantage", "loss")
 """How on-policy distillation uses the teacher (algorithm.distill.mode; `vlmrl.algorithms.distill`)."""
-DISTILL_ESTIMATORS = ("k1", "k3")
-"""Reverse-KL estimators of the distillation loss (algorithm.distill.estimator): verl's `k1` and `k3` (low_var_kl)."""
+DISTILL_ESTIMATORS = ("k1", "k3", "forward_kl_topk")
+"""The distillation loss (algorithm.distill.estimator): verl's reverse-KL estimators `k1` and `k3` (low_var_kl) of
+the sampled tokens, and its `forward_kl_topk` over the teacher's top-k tokens."""
 TEACHER_ENGINES = ("trainer", "hf", "vllm", "sglang")
 """Where the distillation teacher runs (algorithm.distill.teacher_engine): frozen in the trainer, or on a rollout
 backend of its own that scores the student's samples (`RolloutBackend.score`)."""
@@ -64,8 +65,14 @@ class DistillConfig:
     loss: the `estimator` of KL(student || teacher) over the loss mask, times `coef`, added to the policy loss
     (GKD's supervised form; verl's default)."""
     estimator: str = "k1"
-    """The loss mode's reverse-KL estimator: k1 (log p_s - log p_t) or k3 (p_t/p_s - log(p_t/p_s) - 1, verl's
-    low_var_kl). The advantage mode is k1 (its per-token reward)."""
+    """The loss mode's estimator: k1 (log p_s - log p_t) or k3 (p_t/p_s - log(p_t/p_s) - 1, verl's low_var_kl), the
+    reverse KL of the sampled token; or forward_kl_topk (verl's loss_mode of that name): sum over the teacher's
+    `topk` most likely tokens at each position of p_t (log p_t - log p_s), the forward KL on the teacher's top-k
+    support. The advantage mode is k1 (its per-token reward)."""
+    topk: int = 32
+    """forward_kl_topk: how many of the teacher's most likely tokens per position (verl's distillation_loss.topk;
+    its example: 32). An engine teacher returns them with its prompt logprobs (vLLM prompt_logprobs=k, SGLang
+    top_logprobs_num), the trainer-side teacher from its logits."""
     discount: float = 0.0
     """advantage: the discount of the future tokens' rewards in a token's advantage, in [0, 1]; 0 = each token's own
     reverse KL (Thinking Machines' default)."""
@@ -103,6 +110,9 @@ class DistillConfig:
             out.append(f"algorithm.distill.coef={self.coef} and reward_weight={self.reward_weight} must be >= 0")
         if self.coef == 0 and self.reward_weight == 0:
             out.append("algorithm.distill.coef=0 and reward_weight=0 leave nothing to learn: raise one of them")
+        if self.estimator == "forward_kl_topk" and self.topk < 1:
+            out.append(f"algorithm.distill.topk={self.topk} must be >= 1 for estimator=forward_kl_topk (verl's "
+                       "example: 32)")
         if self.teacher_engine not in TEACHER_ENGINES:
             out.append(f"algorithm.distill.teacher_engine={self.teacher_engine!r} is not one of "
                        f"{list(TEACHER_ENGINES)}")
@@ -123,8 +133,13 @@ class DistillConfig:
         logprobs (the student's are of softmax(logits / rollout.temperature)), of a prompt plus the sampled tokens
         (a multi-turn trajectory also holds tool tokens and images of later turns), in the driver's process (at
         dp > 1 the devices are the training workers')."""
-        if not self.enabled or self.teacher_engine == "trainer":
+        if not self.enabled:
             return []
+        if self.teacher_engine == "trainer":
+            return [] if world_size == 1 or self.estimator != "forward_kl_topk" else [
+                f"algorithm.distill.estimator=forward_kl_topk with the teacher in the trainer runs on one device for "
+                f"now (its top-k of a sharded teacher is not built yet), and trainer.n_gpus_per_node x nnodes = "
+                f"{world_size}: set algorithm.distill.estimator=k1 or k3, or train on one device"]
         out = []
         key = f"algorithm.distill.teacher_engine={self.teacher_engine}"
         if temperature != 1.0:

@@ -21,8 +21,15 @@ What the anchors define, and how this matches:
   `vlmrl.algorithms.grpo.kl_penalty`'s k1 and low_var_kl). Its supervised update aggregates them with the actor's
   loss_agg_mode over the response mask and adds distillation_loss_coef times that to the policy loss (our
   mode=loss, `coef`); its policy-gradient update uses -losses.detach() as advantages with no discount (our
-  mode=advantage with discount 0). Not ported: verl's loss_max_clamp and log_prob_min_clamp options, and its top-k
-  forward KL (it needs the teacher's top-k logprobs).
+  mode=advantage with discount 0). Not ported: verl's loss_max_clamp and log_prob_min_clamp options.
+- verl's top-k forward KL (#5041, loss_mode `forward_kl_topk`, `verl/trainer/distillation/fsdp/losses.py`
+  `compute_forward_kl_topk` with `distillation_loss.topk`): the teacher returns its K most likely tokens per position
+  with their logprobs, the student's log_softmax over the WHOLE vocabulary is read at those ids (no
+  renormalisation over the K), and the per-token loss is sum_k p_t(k) (log p_t(k) - log p_s(k)), the forward KL
+  KL(teacher || student) restricted to the teacher's top-k support; its diagnostics `teacher_mass` and
+  `student_mass` are each side's probability summed over those ids. `forward_kl_topk` and `topk_mass` are those,
+  term for term (estimator `forward_kl_topk`, loss mode only, as in verl). Not ported: the `_tail` variant's tail
+  bucket, the log_prob_min_clamp, and its overlap diagnostics.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from vlmrl.algorithms.aggregation import agg_loss, zero_outside
 from vlmrl.algorithms.grpo import broadcast_to_tokens, kl_penalty
 
 ESTIMATOR_KL_TYPES = {"k1": "k1", "k3": "low_var_kl"}
+TOPK_ESTIMATOR = "forward_kl_topk"
+"""algorithm.distill.estimator of the forward KL over the teacher's top-k (verl's loss_mode of the same name)."""
 """algorithm.distill.estimator -> the `kl_penalty` kind that computes it (verl's names for the same estimators)."""
 
 
@@ -63,6 +72,38 @@ def reverse_kl_loss(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Te
     0.5
     """
     return agg_loss(reverse_kl(student, teacher, estimator), mask, mode, normaliser)
+
+
+def forward_kl_topk(student_topk: torch.Tensor, teacher_topk: torch.Tensor) -> torch.Tensor:
+    """(B, R): sum over the teacher's top-k ids of p_t (log p_t - log p_s), from (B, R, K) logprobs at those ids
+    (each side's log_softmax over the whole vocabulary, read at the teacher's K ids); the gradient flows through
+    `student_topk` only. >= 0 when the teacher's K carry all its mass; K = the vocabulary gives KL(teacher ||
+    student) exactly. Computed in float32 at least, as verl's.
+
+    >>> s, t = torch.tensor([[[-1.0, -2.0]]]), torch.tensor([[[-0.5, -1.5]]])
+    >>> round(forward_kl_topk(s, t).item(), 6)  # e^-0.5 * 0.5 + e^-1.5 * 0.5
+    0.41483
+    """
+    teacher = teacher_topk.detach().to(torch.promote_types(teacher_topk.dtype, torch.float32))
+    student = student_topk.to(teacher.dtype)
+    return (teacher.exp() * (teacher - student)).sum(-1)
+
+
+def forward_kl_topk_loss(student_topk: torch.Tensor, teacher_topk: torch.Tensor, mask: torch.Tensor, mode: str,
+                         normaliser: float | torch.Tensor | None = None) -> torch.Tensor:
+    """The top-k forward-KL distillation loss (before its coefficient): `forward_kl_topk` aggregated over the loss
+    mask by actor.loss_agg_mode `mode`, as verl aggregates it."""
+    return agg_loss(forward_kl_topk(student_topk, teacher_topk), mask, mode, normaliser)
+
+
+def topk_mass(topk: torch.Tensor) -> torch.Tensor:
+    """(B, R, K) logprobs at the teacher's top-k ids -> (B, R) the probability they hold (verl's teacher_mass and
+    student_mass).
+
+    >>> round(topk_mass(torch.log(torch.tensor([[[0.5, 0.25]]]))).item(), 6)
+    0.75
+    """
+    return topk.to(torch.promote_types(topk.dtype, torch.float32)).exp().sum(-1)
 
 
 def discounted_future_sum(values: torch.Tensor, discount: float) -> torch.Tensor:
@@ -107,13 +148,19 @@ def mixed_advantages(reward_advantages: torch.Tensor, distill: torch.Tensor | No
     return broadcast_to_tokens(weighted.to(distill.dtype), mask) + zero_outside(distill, mask)
 
 
-def distill_metrics(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def distill_metrics(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+                    teacher_topk: torch.Tensor | None = None) -> dict[str, float]:
     """distill/reverse_kl (the k1 estimate, mean per token), distill/teacher_logprob and distill/student_logprob (mean
-    logprob of the sampled tokens) over the mask's tokens (padding rows have none); 0 without a token."""
+    logprob of the sampled tokens) over the mask's tokens (padding rows have none); with the teacher's (B, R, K)
+    top-k logprobs also distill/teacher_topk_mass (the probability they hold, mean per token: verl's teacher_mass);
+    0 without a token."""
     count = max(float((mask != 0).sum()), 1.0)
 
     def mean(values: torch.Tensor) -> float:
         return float(zero_outside(values.to(torch.float64), mask).sum()) / count
 
-    return {"distill/reverse_kl": mean(student - teacher), "distill/teacher_logprob": mean(teacher),
-            "distill/student_logprob": mean(student)}
+    out = {"distill/reverse_kl": mean(student - teacher), "distill/teacher_logprob": mean(teacher),
+           "distill/student_logprob": mean(student)}
+    if teacher_topk is not None:
+        out["distill/teacher_topk_mass"] = mean(topk_mass(teacher_topk))
+    return out

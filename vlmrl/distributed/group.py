@@ -188,6 +188,12 @@ class DistributedActor:
 
     # ---- the actor's interface --------------------------------------------------------------------------------------
 
+    def teacher_top_logprobs(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Not built for a sharded teacher yet (the config refuses estimator=forward_kl_topk with the teacher in the
+        trainer at dp > 1)."""
+        raise NotImplementedError("algorithm.distill.estimator=forward_kl_topk with the teacher in the trainer runs "
+                                  "on one device for now")
+
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False,
                          record_routing: bool = False, teacher: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:

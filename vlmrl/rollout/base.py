@@ -9,7 +9,8 @@ Contract shared by all backends (`hf`, `vllm`, `sglang`, `sglang-server`), enfor
     temperature, top-p/top-k and before the pad-token ban (what the trainer recomputes). Top-k lists rank the
     tokens that may be sampled (banned ids are left out) with those same raw values.
   - `score(requests, responses)` gives the raw logprob of each given response token after the same request's
-    prompt, teacher-forced (`vlmrl.rollout.scoring` checks what goes in and comes out).
+    prompt, teacher-forced, and `score_top` also the top-k of the distribution at each response position
+    (`vlmrl.rollout.scoring` checks what goes in and comes out).
   - Every engine call runs under `timeout_s`; a dead engine process raises `EngineDeadError` naming the backend.
   - `sleep()` frees the accelerator memory of an engine started for it (`releases_memory`); `generate`,
     `update_weights` and `update_adapter` wake what they need first.
@@ -38,7 +39,7 @@ from vlmrl.rollout.errors import (
     RolloutError,
 )
 from vlmrl.rollout.requests import check_results, validate_requests
-from vlmrl.rollout.scoring import check_responses, check_scores
+from vlmrl.rollout.scoring import ScoredResponse, check_responses, check_scores
 from vlmrl.rollout.weight_group import BucketMeta, WeightGroup
 from vlmrl.rollout.weights import WeightSync, checkpoint_names, weight_sync
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
@@ -214,6 +215,12 @@ class RolloutBackend(abc.ABC):
         engine's model, the request's images included. An empty response scores []. Raises InvalidRequestError
         before the engine for a request generate would refuse or a response it cannot score, RolloutError when the
         engine fails or answers another number of logprobs."""
+        return [scored.logprobs for scored in self.score_top(requests, responses, 0)]
+
+    def score_top(self, requests: Sequence[RolloutRequest], responses: Sequence[Sequence[int]], top_k: int
+                  ) -> list[ScoredResponse]:
+        """`score`'s logprobs and, per response token, the `top_k` most likely tokens {id: raw logprob} of the
+        distribution at its position (the engine's prompt top-k logprobs; 0 = none), in the same one forward."""
         check_responses(requests, responses, {self.processor.image_token_id, self.processor.video_token_id},
                         self.name)
         self.check_requests(requests, SamplingParams(max_new_tokens=1), [len(r) + 1 for r in responses])
@@ -222,17 +229,18 @@ class RolloutBackend(abc.ABC):
                                "weights before scoring")
         self.wake_up()
         todo = [i for i, response in enumerate(responses) if len(response)]
-        scores: list[list[float]] = [[] for _ in requests]
+        scores = [ScoredResponse([]) for _ in requests]
         if todo:
             chosen, given = [requests[i] for i in todo], [list(responses[i]) for i in todo]
-            scored = self._score(chosen, given)
-            check_scores(scored, chosen, given, self.name)
-            for i, lps in zip(todo, scored):
-                scores[i] = list(lps)
+            scored = self._score(chosen, given, top_k)
+            check_scores(scored, chosen, given, top_k, self.name)
+            for i, record in zip(todo, scored):
+                scores[i] = record
         return scores
 
-    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]]) -> list[list[float]]:
-        """The engine call behind `score`, for checked requests and non-empty responses, under the deadline."""
+    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]], top_k: int
+               ) -> list[ScoredResponse]:
+        """The engine call behind `score_top`, for checked requests and non-empty responses, under the deadline."""
         raise NotImplementedError(f"{self.name}: this backend cannot score given tokens")
 
     def generate_on_each(self, requests: Sequence[RolloutRequest], sampling: SamplingParams

@@ -20,6 +20,7 @@ import torch
 
 from vlmrl.rollout.base import BackendOptions, DeadlineRunner, RolloutBackend
 from vlmrl.rollout.requests import finish_at_stop, sample_seed, top_allowed
+from vlmrl.rollout.scoring import ScoredResponse
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 
 
@@ -119,16 +120,22 @@ class HFBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------------ scoring
 
-    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]]) -> list[list[float]]:
+    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]], top_k: int
+               ) -> list[ScoredResponse]:
         @torch.no_grad()
-        def run() -> list[list[float]]:
+        def run() -> list[ScoredResponse]:
             scores = []
             for request, response in zip(requests, responses):  # one forward each, as generate runs them
                 inputs = self.model_inputs(request, response)
                 start = inputs["input_ids"].shape[1] - len(response)
                 logits = self.model(**inputs, use_cache=False).logits[0, start - 1:-1].float()  # (R, V)
                 targets = torch.tensor(response, dtype=torch.long, device=logits.device)
-                scores.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist())
+                logprobs = torch.log_softmax(logits, dim=-1)
+                top = []
+                if top_k:
+                    values, ids = logprobs.topk(top_k, dim=-1)  # (R, k)
+                    top = [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+                scores.append(ScoredResponse(logprobs.gather(1, targets[:, None])[:, 0].tolist(), top))
             return scores
 
         return self._runner.call(f"score {len(requests)} responses", run, self.rollout.timeout_s)

@@ -45,7 +45,7 @@ from vlmrl.rollout.config import SGLangConfig, even_binding
 from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError, RolloutError, ServerSettingError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import describe, sample_seed, top_allowed
-from vlmrl.rollout.scoring import response_tail
+from vlmrl.rollout.scoring import ScoredResponse, response_tail, response_top_tail
 from vlmrl.rollout.sglang_weight_group import SGLangWeightGroup
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.processes import env_override, is_alive, kill_tree
@@ -292,9 +292,11 @@ class SGLangCommon(RolloutBackend):
                                        self.routing_layout() if self.captures_routing() else None))
         return results
 
-    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]]) -> list[list[float]]:
+    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]], top_k: int
+               ) -> list[ScoredResponse]:
         """prompt + response as the input of a one-token generation with input logprobs from `logprob_start_len`
-        (raw: SGLANG_RETURN_ORIGINAL_LOGPROB=1, no ban bias asked). The entry AT that start carries no logprob
+        (raw: SGLANG_RETURN_ORIGINAL_LOGPROB=1, no ban bias asked), and with top_k its `input_top_logprobs`
+        (`top_logprobs_num`), laid out as the token logprobs. The entry AT that start carries no logprob
         (measured: None), so it is the position before the response's first token; it counts the engine's
         expanded tokens, so the unexpanded prompt length - 1 starts at or before it (on image tokens, whose
         entries read id 0), and the response's logprobs are the last len(response) entries."""
@@ -306,6 +308,8 @@ class SGLangCommon(RolloutBackend):
         prompts = body["input_ids"]
         body["input_ids"] = [list(ids) + response for ids, response in zip(prompts, responses)]
         body["logprob_start_len"] = [len(ids) - 1 for ids in prompts]
+        if top_k:  # input_top_logprobs: one list of (logprob, id, text) per input position, as the token logprobs
+            body["top_logprobs_num"] = top_k
         outputs = self.call_engine("generate", body)
         if len(outputs) != len(requests):
             raise RolloutError(f"{self.name}: {len(outputs)} outputs for {len(requests)} responses to score")
@@ -318,7 +322,13 @@ class SGLangCommon(RolloutBackend):
             if any(seen != given and seen != 0 for seen, given in zip(tail, response)) or len(tail) != len(response):
                 raise RolloutError(f"{self.name}: request {request.uid}: the engine's input ends with {tail}, not "
                                    f"with the response {response}")
-            scores.append(response_tail([e[0] for e in entries], response, self.name, f"request {request.uid}"))
+            what = f"request {request.uid}"
+            top = []
+            if top_k:
+                tops = [None if pos is None else {e[1]: e[0] for e in pos}
+                        for pos in out["meta_info"]["input_top_logprobs"]]
+                top = response_top_tail(tops, response, self.name, what)
+            scores.append(ScoredResponse(response_tail([e[0] for e in entries], response, self.name, what), top))
         return scores
 
     def captures_routing(self) -> bool:

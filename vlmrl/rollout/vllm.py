@@ -36,7 +36,7 @@ from vlmrl.rollout.config import even_binding
 from vlmrl.rollout.errors import EngineSettingError, InvalidRequestError, RolloutError
 from vlmrl.rollout.logs import route_engine_logs
 from vlmrl.rollout.requests import sample_seed, top_allowed
-from vlmrl.rollout.scoring import response_tail
+from vlmrl.rollout.scoring import ScoredResponse, response_tail, response_top_tail
 from vlmrl.rollout.vllm_cpu import cpu_env, name_cpu_shared_memory
 from vlmrl.rollout.vllm_moe import RoutingCaptureExtension, repack_cpu_experts_on_reload
 from vlmrl.rollout.vllm_weight_group import VLLMWeightGroup, WeightGroupExtension
@@ -336,15 +336,17 @@ class VLLMBackend(VLLMWeightGroup, RolloutBackend):
             prompt["multi_modal_data"] = data
         return prompt
 
-    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]]) -> list[list[float]]:
-        """prompt + response as the prompt of a one-token generation with `prompt_logprobs=0` (each prompt token's
-        own logprob): the response's are the last len(response) of them. vLLM computes prompt logprobs as
-        log_softmax of the raw logits in both logprobs modes (no sampling processor touches prompt tokens), and a
-        request that asks for them reads nothing from the prefix cache."""
+    def _score(self, requests: Sequence[RolloutRequest], responses: list[list[int]], top_k: int
+               ) -> list[ScoredResponse]:
+        """prompt + response as the prompt of a one-token generation with `prompt_logprobs=top_k` (each prompt
+        token's own logprob, and the top_k of its position, by vLLM's rank): the response's are the last
+        len(response) of them. vLLM computes prompt logprobs as log_softmax of the raw logits in both logprobs modes
+        (no sampling processor touches prompt tokens), and a request that asks for them reads nothing from the prefix
+        cache. top_k is bounded by the engine's max_logprobs (vLLM's default 20; an engine teacher raises it)."""
         from vllm import SamplingParams as VLLMSampling
 
         prompts = [self._prompt(request, response) for request, response in zip(requests, responses)]
-        params = VLLMSampling(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        params = VLLMSampling(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False)
         lora = self._lora_request
         outputs = self._runner.call(f"score {len(requests)} responses",
                                     lambda: self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora),
@@ -354,8 +356,14 @@ class VLLMBackend(VLLMWeightGroup, RolloutBackend):
             ids = list(output.prompt_token_ids)  # expanded
             if ids[len(ids) - len(response):] != response:
                 raise RolloutError(f"vllm: request {request.uid}: the engine's prompt does not end with the response")
+            what = f"request {request.uid}"
             entries = [None if pos is None else pos[t].logprob for pos, t in zip(output.prompt_logprobs, ids)]
-            scores.append(response_tail(entries, response, self.name, f"request {request.uid}"))
+            top = []
+            if top_k:  # a position's entries are its top_k plus the prompt's own token, wherever that ranks
+                tops = [None if pos is None else {t: lp.logprob for t, lp in pos.items() if lp.rank <= top_k}
+                        for pos in output.prompt_logprobs]
+                top = response_top_tail(tops, response, self.name, what)
+            scores.append(ScoredResponse(response_tail(entries, response, self.name, what), top))
         return scores
 
     def _bad_words_for(self, request: RolloutRequest) -> list[str] | None:

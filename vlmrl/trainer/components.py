@@ -92,14 +92,18 @@ def start_run_backend(config: Config, name: str | None = None, model_path: str |
 def teacher_backend_options(config: Config) -> BackendOptions:
     """What the distillation teacher's engine starts from: the run's rollout section (deadlines, limits,
     engine_kwargs) in algorithm.distill.teacher_dtype with teacher_gpu_memory_utilization, sized like the run's
-    engine, no LoRA and no routing capture, releasing its memory while the actor trains where it can (a GPU). Beside
-    a vLLM student it runs its engine core in a process of its own: two engines in one process share vLLM's global
-    parallel state (rollout.vllm.multiprocess null is in-process on a CPU)."""
+    engine, no LoRA and no routing capture, releasing its memory while the actor trains where it can (a GPU), a vLLM
+    engine allowed algorithm.distill.topk prompt logprobs per position (forward_kl_topk). Beside a vLLM student it
+    runs its engine core in a process of its own: two engines in one process share vLLM's global parallel state
+    (rollout.vllm.multiprocess null is in-process on a CPU)."""
     d, r = config.algorithm.distill, config.rollout
     beside_vllm = r.name == "vllm" and d.teacher_engine == "vllm" and r.vllm.multiprocess is None
+    vllm_kwargs = dict(r.vllm.engine_kwargs)
+    if d.estimator == "forward_kl_topk":  # vLLM refuses prompt_logprobs above max_logprobs (its default: 20)
+        vllm_kwargs["max_logprobs"] = max(d.topk, vllm_kwargs.get("max_logprobs", 20))
     rollout = replace(r, dtype=d.teacher_dtype, gpu_memory_utilization=d.teacher_gpu_memory_utilization,
-                      vllm=replace(r.vllm, capture_routing=False, multiprocess=True if beside_vllm else
-                                   r.vllm.multiprocess),
+                      vllm=replace(r.vllm, capture_routing=False, engine_kwargs=vllm_kwargs,
+                                   multiprocess=True if beside_vllm else r.vllm.multiprocess),
                       sglang=replace(r.sglang, capture_routing=False))
     return backend_options(rollout, d.teacher_engine, max_model_len=config.derived.max_model_len,
                            seed=config.trainer.seed, colocated=True)

@@ -37,6 +37,7 @@ from vlmrl.trainer.metrics import METRICS_FILE, PLOT_FILE, plot_curves
 from vlmrl.trainer.placement import sync_engine
 from vlmrl.trainer.run import PhaseTimer, Run, due
 from vlmrl.trainer.setup import setup_process, setup_run, validate_only
+from vlmrl.trainer.teacher_engine import TeacherScores, teacher_scores
 from vlmrl.trainer.validation import run_validation
 from vlmrl.trainer.warmup import format_warmup
 from vlmrl.types import TrainBatch
@@ -124,21 +125,19 @@ def train_step(run: Run, timer: PhaseTimer) -> dict[str, float]:
     if cfg.actor.use_kl_loss:
         with timer("ref_logprobs"):
             ref_logprobs, _ = actor.compute_logprobs(batch, reference=True)
-    teacher_logprobs, teacher_metrics = None, {}
+    teacher, teacher_metrics = None, {}
     if cfg.algorithm.distill.enabled:  # the teacher scores the student's rows as they are (same ids and images)
         with timer("teacher_logprobs"):  # in the trainer, or on its engine from the rows' requests
-            if run.parts.teacher is None:
-                teacher_logprobs, _ = actor.compute_logprobs(batch, teacher=True)
-            else:  # at its first call also the first-step check against the teacher loaded in the trainer
-                teacher_logprobs, teacher_metrics = run.parts.teacher.logprobs(cfg, batch, collected.requests)
+            teacher, teacher_metrics = teacher_scores(cfg, actor, run.parts.teacher, batch, collected.requests)
     with timer("advantages"):
         al = cfg.algorithm
         advantages = compute_advantages(al.adv_estimator, batch.rewards, batch.uids, batch.is_padding,
                                         batch.response_mask, norm_by_std=al.norm_adv_by_std_in_grpo)
         loss_batch, loss_weights, loss_metrics = loss_inputs(cfg, batch, old_logprobs)
-        if teacher_logprobs is not None:
-            advantages, loss_batch = distill_inputs(al.distill, loss_batch, advantages, old_logprobs, teacher_logprobs)
-            loss_metrics.update(distill_metrics(old_logprobs, teacher_logprobs, batch.response_mask), **teacher_metrics)
+        if teacher is not None:
+            advantages, loss_batch = distill_inputs(al.distill, loss_batch, advantages, old_logprobs, teacher)
+            loss_metrics.update(distill_metrics(old_logprobs, teacher.logprobs, batch.response_mask,
+                                                teacher.topk_logprobs), **teacher_metrics)
     with timer("update"):
         actor_metrics = actor.update(loss_batch, old_logprobs, advantages, ref_logprobs, loss_weights,
                                      old_from_engine=source == "engine")
@@ -197,16 +196,22 @@ def loss_inputs(config: Config, batch: TrainBatch, old_logprobs: torch.Tensor | 
 
 
 def distill_inputs(config: DistillConfig, batch: TrainBatch, advantages: torch.Tensor, student: torch.Tensor,
-                   teacher: torch.Tensor) -> tuple[torch.Tensor, TrainBatch]:
+                   teacher: TeacherScores) -> tuple[torch.Tensor, TrainBatch]:
     """On-policy distillation's part of the update's inputs (`vlmrl.algorithms.distill`), over the loss mask of
     `batch` (the update's): the advantages, reward_weight times the reward's, plus (mode=advantage) the (B, R)
     per-token distillation advantages from the student's pre-update logprobs `student` and the teacher's; or
-    (mode=loss) the batch carrying the teacher's logprobs, from which the update adds coef x the reverse-KL loss."""
+    (mode=loss) the batch carrying the teacher's logprobs (estimator=forward_kl_topk: its top-k ids and logprobs),
+    from which the update adds coef x the distillation loss."""
     mask = batch.response_mask
-    per_token = (distill_advantages(student, teacher, mask, config.discount, config.coef) if config.mode == "advantage"
-                 else None)
+    per_token = (distill_advantages(student, teacher.logprobs, mask, config.discount, config.coef)
+                 if config.mode == "advantage" else None)
     advantages = mixed_advantages(advantages, per_token, mask, config.reward_weight)
-    return advantages, (replace(batch, teacher_logprobs=teacher) if config.mode == "loss" else batch)
+    if config.mode != "loss":
+        return advantages, batch
+    if teacher.topk_ids is not None:
+        return advantages, replace(batch, teacher_topk_ids=teacher.topk_ids,
+                                   teacher_topk_logprobs=teacher.topk_logprobs)
+    return advantages, replace(batch, teacher_logprobs=teacher.logprobs)
 
 
 def keep_drift_samples(run: Run, batch: TrainBatch, old_logprobs: torch.Tensor | None, step: int,
