@@ -17,7 +17,7 @@ import re
 import sys
 from typing import Any
 
-from vlmrl.config import ConfigError, load_config
+from vlmrl.config import ActorConfig, ConfigError, load_config
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         from vlmrl.trainer.memory_model import model_facts
 
         facts = model_facts(config.actor)
+        d = config.algorithm.distill  # the distillation teacher: its own shapes (another size of the family)
+        teacher = model_facts(ActorConfig(model_path=d.teacher)) if d.enabled else None
         from vlmrl.trainer.memory_plan import head_problem, memory_plan
 
         split = head_problem(config.rollout.tensor_parallel_size, facts)  # a hub id's heads: read here, not at load
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    plan = memory_plan(config, facts, device_gib)
+    plan = memory_plan(config, facts, device_gib, teacher=teacher)
     print(json.dumps(as_dict(plan), indent=2) if as_json else render(plan))
     return 0 if plan.fits else 1
 

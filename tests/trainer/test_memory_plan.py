@@ -135,6 +135,61 @@ def test_the_gpu_plan_adds_the_runtime_and_releases_the_engine_while_training():
     assert all(items["runtime (CUDA contexts, NCCL)"] == RUNTIME_GIB * GIB for items in phases.values())
 
 
+def test_the_distillation_teacher_is_counted_like_the_reference_in_its_own_dtype():
+    """A teacher in the trainer (the hand model again, float32): at dp 2 each rank keeps its 112-element shard (448
+    bytes) through every phase, or (actor.offload.reference) in host memory; on one GPU, offloaded, it visits whole
+    in bfloat16 (224 x 2 bytes) for its pass, on top of its no-grad forward; on a CPU it stays (nothing to offload
+    to)."""
+    config = hand_config(n_gpus_per_node=2)
+    config.algorithm.distill.teacher, config.algorithm.distill.teacher_dtype = "hand", "float32"
+    config.actor.offload.reference = False
+    plan = memory_plan(config, hand_facts(), device_gib=1, gpu=False, teacher=hand_facts())
+    assert all(phase.items["teacher"] == 448 for phase in plan.phases) and "teacher" not in plan.host
+    config.actor.offload.reference = True
+    offloaded = memory_plan(config, hand_facts(), device_gib=1, gpu=False, teacher=hand_facts())
+    assert "teacher" not in offloaded.phases[0].items and offloaded.host["teacher"] == 448
+    one = hand_config()
+    one.algorithm.distill.teacher = "hand"  # teacher_dtype auto: bfloat16 on a GPU, float32 on a CPU
+    on_cpu = memory_plan(one, hand_facts(), device_gib=1, gpu=False, teacher=hand_facts())
+    assert on_cpu.phases[0].items["teacher"] == 896 and "teacher" not in on_cpu.host
+    on_gpu = memory_plan(one, hand_facts(), device_gib=1, teacher=hand_facts())
+    assert "teacher" not in on_gpu.phases[0].items and on_gpu.host["teacher"] == 448
+    from vlmrl.trainer.memory_activations import forward_bytes
+    from vlmrl.trainer.memory_plan import micro_batch
+
+    policy_pass = {p.name: p.items for p in memory_plan(hand_config(), hand_facts(), device_gib=1).phases}[
+        "logprobs"]["forward (no grad)"]
+    teacher_pass = 448 + forward_bytes(TEXT, None, micro_batch(one, hand_facts()), Precision(stream=2, compute=2),
+                                       one.actor.logprob_chunk_size)
+    assert {p.name: p.items for p in on_gpu.phases}["logprobs"]["forward (no grad)"] == max(policy_pass, teacher_pass)
+
+
+def test_an_engine_teacher_takes_its_share_while_scoring_and_the_check_loads_it_once():
+    """teacher_engine=vllm on a GPU: teacher_gpu_memory_utilization of the device in the logprobs phase only (it
+    sleeps otherwise, its bfloat16 weights in host memory), and the first step's check (the teacher in the trainer
+    once) in the same phase; engine_check_samples=0 leaves the check out."""
+    config = hand_config()
+    d = config.algorithm.distill
+    d.teacher, d.teacher_engine, d.teacher_gpu_memory_utilization = "hand", "vllm", 0.25
+    plan = memory_plan(config, hand_facts(), device_gib=1, teacher=hand_facts())
+    phases = {phase.name: phase.items for phase in plan.phases}
+    assert phases["logprobs"]["teacher engine (awake)"] == int(0.25 * GIB)
+    assert all("teacher engine (awake)" not in phases[name] for name in ("rollout", "update", "optimizer step"))
+    assert plan.host["teacher engine weights (asleep)"] == 448 and "teacher" not in phases["rollout"]
+    # one pass at a time: the policy's, or the check's (the teacher's 448 bytes of bfloat16 weights and its forward)
+    from vlmrl.trainer.memory_activations import forward_bytes
+    from vlmrl.trainer.memory_plan import micro_batch
+
+    policy_pass = {p.name: p.items for p in memory_plan(hand_config(), hand_facts(), device_gib=1).phases}[
+        "logprobs"]["forward (no grad)"]
+    check = 448 + forward_bytes(TEXT, None, micro_batch(config, hand_facts()), Precision(stream=2, compute=2),
+                                config.actor.logprob_chunk_size)
+    assert phases["logprobs"]["forward (no grad)"] == max(policy_pass, check)
+    d.engine_check_samples = 0
+    unchecked = memory_plan(config, hand_facts(), device_gib=1, teacher=hand_facts())
+    assert {p.name: p.items for p in unchecked.phases}["logprobs"]["forward (no grad)"] == policy_pass
+
+
 # ---- the command line -----------------------------------------------------------------------------------------------
 
 RECIPE_7B = [f"config={CONFIGS / 'qwen2_5_vl_geo3k.yaml'}", "trainer.n_gpus_per_node=8"]
@@ -145,6 +200,16 @@ def test_the_plan_prints_a_table_and_a_verdict_and_exits_0_when_it_fits(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("verdict: fits 8 x 80.0 GiB at TP 1: peak ")
     assert any(line.split()[:2] == ["policy", "parameters"] for line in out)
+
+
+def test_the_plan_of_a_distillation_run_has_a_teacher_row(tmp_path, capsys):
+    """tiny-large teaching tiny, in the trainer on one GPU (offloaded with the reference): its weights wait in host
+    memory and visit for their pass; the plan reads the teacher's own shapes."""
+    assert main(["actor.model_path=tiny", "data.train_files=synthetic", "data.val_files=synthetic",
+                 "algorithm.distill.teacher=tiny-large",
+                 f"trainer.output_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "host memory per device:" in out and "teacher " in out.split("host memory per device:")[1], out
 
 
 def test_a_device_too_small_exits_1_naming_the_phase(capsys):

@@ -125,8 +125,9 @@ class OffloadConfig:
     """AdamW's state (8 bytes/parameter in fp32) on the CPU between optimizer steps, moved to the GPU for each step
     (verl's optimizer offload). Implied by params."""
     reference: bool = True
-    """The frozen KL reference on the CPU: FSDP2 CPUOffloadPolicy when sharded, else moved to the GPU only for its
-    logprob pass. It runs once per step without a backward, so the copies cost little next to its weights' memory."""
+    """The frozen KL reference, and a distillation teacher in the trainer, on the CPU: FSDP2 CPUOffloadPolicy when
+    sharded, else moved to the GPU only for its logprob pass. Each runs once per step without a backward, so the
+    copies cost little next to its weights' memory."""
 
 
 ROUTING_REPLAY = ("off", "trainer", "engine")

@@ -95,6 +95,7 @@ class ActorCore:
         """The PEFT LoraConfig with actor.lora on (the model is a PeftModel), else None."""
         self.reference_on_host = policy.reference_on_host
         self.teacher, self.distill = policy.teacher, policy.distill  # on-policy distillation (algorithm.distill)
+        self.teacher_on_host = policy.teacher_on_host
         # actor.offload.optimizer: AdamW's state waits in host memory between steps (with offloaded parameters it
         # lives there anyway: the optimizer steps on the CPU)
         self.offload_optimizer = config.offload.optimizer and not config.offload.params
@@ -194,7 +195,8 @@ class ActorCore:
         frozen = reference or teacher  # no routing of the policy's is recorded or replayed
         was_training = model.training
         model.eval()
-        if reference and self.reference_on_host:  # actor.offload.reference: on the device for this pass only
+        visiting = (reference and self.reference_on_host) or (teacher and self.teacher_on_host)
+        if visiting:  # actor.offload.reference: on the device for this pass only
             model.to(self.device)
         width = batch.response_mask.shape[1]
         # the weights' precision, at least float32: a float64 model's old and reference logprobs stay float64
@@ -218,7 +220,7 @@ class ActorCore:
             if entropy is not None:
                 entropy[rows] = _pad_to(ent.cpu(), width)
         model.train(was_training)
-        if reference and self.reference_on_host:
+        if visiting:
             model.to("cpu")
         if record:
             batch.routed_experts = routes
@@ -231,6 +233,8 @@ class ActorCore:
         one pass over the micro-batches `compute_logprobs` runs; 0 (ids 0) on padding."""
         if self.teacher is None:
             raise RuntimeError("no teacher in the trainer: set algorithm.distill.teacher (teacher_engine=trainer)")
+        if self.teacher_on_host:  # actor.offload.reference: on the device for this pass only
+            self.teacher.to(self.device)
         width = batch.response_mask.shape[1]
         precision = torch.promote_types(next(self.teacher.parameters()).dtype, torch.float32)
         logprobs = torch.zeros(batch.response_mask.shape, dtype=precision)
@@ -244,6 +248,8 @@ class ActorCore:
             logprobs[rows] = _pad_to(lp.cpu(), width)
             values[rows, :top.shape[1]] = top.cpu().to(precision)
             ids[rows, :top_ids.shape[1]] = top_ids.cpu()
+        if self.teacher_on_host:
+            self.teacher.to("cpu")
         mask = batch.response_mask
         return logprobs * mask, values * mask.unsqueeze(-1), ids * mask.unsqueeze(-1).long()
 

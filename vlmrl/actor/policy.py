@@ -104,6 +104,9 @@ class Policy:
     trainer (teacher_engine=trainer), else None."""
     distill: DistillConfig | None = None
     """Distillation's settings when it is on, wherever its teacher runs (the loss mode's estimator and coefficient)."""
+    teacher_on_host: bool = False
+    """The (unsharded) teacher waits in host memory and is moved to `device` for its logprob pass only
+    (actor.offload.reference, as the reference)."""
 
 
 def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = None,
@@ -165,7 +168,7 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
                        "parameters on %s", device)
     if wrap is None and reference is not None and config.offload.reference and device.type != "cpu":
         reference, reference_on_host = reference.to("cpu"), True  # actor.offload.reference
-    teacher = None
+    teacher, teacher_on_host = None, False
     distilling = distill is not None and distill.enabled
     if distilling and distill.teacher_engine == "trainer":  # else an engine of the run's scores the samples
         teacher = load_policy(distill.teacher, resolve_dtype(distill.teacher_dtype, device), device)
@@ -173,8 +176,10 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
         teacher = teacher.eval().requires_grad_(False)
         if wrap is not None:
             teacher = (wrap_reference or wrap)(teacher).eval()
-        logger.info("distillation teacher loaded from %s (%s, mode %s)", distill.teacher,
-                    next(teacher.parameters()).dtype, distill.mode)
+        elif config.offload.reference and device.type != "cpu":  # like the reference: on the device for its pass
+            teacher, teacher_on_host = teacher.to("cpu"), True
+        logger.info("distillation teacher loaded from %s (%s, mode %s%s)", distill.teacher,
+                    next(teacher.parameters()).dtype, distill.mode, ", in host memory" if teacher_on_host else "")
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.optim.lr, betas=tuple(config.optim.betas),
                                   weight_decay=config.optim.weight_decay)
@@ -182,7 +187,7 @@ def build_policy(config: ActorConfig, total_steps: int, init_path: str | None = 
     logger.info("actor %s: %.2fM trainable parameters, %s weights, %s compute on %s", init_path or config.model_path,
                 sum(p.numel() for p in trainable) / 1e6, dtype, compute_dtype, device)
     return Policy(device, dtype, compute_dtype, model, reference, trainable, optimizer, scheduler, adapters,
-                  reference_on_host, teacher, distill if distilling else None)
+                  reference_on_host, teacher, distill if distilling else None, teacher_on_host)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:

@@ -17,7 +17,10 @@ what each row counts and how it was checked):
 - per phase: the rollout (resident + awake engine), the old/reference logprob passes (no-grad forwards), the update
   (FSDP2's gathered units, the activations of one micro-batch: `vlmrl.trainer.memory_activations`), the optimizer
   step (AdamW's foreach temporaries) and the weight sync (the engine's weights back, one gathered tensor);
-- a runtime reserve per device (CUDA contexts of the trainer's and the engine's processes, NCCL buffers).
+- a runtime reserve per device (CUDA contexts of the trainer's and the engine's processes, NCCL buffers);
+- with on-policy distillation, the teacher (`teacher_plan`): in the trainer its shard like the reference's (in its
+  own dtype, offloaded with it), its no-grad pass in the logprobs phase; on an engine of its own its share of the
+  device while it scores, and the first step's check that loads it in the trainer once.
 
 The verdict: the largest phase within the device and an engine whose KV cache holds at least one
 max_prompt_length + max_response_length request (vLLM refuses to start otherwise), at the configured k and at
@@ -273,6 +276,52 @@ def trainer_state(config: Config, facts: ModelFacts, dp: int, master: int) -> Tr
     return TrainerState(resident, host, 0 if on_host else moments, visiting)
 
 
+@dataclass
+class TeacherPlan:
+    """On-policy distillation's teacher (algorithm.distill) on one device: in the trainer (its FSDP2 shard, offloaded
+    with the reference by actor.offload.reference) or on an engine of its own."""
+
+    resident: int = 0
+    """The trainer-side teacher's weights kept on the device in every phase."""
+    host: dict[str, int] = field(default_factory=dict)
+    """What waits in host memory: the offloaded teacher, or a sleeping teacher engine's weights."""
+    passes: int = 0
+    """Its logprob pass on the device: a no-grad forward of the teacher, a single device's offloaded teacher whole,
+    and (an engine teacher) the first step's check, the teacher loaded in the trainer once."""
+    gathered: int = 0
+    """The FSDP2 units of the sharded teacher gathered for its pass (dp > 1)."""
+    engine: int = 0
+    """An engine teacher's share of the device while awake (its scoring, in the logprobs phase)."""
+    engine_always: bool = False
+    """The teacher's engine keeps its memory through every phase (it cannot sleep: a CPU run)."""
+
+
+def teacher_plan(config: Config, teacher: ModelFacts | None, dp: int, device: int, gpu: bool, mb: MicroBatch,
+                 p: Precision) -> TeacherPlan:
+    """What the teacher holds, from its own model facts (another size of the student's family) in
+    algorithm.distill.teacher_dtype (auto: bfloat16 on a GPU, else the family's CPU dtype or float32)."""
+    d, a = config.algorithm.distill, config.actor
+    if teacher is None or not d.enabled:
+        return TeacherPlan()
+    dtype = d.teacher_dtype if d.teacher_dtype != "auto" else "bfloat16" if gpu else (
+        family_of(teacher.config).engines.cpu_engine_dtype if teacher.config else None) or "float32"
+    b = BYTES[dtype]
+    whole = teacher.base_parameters * b
+    forward = forward_bytes(teacher.text, teacher.vision, mb, Precision(stream=b, compute=min(b, p.compute)),
+                            a.logprob_chunk_size)
+    if d.teacher_engine != "trainer":
+        releases = gpu  # started colocated: vLLM's sleep mode / SGLang's memory saver on a GPU
+        asleep = {"teacher engine weights (asleep)": whole} if releases and d.teacher_engine == "vllm" else {}
+        check = whole + forward if d.engine_check_samples > 0 else 0
+        return TeacherPlan(host=asleep, passes=check, engine=int(d.teacher_gpu_memory_utilization * device),
+                           engine_always=not releases)
+    weights = sum(x.shard_numel(dp) for x in teacher.tensors) * b if dp > 1 else whole
+    offloaded = a.offload.reference and (dp > 1 or gpu)  # one device moves it to the CPU on a GPU only
+    visiting = whole if offloaded and dp == 1 else 0
+    return TeacherPlan(resident=0 if offloaded else weights, host={"teacher": weights} if offloaded else {},
+                       passes=forward + visiting, gathered=gathered_units(teacher, dp, b)[0])
+
+
 def gathered_units(facts: ModelFacts, dp: int, master: int) -> tuple[int, int]:
     """(a forward's, an update's) FSDP2 units gathered in full at dp > 1: the root unit's parameters from the forward
     to the end of the backward, two blocks (the one computing, the one prefetched); the update adds the root's and
@@ -287,10 +336,11 @@ def gathered_units(facts: ModelFacts, dp: int, master: int) -> tuple[int, int]:
 
 
 def memory_plan(config: Config, facts: ModelFacts, device_gib: float = 80.0, tp: int | None = None,
-                gpu: bool = True, options: bool = True) -> MemoryPlan:
+                gpu: bool = True, options: bool = True, teacher: ModelFacts | None = None) -> MemoryPlan:
     """The plan of `config` on devices of `device_gib` GiB at engine TP `tp` (default rollout.tensor_parallel_size),
     with the verdict at every candidate k when `options`. `gpu` False plans a CPU run (float32 compute, no runtime
-    reserve, engines that keep their memory): what the tests measure."""
+    reserve, engines that keep their memory): what the tests measure. `teacher`: the distillation teacher's model
+    facts (algorithm.distill.teacher), counted as `teacher_plan` says."""
     from vlmrl.trainer.components import run_layout  # the run's own layout record (imports the run's components)
 
     a, r = config.actor, config.rollout
@@ -322,16 +372,23 @@ def memory_plan(config: Config, facts: ModelFacts, device_gib: float = 80.0, tp:
     gathered = largest * ((p.stream if dp > 1 else 0) + engine_bytes(config, cpu_dtype, gpu))
     synced = {"engine weights": engine.weights} if engine and engine.releases else idle
     runtime = {"runtime (CUDA contexts, NCCL)": int(RUNTIME_GIB * GIB) if gpu else 0}
-    resident = trainer.resident
+    t = teacher_plan(config, teacher, dp, device, gpu, mb, p)
+    host.update(t.host)
+    resident = {**trainer.resident, **({"teacher": t.resident} if t.resident else {})}
+    teaching = {"teacher engine (awake)": t.engine} if t.engine else {}  # scoring in the logprobs phase
+    always = teaching if t.engine_always else {}
     phases = [
-        Phase("rollout", {**resident, **awake, **runtime}),
-        Phase("weight sync", {**resident, **synced, "gathered tensor": gathered, **runtime}),
-        Phase("logprobs", {**resident, **idle, "FSDP2 gathered units": gathered_forward,
-                           "forward (no grad)": no_grad + max(cache, trainer.visiting_reference), **runtime}),
+        Phase("rollout", {**resident, **awake, **always, **runtime}),
+        Phase("weight sync", {**resident, **synced, "gathered tensor": gathered, **always, **runtime}),
+        # one pass at a time: the policy's (its autocast copies), the reference's, the teacher's (an offloaded one
+        # visiting whole; an engine teacher's first-step check, counted beside its awake engine: an upper bound)
+        Phase("logprobs", {**resident, **idle, "FSDP2 gathered units": max(gathered_forward, t.gathered),
+                           "forward (no grad)": max(no_grad + max(cache, trainer.visiting_reference), t.passes),
+                           **teaching, **runtime}),
         Phase("update", {**resident, **idle, "FSDP2 gathered units": gathered_update, "activations": acts.upper,
-                         **runtime}),
+                         **always, **runtime}),
         Phase("optimizer step", {**resident, **idle, "optimizer moments": trainer.moments,
-                                 "AdamW temporaries": trainer.moments // 2, **runtime}),
+                                 "AdamW temporaries": trainer.moments // 2, **always, **runtime}),
     ]
     plan = MemoryPlan(model=facts.model, family=facts.family, source=facts.source, parameters=facts.base_parameters,
                       trainable=facts.trainable, dp=dp, tp=k, device=device, phases=phases, engine=engine, host=host,
@@ -340,7 +397,8 @@ def memory_plan(config: Config, facts: ModelFacts, device_gib: float = 80.0, tp:
     if options:
         for candidate in tp_candidates(dp):
             reason = head_problem(candidate, facts)
-            other = None if reason else memory_plan(config, facts, device_gib, candidate, gpu, options=False)
+            other = None if reason else memory_plan(config, facts, device_gib, candidate, gpu, options=False,
+                                                    teacher=teacher)
             plan.options[candidate] = ((False, 0.0, reason) if other is None else
                                        (other.fits, _gib(other.peak.total), "; ".join(other.problems)))
     return plan
