@@ -260,7 +260,8 @@ def test_an_engine_that_is_not_installed_is_named_at_config_load(monkeypatch):
 
 def test_tensor_parallel_engines_span_a_divisor_of_the_training_workers(tiny_model_path):
     """rollout.tensor_parallel_size = k colocated: k consecutive training workers host one engine, so k must divide
-    the devices; what cannot run that way is refused at load, naming the key, before anything starts."""
+    the devices; rollout workers of their own take any k. What cannot run is refused at load, naming the key, before
+    anything starts."""
     base = ["actor.model_path=org/m", "data.train_files=synthetic", "data.val_files=synthetic",
             "trainer.n_gpus_per_node=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2",
             "trainer.format_warmup_steps=0", "rollout.name=vllm"]
@@ -273,13 +274,20 @@ def test_tensor_parallel_engines_span_a_divisor_of_the_training_workers(tiny_mod
         "engine_placement=node runs one single-device engine per node": [
             "rollout.tensor_parallel_size=2", "trainer.engine_placement=node"],
         "rollout.name=hf runs on one device": ["rollout.tensor_parallel_size=2", "rollout.name=hf"],
-        "each rollout worker is one device for now": [
-            "rollout.tensor_parallel_size=2", "trainer.async_rollout.enable=true",
-            "trainer.async_rollout.rollout_workers=1"],
+        "rollout.name=hf runs on one device; tensor parallel engines are vllm or sglang": [
+            "rollout.tensor_parallel_size=2", "rollout.name=hf", "trainer.n_gpus_per_node=1",
+            "trainer.async_rollout.enable=true", "trainer.async_rollout.rollout_workers=1"],
     }
     for message, keys in refusals.items():
         with pytest.raises(ConfigError, match=message):
             load_config([*base, *keys], check_model=False)
+    # rollout workers of their own: each engine at TP k on a placement group of its own, whatever the training
+    # workers (one, or a count k does not divide)
+    for devices in ("1", "3"):
+        load_config([*base, "rollout.tensor_parallel_size=2", f"trainer.n_gpus_per_node={devices}",
+                     "data.train_batch_size=24", "actor.ppo_mini_batch_size=6", "trainer.async_rollout.enable=true",
+                     "trainer.async_rollout.max_staleness=0", "trainer.async_rollout.rollout_workers=2"],
+                    check_model=False)
     # the model must split: tiny has 2 attention heads
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=4 does not split the language model's 2 "
                                           r"attention heads"):

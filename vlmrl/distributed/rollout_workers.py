@@ -44,7 +44,7 @@ import torch
 
 from vlmrl.distributed.engines import engine_dtype
 from vlmrl.distributed.group import FORWARDED_ENV, ensure_ray
-from vlmrl.distributed.weight_transfer import CollectiveSender, resolve_transfer
+from vlmrl.distributed.weight_transfer import CollectiveSender, port_is_free, resolve_transfer
 from vlmrl.distributed.worker import EngineSpec
 from vlmrl.rollout.base import RolloutBackend
 from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError, RestartsUsedUp, RolloutError
@@ -192,6 +192,16 @@ class RemoteEngines(RolloutBackend):
         self.workers: list = [None] * workers
         self.groups: list = [None] * workers
         self.infos: list[dict[str, Any]] = [{} for _ in range(workers)]
+        # what the engine class receives over decides the transfer, and a group port that is taken stops the run,
+        # both before any worker starts
+        self.transfer = self._resolve_transfer([tuple(cls.weight_group_backends)])
+        if self.transfer == "collective" and spec.group_port:
+            try:
+                port_is_free(self._driver_address(), spec.group_port)
+            except RuntimeError as err:
+                raise RolloutError(f"{self.name}: trainer.async_rollout.weight_transfer={spec.weight_transfer}: "
+                                   f"{err}. Use weight_transfer=object_store, or free the port "
+                                   "(weight_group_port)") from None
         ensure_ray(workers * self.tp)
         try:
             self._reserve(range(workers))
@@ -201,7 +211,6 @@ class RemoteEngines(RolloutBackend):
             self._serves_adapters = bool(self.infos[0]["serves_adapters"])
             # the dtype the workers' engines resolved where they run (`auto` follows THEIR devices, not the driver's)
             self.dtype = engine_dtype([info["dtype"] for info in self.infos], self.dtype, self.name)
-            self.transfer = self._resolve_transfer()
             if self.transfer == "collective":  # formed now: a group the engines refuse stops the run before training
                 self.sender = CollectiveSender(self.group_backend, self._driver_address(), spec.group_port,
                                                self.rollout.timeout_s, self._get)
@@ -219,10 +228,9 @@ class RemoteEngines(RolloutBackend):
     def group_backend(self) -> str:
         return "nccl" if self.use_gpu else "gloo"
 
-    def _resolve_transfer(self) -> str:
+    def _resolve_transfer(self, engines_take: list[tuple[str, ...]]) -> str:
         try:
-            return resolve_transfer(self.spec.weight_transfer, self.group_backend,
-                                    [info["group_backends"] for info in self.infos], self.name)
+            return resolve_transfer(self.spec.weight_transfer, self.group_backend, engines_take, self.name)
         except ValueError as err:
             raise RolloutError(str(err)) from None
 
@@ -286,11 +294,15 @@ class RemoteEngines(RolloutBackend):
     def _get(self, refs, index: int, what: str, timeout_s: float | None = None):
         """ray.get with a deadline; a dead worker becomes EngineDeadError, an overrun EngineTimeoutError."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
         try:
             return ray.get(refs, timeout=timeout)
+        except RayTaskError as err:  # the worker's own error, as it was raised there (its type and one-line message)
+            if isinstance(err.cause, Exception):
+                raise err.cause from None
+            raise
         except GetTimeoutError:
             raise EngineTimeoutError(f"{self.name}: {what}: rollout worker {index} gave no answer within "
                                      f"{timeout:.0f} s") from None

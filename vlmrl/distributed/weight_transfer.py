@@ -66,6 +66,8 @@ class CollectiveSender:
         self.close()
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(workers))]
         port = self.port or free_port(self.address)
+        if self.port:  # a taken port would leave the engines waiting on another process's socket to the deadline
+            port_is_free(self.address, port)
         self.group = WeightGroup(address=self.address, port=port, world_size=1 + sum(tp_sizes),
                                  name=f"vlmrl-weights-{uuid.uuid4().hex[:8]}", backend=self.backend,
                                  timeout_s=self.timeout_s)
@@ -116,6 +118,17 @@ class CollectiveSender:
         """Leave the group (the workers leave theirs when they form a new one or end)."""
         leave_group(self.pg)
         self.pg, self.group, self.members = None, None, []
+
+
+def port_is_free(address: str, port: int) -> None:
+    """Raise RuntimeError naming the port when this process cannot listen on it at `address`."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address, port))
+        except OSError as err:
+            raise RuntimeError(f"the weight group's port {address}:{port} is taken ({err.strerror})") from None
 
 
 def _broadcast(flat: torch.Tensor, pg, error: list[BaseException]) -> None:

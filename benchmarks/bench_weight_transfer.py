@@ -1,0 +1,162 @@
+"""A weight sync into rollout workers: through Ray's object store vs through the collective group (gloo on CPU), side
+by side in one run on the same weights, into the same worker's engine (trainer.async_rollout.weight_transfer).
+
+For each model the driver starts one rollout worker (a Ray actor, its engine in float32), holds the model's float32
+weights (a trainer's master weights), syncs once each way (warm-up), then for `--repeats` rounds times a sync each way
+and samples, each millisecond, the driver's RSS (psutil) and the object store's use (Ray's own accounting of the
+bytes stored). Reported per way: the sync's median seconds, the driver's peak RSS above its level before the sync, and
+the object store's bytes held after it (the object store path keeps the last sync there for a restart). After each
+way the engine's weights checksum (`RolloutBackend.weights_checksum`: the engine's own parameters, hashed) must equal
+the other way's: the two transfers land the same weights, bit for bit, or the script exits with MISMATCH.
+
+Models: the embedded tiny-large (~50 M parameters) and `random-<N>m`, a Qwen2.5-VL of about N million parameters
+with random weights, built once into a temp folder with the tiny builder's vision tower and tokenizer.
+
+    .venv/bin/python benchmarks/bench_weight_transfer.py            # --models tiny-large random-300m --engine vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+
+class Sampler:
+    """The driver's RSS above its start and the object store's bytes, at their highest, sampled every millisecond."""
+
+    def __init__(self):
+        self.process = psutil.Process()
+        self.rss_peak = 0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.start = self.process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.rss_peak = max(self.rss_peak, self.process.memory_info().rss - self.start)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def object_store_bytes() -> int:
+    """Bytes the cluster's object stores hold now (Ray's accounting: total minus available)."""
+    import ray
+
+    total, free = ray.cluster_resources().get("object_store_memory", 0), ray.available_resources().get(
+        "object_store_memory", 0)
+    return int(total - free)
+
+
+def random_model(millions: int, folder: Path) -> str:
+    """A Qwen2.5-VL of about `millions` M parameters, random weights (seeded), tiny-large's vision tower."""
+    from dataclasses import replace
+
+    from vlmrl.models.tiny.common import VOCAB_SIZE
+    from vlmrl.models.tiny.qwen2_5_vl import SPECS, build
+
+    hidden = 1536  # 12 heads of 128, tiny-large's rope sections
+    per_layer = 4 * hidden * hidden + 3 * hidden * 4 * hidden
+    layers = max(1, round((millions * 1e6 - 2 * VOCAB_SIZE * hidden) / per_layer))
+    spec = replace(SPECS["tiny-large"], text_hidden=hidden, text_layers=layers, text_heads=12,
+                   text_intermediate=4 * hidden)
+    out = folder / f"random-{millions}m"
+    if not (out / "config.json").exists():
+        build(out, spec)
+    return str(out)
+
+
+def measure(model: str, engine: str, repeats: int, bucket_mb: float) -> dict:
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.distributed.rollout_workers import RemoteEngines, RolloutWorkerSpec
+    from vlmrl.distributed.worker import EngineSpec
+    from vlmrl.models.tiny import resolve_model_path
+    from vlmrl.rollout.base import BackendOptions
+
+    path = resolve_model_path(model)
+    options = BackendOptions.from_kwargs(engine, {"dtype": "float32", "max_model_len": 1024, "timeout_s": 600,
+                                                  "sync_bucket_mb": bucket_mb})
+    weights = [(k, v.detach()) for k, v in
+               AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).state_dict().items()]
+    size = sum(t.numel() * t.element_size() for _, t in weights)
+    engines = RemoteEngines(RolloutWorkerSpec(EngineSpec(engine, path, options), weight_transfer="collective"),
+                            workers=1)
+    out = {"model": model, "params_m": sum(t.numel() for _, t in weights) / 1e6, "mib": size / 2**20}
+    try:
+        sums = {}
+        for way in ("collective", "object_store"):
+            engines.transfer = way
+            engines.update_weights(weights)  # warm-up
+            seconds, peaks, stored = [], [], []
+            for _ in range(repeats):
+                with Sampler() as sampler:
+                    begin = time.perf_counter()
+                    engines.update_weights(weights)
+                    seconds.append(time.perf_counter() - begin)
+                peaks.append(sampler.rss_peak)
+                stored.append(object_store_bytes())
+            sums[way] = engines.weights_checksums()
+            out[way] = {"s": statistics.median(seconds), "rss_mib": max(peaks) / 2**20,
+                        "store_mib": max(stored) / 2**20}
+            engines._last_sync = None  # what the object store path keeps, freed before the other way runs
+        out["same_weights"] = sums["collective"] == sums["object_store"]
+    finally:
+        engines.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["tiny-large", "random-300m"])
+    parser.add_argument("--engine", default="vllm", choices=["vllm", "sglang"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=64)
+    args = parser.parse_args()
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    folder = Path(tempfile.gettempdir()) / "vlmrl-bench-models"
+    folder.mkdir(exist_ok=True)
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="vlmrl-bt-"))
+    rows = []
+    try:
+        for model in args.models:
+            path = random_model(int(model.split("-")[1].rstrip("m")), folder) if model.startswith("random-") \
+                else model
+            row = measure(path, args.engine, args.repeats, args.bucket_mb)
+            row["model"] = model
+            rows.append(row)
+            print(row, flush=True)
+    finally:
+        ray.shutdown()
+    print(f"\n{args.engine}, float32, buckets of {args.bucket_mb:g} MiB, median of {args.repeats}")
+    print("| model | params | object store: s / driver peak / store held | collective: s / driver peak / store held "
+          "| s ratio | same weights |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        o, c = r["object_store"], r["collective"]
+        print(f"| {r['model']} | {r['params_m']:.0f} M ({r['mib']:.0f} MiB) | {o['s']:.2f} s / {o['rss_mib']:.0f} MiB / "
+              f"{o['store_mib']:.0f} MiB | {c['s']:.2f} s / {c['rss_mib']:.0f} MiB / {c['store_mib']:.0f} MiB | "
+              f"{o['s'] / c['s']:.2f}x | {r['same_weights']} |")
+    if not all(r["same_weights"] for r in rows):
+        raise SystemExit("MISMATCH: the two transfers left different weights in the engine")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Rollout workers off the driver's node, on a simulated multi-node Ray cluster (tests/cluster/conftest.py): engines
+at tensor parallel 2 placed by their placement groups on another node, weights sent to them through a collective
+group (gloo) or Ray's object store, a worker killed mid-sync, the asynchronous run on the cluster against the
+single-node run, and the refusals a user meets before training: a cluster too small, a weight group that cannot
+form."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.rollout.helpers import GREEDY, LOGPROB_TOL, build_batch, clone_state, greedy_problems
+from vlmrl.rollout.errors import RolloutError
+
+pytestmark = pytest.mark.ray
+
+ENGINE_MARKS = {"vllm": pytest.mark.vllm, "sglang": pytest.mark.sglang}
+
+
+def remote_engines(name: str, tp: int, workers: int = 1, start_timeout_s: float = 300, **spec):
+    """`workers` rollout workers of `name` at TP `tp` on the embedded tiny model (float32, buckets of 0.25 MiB:
+    several per sync)."""
+    from vlmrl.distributed.rollout_workers import RemoteEngines, RolloutWorkerSpec
+    from vlmrl.distributed.worker import EngineSpec
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.rollout.base import BackendOptions
+
+    options = BackendOptions.from_kwargs(name, {"dtype": "float32", "max_model_len": 1024, "timeout_s": 120,
+                                                "start_timeout_s": start_timeout_s, "tensor_parallel_size": tp,
+                                                "sync_bucket_mb": 0.25})
+    engine = EngineSpec(name, str(ensure_built("tiny")), options)
+    return RemoteEngines(RolloutWorkerSpec(engine, **spec), workers=workers)
+
+
+def scaled_mlps(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Another model: every MLP weight x 1.05 (moves most greedy continuations of the nine requests)."""
+    return [(k, v * 1.05 if ".mlp." in k else v) for k, v in state.items()]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.rollout.registry import get_backend
+
+    with get_backend("hf", str(ensure_built("tiny")), dtype="float32", max_model_len=1024) as backend:
+        yield backend
+
+
+@pytest.fixture(scope="module")
+def batch(hf):
+    return build_batch(hf.processor)
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=mark) for name, mark in ENGINE_MARKS.items()])
+def tp2(request, cluster):
+    """One rollout worker at tensor parallel 2 (its engine's two TP processes on its 2-CPU bundle), collective."""
+    engines = remote_engines(request.param, 2, weight_transfer="collective")
+    yield engines
+    engines.close()
+
+
+def test_a_tp2_worker_on_another_node_gives_transformers_outputs_and_takes_weights_over_the_group(tp2, hf, batch):
+    """Placed off the driver's node, the TP 2 engine's greedy results on nine requests with 0-2 images equal
+    transformers' token for token, to float rounding (as TP 1's do: tests/rollout). A sync over the gloo group
+    lands another model (== transformers running it), holding bitwise the weights the object store's sync of the
+    same tensors gives (the engine's own checksum over both TP ranks); the originals bring the first weights back,
+    bit for bit."""
+    import ray
+
+    assert tp2.transfer == "collective" and tp2.tp == 2
+    assert tp2.infos[0]["node"] != ray.get_runtime_context().get_node_id(), "the worker is on the driver's node"
+    first, started = tp2.generate(batch, GREEDY), tp2.weights_checksums()
+    problems = greedy_problems(hf.generate(batch, GREEDY), first, tp2.name, LOGPROB_TOL)
+    assert not problems, "\n".join(problems)
+
+    original = clone_state(hf.model)
+    moved = scaled_mlps(original)
+    try:
+        tp2.update_weights(moved)
+        assert tp2.sent_bytes > 0 and [info["version"] for info in tp2.infos] == [tp2.version]
+        over_group = tp2.weights_checksums()
+        after = tp2.generate(batch, GREEDY)
+        hf.update_weights(moved)
+        problems = greedy_problems(hf.generate(batch, GREEDY), after, tp2.name, LOGPROB_TOL)
+        assert not problems, "engine after the group's sync != transformers with the same weights:\n" + \
+            "\n".join(problems)
+        assert sum(a.response_ids != b.response_ids for a, b in zip(first, after)) >= len(batch) // 2
+
+        tp2.transfer = "object_store"
+        tp2.update_weights(list(original.items()))
+        assert tp2.weights_checksums() == started
+        tp2.update_weights(moved)
+        assert tp2.weights_checksums() == over_group != started, "the two transfers load different weights"
+    finally:
+        hf.update_weights(original.items())
+        tp2.transfer = "collective"
+        tp2.update_weights(list(original.items()))
+    assert tp2.weights_checksums() == started
+    assert [r.response_ids for r in tp2.generate(batch, GREEDY)] == [r.response_ids for r in first]
+
+
+@pytest.mark.parametrize("tp2", ["vllm"], indirect=True)
+def test_a_worker_killed_mid_sync_is_restarted_and_gets_the_whole_sync(tp2, hf, batch):
+    """SIGKILL of the worker's process after the first bucket of a collective sync: the worker is started again in
+    its placement group, the group formed again and the whole sync sent again; every engine then gives what
+    transformers gives with the new weights (the weight probe's check on each worker), one restart counted."""
+    original = clone_state(hf.model)
+    moved = scaled_mlps(original)
+    pid, plan, killed = tp2.infos[0]["pid"], tp2.sync_plan, []
+
+    def killing_plan(*args, **kwargs):
+        sync = plan(*args, **kwargs)
+
+        def buckets():
+            for index, bucket in enumerate(sync.buckets):
+                if index == 1 and not killed:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                yield bucket
+
+        return replace(sync, buckets=buckets())
+
+    tp2.sync_plan = killing_plan
+    try:
+        tp2.update_weights(moved)
+    finally:
+        del tp2.sync_plan
+    try:
+        assert killed and tp2.restarts == 1 and tp2.infos[0]["pid"] != pid
+        hf.update_weights(moved)
+        expected = hf.generate(batch[:4], GREEDY)
+        for results in tp2.generate_on_each(batch[:4], GREEDY):
+            problems = greedy_problems(expected, results, tp2.name, LOGPROB_TOL)
+            assert not problems, "the restarted worker is not on the synced weights:\n" + "\n".join(problems)
+    finally:
+        hf.update_weights(original.items())
+        tp2.update_weights(list(original.items()))
+
+
+@pytest.mark.vllm
+def test_a_cluster_that_cannot_hold_the_workers_is_one_named_error_before_any_engine(cluster):
+    """TP 4 on nodes of 2 CPUs: no node holds the worker's bundle; the error says what each needs and what the
+    nodes have."""
+    with pytest.raises(RolloutError, match=r"cannot hold 1 of 1 rollout workers.*needs \{'CPU': 4\} on one node"):
+        remote_engines("vllm", 4, start_timeout_s=5)
+
+
+@pytest.mark.vllm
+def test_a_weight_group_on_a_taken_port_is_refused_before_training(cluster):
+    """trainer.async_rollout.weight_group_port on a port another process listens on: the group could not form, and
+    the rollout workers' start says so (naming the port and the setting) before any worker or engine starts."""
+    import ray
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind((ray.util.get_node_ip_address(), 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RolloutError, match=rf"weight group.s port .*:{port} is taken.*weight_group_port"):
+            remote_engines("vllm", 1, weight_transfer="collective", group_port=port)
+
+
+@pytest.mark.vllm
+def test_the_async_run_on_the_cluster_takes_the_single_node_runs_steps(cluster, tiny_model_path, tmp_path):
+    """The asynchronous placement at max_staleness=0 with its rollout worker on another node (vLLM, weights over the
+    gloo group after every step) trains on the samples the single-node synchronous run draws: the same metrics
+    and the same weights after the last step, every weights probe in sync."""
+    from tests.trainer.test_async_fit import ASYNC, CORRECTED, _weights, _without_async
+    from tests.trainer.test_fit import base_args
+    from vlmrl.config import load_config
+    from vlmrl.trainer.fit import fit
+    from vlmrl.trainer.metrics import read_metrics
+
+    common = ("rollout.name=vllm", "trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1",
+              "trainer.val_before_train=false", *CORRECTED)
+    fit(load_config(base_args(tiny_model_path, tmp_path / "single", *common)))
+    fit(load_config(base_args(tiny_model_path, tmp_path / "cluster", *common, ASYNC,
+                              "trainer.async_rollout.max_staleness=0", "trainer.async_rollout.rollout_workers=1",
+                              "trainer.async_rollout.weight_transfer=collective")))
+    single, spread = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("single", "cluster"))
+    assert [_without_async(r) for r in spread] == [_without_async(r) for r in single]
+    assert all(r["weight_probe/in_sync"] == 1.0 for r in spread)
+    assert _weights(tmp_path / "cluster", 2) == _weights(tmp_path / "single", 2)
+
+
+def test_a_group_of_the_wrong_size_is_one_named_error_and_the_next_one_forms(tp2, hf):
+    """A group formed for more engine ranks than the engine has (world size 4 for one TP 2 engine): the rendezvous
+    waits for a rank that never comes, and forming it fails at the group's deadline with one error naming the group
+    and its size, never a hang; the right group then forms and carries a sync that leaves the weights bit for bit."""
+    started = tp2.weights_checksums()
+    timeout = tp2.sender.timeout_s
+    tp2.sender.timeout_s = 5
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)weight group vlmrl-weights-\w+ .*\(4 ranks, gloo\)"):
+            tp2.sender.form(tp2.workers, [3])
+    finally:
+        tp2.sender.timeout_s = timeout
+    tp2._form_group()
+    tp2.update_weights(list(clone_state(hf.model).items()))
+    assert tp2.weights_checksums() == started
