@@ -71,6 +71,9 @@ class VLLMWeightGroup:
                               lambda: self.llm.collective_rpc("vlmrl_join_weight_group", args=(fields, rank_offset)),
                               group.timeout_s + 30)
         except RolloutError as err:
+            # vLLM's multiprocess executor answers an RPC at its first failed rank: the other ranks' late replies
+            # stay queued and would answer the next RPC (measured at TP 2), so this engine takes no further calls
+            self._runner.broken = f"joining weight group {group.name} failed ({err})"
             raise RolloutError(f"{self.name}: could not join weight group {group.name} at {group.address}:"
                                f"{group.port}: {err}") from err
         self._weight_group = group.name
