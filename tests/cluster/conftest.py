@@ -10,6 +10,7 @@ import shutil
 import tempfile
 
 import pytest
+import torch
 
 
 @contextlib.contextmanager
@@ -44,3 +45,24 @@ def cluster():
     """The driver's head node and two rollout nodes of 2 CPUs each (logical: the machine has two cores)."""
     with simulated_cluster(2, 2) as started:
         yield started
+
+
+def remote_engines(name: str, tp: int, workers: int = 1, start_timeout_s: float = 300, **spec):
+    """`workers` rollout workers of `name` at TP `tp` on the embedded tiny model (float32, buckets of 0.25 MiB:
+    several per sync)."""
+    from vlmrl.distributed.rollout_workers import RemoteEngines, RolloutWorkerSpec
+    from vlmrl.distributed.worker import EngineSpec
+    from vlmrl.models.tiny import ensure_built
+    from vlmrl.rollout.base import BackendOptions
+
+    serving = {"tensor_parallel_size": tp} if name != "hf" else {}  # hf runs on one device
+    options = BackendOptions.from_kwargs(name, {"dtype": "float32", "max_model_len": 1024, "timeout_s": 120,
+                                                "start_timeout_s": start_timeout_s, "sync_bucket_mb": 0.25,
+                                                **serving})
+    engine = EngineSpec(name, str(ensure_built("tiny")), options)
+    return RemoteEngines(RolloutWorkerSpec(engine, **spec), workers=workers)
+
+
+def scaled_mlps(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Another model: every MLP weight x 1.05 (moves most greedy continuations of the nine requests)."""
+    return [(k, v * 1.05 if ".mlp." in k else v) for k, v in state.items()]

@@ -12,34 +12,14 @@ import socket
 from dataclasses import replace
 
 import pytest
-import torch
 
+from tests.cluster.conftest import remote_engines, scaled_mlps
 from tests.rollout.helpers import GREEDY, LOGPROB_TOL, build_batch, clone_state, greedy_problems
 from vlmrl.rollout.errors import RolloutError
 
 pytestmark = pytest.mark.ray
 
 ENGINE_MARKS = {"vllm": pytest.mark.vllm, "sglang": pytest.mark.sglang}
-
-
-def remote_engines(name: str, tp: int, workers: int = 1, start_timeout_s: float = 300, **spec):
-    """`workers` rollout workers of `name` at TP `tp` on the embedded tiny model (float32, buckets of 0.25 MiB:
-    several per sync)."""
-    from vlmrl.distributed.rollout_workers import RemoteEngines, RolloutWorkerSpec
-    from vlmrl.distributed.worker import EngineSpec
-    from vlmrl.models.tiny import ensure_built
-    from vlmrl.rollout.base import BackendOptions
-
-    options = BackendOptions.from_kwargs(name, {"dtype": "float32", "max_model_len": 1024, "timeout_s": 120,
-                                                "start_timeout_s": start_timeout_s, "tensor_parallel_size": tp,
-                                                "sync_bucket_mb": 0.25})
-    engine = EngineSpec(name, str(ensure_built("tiny")), options)
-    return RemoteEngines(RolloutWorkerSpec(engine, **spec), workers=workers)
-
-
-def scaled_mlps(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """Another model: every MLP weight x 1.05 (moves most greedy continuations of the nine requests)."""
-    return [(k, v * 1.05 if ".mlp." in k else v) for k, v in state.items()]
 
 
 @pytest.fixture(scope="module")

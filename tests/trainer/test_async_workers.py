@@ -70,10 +70,13 @@ def test_rollout_workers_give_the_synchronous_run_and_a_killed_one_is_restarted(
     fit(load_config(base_args(tiny_model_path, tmp_path / "two", *COMMON, *SAME_SCHEDULE,
                               "trainer.async_rollout.rollout_workers=2")))
     two = read_metrics(tmp_path / "two" / "metrics.jsonl")
-    # two engines: the mismatch also per engine (its tokens add up to the run's); the rest is the synchronous run's
+    # two engines: the mismatch also per engine (its tokens add up to the run's), and the weights probe asks both
+    # (engine 1 against engine 0); the rest is the synchronous run's
     for row in two[1:]:
         assert row["mismatch/engine/0/tokens"] + row["mismatch/engine/1/tokens"] == row["mismatch/tokens"]
-    per_engine = [{k: v for k, v in r.items() if not k.startswith("mismatch/engine/")} for r in two]
+    assert all(row["weight_probe/engines_agree"] == 1.0 for row in two)
+    per_engine = [{k: v for k, v in r.items() if not k.startswith("mismatch/engine/")
+                   and k != "weight_probe/engines_agree"} for r in two]
     assert [_without_async(r) for r in per_engine] == [_without_async(r) for r in sync]
     assert _weights(tmp_path / "two", 4) == _weights(tmp_path / "sync", 4)
     assert all(r["async/worker_restarts"] == 0 for r in two[1:])

@@ -346,12 +346,13 @@ class RemoteEngines(RolloutBackend):
         """The last synced weights into a restarted worker: the stored copy (object store, adapter files); with the
         collective group, nothing is stored: the worker waits for the next sync (`current` leaves it out)."""
         if self._last_adapter is not None:
-            self._get(self.workers[index].update_adapter.remote(self._last_adapter, self.version), index,
-                      "loading the adapter")
+            self.infos[index]["version"] = self._get(
+                self.workers[index].update_adapter.remote(self._last_adapter, self.version), index,
+                "loading the adapter")
         elif self._last_sync is not None:
             buckets, names = self._last_sync
-            self._get(self.workers[index].update_weights.remote(buckets, names, self.version), index,
-                      "loading the weights")
+            self.infos[index]["version"] = self._get(
+                self.workers[index].update_weights.remote(buckets, names, self.version), index, "loading the weights")
         elif self.transfer == "collective" and self.version > 0:
             logger.warning("%s: rollout worker %d was restarted between weight syncs: it holds the start weights "
                            "and generates again after the next sync (the collective group stores no copy)",
