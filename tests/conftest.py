@@ -74,8 +74,8 @@ def distribution_unit(item) -> str:
 
 def distribution_units(items: list) -> list:
     """`items` marked with their unit (xdist_group) and reordered unit by unit, the costliest first so that no long
-    run starts last: the slow runs, then tests/rollout's units and the Ray tests, then the rest in collection order.
-    Within a unit the collection order is kept."""
+    run starts last: the slow runs, then tests/rollout's units, the Ray tests and the simulated clusters
+    (tests/cluster), then the rest in collection order. Within a unit the collection order is kept."""
     units: dict[str, list] = {}
     for item in items:
         unit = distribution_unit(item)
@@ -84,7 +84,8 @@ def distribution_units(items: list) -> list:
 
     def rank(entry: tuple[int, str]) -> tuple[int, int]:
         index, unit = entry
-        return (0 if unit.startswith("slow:") else 1 if unit in ("rollout", "rollout:moe", "ray") else 2, index)
+        long = unit in ("rollout", "rollout:moe", "ray") or unit.startswith("tests/cluster/")  # minutes each
+        return (0 if unit.startswith("slow:") else 1 if long else 2, index)
 
     order = sorted(enumerate(units), key=rank)
     return [item for _, unit in order for item in units[unit]]
