@@ -21,35 +21,10 @@ import argparse
 import os
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import psutil
-
-
-class Sampler:
-    """The driver's RSS above its start and the object store's bytes, at their highest, sampled every millisecond."""
-
-    def __init__(self):
-        self.process = psutil.Process()
-        self.rss_peak = 0
-        self._stop = threading.Event()
-
-    def __enter__(self):
-        self.start = self.process.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.rss_peak = max(self.rss_peak, self.process.memory_info().rss - self.start)
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+from bench_logprobs_memory import RssPeak  # the driver's RSS above its start, sampled every millisecond
 
 
 def object_store_bytes() -> int:
@@ -104,11 +79,11 @@ def measure(model: str, engine: str, repeats: int, bucket_mb: float) -> dict:
             engines.update_weights(weights)  # warm-up
             seconds, peaks, stored = [], [], []
             for _ in range(repeats):
-                with Sampler() as sampler:
+                with RssPeak() as rss:
                     begin = time.perf_counter()
                     engines.update_weights(weights)
                     seconds.append(time.perf_counter() - begin)
-                peaks.append(sampler.rss_peak)
+                peaks.append(rss.peak)
                 stored.append(object_store_bytes())
             sums[way] = engines.weights_checksums()
             out[way] = {"s": statistics.median(seconds), "rss_mib": max(peaks) / 2**20,
