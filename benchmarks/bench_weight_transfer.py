@@ -58,7 +58,8 @@ def measure(model: str, engine: str, repeats: int, bucket_mb: float) -> dict:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from vlmrl.distributed.rollout_workers import RemoteEngines, RolloutWorkerSpec
+    from vlmrl.distributed.rollout_actor import RolloutWorkerSpec
+    from vlmrl.distributed.rollout_workers import RemoteEngines
     from vlmrl.distributed.worker import EngineSpec
     from vlmrl.models.tiny import resolve_model_path
     from vlmrl.rollout.base import BackendOptions

@@ -50,7 +50,8 @@ def cluster():
 def remote_engines(name: str, tp: int, workers: int = 1, start_timeout_s: float = 300, **spec):
     """`workers` rollout workers of `name` at TP `tp` on the embedded tiny model (float32, buckets of 0.25 MiB:
     several per sync)."""
-    from vlmrl.distributed.rollout_workers import RemoteEngines, RolloutWorkerSpec
+    from vlmrl.distributed.rollout_actor import RolloutWorkerSpec
+    from vlmrl.distributed.rollout_workers import RemoteEngines
     from vlmrl.distributed.worker import EngineSpec
     from vlmrl.models.tiny import ensure_built
     from vlmrl.rollout.base import BackendOptions

@@ -34,9 +34,8 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +44,11 @@ import torch
 from vlmrl.distributed.engines import engine_dtype
 from vlmrl.distributed.group import FORWARDED_ENV, ensure_ray
 from vlmrl.distributed.weight_transfer import CollectiveSender, port_is_free, resolve_transfer
-from vlmrl.distributed.worker import EngineSpec
+from vlmrl.distributed.rollout_actor import GpuHolder, RolloutWorker, RolloutWorkerSpec
 from vlmrl.rollout.base import RolloutBackend
 from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError, RestartsUsedUp, RolloutError
 from vlmrl.rollout.registry import backend_class
 from vlmrl.rollout.requests import numbered_engines, sample_seed
-from vlmrl.rollout.weight_group import BucketMeta, WeightGroup
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.sequences import split_evenly
 
@@ -60,112 +58,14 @@ CALL_MARGIN_S = 30.0
 """Added to rollout.timeout_s for a call to a worker: the engine's own deadline inside it fires first."""
 
 
-@dataclass
-class RolloutWorkerSpec:
-    """What every rollout worker starts."""
-
-    engine: EngineSpec
-    """Its engine: the backend's name, the weights it starts from and the options the run built for it (not
-    colocated: a worker's engine has its process, and on a GPU node its devices, to itself)."""
-    torch_threads: int = 0
-    """torch.set_num_threads in the worker; 0 = torch's default."""
-    weight_transfer: str = "auto"
-    """trainer.async_rollout.weight_transfer: auto | collective | object_store (`vlmrl.distributed.weight_transfer`)."""
-    group_port: int = 0
-    """trainer.async_rollout.weight_group_port: the port the driver listens on for the weight group; 0 = a free one."""
-
-    @property
-    def tp(self) -> int:
-        return self.engine.options.rollout.tensor_parallel_size
-
-
-class RolloutWorker:
-    """One engine in a Ray actor. Its methods are called by `RemoteEngines` through Ray."""
-
-    def __init__(self, spec: RolloutWorkerSpec, index: int):
-        from vlmrl.rollout.registry import get_backend
-
-        if spec.torch_threads > 0:
-            torch.set_num_threads(spec.torch_threads)
-        self.index = index
-        self.version = 0
-        """The weight sync the engine holds (0: the weights it started from)."""
-        engine = spec.engine
-        logger.info("rollout worker %d: starting rollout backend %s on %s", index, engine.name, engine.model_path)
-        self.backend = get_backend(engine.name, engine.model_path, engine.options)
-        self.adapters = Path(tempfile.mkdtemp(prefix=f"vlmrl-rollout-worker-{index}-"))
-
-    def info(self) -> dict[str, Any]:
-        """The worker's process and node, its engine's processes (to end if the worker dies), its backend's name,
-        dtype and what it receives weights over, and the weight version it holds."""
-        import psutil
-        import ray
-
-        engines = [(pid, psutil.Process(pid).create_time()) for pid in self.backend.engine_pids
-                   if psutil.pid_exists(pid)]
-        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "engines": engines,
-                "name": self.backend.name, "dtype": self.backend.dtype, "version": self.version,
-                "serves_adapters": self.backend.serves_adapters(),
-                "group_backends": tuple(self.backend.weight_group_backends)}
-
-    def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
-        return self.backend.generate(requests, sampling)
-
-    def update_weights(self, buckets: list, names: list[str], version: int) -> int:
-        """Stream the buckets (object refs of {checkpoint name: tensor}, in `names`' order) into the engine, one at a
-        time; the engine then holds sync `version`."""
-        import ray
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for ref in buckets:
-                yield from ray.get(ref).items()
-
-        self.backend.update_weights(stream(), names)
-        self.version = version
-        return version
-
-    def join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
-        self.backend.join_weight_group(group, rank_offset)
-
-    def begin_receive(self) -> None:
-        self.backend.begin_receive()
-
-    def receive_bucket(self, meta: BucketMeta) -> int:
-        return self.backend.receive_bucket(meta)
-
-    def end_receive(self, version: int) -> int:
-        self.backend.end_receive()
-        self.version = version
-        return version
-
-    def weights_checksum(self) -> str:
-        return self.backend.weights_checksum()
-
-    def update_adapter(self, files: dict[str, bytes], version: int) -> int:
-        """Write the adapter's files into this worker's own folder and generate under it from now on."""
-        folder = self.adapters / f"v{version}"
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            (folder / name).write_bytes(data)
-        self.backend.update_adapter(str(folder))
-        self.version = version
-        return version
-
-    def close(self) -> None:
-        import shutil
-
-        try:
-            self.backend.leave_weight_group()
-        finally:
-            self.backend.close()
-            shutil.rmtree(self.adapters, ignore_errors=True)
-
-
 class RemoteEngines(RolloutBackend):
     """`workers` rollout engines in Ray actors of their own, as one backend (see the module docstring). Starts Ray
     (a local cluster) when this process has not joined one. Close it to end the workers."""
 
-    def __init__(self, spec: RolloutWorkerSpec, workers: int, restarts: int = 1, use_gpu: bool | None = None):
+    def __init__(self, spec: RolloutWorkerSpec, workers: int, restarts: int = 1, use_gpu: bool | None = None,
+                 driver_trains: bool = False):
+        """`driver_trains`: the trainer runs in this process on this node's GPU (dp = 1), which Ray does not know
+        of: it is reserved first (`_reserve_driver_gpu`), so that no worker's bundle is given it."""
         if workers < 1:
             raise ValueError(f"RemoteEngines needs at least one worker, got {workers}")
         super().__init__(spec.engine.model_path, spec.engine.options)
@@ -203,7 +103,10 @@ class RemoteEngines(RolloutBackend):
                                    f"{err}. Use weight_transfer=object_store, or free the port "
                                    "(weight_group_port)") from None
         ensure_ray(workers * self.tp)
+        self.driver_gpu = None
         try:
+            if driver_trains and self.use_gpu:
+                self._reserve_driver_gpu()
             self._reserve(range(workers))
             for index in range(workers):  # started at once, waited for together
                 self.workers[index] = self._spawn(index)
@@ -266,6 +169,27 @@ class RemoteEngines(RolloutBackend):
                                f"needs {self._bundle()} on one node (rollout.tensor_parallel_size={self.tp}); the "
                                f"cluster's live nodes have {nodes}. Add nodes, or lower "
                                "trainer.async_rollout.rollout_workers or rollout.tensor_parallel_size")
+
+    def _reserve_driver_gpu(self) -> None:
+        """Hold one GPU of the driver's node in Ray for the trainer that runs in this process (Ray hands a free node's
+        GPUs out lowest id first: the trainer's cuda:0); on a node with one GPU the workers share it instead, as a
+        one-GPU machine must, and the log says so."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = ray.get_runtime_context().get_node_id()
+        gpus = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == here), 0)
+        if gpus < 2:
+            logger.warning("rollout workers: the driver's node has %d GPU: the trainer and the rollout workers placed "
+                           "there share it", gpus)
+            return
+        holder = ray.remote(num_gpus=1, num_cpus=0)(GpuHolder).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)).remote()
+        ids = self._get(holder.gpu_ids.remote(), 0, "reserving the trainer's GPU", self.rollout.start_timeout_s)
+        self.driver_gpu = holder
+        if ids != ["0"] and ids != [0]:
+            logger.warning("rollout workers: Ray reserved GPU %s of the driver's node for the trainer, which runs on "
+                           "cuda:0: a worker may be given the trainer's device", ids)
 
     def _spawn(self, index: int):
         import ray
@@ -498,6 +422,8 @@ class RemoteEngines(RolloutBackend):
                 ray.kill(worker)
             _end_leftovers(info)
         _wait_gone([info.get("pid") for info in self.infos])
+        if self.driver_gpu is not None:
+            ray.kill(self.driver_gpu)
         for group in self.groups:
             if group is not None:
                 try:

@@ -133,7 +133,8 @@ def start_agent(config: Config, backend: RolloutBackend, processor: Processor) -
 def start_rollout_workers(config: Config, start_path: str | None) -> RemoteEngines:
     """The asynchronous placement's rollout workers (trainer.async_rollout.rollout_workers), their engines started
     on `start_path` (a checkpoint) or the actor's model."""
-    from vlmrl.distributed.rollout_workers import RemoteEngines, RolloutWorkerSpec
+    from vlmrl.distributed.rollout_actor import RolloutWorkerSpec
+    from vlmrl.distributed.rollout_workers import RemoteEngines
     from vlmrl.distributed.worker import EngineSpec
 
     t = config.trainer
@@ -141,7 +142,8 @@ def start_rollout_workers(config: Config, start_path: str | None) -> RemoteEngin
     a = t.async_rollout
     return RemoteEngines(RolloutWorkerSpec(engine, torch_threads=t.torch_threads, weight_transfer=a.weight_transfer,
                                            group_port=a.weight_group_port),
-                         workers=a.rollout_workers, restarts=a.worker_restarts)
+                         workers=a.rollout_workers, restarts=a.worker_restarts,
+                         driver_trains=config.derived.world_size == 1)
 
 
 def run_layout(config: Config) -> EngineLayout:
