@@ -14,6 +14,9 @@
 #             its data is ~/data/geo3k (elsewhere: data.train_files=DIR/train.parquet data.val_files=DIR/test.parquet).
 # RECIPE      grpo (default), dapo, gspo, lora, dapo+lora or gspo+lora: overlays on that recipe (on the demo: their
 #             losses; lora there is tiny_synthetic_lora.yaml, rank 16 with lm_head, else qwen2_5_vl_geo3k_lora.yaml).
+#             distill: on-policy distillation, qwen2_5_vl_geo3k_distill.yaml (Qwen2.5-VL-7B teaching the 3B, which
+#             MODEL_PATH then defaults to); on the demo tiny_synthetic_distill.yaml, the trained demo
+#             (outputs/demo/checkpoints/latest: run the demo first) teaching a fresh tiny model.
 # ROLLOUT     vllm (default; the demo takes hf when vLLM is not installed), sglang, sglang-server or hf.
 # N_GPUS, N_NODES   devices per node and nodes; either picks the geo3k recipe (more than one device: Ray + FSDP2).
 # VAL_ONLY=1  validate only: no optimizer, weights untouched, the per-sample artifact written (lora is ignored).
@@ -34,8 +37,8 @@ for gone in DATA DATA_DIR LORA_RANK LORA_ALPHA LORA_VISION; do  # earlier versio
     "actor.lora.rank=R actor.lora.alpha=A actor.lora.vision=V sets LoRA (docs/training.md)" >&2; exit 2; }
 done
 case "${RECIPE:=grpo}" in
-  grpo|dapo|gspo|lora|grpo+lora|dapo+lora|gspo+lora) ALGO=${RECIPE%+lora} ;;
-  *) echo "RECIPE=$RECIPE: use grpo, dapo, gspo, lora, dapo+lora or gspo+lora" >&2; exit 2 ;;
+  grpo|dapo|gspo|lora|grpo+lora|dapo+lora|gspo+lora|distill) ALGO=${RECIPE%+lora} ;;
+  *) echo "RECIPE=$RECIPE: use grpo, dapo, gspo, lora, dapo+lora, gspo+lora or distill" >&2; exit 2 ;;
 esac
 case "${VAL_ONLY:-0}" in
   1|true|yes) VAL_ONLY=1 ;;
@@ -48,6 +51,13 @@ LORA=""; [[ "$RECIPE" == *lora && -z "$VAL_ONLY" ]] && LORA=_lora
 # The recipe, the default engine and output folder (examples/recipe.py says why each).
 read -r BASE ENGINE DIR <<<"$("$PYTHON" examples/recipe.py pick "${MODEL_PATH:-}" "${N_GPUS:-}${N_NODES:-}")"
 OVERLAYS=(${ALGO:+config=examples/configs/qwen2_5_vl_geo3k_$ALGO.yaml})
+if [[ "$BASE" == demo && "$ALGO" == distill ]]; then  # the demo's teacher is the trained demo, not the 7B
+  OVERLAYS=(config=examples/configs/tiny_synthetic_distill.yaml)
+  TEACHER=outputs/demo/checkpoints/latest
+  [[ -e "$TEACHER" || " $* " == *" algorithm.distill.teacher="* ]] || { echo "RECIPE=distill on the demo distils" \
+    "the trained demo, $TEACHER, which does not exist: run the demo first (examples/qwen2_5_vl_grpo.sh) or pass" \
+    "algorithm.distill.teacher=PATH" >&2; exit 2; }
+fi
 if [[ "$BASE" == demo ]]; then
   [[ -n "${ROLLOUT:-}" || "$ENGINE" == vllm ]] \
     || echo "vLLM is not installed: using the hf (transformers) rollout backend" >&2
@@ -58,7 +68,8 @@ if [[ "$BASE" == demo ]]; then
         "rollout.name=${ROLLOUT:-$ENGINE}" ${MODEL_PATH:+"actor.model_path=$MODEL_PATH"})
   [[ "$ALGO" == dapo ]] && ARGS+=(algorithm.overlong_buffer_len=1)  # DAPO's last fifth of the budget: 1 of 6 tokens
 else
-  MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-VL-7B-Instruct}
+  STUDENT=Qwen/Qwen2.5-VL-7B-Instruct; [[ "$ALGO" == distill ]] && STUDENT=Qwen/Qwen2.5-VL-3B-Instruct
+  MODEL_PATH=${MODEL_PATH:-$STUDENT}
   echo "recipe: examples/configs/$BASE.yaml for $MODEL_PATH" >&2
   ARGS=("config=examples/configs/$BASE.yaml" "${OVERLAYS[@]}"
         ${LORA:+config=examples/configs/qwen2_5_vl_geo3k_lora.yaml}

@@ -174,6 +174,48 @@ def test_the_moe_recipes_load_with_their_anchors_settings(tmp_path):
         assert value(dry_run(MODEL_PATH=str(folder)), "config") == f"examples/configs/{recipe}.yaml"
 
 
+def test_the_distill_recipe_loads_with_verls_vlm_example_settings():
+    """RECIPE=distill on 8 devices: the GRPO recipe, then the distillation overlay (Qwen2.5-VL-7B teaching the 3B,
+    which MODEL_PATH defaults to), with the settings of verl's run_qwen3_vl_geo3k.sh the overlay cites: the negative
+    k1 as a per-token advantage (use_policy_gradient), no task reward, 128 prompts and one update a step, lr 1e-6,
+    no KL loss, prompts 1024 and responses 2048 tokens. Loaded without the hub (check_model=False: the teacher's
+    tokenizer is compared once it is downloaded)."""
+    args = dry_run(RECIPE="distill", N_GPUS="8")
+    configs = [a.split("=", 1)[1] for a in args if a.startswith("config=")]
+    assert configs == ["examples/configs/qwen2_5_vl_geo3k.yaml", "examples/configs/qwen2_5_vl_geo3k_distill.yaml"]
+    config = load_config(args, check_model=False)
+    assert config.trainer.output_dir == "outputs/qwen2_5_vl_geo3k_distill" and config.trainer.n_gpus_per_node == 8
+    distill = config.algorithm.distill
+    assert (config.actor.model_path, distill.teacher) == ("Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct")
+    assert (distill.mode, distill.estimator, distill.discount, distill.reward_weight) == ("advantage", "k1", 0.0, 0.0)
+    assert (distill.teacher_engine, distill.teacher_dtype) == ("trainer", "bfloat16")
+    assert (config.data.train_batch_size, config.actor.ppo_mini_batch_size, config.actor.optim.lr) == (128, 128, 1e-6)
+    assert (config.data.max_prompt_length, config.data.max_response_length) == (1024, 2048)
+    assert not config.actor.use_kl_loss and config.rollout.temperature == 1.0
+    # the overlay alone on the GRPO recipe, as its comment runs it, is the same run
+    direct = load_config(["config=" + str(ROOT / "examples" / "configs" / name) for name in
+                          ("qwen2_5_vl_geo3k.yaml", "qwen2_5_vl_geo3k_distill.yaml")], check_model=False)
+    assert direct.algorithm == config.algorithm and direct.actor.model_path == config.actor.model_path
+
+
+def test_the_distill_recipe_on_the_demo_distils_the_trained_demo(tiny_model_path):
+    """On the demo RECIPE=distill takes tiny_synthetic_distill.yaml after the demo's config: the trained demo
+    (outputs/demo/checkpoints/latest) teaches a fresh tiny model; missing, the launcher says to run the demo first,
+    unless a teacher is given."""
+    given = dry_run(f"algorithm.distill.teacher={tiny_model_path}", RECIPE="distill", ROLLOUT="hf")
+    config = load_config(given)  # the teacher checked against the student (both local: no hub)
+    assert [a for a in given if a.startswith("config=")] == ["config=examples/configs/tiny_synthetic_distill.yaml",
+                                                             "config=examples/configs/tiny_synthetic.yaml"]
+    assert config.trainer.output_dir == "outputs/demo_distill" and config.actor.model_path == "tiny"
+    assert config.algorithm.distill.teacher == tiny_model_path and config.data.train_files == "synthetic"
+    if (ROOT / "outputs" / "demo" / "checkpoints" / "latest").exists():  # a checkout where the demo ran
+        config = load_config(dry_run(RECIPE="distill", ROLLOUT="hf"), check_model=False)
+        assert config.algorithm.distill.teacher == "outputs/demo/checkpoints/latest"
+    else:
+        done = launch(RECIPE="distill", ROLLOUT="hf")
+        assert done.returncode == 2 and "run the demo first" in done.stderr, done.stderr
+
+
 def test_recipe_overlays_stack_on_the_demo_and_on_the_geo3k_recipe():
     """RECIPE=dapo+lora: the algorithm's overlay, then LoRA's; on the demo the demo's own settings win over the
     overlay's (its batch, lengths, lr) and LoRA there adapts lm_head too (the random-init model needs it)."""

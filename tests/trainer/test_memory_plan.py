@@ -251,7 +251,7 @@ def test_python_dash_m_runs_it():
 # ---- the recipes ----------------------------------------------------------------------------------------------------
 
 BASE_RECIPES = sorted(p.name for p in CONFIGS.glob("*_geo3k*.yaml")
-                      if not re.search(r"_geo3k_(dapo|gspo|lora)", p.name))
+                      if not re.search(r"_geo3k_(dapo|gspo|lora|distill)", p.name))
 OVERLAYS = sorted(p.name for p in CONFIGS.glob("qwen2_5_vl_geo3k_*.yaml"))
 FIGURE = re.compile(r"# Memory \(python -m vlmrl\.plan, 8 x 80 GiB\): peak (\d+\.\d) GiB per device \(([a-z ]+)\) at "
                     r"TP (\d)")
