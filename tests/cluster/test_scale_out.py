@@ -36,62 +36,68 @@ def batch(hf):
     return build_batch(hf.processor)
 
 
+# vLLM's worker at TP 2 (its engine's two TP processes on the worker's 2-CPU bundle); SGLang's at TP 1 in make test:
+# its TP 2 engine is tested colocated (tests/distributed/test_tensor_parallel.py), and its start at TP 2 here cost
+# 50 s more of make test's 20 minutes.
+WORKERS = {"vllm": 2, "sglang": 1}
+
+
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=mark) for name, mark in ENGINE_MARKS.items()])
-def tp2(request, cluster):
-    """One rollout worker at tensor parallel 2 (its engine's two TP processes on its 2-CPU bundle), collective."""
-    engines = remote_engines(request.param, 2, weight_transfer="collective")
+def worker(request, cluster):
+    """One rollout worker on another node (vLLM at tensor parallel 2, SGLang at 1), weights over the group."""
+    engines = remote_engines(request.param, WORKERS[request.param], weight_transfer="collective")
     yield engines
     engines.close()
 
 
-def test_a_tp2_worker_on_another_node_gives_transformers_outputs_and_takes_weights_over_the_group(tp2, hf, batch):
-    """Placed off the driver's node, the TP 2 engine's greedy results on nine requests with 0-2 images equal
-    transformers' token for token, to float rounding (as TP 1's do: tests/rollout). A sync over the gloo group
+def test_a_worker_on_another_node_gives_transformers_outputs_and_takes_weights_over_the_group(worker, hf, batch):
+    """Placed off the driver's node, the engine's greedy results (vLLM at TP 2) on nine requests with 0-2 images
+    equal transformers' token for token, to float rounding (as TP 1's do: tests/rollout). A sync over the gloo group
     lands another model (== transformers running it), holding bitwise the weights the object store's sync of the
     same tensors gives (the engine's own checksum over both TP ranks); the originals bring the first weights back,
     bit for bit."""
     import ray
 
-    assert tp2.transfer == "collective" and tp2.tp == 2
-    assert tp2.infos[0]["node"] != ray.get_runtime_context().get_node_id(), "the worker is on the driver's node"
-    first, started = tp2.generate(batch, GREEDY), tp2.weights_checksums()
-    problems = greedy_problems(hf.generate(batch, GREEDY), first, tp2.name, LOGPROB_TOL)
+    assert worker.transfer == "collective" and worker.tp == WORKERS[worker.name]
+    assert worker.infos[0]["node"] != ray.get_runtime_context().get_node_id(), "the worker is on the driver's node"
+    first, started = worker.generate(batch, GREEDY), worker.weights_checksums()
+    problems = greedy_problems(hf.generate(batch, GREEDY), first, worker.name, LOGPROB_TOL)
     assert not problems, "\n".join(problems)
 
     original = clone_state(hf.model)
     moved = scaled_mlps(original)
     try:
-        tp2.update_weights(moved)
-        assert tp2.sent_bytes > 0 and [info["version"] for info in tp2.infos] == [tp2.version]
-        over_group = tp2.weights_checksums()
-        after = tp2.generate(batch, GREEDY)
+        worker.update_weights(moved)
+        assert worker.sent_bytes > 0 and [info["version"] for info in worker.infos] == [worker.version]
+        over_group = worker.weights_checksums()
+        after = worker.generate(batch, GREEDY)
         hf.update_weights(moved)
-        problems = greedy_problems(hf.generate(batch, GREEDY), after, tp2.name, LOGPROB_TOL)
+        problems = greedy_problems(hf.generate(batch, GREEDY), after, worker.name, LOGPROB_TOL)
         assert not problems, "engine after the group's sync != transformers with the same weights:\n" + \
             "\n".join(problems)
         assert sum(a.response_ids != b.response_ids for a, b in zip(first, after)) >= len(batch) // 2
 
-        tp2.transfer = "object_store"
-        tp2.update_weights(list(original.items()))
-        assert tp2.weights_checksums() == started
-        tp2.update_weights(moved)
-        assert tp2.weights_checksums() == over_group != started, "the two transfers load different weights"
+        worker.transfer = "object_store"
+        worker.update_weights(list(original.items()))
+        assert worker.weights_checksums() == started
+        worker.update_weights(moved)
+        assert worker.weights_checksums() == over_group != started, "the two transfers load different weights"
     finally:
         hf.update_weights(original.items())
-        tp2.transfer = "collective"
-        tp2.update_weights(list(original.items()))
-    assert tp2.weights_checksums() == started
-    assert [r.response_ids for r in tp2.generate(batch, GREEDY)] == [r.response_ids for r in first]
+        worker.transfer = "collective"
+        worker.update_weights(list(original.items()))
+    assert worker.weights_checksums() == started
+    assert [r.response_ids for r in worker.generate(batch, GREEDY)] == [r.response_ids for r in first]
 
 
-@pytest.mark.parametrize("tp2", ["vllm"], indirect=True)
-def test_a_worker_killed_mid_sync_is_restarted_and_gets_the_whole_sync(tp2, hf, batch):
+@pytest.mark.parametrize("worker", ["vllm"], indirect=True)
+def test_a_worker_killed_mid_sync_is_restarted_and_gets_the_whole_sync(worker, hf, batch):
     """SIGKILL of the worker's process after the first bucket of a collective sync: the worker is started again in
     its placement group, the group formed again and the whole sync sent again; every engine then gives what
     transformers gives with the new weights (the weight probe's check on each worker), one restart counted."""
     original = clone_state(hf.model)
     moved = scaled_mlps(original)
-    pid, plan, killed = tp2.infos[0]["pid"], tp2.sync_plan, []
+    pid, plan, killed = worker.infos[0]["pid"], worker.sync_plan, []
 
     def killing_plan(*args, **kwargs):
         sync = plan(*args, **kwargs)
@@ -105,21 +111,21 @@ def test_a_worker_killed_mid_sync_is_restarted_and_gets_the_whole_sync(tp2, hf, 
 
         return replace(sync, buckets=buckets())
 
-    tp2.sync_plan = killing_plan
+    worker.sync_plan = killing_plan
     try:
-        tp2.update_weights(moved)
+        worker.update_weights(moved)
     finally:
-        del tp2.sync_plan
+        del worker.sync_plan
     try:
-        assert killed and tp2.restarts == 1 and tp2.infos[0]["pid"] != pid
+        assert killed and worker.restarts == 1 and worker.infos[0]["pid"] != pid
         hf.update_weights(moved)
         expected = hf.generate(batch[:4], GREEDY)
-        for results in tp2.generate_on_each(batch[:4], GREEDY):
-            problems = greedy_problems(expected, results, tp2.name, LOGPROB_TOL)
+        for results in worker.generate_on_each(batch[:4], GREEDY):
+            problems = greedy_problems(expected, results, worker.name, LOGPROB_TOL)
             assert not problems, "the restarted worker is not on the synced weights:\n" + "\n".join(problems)
     finally:
         hf.update_weights(original.items())
-        tp2.update_weights(list(original.items()))
+        worker.update_weights(list(original.items()))
 
 
 @pytest.mark.vllm
@@ -167,26 +173,27 @@ def test_the_async_run_on_the_cluster_takes_the_single_node_runs_steps(cluster, 
     assert _weights(tmp_path / "cluster", 2) == _weights(tmp_path / "single", 2)
 
 
-def test_a_group_of_the_wrong_size_is_one_named_error_never_a_hang(tp2, hf):
-    """A group formed for more engine ranks than the engine has (world size 4 for one TP 2 engine): the rendezvous
+def test_a_group_of_the_wrong_size_is_one_named_error_never_a_hang(worker, hf):
+    """A group formed for more engine ranks than the engine has (two more): the rendezvous
     waits for a rank that never comes, and forming it fails at the group's deadline with one error naming the group
     and its size, never a hang. SGLang's engine then joins the right group, which carries a sync that leaves the
     weights bit for bit; vLLM's refuses every later call, saying why (its multiprocess executor's replies to the
     failed join would answer the next call): the run then stops, or restarts the worker. (The last test on each
     engine: it may leave the vLLM worker unusable.)"""
-    started = tp2.weights_checksums()
-    timeout = tp2.sender.timeout_s
-    tp2.sender.timeout_s = 5
+    started = worker.weights_checksums()
+    timeout = worker.sender.timeout_s
+    worker.sender.timeout_s = 5
     try:
-        with pytest.raises(RuntimeError, match=r"(?s)weight group vlmrl-weights-\w+ .*\(4 ranks, gloo\)"):
-            tp2.sender.form(tp2.workers, [3])
+        world = 1 + worker.tp + 2
+        with pytest.raises(RuntimeError, match=rf"(?s)weight group vlmrl-weights-\w+ .*\({world} ranks, gloo\)"):
+            worker.sender.form(worker.workers, [worker.tp + 2])
     finally:
-        tp2.sender.timeout_s = timeout
-    if tp2.name == "vllm":
+        worker.sender.timeout_s = timeout
+    if worker.name == "vllm":
         with pytest.raises(RolloutError, match=r"the engine is unusable \(joining weight group vlmrl-weights-\w+ "
                                                r"failed"):
-            tp2.weights_checksums()
+            worker.weights_checksums()
         return
-    tp2._form_group()
-    tp2.update_weights(list(clone_state(hf.model).items()))
-    assert tp2.weights_checksums() == started
+    worker._form_group()
+    worker.update_weights(list(clone_state(hf.model).items()))
+    assert worker.weights_checksums() == started

@@ -4,6 +4,8 @@ tests/rollout/test_memory_release.py and the engine modules start them with thes
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vlmrl.config import load_config
@@ -35,6 +37,7 @@ def sglang_args(*overrides: str, on_cuda: bool = False, colocated: bool = False,
 
 def test_every_vllm_option_reaches_its_constructor(tiny_model_path, monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     kwargs, env = vllm_args("rollout.dtype=bfloat16", "rollout.limit_images=3", "rollout.limit_videos=2",
                             "rollout.gpu_memory_utilization=0.45", "rollout.tensor_parallel_size=2",
                             "trainer.n_gpus_per_node=2",
@@ -48,7 +51,13 @@ def test_every_vllm_option_reaches_its_constructor(tiny_model_path, monkeypatch)
     assert (kwargs["enforce_eager"], kwargs["max_num_batched_tokens"], kwargs["enable_prefix_caching"]) == (
         False, 40000, False)
     assert kwargs["enable_sleep_mode"] is True and kwargs["max_num_seqs"] == 7
-    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "3"}
+    # an engine of its own at TP 2 (a rollout worker's; a training worker sets spmd for its colocated rank): vLLM's
+    # multiprocess executor, each TP rank's CPU cores named
+    from vlmrl.rollout.config import even_binding
+
+    assert kwargs["distributed_executor_backend"] == "mp"
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "3",
+                   "VLLM_CPU_OMP_THREADS_BIND": even_binding(2, os.cpu_count() or 1)}
     # what the engine contract fixes, whatever the config says
     assert kwargs["logprobs_mode"] == "raw_logprobs" and kwargs["mm_processor_kwargs"] == {"do_sample_frames": False}
 

@@ -252,8 +252,8 @@ def test_short_run_on_vllm_and_its_checkpoint_loads_in_vllm(tiny_model_path, tmp
 # which the greedy TP 2 == TP 1 test rules out on these inputs. Its samples of one request are then alike and their
 # advantages 0: the entropy bonus is what moves the weights, on the tokens each layout's engine sampled.
 # SGLang's is a variant (marker `full`, make test-all; 78 s alone, 190 s beside the other test worker): make test keeps
-# the vLLM step here, SGLang's colocated TP 2 layout (tests/distributed/test_tensor_parallel.py: greedy == transformers,
-# a sync from the shards on both ranks) and SGLang at TP 2 in a rollout worker of its own (tests/cluster).
+# the vLLM step here and SGLang's colocated TP 2 layout (tests/distributed/test_tensor_parallel.py: greedy ==
+# transformers, a sync from the shards on both ranks).
 STEP_ENGINES = [pytest.param("vllm", [], marks=pytest.mark.vllm),
                 pytest.param("sglang", ["rollout.temperature=0.001", "actor.entropy_coeff=0.01",
                                         "actor.mismatch_metrics=false"],
