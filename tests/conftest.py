@@ -84,7 +84,7 @@ def distribution_units(items: list) -> list:
 
     def rank(entry: tuple[int, str]) -> tuple[int, int]:
         index, unit = entry
-        long = unit in ("rollout", "rollout:moe", "ray") or unit.startswith("tests/cluster/")  # minutes each
+        long = unit in ("rollout", "rollout:moe", "rollout:families", "ray") or unit.startswith("tests/cluster/")
         return (0 if unit.startswith("slow:") else 1 if long else 2, index)
 
     order = sorted(enumerate(units), key=rank)

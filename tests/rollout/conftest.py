@@ -8,9 +8,9 @@ each engine's tests one after another, so that each is started once and only one
 (measured): two in-process vLLM engines break each other (vLLM's parallel state is global: "pipeline model parallel
 group is not initialized"), and an idle SGLang scheduler polls at about half a core. A test that changes a shared engine
 puts it back (weights, options) before it ends; a test that kills one (marked `ends_engine`) runs after the engine's
-other tests, and a later test that needs it gets a fresh one. Under make test's workers the folder is two units
-(`rollout_unit`): the tests on the Mixture-of-Experts families' engines run on one worker while the others run on the
-other.
+other tests, and a later test that needs it gets a fresh one. Under make test's workers the folder is three units
+(`rollout_unit`: the Mixture-of-Experts families' engines, the later dense families' engines, the rest), which the
+two workers take beside each other.
 """
 
 from __future__ import annotations
@@ -126,19 +126,28 @@ def shared_engines_of(item) -> set[tuple[str, str]]:
     return keys
 
 
+SECOND_UNIT_MODELS = ("tiny-qwen3.5", "tiny-glm4v", "tiny-internvl")
+"""The embedded models whose shared engines make up the unit "rollout:families" (the families added after the first
+two: Qwen2.5-VL and Qwen3-VL, whose engines stay in "rollout" with the tests that use no shared engine)."""
+
+
 def rollout_unit(item) -> str:
     """This folder's work unit for the test workers (tests/conftest.py, `distribution_unit`): "rollout:moe" for a
-    test that uses a shared engine of a Mixture-of-Experts family, "rollout" for the others. The two run beside each
-    other on make test's two workers; one alone would hold every engine start of the folder. Every user of a shared
-    engine is in one unit, as its close after the last user is decided per process."""
+    test that uses a shared engine of a Mixture-of-Experts family, "rollout:families" for one on the later dense
+    families' engines (`SECOND_UNIT_MODELS`), "rollout" for the others. The units run beside each other on make
+    test's two workers; one alone would hold every engine start of the folder (measured: the suite's longest
+    path). Every user of a shared engine is in one unit, as its close after the last user is decided per process."""
     from vlmrl.models.tiny.registry import VARIANTS
 
-    return "rollout:moe" if any(VARIANTS[model].experts for _, model in shared_engines_of(item)) else "rollout"
+    models = {model for _, model in shared_engines_of(item)}
+    if any(VARIANTS[model].experts for model in models):
+        return "rollout:moe"
+    return "rollout:families" if models & set(SECOND_UNIT_MODELS) else "rollout"
 
 
 def pytest_collection_modifyitems(config, items):
     """This folder's tests grouped by the shared engine they use (see the module's docstring); collection order kept
-    within a group, except that the tests which end the engine go last. Under make test the folder is two units
+    within a group, except that the tests which end the engine go last. Under make test the folder is three units
     (`rollout_unit`, marked by tests/conftest.py), each a block of the list: each is sorted among its own places."""
     places: dict[str, list[int]] = {}
     for index, item in enumerate(items):
