@@ -74,7 +74,7 @@ def distribution_unit(item) -> str:
 
 def distribution_units(items: list) -> list:
     """`items` marked with their unit (xdist_group) and reordered unit by unit, the costliest first so that no long
-    run starts last: the slow runs, then tests/rollout's units, the Ray tests and the simulated clusters
+    run starts last: the slow runs (alone, or a module's runs that share a fixture), then tests/rollout's units, the Ray tests and the simulated clusters
     (tests/cluster), then the rest in collection order. Within a unit the collection order is kept."""
     units: dict[str, list] = {}
     for item in items:
@@ -84,8 +84,9 @@ def distribution_units(items: list) -> list:
 
     def rank(entry: tuple[int, str]) -> tuple[int, int]:
         index, unit = entry
+        slow = any(item.get_closest_marker("slow") is not None for item in units[unit])
         long = unit in ("rollout", "rollout:moe", "rollout:families", "ray") or unit.startswith("tests/cluster/")
-        return (0 if unit.startswith("slow:") else 1 if long else 2, index)
+        return (0 if slow and not long else 1 if long else 2, index)
 
     order = sorted(enumerate(units), key=rank)
     return [item for _, unit in order for item in units[unit]]

@@ -1,11 +1,10 @@
 """On-policy distillation in the trainer (algorithm.distill): the teacher refused before anything starts when it
 reads ids otherwise than the student; the teacher's logprobs of the student's own rows equal a plain transformers
 forward of the teacher; one-step fits (the hf backend) log the distill/* metrics, and a teacher equal to the student
-moves nothing; the demo's trained model teaches a fresh tiny model the demo's task (slow)."""
+moves nothing. The demo's trained model teaching a fresh tiny model is tests/trainer/test_demo_learns.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from tests.batches import make_batch
-from tests.trainer.test_fit import ROOT, RisenBy, base_args
+from tests.trainer.test_fit import base_args
 from vlmrl.actor.config import ActorConfig
 from vlmrl.actor.forward import micro_batch
 from vlmrl.actor.local import Actor
@@ -25,7 +24,6 @@ from vlmrl.models.families import family_of
 from vlmrl.processors.teacher import teacher_refusal
 from vlmrl.train import main
 from vlmrl.trainer.fit import fit
-from vlmrl.trainer.metrics import read_metrics
 
 ONE_STEP = ("trainer.total_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1")
 
@@ -196,52 +194,3 @@ def test_top_k_forward_kl_equals_a_direct_computation_from_the_two_models_logits
     assert metrics["distill/loss"] == pytest.approx(float(per_token[real].mean()), abs=1e-10)
     assert metrics["distill/student_topk_mass"] == pytest.approx(float(student_at.exp().sum(-1)[real].mean()),
                                                                  abs=1e-10)
-
-
-DEMO = ("config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic.yaml"),
-        "rollout.name=" + ("vllm" if importlib.util.find_spec("vllm") else "hf"), "trainer.test_freq=5")
-"""The demo as `make demo` runs it (vLLM where installed), validated every 5 steps (its own 10: each run stops up to 5
-steps sooner)."""
-TEACHER_ACCURACY = 0.9
-"""The trained demo the teacher is: its run until validation accuracy 0.9 (benchmarks/bench_distill.py's target)."""
-
-
-@pytest.fixture(scope="session")
-def trained_demo(tmp_path_factory) -> Path:
-    """The demo's GRPO run (its config and seed) until its validation accuracy reaches TEACHER_ACCURACY, saved
-    there: the trained demo, as teacher. Measured (2026-12-07, vLLM, 2 cores): 0.99 at step 95 of its 150."""
-    out = tmp_path_factory.mktemp("trained_demo")
-    curve = []
-
-    def reached(step: int, metrics: dict) -> bool:
-        accuracy = metrics.get("val/accuracy")
-        if accuracy is not None:
-            curve.append((step, accuracy))
-        return step > 0 and accuracy is not None and accuracy >= TEACHER_ACCURACY
-
-    fit(load_config([*DEMO, f"trainer.output_dir={out}"]), stop=reached)
-    if curve[-1][1] < TEACHER_ACCURACY:
-        pytest.fail(f"the demo did not reach validation accuracy {TEACHER_ACCURACY} to teach: {curve}")
-    return out / "checkpoints" / "latest"
-
-
-# A variant (marker `full`, make test-all): the teacher's training and the student's run take 135 s of CPU (measured in
-# a fresh-clone make test), which put make test past its 20 minutes. make test keeps distillation's parts: the
-# estimators against verl's and the two models' logits, the teacher in the trainer and on both engines, dp 2 == dp 1.
-# Next: train the teacher in the demo-learns test's own run (tests/trainer/test_fit.py) and share its checkpoint.
-@pytest.mark.slow
-@pytest.mark.full
-def test_the_trained_demo_teaches_a_fresh_tiny_model_the_demos_task(trained_demo, tmp_path):
-    """RECIPE=distill on the demo (tiny_synthetic_distill.yaml: distillation alone, no reward) from the trained demo:
-    the fresh student's validation accuracy rises >= 0.3 above its step-0 value (chance after the random-label
-    warm-up) within the demo's 150 steps. How many steps against the demo's GRPO is measured, not asserted:
-    benchmarks/bench_distill.py."""
-    out = tmp_path / "student"
-    fit(load_config([*DEMO, "config=" + str(ROOT / "examples" / "configs" / "tiny_synthetic_distill.yaml"),
-                     f"algorithm.distill.teacher={trained_demo}", f"trainer.output_dir={out}"]), stop=RisenBy(0.3))
-    rows = read_metrics(out / "metrics.jsonl")
-    curve = [(row["step"], row["val/accuracy"]) for row in rows if "val/accuracy" in row]
-    start = curve[0][1]
-    assert start <= 0.45, f"after the random-label warm-up accuracy should be near chance (0.25): {curve}"
-    assert max(acc for _, acc in curve) >= start + 0.3, f"validation accuracy did not rise by 0.3: {curve}"
-    assert all("distill/reverse_kl" in row for row in rows if row["step"] > 0)
