@@ -188,6 +188,7 @@ def test_the_distill_recipe_loads_with_verls_vlm_example_settings():
     distill = config.algorithm.distill
     assert (config.actor.model_path, distill.teacher) == ("Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct")
     assert (distill.mode, distill.estimator, distill.discount, distill.reward_weight) == ("advantage", "k1", 0.0, 0.0)
+    assert (distill.loss_max_clamp, distill.log_prob_min_clamp) == (10.0, None)  # verl's; its other clamp is top-k's
     assert (distill.teacher_engine, distill.teacher_dtype) == ("trainer", "bfloat16")
     assert (config.data.train_batch_size, config.actor.ppo_mini_batch_size, config.actor.optim.lr) == (128, 128, 1e-6)
     assert (config.data.max_prompt_length, config.data.max_response_length) == (1024, 2048)

@@ -26,17 +26,32 @@ def verl_kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl
 
 
 def verl_forward_kl_topk(student_logits: torch.Tensor, teacher_topk_log_probs: torch.Tensor,
-                         teacher_topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         teacher_topk_ids: torch.Tensor, log_prob_min_clamp: float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """verl's `compute_forward_kl_topk` (verl/trainer/distillation/fsdp/losses.py, loss_mode forward_kl_topk) without
-    its sequence-parallel split, its log_prob_min_clamp (off by default) and its overlap diagnostics: the student's
-    full-vocabulary logprobs gathered at the teacher's top-k ids (its `_chunked_topk_log_probs`: logits.gather -
-    logsumexp), then `kl_divergence(log_q=student, log_p=teacher)` = sum p (log p - log q); the masses are each
-    side's probabilities summed over those ids. Returns (losses, student_mass, teacher_mass)."""
+    its sequence-parallel split and its overlap diagnostics: the student's full-vocabulary logprobs gathered at the
+    teacher's top-k ids (its `_chunked_topk_log_probs`: logits.gather - logsumexp), the masses (each side's
+    probabilities summed over those ids), then both sides clamp_min(log_prob_min_clamp) when set, then
+    `kl_divergence(log_q=student, log_p=teacher)` = sum p (log p - log q); and the clamp at 0 its caller applies
+    (verl/trainer/distillation/losses.py `compute_forward_kl_topk`: "divergences can be negative"). Returns (losses,
+    student_mass, teacher_mass)."""
     logits = student_logits.float()
     student = torch.gather(logits, -1, teacher_topk_ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
     teacher = teacher_topk_log_probs.float()
+    student_mass, teacher_mass = student.exp().sum(-1), teacher.exp().sum(-1)
+    if log_prob_min_clamp is not None:
+        student, teacher = student.clamp_min(log_prob_min_clamp), teacher.clamp_min(log_prob_min_clamp)
     losses = (teacher.exp() * (teacher - student)).sum(dim=-1)
-    return losses, student.exp().sum(-1), teacher.exp().sum(-1)
+    return losses.clamp_min(0.0), student_mass, teacher_mass
+
+
+def verl_loss_max_clamp(distillation_losses: torch.Tensor, loss_max_clamp: float | None) -> torch.Tensor:
+    """verl's `distillation_loss` (verl/trainer/distillation/losses.py): the per-token losses clamped to [-c, c]
+    ("clamping min is for k1 loss which can be negative") before the supervised aggregation or, negated, as the
+    policy-gradient advantages."""
+    if loss_max_clamp is not None:
+        return distillation_losses.clamp(min=-loss_max_clamp, max=loss_max_clamp)
+    return distillation_losses
 
 
 def _logprobs(shape: tuple[int, ...], seed: int, scale: float = 3.0) -> torch.Tensor:
@@ -139,10 +154,56 @@ def test_forward_kl_topk_is_verls_and_a_direct_computation_from_the_two_models_l
     torch.testing.assert_close(topk_mass(top.values.float()), verl_teacher_mass)
     p_s, p_t = torch.softmax(student_logits, -1), torch.softmax(teacher_logits, -1)
     in_top = torch.zeros_like(p_t).scatter(-1, top.indices, 1.0)
-    torch.testing.assert_close(losses, (in_top * p_t * torch.log(p_t / p_s)).sum(-1))
+    torch.testing.assert_close(losses, (in_top * p_t * torch.log(p_t / p_s)).sum(-1).clamp_min(0.0))
     if k == 11:
         full = torch.nn.functional.kl_div(torch.log(p_s), torch.log(p_t), reduction="none", log_target=True).sum(-1)
         torch.testing.assert_close(losses, full)
+
+
+@pytest.mark.parametrize("loss_max_clamp, log_prob_min_clamp", [(None, None), (0.3, None), (None, -1.5),
+                                                                 (0.3, -1.5)])
+def test_the_clamps_are_verls_in_both_modes(loss_max_clamp, log_prob_min_clamp):
+    """verl's loss_max_clamp on k1 (which goes negative), k3 and the top-k forward KL, aggregated (the loss mode) or
+    negated (the advantage mode's k1, discount 0), and its log_prob_min_clamp on the top-k logprobs, at values where
+    they bind: the same losses and advantages as verl's functions, and no gradient through a clamped token."""
+    student, teacher = _logprobs((3, 6), 11), _logprobs((3, 6), 12)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.float64)
+    if loss_max_clamp is not None:
+        assert (reverse_kl(student, teacher).abs() > loss_max_clamp).any(), "the clamp binds on these tokens"
+    for estimator in ("k1", "k3"):
+        expected = agg_loss(verl_loss_max_clamp(verl_kl_penalty_forward(student, teacher, estimator), loss_max_clamp),
+                            mask, "token-mean")
+        got = reverse_kl_loss(student, teacher, mask, estimator, "token-mean", loss_max_clamp=loss_max_clamp)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    advantages = -verl_loss_max_clamp(verl_kl_penalty_forward(student, teacher, "k1"), loss_max_clamp) * mask
+    torch.testing.assert_close(distill_advantages(student, teacher, mask, loss_max_clamp=loss_max_clamp), advantages,
+                               rtol=0, atol=0)
+    student_logits, teacher_logits = _two_models(13)
+    top = torch.log_softmax(teacher_logits, -1).topk(4, dim=-1)
+    student_at = torch.log_softmax(student_logits, -1).gather(-1, top.indices).float().requires_grad_(True)
+    if log_prob_min_clamp is not None:
+        assert (top.values < log_prob_min_clamp).any() and (student_at < log_prob_min_clamp).any(), "it binds"
+    verl = verl_loss_max_clamp(verl_forward_kl_topk(student_logits.float(), top.values.float(), top.indices,
+                                                    log_prob_min_clamp)[0], loss_max_clamp)
+    loss = forward_kl_topk_loss(student_at, top.values.float(), mask[:2, :5].float(), "token-mean",
+                                loss_max_clamp=loss_max_clamp, log_prob_min_clamp=log_prob_min_clamp)
+    torch.testing.assert_close(loss, agg_loss(verl, mask[:2, :5].float(), "token-mean"))
+    loss.backward()
+    if loss_max_clamp is not None:  # a token whose loss the clamp holds at its bound passes no gradient
+        held = verl.detach() >= loss_max_clamp
+        assert held.any() and not student_at.grad[held].any()
+
+
+def test_a_student_above_the_teacher_on_its_top_k_gives_zero_top_k_loss_and_no_gradient():
+    """Below the vocabulary the top-k sum goes negative where the student holds more of the teacher's ids than the
+    teacher (here: the teacher's two ids at 0.3 and 0.2, the student's at 0.6 and 0.3): verl clamps it at 0, and so
+    no gradient pushes the student further."""
+    teacher = torch.log(torch.tensor([[[0.3, 0.2]]], dtype=torch.float64))
+    student = torch.log(torch.tensor([[[0.6, 0.3]]], dtype=torch.float64)).requires_grad_(True)
+    assert float((teacher.exp() * (teacher - student.detach())).sum()) < 0
+    loss = forward_kl_topk_loss(student, teacher, torch.ones(1, 1, dtype=torch.float64), "token-mean")
+    loss.backward()
+    assert loss.item() == 0.0 and not student.grad.any()
 
 
 def test_forward_kl_topk_is_zero_for_a_teacher_equal_to_the_student_with_zero_gradient_at_k_equal_v():
@@ -210,9 +271,13 @@ def test_the_config_refuses_what_distillation_cannot_run_and_says_what_to_change
     topk = ["algorithm.distill.mode=loss", "algorithm.distill.estimator=forward_kl_topk"]
     for extra, says in [(["algorithm.distill.estimator=forward_kl_topk"], "set algorithm.distill.mode=loss"),
                         (topk + ["algorithm.distill.topk=0"], "topk=0 must be >= 1"),
-                        (topk + ["trainer.n_gpus_per_node=2"],
-                         "forward_kl_topk with the teacher in the trainer runs on one device")]:
+                        (["algorithm.distill.loss_max_clamp=0"], "loss_max_clamp=0.0 must be > 0"),
+                        (topk + ["algorithm.distill.log_prob_min_clamp=1"], "log_prob_min_clamp=1.0 must be < 0"),
+                        (["algorithm.distill.log_prob_min_clamp=-10"],
+                         "is read by estimator=forward_kl_topk only (as in verl), not k1")]:
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(base + extra, check_model=False)
+    sharded = load_config(base + topk + ["trainer.n_gpus_per_node=2"], check_model=False)  # the teacher FSDP-sharded
+    assert sharded.algorithm.distill.estimator == "forward_kl_topk"
     config = load_config(base + ["algorithm.distill.mode=loss", "algorithm.distill.estimator=k3"], check_model=False)
     assert (config.algorithm.distill.mode, config.algorithm.distill.estimator) == ("loss", "k3")

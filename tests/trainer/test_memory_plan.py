@@ -190,6 +190,35 @@ def test_an_engine_teacher_takes_its_share_while_scoring_and_the_check_loads_it_
     assert {p.name: p.items for p in unchecked.phases}["logprobs"]["forward (no grad)"] == policy_pass
 
 
+
+def test_a_teacher_served_by_url_takes_no_device_memory_here_but_its_check_in_the_driver():
+    """teacher_engine=sglang-server at a URL: the server's devices are its own, so no engine share on these; the
+    first step's check loads the teacher once, on the device at dp 1 (as for an engine teacher), in the driver's
+    host memory at dp > 1; engine_check_samples=0 leaves nothing."""
+    config = hand_config()
+    d = config.algorithm.distill
+    d.teacher, d.teacher_engine, d.teacher_url = "hand", "sglang-server", "http://10.0.0.7:30000"
+    plan = memory_plan(config, hand_facts(), device_gib=1, teacher=hand_facts())
+    assert not any(key.startswith("teacher engine") for phase in plan.phases for key in phase.items)
+    assert not any(key.startswith("teacher") for key in plan.host)
+    policy_pass = {p.name: p.items for p in memory_plan(hand_config(), hand_facts(), device_gib=1).phases}[
+        "logprobs"]["forward (no grad)"]
+    from vlmrl.trainer.memory_activations import forward_bytes
+    from vlmrl.trainer.memory_plan import micro_batch
+
+    check = 448 + forward_bytes(TEXT, None, micro_batch(config, hand_facts()), Precision(stream=2, compute=2),
+                                config.actor.logprob_chunk_size)
+    assert {p.name: p.items for p in plan.phases}["logprobs"]["forward (no grad)"] == max(policy_pass, check)
+    sharded = hand_config(n_gpus_per_node=2)
+    sharded.algorithm.distill = d
+    two = memory_plan(sharded, hand_facts(), device_gib=1, teacher=hand_facts())
+    assert two.host["teacher (first-step check, in the driver)"] == check
+    assert not any(key.startswith("teacher") for phase in two.phases for key in phase.items)
+    d.engine_check_samples = 0
+    unchecked = memory_plan(sharded, hand_facts(), device_gib=1, teacher=hand_facts())
+    assert not any(key.startswith("teacher") for key in unchecked.host)
+
+
 # ---- the command line -----------------------------------------------------------------------------------------------
 
 RECIPE_7B = [f"config={CONFIGS / 'qwen2_5_vl_geo3k.yaml'}", "trainer.n_gpus_per_node=8"]

@@ -7,6 +7,8 @@ tiny-large (another size of the student's family)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -48,9 +50,20 @@ def test_an_engine_teacher_that_cannot_score_the_samples_is_refused_with_one_err
 
 
 def test_an_unknown_teacher_engine_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"teacher_engine='sglang-server' is not one of \['trainer', 'hf'"):
+    with pytest.raises(ConfigError, match=r"teacher_engine='tgi' is not one of \['trainer', 'hf'"):
         load_config(base_args("tiny", tmp_path / "run", "algorithm.distill.teacher=tiny-large",
-                              "algorithm.distill.teacher_engine=sglang-server"))
+                              "algorithm.distill.teacher_engine=tgi"))
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("algorithm.distill.teacher_engine=vllm", "algorithm.distill.teacher_url=http://127.0.0.1:30000"),
+     "teacher_url='http://127.0.0.1:30000' is read by teacher_engine=sglang-server, not vllm"),
+    (("algorithm.distill.teacher_engine=sglang-server", "algorithm.distill.teacher_url=127.0.0.1:30000"),
+     "must start with http:// or https://"),
+])
+def test_a_teacher_url_that_cannot_be_used_is_refused(tmp_path, extra, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(base_args("tiny", tmp_path / "run", "algorithm.distill.teacher=tiny-large", *extra))
 
 
 @pytest.fixture(scope="module")

@@ -421,14 +421,16 @@ class ActorCore:
                     parts["actor/kl_loss"] += scalar(kl_loss)
                 if topk:  # coef * the forward KL over the teacher's top-k, aggregated
                     teacher_topk = batch.teacher_topk_logprobs[rows, :width].to(self.device)
-                    distill_loss = forward_kl_topk_loss(student_topk, teacher_topk, mask, mode, normaliser)
+                    distill_loss = forward_kl_topk_loss(student_topk, teacher_topk, mask, mode, normaliser,
+                                                        self.distill.loss_max_clamp, self.distill.log_prob_min_clamp)
                     loss = loss + self.distill.coef * distill_loss
                     parts["distill/loss"] += scalar(distill_loss)
                     parts["distill/student_topk_mass"] += scalar(token_mean(topk_mass(student_topk.detach()), mask,
                                                                             num_tokens))
                 elif batch.teacher_logprobs is not None:  # algorithm.distill.mode=loss: coef * reverse KL, aggregated
-                    distill_loss = reverse_kl_loss(logprobs, batch.teacher_logprobs[rows, :width].to(self.device), mask,
-                                                   self.distill.estimator, mode, normaliser)
+                    teacher_lp = batch.teacher_logprobs[rows, :width].to(self.device)
+                    distill_loss = reverse_kl_loss(logprobs, teacher_lp, mask, self.distill.estimator, mode, normaliser,
+                                                   self.distill.loss_max_clamp)
                     loss = loss + self.distill.coef * distill_loss
                     parts["distill/loss"] += scalar(distill_loss)
                 if aux_on:  # this micro-batch's share of the mini-batch's tokens, as the token-mean metrics

@@ -26,11 +26,12 @@ DISTILL_MODES = ("advantage", "loss")
 DISTILL_ESTIMATORS = ("k1", "k3", "forward_kl_topk")
 """The distillation loss (algorithm.distill.estimator): verl's reverse-KL estimators `k1` and `k3` (low_var_kl) of
 the sampled tokens, and its `forward_kl_topk` over the teacher's top-k tokens."""
-TEACHER_ENGINES = ("trainer", "hf", "vllm", "sglang")
+TEACHER_ENGINES = ("trainer", "hf", "vllm", "sglang", "sglang-server")
 """Where the distillation teacher runs (algorithm.distill.teacher_engine): frozen in the trainer, or on a rollout
-backend of its own that scores the student's samples (`RolloutBackend.score`)."""
-TEACHER_ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang"}
-"""The package each engine teacher needs installed."""
+backend of its own that scores the student's samples (`RolloutBackend.score`): an engine in this process, or an
+SGLang server (at algorithm.distill.teacher_url, or one vlmrl launches)."""
+TEACHER_ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "sglang-server": "sglang"}
+"""The package each engine teacher needs installed (a server given by URL needs none)."""
 
 
 @dataclass
@@ -47,10 +48,15 @@ class DistillConfig:
     engine's dtype (auto: as rollout.dtype's auto)."""
     teacher_engine: str = "trainer"
     """Where the teacher runs: trainer (frozen beside the policy, FSDP-sharded like the reference at dp > 1), or an
-    engine of its own (vllm, sglang; hf: transformers' reference backend) started with the run from the rollout
-    section's options (its deadlines, engine_kwargs) in teacher_dtype, which scores the student's samples on the
-    same requests (the same images and image tokens) by its prompt logprobs. An engine teacher needs
-    rollout.temperature=1 (engines score the raw distribution), the plain rollout and one training device."""
+    engine of its own (vllm, sglang; hf: transformers' reference backend; sglang-server: an SGLang server, at
+    teacher_url or launched) started with the run from the rollout section's options (its deadlines, engine_kwargs)
+    in teacher_dtype, which scores the student's samples on the same requests (the same images and image tokens) by
+    its prompt logprobs. An engine teacher needs rollout.temperature=1 (engines score the raw distribution) and the
+    plain rollout; in this process, one training device (a teacher at teacher_url runs at any dp)."""
+    teacher_url: str = ""
+    """teacher_engine=sglang-server: the URL of an SGLang server that serves the teacher (e.g. http://10.0.0.7:30000;
+    it must run with SGLANG_RETURN_ORIGINAL_LOGPROB=1, checked at connect), as verl's and slime's teacher servers run
+    on devices of their own; empty = vlmrl launches one on this machine (on rollout.server.host)."""
     teacher_gpu_memory_utilization: float = 0.3
     """An engine teacher's share of GPU memory (vllm gpu_memory_utilization, sglang mem_fraction_static), beside
     rollout.gpu_memory_utilization of the student's engine and the actor's memory. Not used on CPU."""
@@ -82,10 +88,23 @@ class DistillConfig:
     reward_weight: float = 1.0
     """The weight of the reward's advantage (algorithm.adv_estimator's) beside the distillation's; 0 = pure
     distillation (the reward is still computed and logged)."""
+    loss_max_clamp: float | None = None
+    """verl's distillation_loss.loss_max_clamp: each token's distillation loss (k1, k3 or the top-k forward KL; in
+    the advantage mode the k1 it negates) clamped to [-c, c] before use; a clamped token passes no gradient. null =
+    off (verl's default; its examples set 10)."""
+    log_prob_min_clamp: float | None = None
+    """verl's distillation_loss.log_prob_min_clamp, read by estimator=forward_kl_topk (as in verl): both sides' top-k
+    logprobs clamped from below before the sum. null = off (verl's default; its examples set -10)."""
 
     @property
     def enabled(self) -> bool:
         return bool(self.teacher)
+
+    @property
+    def served_by_url(self) -> bool:
+        """The teacher is a server the user runs (teacher_engine=sglang-server with teacher_url): on devices of its
+        own, whatever the trainer's layout."""
+        return self.teacher_engine == "sglang-server" and bool(self.teacher_url)
 
     def problems(self) -> list[str]:
         """What is wrong, each with what to change; empty when valid (or off)."""
@@ -110,6 +129,16 @@ class DistillConfig:
             out.append(f"algorithm.distill.coef={self.coef} and reward_weight={self.reward_weight} must be >= 0")
         if self.coef == 0 and self.reward_weight == 0:
             out.append("algorithm.distill.coef=0 and reward_weight=0 leave nothing to learn: raise one of them")
+        if self.loss_max_clamp is not None and self.loss_max_clamp <= 0:
+            out.append(f"algorithm.distill.loss_max_clamp={self.loss_max_clamp} must be > 0 (null = off; verl's "
+                       "examples: 10)")
+        if self.log_prob_min_clamp is not None and self.log_prob_min_clamp >= 0:
+            out.append(f"algorithm.distill.log_prob_min_clamp={self.log_prob_min_clamp} must be < 0 (null = off; "
+                       "verl's examples: -10)")
+        elif self.log_prob_min_clamp is not None and self.estimator != "forward_kl_topk":
+            out.append(f"algorithm.distill.log_prob_min_clamp={self.log_prob_min_clamp} is read by "
+                       f"estimator=forward_kl_topk only (as in verl), not {self.estimator}: set it to null or use "
+                       "estimator=forward_kl_topk")
         if self.estimator == "forward_kl_topk" and self.topk < 1:
             out.append(f"algorithm.distill.topk={self.topk} must be >= 1 for estimator=forward_kl_topk (verl's "
                        "example: 32)")
@@ -117,7 +146,13 @@ class DistillConfig:
             out.append(f"algorithm.distill.teacher_engine={self.teacher_engine!r} is not one of "
                        f"{list(TEACHER_ENGINES)}")
         package = TEACHER_ENGINE_PACKAGES.get(self.teacher_engine)
-        if package and importlib.util.find_spec(package) is None:
+        if self.teacher_url and self.teacher_engine != "sglang-server":
+            out.append(f"algorithm.distill.teacher_url={self.teacher_url!r} is read by teacher_engine=sglang-server, "
+                       f"not {self.teacher_engine}: set algorithm.distill.teacher_engine=sglang-server or clear the "
+                       "URL")
+        elif self.teacher_url and not self.teacher_url.startswith(("http://", "https://")):
+            out.append(f"algorithm.distill.teacher_url={self.teacher_url!r} must start with http:// or https://")
+        if package and not self.served_by_url and importlib.util.find_spec(package) is None:
             out.append(f"algorithm.distill.teacher_engine={self.teacher_engine} needs {package}, which is not "
                        "installed in this environment: install it or set algorithm.distill.teacher_engine=trainer")
         if not 0 < self.teacher_gpu_memory_utilization <= 1:
@@ -136,10 +171,7 @@ class DistillConfig:
         if not self.enabled:
             return []
         if self.teacher_engine == "trainer":
-            return [] if world_size == 1 or self.estimator != "forward_kl_topk" else [
-                f"algorithm.distill.estimator=forward_kl_topk with the teacher in the trainer runs on one device for "
-                f"now (its top-k of a sharded teacher is not built yet), and trainer.n_gpus_per_node x nnodes = "
-                f"{world_size}: set algorithm.distill.estimator=k1 or k3, or train on one device"]
+            return []
         out = []
         key = f"algorithm.distill.teacher_engine={self.teacher_engine}"
         if temperature != 1.0:
@@ -148,10 +180,11 @@ class DistillConfig:
         if multi_turn:
             out.append(f"{key} scores a prompt plus the sampled tokens; agent.enable trajectories hold tool turns: "
                        "set algorithm.distill.teacher_engine=trainer or agent.enable=false")
-        if world_size > 1:
+        if world_size > 1 and not self.served_by_url:
             out.append(f"{key} runs in the driver's process, and at trainer.n_gpus_per_node x nnodes = {world_size} "
                        "the devices are the training workers': set algorithm.distill.teacher_engine=trainer (sharded "
-                       "like the reference) or train on one device")
+                       "like the reference), serve the teacher on devices of its own (teacher_engine=sglang-server "
+                       "with algorithm.distill.teacher_url) or train on one device")
         return out
 
 

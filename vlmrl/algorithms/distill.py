@@ -21,15 +21,20 @@ What the anchors define, and how this matches:
   `vlmrl.algorithms.grpo.kl_penalty`'s k1 and low_var_kl). Its supervised update aggregates them with the actor's
   loss_agg_mode over the response mask and adds distillation_loss_coef times that to the policy loss (our
   mode=loss, `coef`); its policy-gradient update uses -losses.detach() as advantages with no discount (our
-  mode=advantage with discount 0). Not ported: verl's loss_max_clamp and log_prob_min_clamp options.
+  mode=advantage with discount 0). Its `loss_max_clamp` (distillation_loss.loss_max_clamp: the per-token losses
+  clamped to [-c, c] before either use; off by default, 10 in its examples) is `clamp_losses`, applied by every
+  function here that takes `loss_max_clamp`.
 - verl's top-k forward KL (#5041, loss_mode `forward_kl_topk`, `verl/trainer/distillation/fsdp/losses.py`
   `compute_forward_kl_topk` with `distillation_loss.topk`): the teacher returns its K most likely tokens per position
   with their logprobs, the student's log_softmax over the WHOLE vocabulary is read at those ids (no
   renormalisation over the K), and the per-token loss is sum_k p_t(k) (log p_t(k) - log p_s(k)), the forward KL
   KL(teacher || student) restricted to the teacher's top-k support; its diagnostics `teacher_mass` and
   `student_mass` are each side's probability summed over those ids. `forward_kl_topk` and `topk_mass` are those,
-  term for term (estimator `forward_kl_topk`, loss mode only, as in verl). Not ported: the `_tail` variant's tail
-  bucket, the log_prob_min_clamp, and its overlap diagnostics.
+  term for term (estimator `forward_kl_topk`, loss mode only, as in verl), with its `log_prob_min_clamp` (both
+  sides' top-k logprobs clamped from below before the sum; off by default, -10 in its examples) and the
+  dispatcher's clamp of the per-token loss at 0 (`losses.py` `compute_forward_kl_topk`: below the vocabulary the two
+  sides' masses differ, and a student holding more of the teacher's top-k than the teacher does gives a negative
+  sum). Not ported: the `_tail` variant's tail bucket and its overlap diagnostics.
 """
 
 from __future__ import annotations
@@ -61,39 +66,59 @@ def reverse_kl(student: torch.Tensor, teacher: torch.Tensor, estimator: str = "k
     return kl_penalty(student, teacher, ESTIMATOR_KL_TYPES[estimator])
 
 
+def clamp_losses(losses: torch.Tensor, loss_max_clamp: float | None) -> torch.Tensor:
+    """verl's distillation_loss.loss_max_clamp: per-token losses clamped to [-c, c] (the lower side for k1, which can
+    be negative); None = as they are. A clamped token passes no gradient, as in verl.
+
+    >>> clamp_losses(torch.tensor([-12.0, 3.0, 15.0]), 10.0).tolist()
+    [-10.0, 3.0, 10.0]
+    """
+    return losses if loss_max_clamp is None else losses.clamp(-loss_max_clamp, loss_max_clamp)
+
+
 def reverse_kl_loss(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, estimator: str, mode: str,
-                    normaliser: float | torch.Tensor | None = None) -> torch.Tensor:
-    """The distillation loss (mode=loss, before its coefficient): `reverse_kl` aggregated over the loss mask by
-    actor.loss_agg_mode `mode` (`vlmrl.algorithms.aggregation.agg_loss`, with the mini-batch's `normaliser` when a
-    micro-batch passes it), as verl aggregates its estimator losses.
+                    normaliser: float | torch.Tensor | None = None, loss_max_clamp: float | None = None
+                    ) -> torch.Tensor:
+    """The distillation loss (mode=loss, before its coefficient): `reverse_kl`, clamped by `clamp_losses`, aggregated
+    over the loss mask by actor.loss_agg_mode `mode` (`vlmrl.algorithms.aggregation.agg_loss`, with the mini-batch's
+    `normaliser` when a micro-batch passes it), as verl aggregates its estimator losses.
 
     >>> reverse_kl_loss(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-2.0, -2.0]]), torch.ones(1, 2), "k1",
     ...                 "token-mean").item()
     0.5
     """
-    return agg_loss(reverse_kl(student, teacher, estimator), mask, mode, normaliser)
+    return agg_loss(clamp_losses(reverse_kl(student, teacher, estimator), loss_max_clamp), mask, mode, normaliser)
 
 
-def forward_kl_topk(student_topk: torch.Tensor, teacher_topk: torch.Tensor) -> torch.Tensor:
+def forward_kl_topk(student_topk: torch.Tensor, teacher_topk: torch.Tensor, log_prob_min_clamp: float | None = None
+                    ) -> torch.Tensor:
     """(B, R): sum over the teacher's top-k ids of p_t (log p_t - log p_s), from (B, R, K) logprobs at those ids
-    (each side's log_softmax over the whole vocabulary, read at the teacher's K ids); the gradient flows through
-    `student_topk` only. >= 0 when the teacher's K carry all its mass; K = the vocabulary gives KL(teacher ||
-    student) exactly. Computed in float32 at least, as verl's.
+    (each side's log_softmax over the whole vocabulary, read at the teacher's K ids), at least 0 (verl's clamp: below
+    the vocabulary the sum can go negative where the student holds more of those ids than the teacher); the
+    gradient flows through `student_topk` only. K = the vocabulary gives KL(teacher || student) exactly.
+    `log_prob_min_clamp` (verl's): both sides' logprobs clamped from below first. Computed in float32 at least, as
+    verl's.
 
     >>> s, t = torch.tensor([[[-1.0, -2.0]]]), torch.tensor([[[-0.5, -1.5]]])
     >>> round(forward_kl_topk(s, t).item(), 6)  # e^-0.5 * 0.5 + e^-1.5 * 0.5
     0.41483
+    >>> forward_kl_topk(t, s).item()  # the student above the teacher on both ids: negative, so 0
+    0.0
     """
     teacher = teacher_topk.detach().to(torch.promote_types(teacher_topk.dtype, torch.float32))
     student = student_topk.to(teacher.dtype)
-    return (teacher.exp() * (teacher - student)).sum(-1)
+    if log_prob_min_clamp is not None:
+        teacher, student = teacher.clamp_min(log_prob_min_clamp), student.clamp_min(log_prob_min_clamp)
+    return (teacher.exp() * (teacher - student)).sum(-1).clamp_min(0.0)
 
 
 def forward_kl_topk_loss(student_topk: torch.Tensor, teacher_topk: torch.Tensor, mask: torch.Tensor, mode: str,
-                         normaliser: float | torch.Tensor | None = None) -> torch.Tensor:
-    """The top-k forward-KL distillation loss (before its coefficient): `forward_kl_topk` aggregated over the loss
-    mask by actor.loss_agg_mode `mode`, as verl aggregates it."""
-    return agg_loss(forward_kl_topk(student_topk, teacher_topk), mask, mode, normaliser)
+                         normaliser: float | torch.Tensor | None = None, loss_max_clamp: float | None = None,
+                         log_prob_min_clamp: float | None = None) -> torch.Tensor:
+    """The top-k forward-KL distillation loss (before its coefficient): `forward_kl_topk`, clamped by
+    `clamp_losses`, aggregated over the loss mask by actor.loss_agg_mode `mode`, as verl aggregates it."""
+    losses = forward_kl_topk(student_topk, teacher_topk, log_prob_min_clamp)
+    return agg_loss(clamp_losses(losses, loss_max_clamp), mask, mode, normaliser)
 
 
 def topk_mass(topk: torch.Tensor) -> torch.Tensor:
@@ -123,14 +148,15 @@ def discounted_future_sum(values: torch.Tensor, discount: float) -> torch.Tensor
 
 
 def distill_advantages(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, discount: float = 0.0,
-                       coef: float = 1.0) -> torch.Tensor:
+                       coef: float = 1.0, loss_max_clamp: float | None = None) -> torch.Tensor:
     """(B, R) per-token distillation advantages: coef * the discounted future sum of the per-token rewards
-    -(log p_s - log p_t) over the loss mask; 0 outside it. A teacher equal to the student gives 0 everywhere.
+    -(log p_s - log p_t) over the loss mask (each k1 first clamped by `clamp_losses`, as verl clamps the losses it
+    turns into advantages); 0 outside it. A teacher equal to the student gives 0 everywhere.
 
     >>> distill_advantages(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-0.5, -2.5]]), torch.ones(1, 2)).tolist()
     [[0.5, -0.5]]
     """
-    rewards = zero_outside(-(student - teacher), mask)
+    rewards = zero_outside(-clamp_losses(student - teacher, loss_max_clamp), mask)
     return zero_outside(coef * discounted_future_sum(rewards, discount), mask)
 
 

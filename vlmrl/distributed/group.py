@@ -189,10 +189,19 @@ class DistributedActor:
     # ---- the actor's interface --------------------------------------------------------------------------------------
 
     def teacher_top_logprobs(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Not built for a sharded teacher yet (the config refuses estimator=forward_kl_topk with the teacher in the
-        trainer at dp > 1)."""
-        raise NotImplementedError("algorithm.distill.estimator=forward_kl_topk with the teacher in the trainer runs "
-                                  "on one device for now")
+        """The sharded teacher's (B, R) logprobs of the sampled tokens and its (B, R, k) top-k logprobs and ids
+        (algorithm.distill.estimator=forward_kl_topk), each rank scoring an equal contiguous slice of the rows as
+        `compute_logprobs` does (its forwards are collectives); in batch order."""
+        blocks = logprob_row_blocks(batch, self.dp_size, balanced=self.spec.actor.micro_batch_tokens > 0)
+        parts = self._each("teacher_top_logprobs", [(batch.select(rows), k) for rows in blocks],
+                           "teacher top-k logprobs")
+        order = torch.as_tensor([row for rows in blocks for row in rows], dtype=torch.long)
+        out = []
+        for gathered in (torch.cat(values) for values in zip(*parts)):
+            placed = torch.empty((len(batch), *gathered.shape[1:]), dtype=gathered.dtype)
+            placed[order] = gathered
+            out.append(placed)
+        return out[0], out[1], out[2]
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False,
                          record_routing: bool = False, teacher: bool = False

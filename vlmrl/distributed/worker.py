@@ -147,6 +147,12 @@ class TrainWorker:
                                                         record_routing=record_routing, teacher=teacher)
         return logprobs, entropy, batch.routed_experts if record_routing else None
 
+    def teacher_top_logprobs(self, batch: TrainBatch, k: int):
+        """The teacher's (logprobs, top-k logprobs, top-k ids) of this rank's rows (its shards' forward, a
+        collective like compute_logprobs')."""
+        self._rest_engine()
+        return self.actor.teacher_top_logprobs(batch, k)
+
     def update_shard(self, shard, old_from_engine: bool = False) -> dict[str, float]:
         self._rest_engine()
         return self.actor.update_shard(shard, old_from_engine)

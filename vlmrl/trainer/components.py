@@ -104,13 +104,15 @@ def teacher_backend_options(config: Config) -> BackendOptions:
     rollout = replace(r, dtype=d.teacher_dtype, gpu_memory_utilization=d.teacher_gpu_memory_utilization,
                       vllm=replace(r.vllm, capture_routing=False, engine_kwargs=vllm_kwargs,
                                    multiprocess=True if beside_vllm else r.vllm.multiprocess),
-                      sglang=replace(r.sglang, capture_routing=False))
+                      sglang=replace(r.sglang, capture_routing=False),
+                      # the teacher's server: at teacher_url, or launched on a free port with a log of its own
+                      server=replace(r.server, url=d.teacher_url, port=0, log_file=""))
     return backend_options(rollout, d.teacher_engine, max_model_len=config.derived.max_model_len,
                            seed=config.trainer.seed, colocated=True)
 
 
 def start_teacher_engine(config: Config) -> EngineTeacher | None:
-    """The distillation teacher's engine (algorithm.distill.teacher_engine = hf | vllm | sglang) on
+    """The distillation teacher's engine (algorithm.distill.teacher_engine = hf | vllm | sglang | sglang-server) on
     algorithm.distill.teacher, from `teacher_backend_options`; None when the teacher runs in the trainer (or there
     is none)."""
     from vlmrl.trainer.teacher_engine import EngineTeacher

@@ -203,7 +203,8 @@ def distill_inputs(config: DistillConfig, batch: TrainBatch, advantages: torch.T
     (mode=loss) the batch carrying the teacher's logprobs (estimator=forward_kl_topk: its top-k ids and logprobs),
     from which the update adds coef x the distillation loss."""
     mask = batch.response_mask
-    per_token = (distill_advantages(student, teacher.logprobs, mask, config.discount, config.coef)
+    per_token = (distill_advantages(student, teacher.logprobs, mask, config.discount, config.coef,
+                                    config.loss_max_clamp)
                  if config.mode == "advantage" else None)
     advantages = mixed_advantages(advantages, per_token, mask, config.reward_weight)
     if config.mode != "loss":

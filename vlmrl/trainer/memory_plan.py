@@ -309,6 +309,11 @@ def teacher_plan(config: Config, teacher: ModelFacts | None, dp: int, device: in
     whole = teacher.base_parameters * b
     forward = forward_bytes(teacher.text, teacher.vision, mb, Precision(stream=b, compute=min(b, p.compute)),
                             a.logprob_chunk_size)
+    if d.served_by_url:  # on the server's own devices; the first step's check loads it in the driver's process
+        check = whole + forward if d.engine_check_samples > 0 else 0
+        if dp > 1:  # the driver holds no training device: its host memory
+            return TeacherPlan(host={"teacher (first-step check, in the driver)": check} if check else {})
+        return TeacherPlan(passes=check)
     if d.teacher_engine != "trainer":
         releases = gpu  # started colocated: vLLM's sleep mode / SGLang's memory saver on a GPU
         asleep = {"teacher engine weights (asleep)": whole} if releases and d.teacher_engine == "vllm" else {}
