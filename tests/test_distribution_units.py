@@ -55,7 +55,8 @@ def test_units_keep_shared_engines_together_and_put_the_long_runs_first(pytester
     pytester.makepyfile(**{
         "tests/rollout/test_engine": ENGINES,
         "tests/alpha/test_alpha": ALPHA,
-        "tests/beta/test_beta": "import pytest\n\n@pytest.mark.ray\ndef test_ray_too():\n    pass\n"})
+        "tests/beta/test_beta": "import pytest\n\n@pytest.mark.ray\ndef test_ray_too():\n    pass\n",
+        "tests/gamma/test_gamma": "def test_quick():\n    pass\n"})
     items, _ = pytester.inline_genitems("tests")
     units = {item.nodeid.split("::")[1]: distribution_unit(item) for item in items}
     assert units["test_one"] == units["test_two"] == "rollout", "tests/rollout shares its engines: one worker"
@@ -67,6 +68,9 @@ def test_units_keep_shared_engines_together_and_put_the_long_runs_first(pytester
     assert len(set(alone)) == 2 and all(unit.startswith("slow:") and "[" not in unit for unit in alone), alone
 
     ordered = [item.nodeid.split("::")[1] for item in distribution_units(items)]
-    assert ordered[:2] == ["test_slow_alone[vllm]", "test_slow_alone[sglang]"], ordered
-    assert set(ordered[2:7]) == {"test_one", "test_two", "test_on_a_moe_engine", "test_ray", "test_ray_too"}, ordered
-    assert ordered[7:] == ["test_plain", "test_slow_with_the_modules_engine"], "the rest in collection order"
+    # the units holding a slow run first, in collection order (a module's whole unit with its slow test: its runs
+    # share a fixture), then the long units, then the rest
+    assert ordered[:4] == ["test_plain", "test_slow_with_the_modules_engine", "test_slow_alone[vllm]",
+                           "test_slow_alone[sglang]"], ordered
+    assert set(ordered[4:9]) == {"test_one", "test_two", "test_on_a_moe_engine", "test_ray", "test_ray_too"}, ordered
+    assert ordered[9:] == ["test_quick"], ordered
