@@ -6,7 +6,6 @@ whatever trainer.weight_probe_action says, instead of training on another model'
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.trainer.test_fit import base_args
 from vlmrl.config import load_config
@@ -45,3 +44,36 @@ def test_the_start_check_is_one_error_line_with_exit_status_1():
         raise RuntimeError("step 0 failed") from error
     except RuntimeError as wrapped:
         assert reported_error(wrapped) == (str(error), 1)
+
+
+def test_a_resumed_run_checks_its_restarted_engine_without_touching_the_probes_record(tiny_model_path, tmp_path,
+                                                                                       caplog):
+    """A run resumed from its checkpoint starts its engine again: fit checks it as before step 1. In step, nothing
+    is recorded (the next probe is judged against the checkpoint's reference, as the uninterrupted run's is); an
+    engine that computes another model is the start-up check's error (hf backend: the check is the engine's
+    answer against the trainer's logprobs, whatever the engine)."""
+    args = base_args(tiny_model_path, tmp_path / "run", "trainer.total_steps=2", "trainer.save_freq=1",
+                     "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.weight_probe_action=warn")
+    from vlmrl.trainer.fit import fit
+
+    fit(load_config([*args, "trainer.total_steps=1"]))
+    config = load_config(args)
+    setup_process(config)
+    run = setup_run(config)
+    try:
+        assert run.step == 1
+        probes = sorted((tmp_path / "run" / "drift").glob("probe_*.json"))
+        reference = run.probe.state_dict()
+        run.probe.check_resumed(run.actor, run.parts.backend, run.step, run.engine_version)
+        assert run.probe.state_dict() == reference and run.probe.last is None, "the check recorded a probe"
+        assert sorted((tmp_path / "run" / "drift").glob("probe_*.json")) == probes
+        state = {name: t.detach().clone() for name, t in run.actor.named_tensors()}
+        other = {name: (-t if "layers.1.mlp.down_proj" in name else t) for name, t in state.items()}
+        run.parts.backend.update_weights(other.items())
+        with pytest.raises(EngineModelError, match=r"the hf engine computes another model than the trainer"):
+            run.probe.check_resumed(run.actor, run.parts.backend, run.step, run.engine_version)
+    finally:
+        run.close()
+    with caplog.at_level("INFO", logger="vlmrl.trainer.engine_probe"):
+        fit(config)  # the resume as a user runs it: fit checks the engine before step 2
+    assert "resumed at step 1: the hf engine computes the trainer's model" in caplog.text

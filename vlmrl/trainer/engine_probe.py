@@ -1,6 +1,7 @@
 """Probing the engine: the fit loop's share of the weights probe (its judgement and records are
-`vlmrl.alignment.weight_probe`). After every weight sync, and once before the first step, the engine answers one
-fixed request greedily and the trainer scores its tokens.
+`vlmrl.alignment.weight_probe`). After every weight sync, and once before the first step (the start-up check; a
+resumed run checks its restarted engine the same way, recording nothing), the engine answers one fixed request
+greedily and the trainer scores its tokens.
 
 The request is the first training row that builds (with its image or video when the data has them, so the vision
 tower's weights are probed too), the same for the whole run. At trainer.n_gpus_per_node x trainer.nnodes > 1 it goes
@@ -15,7 +16,7 @@ import logging
 
 import torch
 
-from vlmrl.alignment.weight_probe import IN_SYNC, ProbeRecord, ProbeState, tolerance_for, write_probe
+from vlmrl.alignment.weight_probe import IN_SYNC, ProbeRecord, ProbeState, judge, tolerance_for, write_probe
 from vlmrl.batch.padding import pad_results, scored_batch
 from vlmrl.data.dataset import build_requests
 from vlmrl.types import RolloutRequest, SamplingParams
@@ -86,22 +87,11 @@ class WeightProbe:
         where a failed probe means the engine computes another model than the trainer from the start (an engine
         that reads the config otherwise, skips weights it does not expect, or loaded other weights): it raises
         EngineModelError whatever `action` says."""
-        if self.request is None:
+        measured = self._measure(actor, backend, step)
+        if measured is None:
             return {}
-        sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.tokens, seed=0)
-        each = [results[0] for results in backend.generate_on_each([self.request], sampling)]
-        result = each[0]  # engine 0 is judged against the trainer; the others against engine 0
-        if not result.response_ids or len(result.response_logprobs) != len(result.response_ids):
-            logger.warning("step %d: the weight probe got %d tokens and %d logprobs from %s: not judged", step,
-                           len(result.response_ids), len(result.response_logprobs), backend.name)
-            return {}
-        trainer = self._trainer_logprobs(actor, result)
-        if self._dtypes is None:  # read once: at dp > 1 the actor's dtype is a call to a worker
-            engine_dtype = backend.dtype
-            trainer_dtype = str(actor.forward_dtype()).removeprefix("torch.")
-            tolerance, self.state.noise_floor = tolerance_for(engine_dtype, trainer_dtype)
-            self._dtypes = engine_dtype, trainer_dtype, tolerance
-        engine_dtype, trainer_dtype, tolerance = self._dtypes
+        each, result, trainer = measured
+        engine_dtype, trainer_dtype, tolerance = self._resolve_dtypes(actor, backend)
         record = self.last = self.state.judge(step, engine_version, list(result.response_ids),
                                               list(result.response_logprobs), trainer, tolerance)
         if self.output_dir is not None:
@@ -115,13 +105,7 @@ class WeightProbe:
                 raise WeightProbeError(message + "; trainer.weight_probe_action=warn keeps training")
             logger.warning(message)
         if record.failed and at_start:
-            raise EngineModelError(
-                f"the {backend.name} engine computes another model than the trainer: on the probe request "
-                f"({_inputs(self.request)}) its logprobs of its own {len(record.token_ids)} greedy tokens sit up to "
-                f"{record.max_abs_dlogp:.3g} nats from the trainer's, beyond the {tolerance:g} a {engine_dtype} "
-                f"engine and a {trainer_dtype} trainer may differ ({record.explanation}); compare the two with "
-                "`python -m vlmrl.alignment.compare --backends trainer,<engine> --drill-down`, or run on another "
-                "engine (trainer.weight_probe_tokens=0 turns this check off)")
+            raise self._model_error(backend, record)
         if record.failed:
             message = (f"step {step}: weight probe {record.verdict}: {record.explanation} ({backend.name} engine, "
                        f"{engine_dtype}; trainer {trainer_dtype})")
@@ -137,6 +121,59 @@ class WeightProbe:
         if record.landed_fraction is not None:
             metrics["weight_probe/landed_fraction"] = record.landed_fraction
         return metrics
+
+    def check_resumed(self, actor, backend, step: int, engine_version: int) -> None:
+        """The start-up check of a resumed run, whose engine started again on the checkpoint of step `step`: as the
+        check before step 1 (EngineModelError when the engine computes another model than the trainer, or its
+        engines answer apart), judged on the gap alone and recorded nowhere, so that the next probe is judged
+        against the checkpoint's reference as the uninterrupted run's is."""
+        measured = self._measure(actor, backend, step)
+        if measured is None:
+            return
+        each, result, trainer = measured
+        engine_dtype, _, tolerance = self._resolve_dtypes(actor, backend)
+        record = judge(step, engine_version, list(result.response_ids), list(result.response_logprobs), trainer,
+                       tolerance, noise_floor=self.state.noise_floor)
+        apart = engines_apart(each, self.state.noise_floor)
+        if apart:
+            raise EngineModelError(f"resumed at step {step}: weight probe: {apart} ({backend.name}, {engine_dtype})")
+        if record.failed:
+            raise self._model_error(backend, record)
+        logger.info("resumed at step %d: the %s engine computes the trainer's model (%s)", step, backend.name,
+                    record.explanation)
+
+    def _measure(self, actor, backend, step: int):
+        """(each engine's answer, engine 0's, the trainer's logprobs of its tokens), or None when the probe is off
+        or the engine returned no logprobs."""
+        if self.request is None:
+            return None
+        sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.tokens, seed=0)
+        each = [results[0] for results in backend.generate_on_each([self.request], sampling)]
+        result = each[0]  # engine 0 is judged against the trainer; the others against engine 0
+        if not result.response_ids or len(result.response_logprobs) != len(result.response_ids):
+            logger.warning("step %d: the weight probe got %d tokens and %d logprobs from %s: not judged", step,
+                           len(result.response_ids), len(result.response_logprobs), backend.name)
+            return None
+        return each, result, self._trainer_logprobs(actor, result)
+
+    def _resolve_dtypes(self, actor, backend) -> tuple[str, str, float]:
+        """(engine dtype, trainer dtype, tolerance), read once: at dp > 1 the actor's dtype is a call to a worker."""
+        if self._dtypes is None:
+            engine_dtype = backend.dtype
+            trainer_dtype = str(actor.forward_dtype()).removeprefix("torch.")
+            tolerance, self.state.noise_floor = tolerance_for(engine_dtype, trainer_dtype)
+            self._dtypes = engine_dtype, trainer_dtype, tolerance
+        return self._dtypes
+
+    def _model_error(self, backend, record: ProbeRecord) -> EngineModelError:
+        engine_dtype, trainer_dtype, tolerance = self._dtypes
+        return EngineModelError(
+            f"the {backend.name} engine computes another model than the trainer: on the probe request "
+            f"({_inputs(self.request)}) its logprobs of its own {len(record.token_ids)} greedy tokens sit up to "
+            f"{record.max_abs_dlogp:.3g} nats from the trainer's, beyond the {tolerance:g} a {engine_dtype} "
+            f"engine and a {trainer_dtype} trainer may differ ({record.explanation}); compare the two with "
+            "`python -m vlmrl.alignment.compare --backends trainer,<engine> --drill-down`, or run on another "
+            "engine (trainer.weight_probe_tokens=0 turns this check off)")
 
     def _trainer_logprobs(self, actor, result) -> list[float]:
         """The trainer's temperature-1 logprobs of the engine's probe tokens (one row, padding rows up to the dp

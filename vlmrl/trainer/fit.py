@@ -60,6 +60,8 @@ def fit(config: Config, stop: Callable[[int, dict[str, float]], bool] | None = N
     try:
         if run.step == 0:
             start_of_training(run)
+        elif run.probe is not None:  # resumed: its engine, started again, computes the trainer's model
+            run.probe.check_resumed(run.actor, run.parts.backend, run.step, run.engine_version)
         from tqdm import tqdm
 
         progress = tqdm(total=run.total_steps, initial=run.step, desc="GRPO", unit="step", file=sys.stderr,
