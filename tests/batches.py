@@ -38,3 +38,22 @@ def make_batch(processor, rows, n: int, text_only_rows: tuple[int, ...] = (), re
             sample.reward = float(torch.rand(1, generator=gen) > 0.5)
             samples.append(sample)
     return stack_samples(samples)
+
+
+def sampled_student_batch(processor, rows) -> tuple[list, TrainBatch]:
+    """Three prompts with their images, sampled twice each by the student (tiny) on hf, padded and stacked as a step
+    does, with padding rows up to 8: (requests, batch). What a distillation teacher scores."""
+    from vlmrl.batch.padding import pad_results, scored_batch
+    from vlmrl.rollout.registry import get_backend
+    from vlmrl.types import SamplingParams
+
+    requests = [processor.build_request(row, i) for i, row in enumerate(rows[:3])]
+    assert all(request.images for request in requests)
+    with get_backend("hf", "tiny", dtype="float32", max_model_len=128) as student:
+        results = student.generate(requests, SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3))
+    samples = pad_results([processor.prompt_inputs(r) for r in requests], results, prompt_length=64,
+                          response_length=4, pad_token_id=processor.pad_token_id, policy_version=0)
+    batch = scored_batch(samples, [0.0] * len(samples), [{}] * len(samples), multiple=8,
+                         eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
+    assert int(batch.is_padding.sum()) == 2
+    return requests, batch

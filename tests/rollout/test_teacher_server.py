@@ -7,16 +7,22 @@ from __future__ import annotations
 
 import pytest
 
+from tests.batches import sampled_student_batch
 from tests.rollout.helpers import GREEDY
 from tests.trainer.test_fit import base_args
-from tests.trainer.test_teacher_engine import FP32_BAND, assert_same_top_k, student_samples  # noqa: F401 (fixture)
+from tests.trainer.test_teacher_engine import FP32_BAND, assert_same_top_k
 from vlmrl.config import load_config
 
 pytestmark = pytest.mark.sglang
 
 
+@pytest.fixture(scope="module")
+def student_samples(processor, synthetic_rows):
+    return sampled_student_batch(processor, synthetic_rows)
+
+
 def test_a_teacher_served_by_url_runs_at_dp2_scores_as_the_trainer_and_is_left_running(
-        sglang_server_qwen2_5_vl, student_samples, tmp_path):  # noqa: F811 (the fixture imported above)
+        sglang_server_qwen2_5_vl, student_samples, tmp_path):
     """trainer.n_gpus_per_node=2 with the teacher at a URL loads (an engine teacher in this process is refused
     there); the client scores each real row after its own request: the sampled tokens' logprobs and the top-4 per
     position equal the teacher in the trainer (fp32 band), the first-step check passes; closing the teacher leaves

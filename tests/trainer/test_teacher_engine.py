@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from tests.batches import sampled_student_batch
 from tests.trainer.test_distill_fit import ONE_STEP
 from tests.trainer.test_fit import base_args
 from vlmrl.config import ConfigError, load_config
@@ -115,20 +116,7 @@ def test_a_fit_with_the_teacher_on_an_engine_equals_the_trainer_teacher_fit(tmp_
 def student_samples(processor, synthetic_rows):
     """Three prompts with their images, sampled twice each by the student on hf, padded and stacked as a step does,
     with padding rows up to 8: (requests, batch)."""
-    from vlmrl.batch.padding import pad_results, scored_batch
-    from vlmrl.rollout.registry import get_backend
-    from vlmrl.types import SamplingParams
-
-    requests = [processor.build_request(row, i) for i, row in enumerate(synthetic_rows[:3])]
-    assert all(request.images for request in requests)
-    with get_backend("hf", "tiny", dtype="float32", max_model_len=128) as student:
-        results = student.generate(requests, SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3))
-    samples = pad_results([processor.prompt_inputs(r) for r in requests], results, prompt_length=64,
-                          response_length=4, pad_token_id=processor.pad_token_id, policy_version=0)
-    batch = scored_batch(samples, [0.0] * len(samples), [{}] * len(samples), multiple=8,
-                         eos_token_id=processor.eos_token_ids[0], pad_token_id=processor.pad_token_id)
-    assert int(batch.is_padding.sum()) == 2
-    return requests, batch
+    return sampled_student_batch(processor, synthetic_rows)
 
 
 def assert_same_top_k(engine_ids: torch.Tensor, engine_values: torch.Tensor, trainer_ids: torch.Tensor,

@@ -188,20 +188,28 @@ class DistributedActor:
 
     # ---- the actor's interface --------------------------------------------------------------------------------------
 
-    def teacher_top_logprobs(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The sharded teacher's (B, R) logprobs of the sampled tokens and its (B, R, k) top-k logprobs and ids
-        (algorithm.distill.estimator=forward_kl_topk), each rank scoring an equal contiguous slice of the rows as
-        `compute_logprobs` does (its forwards are collectives); in batch order."""
+    def _on_row_blocks(self, method: str, batch: TrainBatch, args: tuple, what: str
+                       ) -> tuple[list[list[int]], list[Any], Any]:
+        """`method` on every rank over an equal contiguous slice of the rows (its forwards are collectives): (the
+        blocks, each rank's answer, a function that puts a list of per-rank tensors back into batch order)."""
         blocks = logprob_row_blocks(batch, self.dp_size, balanced=self.spec.actor.micro_batch_tokens > 0)
-        parts = self._each("teacher_top_logprobs", [(batch.select(rows), k) for rows in blocks],
-                           "teacher top-k logprobs")
+        parts = self._each(method, [(batch.select(rows), *args) for rows in blocks], what)
         order = torch.as_tensor([row for rows in blocks for row in rows], dtype=torch.long)
-        out = []
-        for gathered in (torch.cat(values) for values in zip(*parts)):
+
+        def in_batch_order(per_rank: list[torch.Tensor]) -> torch.Tensor:
+            gathered = torch.cat(per_rank)  # the ranks' precision: float32, or float64 for float64
             placed = torch.empty((len(batch), *gathered.shape[1:]), dtype=gathered.dtype)
             placed[order] = gathered
-            out.append(placed)
-        return out[0], out[1], out[2]
+            return placed
+
+        return blocks, parts, in_batch_order
+
+    def teacher_top_logprobs(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sharded teacher's (B, R) logprobs of the sampled tokens and its (B, R, k) top-k logprobs and ids
+        (algorithm.distill.estimator=forward_kl_topk), each rank scoring its slice of the rows; in batch order."""
+        _, parts, in_batch_order = self._on_row_blocks("teacher_top_logprobs", batch, (k,), "teacher top-k logprobs")
+        logprobs, values, ids = (in_batch_order(list(per_rank)) for per_rank in zip(*parts))
+        return logprobs, values, ids
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False, with_entropy: bool = False,
                          record_routing: bool = False, teacher: bool = False
@@ -211,18 +219,11 @@ class DistributedActor:
         policy): each rank records its rows' routing and the rows' routes come back into `batch.routed_experts`
         (in batch order), so that `update` hands every row's routing to whichever rank updates that row. `teacher`:
         the distillation teacher's logprobs, sharded like the reference's."""
-        blocks = logprob_row_blocks(batch, self.dp_size, balanced=self.spec.actor.micro_batch_tokens > 0)
-        parts = self._each("compute_logprobs",
-                           [(batch.select(rows), reference, with_entropy, record_routing, teacher) for rows in blocks],
-                           "teacher logprobs" if teacher else "reference logprobs" if reference else "logprobs")
-        order = torch.as_tensor([row for rows in blocks for row in rows], dtype=torch.long)
-        gathered = torch.cat([lp for lp, _, _ in parts])  # the ranks' precision: float32, or float64 for float64
-        logprobs = torch.empty_like(batch.response_mask, dtype=gathered.dtype)
-        logprobs[order] = gathered
-        entropy = None
-        if with_entropy:
-            entropy = torch.empty_like(logprobs)
-            entropy[order] = torch.cat([ent for _, ent, _ in parts])
+        blocks, parts, in_batch_order = self._on_row_blocks(
+            "compute_logprobs", batch, (reference, with_entropy, record_routing, teacher),
+            "teacher logprobs" if teacher else "reference logprobs" if reference else "logprobs")
+        logprobs = in_batch_order([lp for lp, _, _ in parts])
+        entropy = in_batch_order([ent for _, ent, _ in parts]) if with_entropy else None
         if record_routing and any(routes is not None for _, _, routes in parts):
             routed: list[torch.Tensor | None] = [None] * len(batch)
             for rows, (_, _, routes) in zip(blocks, parts):
