@@ -334,15 +334,34 @@ class DistributedActor:
         live in the workers). Returns the number of tensors each engine loaded.
 
         A group built without engines (its rollout engines are rollout workers of their own,
-        `vlmrl.distributed.rollout_workers.RemoteEngines`) gathers the full weights to the driver and loads them
-        through `backend.update_weights`, bucketed as every backend's sync is."""
+        `vlmrl.distributed.rollout_workers.RemoteEngines`) sends the weights from training rank 0 over the weight
+        group where the workers take them that way (`RemoteEngines.sync_from_ranks`); otherwise (the object store)
+        it gathers them to the driver and loads them through `backend.update_weights`."""
         if self.spec.engine is None:
+            loaded = backend.sync_from_ranks(self)
+            if loaded is not None:
+                return loaded
             named = list(self.named_tensors())
             backend.update_weights(named)
             return len(named)
         loaded = max(self._each("sync_weights", [()] * self.dp_size, "weight sync"))
         backend.weights_loaded()
         return loaded
+
+    # ---- the weight group's sender (`vlmrl.distributed.weight_transfer.WeightSource`): training rank 0
+
+    def weight_group_address(self, port: int):
+        return self.workers[0].weight_group_address.remote(port)
+
+    def join_weight_group(self, group):
+        return self.workers[0].join_weight_group.remote(group)
+
+    def leave_weight_group(self):
+        return self.workers[0].leave_weight_group.remote()
+
+    def send_weights(self, recipe) -> tuple[Any, list[Any]]:
+        return (self.workers[0].send_weights.remote(recipe),
+                [worker.gather_weights.remote() for worker in self.workers[1:]])
 
     def load_engine_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Load weights given here (the driver) into every engine: the generic path (see `sync_weights`)."""

@@ -23,8 +23,9 @@ between the two.
   generated again with the same seeds; once the restarts are used up, the call fails with EngineDeadError naming the
   worker. A death during a collective sync restarts the dead worker (and any whose engine the broken load left
   half-loaded), forms the group again and sends the whole sync again; between syncs, the object store path reloads
-  the stored copy, while the collective path (which stores nothing) sends the restarted worker the weights at the
-  next sync and generates its run on the workers that hold the current ones. A call that overruns
+  the stored copy, while the collective path (which stores nothing) cuts the requests again over the workers that
+  hold the current weights (each result names the engine that made it), leaves the restarted one out of the weight
+  probe, and forms the group again at the next sync, which brings it back. A call that overruns
   rollout.timeout_s fails with EngineTimeoutError. Never a hang.
 - **Adapters** (a LoRA policy synced as its adapter) travel as the folder's files through the object store, written
   by each worker into a folder of its own: the driver's disk need not be shared with the workers' nodes.
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ import torch
 
 from vlmrl.distributed.engines import engine_dtype
 from vlmrl.distributed.group import FORWARDED_ENV, ensure_ray
-from vlmrl.distributed.weight_transfer import CollectiveSender, port_is_free, resolve_transfer
+from vlmrl.distributed.weight_transfer import CollectiveSender, WeightSource, port_is_free, resolve_transfer
 from vlmrl.distributed.rollout_actor import GpuHolder, RolloutWorker, RolloutWorkerSpec
 from vlmrl.rollout.base import RolloutBackend
 from vlmrl.rollout.errors import EngineDeadError, EngineTimeoutError, RestartsUsedUp, RolloutError
@@ -63,9 +64,11 @@ class RemoteEngines(RolloutBackend):
     (a local cluster) when this process has not joined one. Close it to end the workers."""
 
     def __init__(self, spec: RolloutWorkerSpec, workers: int, restarts: int = 1, use_gpu: bool | None = None,
-                 driver_trains: bool = False):
+                 driver_trains: bool = False, source: WeightSource | None = None):
         """`driver_trains`: the trainer runs in this process on this node's GPU (dp = 1), which Ray does not know
-        of: it is reserved first (`_reserve_driver_gpu`), so that no worker's bundle is given it."""
+        of: it is reserved first (`_reserve_driver_gpu`), so that no worker's bundle is given it. `source`: the
+        training ranks (dp > 1) that send each sync over the weight group themselves (`sync_from_ranks`); None:
+        this process sends."""
         if workers < 1:
             raise ValueError(f"RemoteEngines needs at least one worker, got {workers}")
         super().__init__(spec.engine.model_path, spec.engine.options)
@@ -116,7 +119,7 @@ class RemoteEngines(RolloutBackend):
             self.dtype = engine_dtype([info["dtype"] for info in self.infos], self.dtype, self.name)
             if self.transfer == "collective":  # formed now: a group the engines refuse stops the run before training
                 self.sender = CollectiveSender(self.group_backend, self._driver_address(), spec.group_port,
-                                               self.rollout.timeout_s, self._get)
+                                               self.rollout.timeout_s, self._get, source=source)
                 self._form_group()
         except BaseException:
             self.close()
@@ -286,10 +289,11 @@ class RemoteEngines(RolloutBackend):
         """The workers whose engine holds the last sync's weights."""
         return [i for i, info in enumerate(self.infos) if info.get("version") == self.version]
 
-    def _on_each(self, calls: list[tuple[int, Any]], what: str) -> list[Any]:
+    def _on_each(self, calls: list[tuple[int, Any]], what: str, current_only: bool = False) -> list[Any]:
         """Run `call(worker)` for each (index, call) at once; a worker that died is restarted and its call made again
-        (on a worker that holds the last sync's weights, when the restarted one does not yet). Results in the calls'
-        order."""
+        on it (its own question: a death is always blamed on, and restarts, the worker that died). Results in the
+        calls' order. `current_only`: a worker that the restart left without the last sync's weights (the collective
+        group stores no copy to reload) is asked nothing more: its result is None."""
         refs = {index: call(self.workers[index]) for index, call in calls}
         out: dict[int, Any] = {}
         for index, call in calls:
@@ -300,51 +304,103 @@ class RemoteEngines(RolloutBackend):
                     if index not in self._died:
                         raise
                     self._restart(index, err)
-                    where = index if index in self.current() else next(iter(self.current()), None)
-                    if where is None:
-                        raise EngineDeadError(f"{err}; restarted, but no rollout worker holds the last synced "
-                                              f"weights (version {self.version}) to run its call: the collective "
-                                              "group stores no copy (trainer.async_rollout.weight_transfer="
-                                              "object_store does)") from err
-                    refs[index] = call(self.workers[where])
+                    if current_only and index not in self.current():
+                        out[index] = None
+                    else:
+                        refs[index] = call(self.workers[index])
         return [out[index] for index, _ in calls]
 
     # ---- the backend
 
     def _generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
-        workers = self.current()
-        if not workers:
-            raise EngineDeadError(f"{self.name}: no rollout worker holds the last synced weights (version "
-                                  f"{self.version}): every one was restarted since and waits for the next sync "
-                                  "(trainer.async_rollout.weight_transfer=collective stores no copy to reload; "
-                                  "object_store does)")
-        runs = split_evenly(list(requests), len(workers))
-        starts = [sum(len(run) for run in runs[:k]) for k in range(len(runs))]
-        calls = [(index, (lambda w, run=run, s=replace(sampling, seed=sample_seed(sampling, start)):
-                          w.generate.remote(run, s)))
-                 for index, run, start in zip(workers, runs, starts) if run]
-        results = [result for part in self._on_each(calls, "generation") for result in part]
-        return numbered_engines(results, [len(run) for run in runs], sampling.n, engines=workers)
+        """The requests cut into one contiguous run per worker that holds the last sync's weights. A worker that dies
+        and is started again without them (the collective group stores no copy) drops out: the requests are cut
+        again over the workers that hold them and generated again with the same seeds (a seeded request draws the
+        same samples on any engine), so each result names the engine that made it."""
+        while True:
+            workers = self.current()
+            if not workers:
+                raise EngineDeadError(f"{self.name}: no rollout worker holds the last synced weights (version "
+                                      f"{self.version}): every one was restarted since and waits for the next sync "
+                                      "(trainer.async_rollout.weight_transfer=collective stores no copy to reload; "
+                                      "object_store does)")
+            runs = split_evenly(list(requests), len(workers))
+            starts = [sum(len(run) for run in runs[:k]) for k in range(len(runs))]
+            calls = [(index, (lambda w, run=run, s=replace(sampling, seed=sample_seed(sampling, start)):
+                              w.generate.remote(run, s)))
+                     for index, run, start in zip(workers, runs, starts) if run]
+            parts = self._on_each(calls, "generation", current_only=True)
+            if all(part is not None for part in parts):
+                break
+            logger.warning("%s: rollout worker(s) %s restarted without the last synced weights: their requests go to "
+                           "workers %s", self.name, [i for (i, _), part in zip(calls, parts) if part is None],
+                           self.current())
+        results = [result for part in parts for result in part]
+        return numbered_engines(results, [len(run) for run in runs], sampling.n,
+                                engines=workers if len(self.workers) > 1 else None)
 
     def generate_on_each(self, requests: Sequence[RolloutRequest], sampling: SamplingParams
                          ) -> list[list[RolloutResult]]:
-        """The same requests on every worker (the weight probe's question to each engine after a sync)."""
+        """The same requests on every worker (the weight probe's question to each engine after a sync); a worker
+        that holds no current weights (restarted between collective syncs: it generates nothing until the next)
+        answers []."""
         self.check_requests(requests, sampling)
-        return self._on_each([(i, lambda w: w.generate.remote(list(requests), sampling))
-                              for i in range(len(self.workers))], "generation on each worker")
+        current = self.current()
+        answers = self._on_each([(i, lambda w: w.generate.remote(list(requests), sampling)) for i in current],
+                                "generation on each worker", current_only=True)
+        by_worker = dict(zip(current, answers))
+        return [by_worker.get(i) or [] for i in range(len(self.workers))]
 
     def weights_checksums(self) -> list[str]:
-        """Each worker's `weights_checksum`: equal on workers that hold the same weights."""
+        """Each worker's `weights_checksum`: equal on workers that hold the same weights (a worker restarted between
+        collective syncs gives its start weights')."""
         return self._on_each([(i, lambda w: w.weights_checksum.remote()) for i in range(len(self.workers))],
                              "checksum of the weights")
 
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None
                         ) -> None:
         self.version += 1
-        if self.transfer == "collective":
-            self._send_collective(named_tensors, names)
-        else:
+        if self.transfer == "collective" and self.sender.source is None:
+            again = isinstance(named_tensors, (list, tuple))
+            self._send_collective(lambda: self.sender.send(self.sync_plan(named_tensors, names).buckets,
+                                                           self.version), again)
+        else:  # weights this process holds, where training rank 0 sends over the group: through the object store
             self._send_stored(named_tensors, names)
+        self._check_versions()
+
+    def send_from(self, source: WeightSource | None) -> None:
+        """Who sends the collective syncs from now on: the training ranks `source` (`sync_from_ranks`), or this
+        process (None, `update_weights`). The group forms again with that sender."""
+        if self.sender is None:
+            raise RolloutError(f"{self.name}: the weights reach the rollout workers through Ray's object store: "
+                               "there is no weight group to send over")
+        if self.sender.source is not source:
+            self.sender.close()
+            self.sender.source = source
+            self._form_group()
+
+    def sync_from_ranks(self, source: WeightSource) -> int | None:
+        """The sync sent by the training ranks over the weight group (the group formed with them as its sender:
+        `source`), the whole weights passing through no other process; None with the object store, or a group
+        whose sender is this process."""
+        if self.sender is None or self.sender.source is not source:
+            return None
+        self.version += 1
+        recipe = self.sync_recipe()
+        loaded: list[int] = []
+
+        def send() -> int:
+            sent, tensors = self.sender.send_from_source(recipe, self.version)
+            loaded.append(tensors)
+            return sent
+
+        self._send_collective(send, again=True)  # the ranks gather again for a resend
+        self._check_versions()
+        self.weights_dropped = False
+        self.weights_loaded()
+        return loaded[-1]
+
+    def _check_versions(self) -> None:
         behind = [i for i, info in enumerate(self.infos) if info.get("version") != self.version]
         if behind:  # never a run on mixed weights
             raise RolloutError(f"{self.name}: weight sync {self.version} did not reach rollout workers {behind}")
@@ -362,18 +418,20 @@ class RemoteEngines(RolloutBackend):
         for info, version in zip(self.infos, versions):
             info["version"] = version
 
-    def _send_collective(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None
-                         ) -> None:
-        """The sync broadcast over the group. A worker that dies during it is restarted (one restart), every other
-        worker started again too (the broken load left its engine half-loaded; not counted), the group formed again
-        and the whole sync sent again: `named_tensors` must then be read again (a list; a stream that can be read
-        once makes it an error)."""
-        again = isinstance(named_tensors, (list, tuple))
+    def _send_collective(self, send: Callable[[], int], again: bool) -> None:
+        """A sync over the group (`send()`: its bytes), the group formed again first when a worker was started
+        again since it formed (its new engine is not in the old group). A worker that dies during the sync is
+        restarted (one restart), every other worker started again too (the broken load left its engine
+        half-loaded; not counted), the group formed again and the whole sync sent again where it can be (`again`:
+        the weights can be read a second time; a stream read once makes it an error)."""
         self._last_sync, self._last_adapter = None, None
         self._died.clear()
+        members = [m.worker for m in self.sender.members]
+        if len(members) != len(self.workers) or any(a is not b for a, b in zip(members, self.workers)):
+            self._form_group()
         for attempt in range(2):
             try:
-                self.sent_bytes = self.sender.send(self.sync_plan(named_tensors, names).buckets, self.version)
+                self.sent_bytes = send()
                 break
             except (RuntimeError, RolloutError) as err:
                 dead = sorted(self._died)

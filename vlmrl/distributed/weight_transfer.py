@@ -24,11 +24,12 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from vlmrl.rollout.weight_group import WeightGroup, free_port, join_group, leave_group, pack_bucket
+from vlmrl.rollout.weight_group import WeightGroup, free_port, join_group, leave_group, pack_bucket, send_bucket
+from vlmrl.rollout.weights import SyncRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -43,52 +44,81 @@ class GroupMember:
     rank_offset: int
 
 
+class WeightSource(Protocol):
+    """The training ranks as the group's sender (`vlmrl.distributed.group.DistributedActor` at dp > 1): training
+    rank 0 joins as the group's rank 0 and broadcasts each bucket as the ranks gather it, so the full weights pass
+    through no other process (slime's layout). Each method returns Ray references; the sender waits on them."""
+
+    def weight_group_address(self, port: int) -> Any:
+        """A reference to (training rank 0's node address, `port` or a port free there)."""
+
+    def join_weight_group(self, group: WeightGroup) -> Any:
+        """A reference that resolves once training rank 0 has joined `group` as its rank 0."""
+
+    def leave_weight_group(self) -> Any:
+        """A reference that resolves once training rank 0 has left its group."""
+
+    def send_weights(self, recipe: SyncRecipe) -> tuple[Any, list[Any]]:
+        """(training rank 0's stream of each bucket's `BucketMeta`, yielded before the bucket's broadcast; the other
+        ranks' references, resolved once they have gathered every tensor)."""
+
+
 class CollectiveSender:
-    """Rank 0 of a weight group over rollout workers: forms the group (`form`), sends a sync (`send`), leaves it
-    (`close`). `call(refs, index, what)` is the caller's ray.get with its deadline and dead-worker errors."""
+    """Rank 0 of a weight group over rollout workers: forms the group (`form`), sends a sync (`send` from this
+    process, `send_from_source` from the training ranks), leaves it (`close`). `call(refs, index, what)` is the
+    caller's ray.get with its deadline and dead-worker errors. `source`: the training ranks that send (at dp > 1);
+    None: this process sends."""
 
     def __init__(self, backend: str, address: str, port: int, timeout_s: float,
-                 call: Callable[[Any, int, str], Any]):
+                 call: Callable[[Any, int, str], Any], source: WeightSource | None = None):
         self.backend = backend
         self.address = address
         self.port = port
         """0: a free port picked for each group formed."""
         self.timeout_s = timeout_s
         self.call = call
+        self.source = source
         self.group: WeightGroup | None = None
         self.pg = None
         self.members: list[GroupMember] = []
 
     def form(self, workers: list[Any], tp_sizes: list[int]) -> None:
-        """A new group over `workers` (each with its engine's TP size): the driver joins as rank 0 while every
+        """A new group over `workers` (each with its engine's TP size): the sender joins as rank 0 while every
         worker's engine joins at its offset. Raises RuntimeError naming the group when the rendezvous fails (the
         port is taken, a rank never comes within the deadline)."""
         self.close()
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(workers))]
-        port = self.port or free_port(self.address)
-        if self.port:  # a taken port would leave the engines waiting on another process's socket to the deadline
-            port_is_free(self.address, port)
-        self.group = WeightGroup(address=self.address, port=port, world_size=1 + sum(tp_sizes),
+        if self.source is None:
+            address, port = self.address, self.port or free_port(self.address)
+            if self.port:  # a taken port would leave the engines waiting on another process's socket to the deadline
+                port_is_free(address, port)
+        else:  # rank 0 listens on training rank 0's node, which checks the port there
+            address, port = self._from_source(self.source.weight_group_address(self.port), "its address")
+        self.group = WeightGroup(address=address, port=port, world_size=1 + sum(tp_sizes),
                                  name=f"vlmrl-weights-{uuid.uuid4().hex[:8]}", backend=self.backend,
                                  timeout_s=self.timeout_s)
         self.members = [GroupMember(w, o) for w, o in zip(workers, offsets)]
         refs = [m.worker.join_weight_group.remote(self.group, m.rank_offset) for m in self.members]
         try:
-            self.pg = join_group(self.group, 0)
+            if self.source is None:
+                self.pg = join_group(self.group, 0)
+            else:
+                self._from_source(self.source.join_weight_group(self.group), f"joining {self.group.name}")
         except RuntimeError:
             for ref in refs:  # the engines' side of the same failure, if they said more
                 _cancel(ref)
             raise
         for index, ref in enumerate(refs):
             self.call(ref, index, f"joining weight group {self.group.name}")
-        logger.info("weight group %s: %d ranks (%s) at %s:%d", self.group.name, self.group.world_size,
-                    self.backend, self.address, port)
+        logger.info("weight group %s: %d ranks (%s) at %s:%d, sent from %s", self.group.name, self.group.world_size,
+                    self.backend, address, port, "this process" if self.source is None else "training rank 0")
 
     def send(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> int:
-        """Broadcast the buckets into every member's engine (begin, a receive per bucket, end at `version`);
-        returns the bytes broadcast. Any failure raises: the caller restarts or stops."""
-        if self.pg is None:
-            raise RuntimeError("the weight group is not formed")
+        """Broadcast the buckets from this process into every member's engine (begin, a receive per bucket, end at
+        `version`); returns the bytes broadcast. Any failure raises: the caller restarts or stops."""
+        if self.pg is None or self.source is not None:
+            raise RuntimeError("the weight group is not formed" if self.source is None else
+                               "the weight group's sender is training rank 0: send_from_source")
         self._on_all(lambda m: m.worker.begin_receive.remote(), "opening the weight load")
         sent = 0
         for bucket in buckets:
@@ -98,7 +128,7 @@ class CollectiveSender:
             error: list[BaseException] = []
             # the broadcast blocks until every rank took the bucket: beside it, the workers' answers are awaited, so
             # a worker that dies shows as its Ray error rather than as the group's timeout alone
-            thread = threading.Thread(target=_broadcast, args=(flat, self.pg, error), daemon=True)
+            thread = threading.Thread(target=_broadcast, args=(flat, self.pg, self.backend, error), daemon=True)
             thread.start()
             for index, ref in enumerate(refs):
                 self.call(ref, index, "receiving weights")
@@ -110,12 +140,62 @@ class CollectiveSender:
         self._on_all(lambda m: m.worker.end_receive.remote(version), "closing the weight load")
         return sent
 
+    def send_from_source(self, recipe: SyncRecipe, version: int) -> tuple[int, int]:
+        """The sync sent by the training ranks (`WeightSource.send_weights`), cut by `recipe` as the backend cuts
+        its syncs: each bucket's meta comes from training rank 0 before its broadcast, and every member receives
+        it; returns (the bytes broadcast, the tensors). Any failure raises: the caller restarts or stops."""
+        if self.pg is not None or self.source is None or self.group is None:
+            raise RuntimeError("the weight group is not formed with the training ranks as its sender")
+        import ray
+
+        self._on_all(lambda m: m.worker.begin_receive.remote(), "opening the weight load")
+        metas, others = self.source.send_weights(recipe)
+        sent = tensors = 0
+        while True:
+            ready, _ = ray.wait([metas], timeout=self.timeout_s)
+            if not ready:
+                raise RuntimeError(f"weight group {self.group.name}: training rank 0 sent no bucket within "
+                                   f"{self.timeout_s:.0f} s")
+            try:
+                ref = next(metas)
+            except StopIteration:
+                break
+            meta = self._from_source(ref, "sending a bucket")
+            refs = [m.worker.receive_bucket.remote(meta) for m in self.members]
+            for index, ref in enumerate(refs):
+                self.call(ref, index, "receiving weights")
+            sent, tensors = sent + meta.nbytes, tensors + len(meta.names)
+        self._from_source(others, "gathering the weights")
+        self._on_all(lambda m: m.worker.end_receive.remote(version), "closing the weight load")
+        return sent, tensors
+
+    def _from_source(self, refs, what: str):
+        """ray.get of the training ranks' references within the group's deadline; their failure as RuntimeError."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except RayTaskError as err:
+            raise RuntimeError(f"weight group: training rank 0, {what}: {err.cause}") from None
+        except GetTimeoutError:
+            raise RuntimeError(f"weight group: training rank 0, {what}: no answer within {self.timeout_s:.0f} s"
+                               ) from None
+        except RayActorError as err:
+            raise RuntimeError(f"weight group: training rank 0, {what}: a training worker died "
+                               f"({type(err).__name__})") from err
+
     def _on_all(self, make: Callable[[GroupMember], Any], what: str) -> list[Any]:
         refs = [make(m) for m in self.members]
         return [self.call(ref, index, what) for index, ref in enumerate(refs)]
 
     def close(self) -> None:
         """Leave the group (the workers leave theirs when they form a new one or end)."""
+        if self.source is not None and self.group is not None:
+            try:
+                self._from_source(self.source.leave_weight_group(), "leaving the group")
+            except RuntimeError as err:  # a rank that died has no group left to leave
+                logger.warning("%s", err)
         leave_group(self.pg)
         self.pg, self.group, self.members = None, None, []
 
@@ -131,9 +211,9 @@ def port_is_free(address: str, port: int) -> None:
             raise RuntimeError(f"the weight group's port {address}:{port} is taken ({err.strerror})") from None
 
 
-def _broadcast(flat: torch.Tensor, pg, error: list[BaseException]) -> None:
+def _broadcast(flat: torch.Tensor, pg, backend: str, error: list[BaseException]) -> None:
     try:
-        torch.distributed.broadcast(flat, src=0, group=pg)
+        send_bucket(pg, flat, backend)
     except BaseException as err:  # noqa: BLE001 - handed to the sending thread
         error.append(err)
 

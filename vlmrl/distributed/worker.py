@@ -77,6 +77,7 @@ class TrainWorker:
         self.engine = None
         self.shm_ident = ""  # an spmd vLLM engine's shared-memory name (setup)
         self.lora_sync = None  # with actor.lora: how this rank's engine gets the policy (merged or the adapter)
+        self.weight_group = self.weight_pg = None  # rank 0 beside rollout workers: the weight group it sends over
 
     # ---- setup ------------------------------------------------------------------------------------------------------
 
@@ -205,6 +206,63 @@ class TrainWorker:
                 pass
         return len(names)
 
+    # ---- the weight group's sender (rank 0; dp > 1 beside rollout workers of their own) ------------------------------
+
+    def weight_group_address(self, port: int) -> tuple[str, int]:
+        """(this node's address, `port` or a port free here): where the weight group's rendezvous listens."""
+        import ray
+
+        from vlmrl.distributed.weight_transfer import port_is_free
+        from vlmrl.rollout.weight_group import free_port
+
+        address = ray.util.get_node_ip_address()
+        if port:
+            port_is_free(address, port)
+        return address, port or free_port(address)
+
+    def join_weight_group(self, group) -> None:
+        """Join the weight group as its rank 0, the sender (after leaving any group joined before)."""
+        from vlmrl.rollout.weight_group import join_group
+
+        self.leave_weight_group()
+        self.weight_group, self.weight_pg = group, join_group(group, 0)
+
+    def leave_weight_group(self) -> None:
+        from vlmrl.rollout.weight_group import leave_group
+
+        leave_group(self.weight_pg)
+        self.weight_group = self.weight_pg = None
+
+    def send_weights(self, recipe):
+        """Rank 0: gather the full weights (every other rank runs `gather_weights` at once) and broadcast them over
+        the weight group a bucket at a time, cut by `recipe` as the rollout backend cuts its syncs (a LoRA policy
+        merged, as `full_state_dict` gives it). Yields each bucket's BucketMeta before its broadcast: the driver
+        hands it to the receiving engines. Host memory holds about one bucket."""
+        from vlmrl.rollout.weight_group import pack_bucket, send_bucket
+
+        if self.weight_pg is None:
+            raise RuntimeError(f"rank {self.rank} has joined no weight group")
+        names = self.actor.weight_names()
+        gathered = self.actor.named_tensors()  # each tensor is an all-gather every rank joins
+        stream = gathered
+        if self.lora_sync is not None:  # PeftModel names -> the merged HF model's, streamed layer by layer
+            from vlmrl.actor.lora import merged_names, merged_tensors
+
+            names, stream = merged_names(names), merged_tensors(gathered, self.lora_sync.scaling)
+        try:
+            for bucket in recipe.plan(stream, names).buckets:
+                meta, flat = pack_bucket(bucket)
+                del bucket
+                yield meta
+                send_bucket(self.weight_pg, flat, self.weight_group.backend)
+        finally:
+            for _ in gathered:  # a sync that failed half-way: the other ranks still gather every tensor
+                pass
+
+    def gather_weights(self) -> int:
+        """Every rank but 0 during `send_weights`: join each tensor's all-gather. Returns the tensors gathered."""
+        return sum(1 for _ in self.actor.named_tensors())
+
     def load_engine_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Load weights given by the driver into this rank's engine (the generic `update_weights` path)."""
         if self.engine is None:
@@ -248,6 +306,7 @@ class TrainWorker:
                 path.unlink(missing_ok=True)
         if self.lora_sync is not None:
             self.lora_sync.close()
+        self.leave_weight_group()
         import torch.distributed as dist
 
         if dist.is_initialized():

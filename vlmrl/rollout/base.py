@@ -41,7 +41,7 @@ from vlmrl.rollout.errors import (
 from vlmrl.rollout.requests import check_results, validate_requests
 from vlmrl.rollout.scoring import ScoredResponse, check_responses, check_scores
 from vlmrl.rollout.weight_group import BucketMeta, WeightGroup
-from vlmrl.rollout.weights import WeightSync, checkpoint_names, weight_sync
+from vlmrl.rollout.weights import SyncRecipe, WeightSync, checkpoint_names
 from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 from vlmrl.utils.executor import DaemonExecutor, DeadlineExceeded
 
@@ -262,6 +262,13 @@ class RolloutBackend(abc.ABC):
         self.weights_dropped = False
         self.weights_loaded()
 
+    def sync_from_ranks(self, source: Any) -> int | None:
+        """Load the weights that the training ranks `source` send themselves (`vlmrl.distributed.weight_transfer.
+        WeightSource`: rank 0 broadcasts over a weight group), nothing through this process; returns the tensors
+        loaded, or None when this backend does not take weights that way (the caller gathers them and calls
+        `update_weights`)."""
+        return None
+
     def weights_loaded(self) -> None:
         """Count one weight update that reached the engine (`weight_loads`)."""
         self.weight_loads += 1
@@ -393,12 +400,16 @@ class RolloutBackend(abc.ABC):
                   whole: bool = False) -> WeightSync:
         """What `update_weights` loads (`weight_sync`): the names, then buckets of rollout.sync_bucket_mb in the
         engine's dtype; `whole`: one bucket."""
+        return self.sync_recipe(whole).plan(named_tensors, names)
+
+    def sync_recipe(self, whole: bool = False) -> SyncRecipe:
+        """How this backend's syncs are cut (`sync_plan`), for a process that holds the weights but not the backend."""
         if self._checkpoint_names is None:
             self._checkpoint_names = checkpoint_names(self.model_path)
-        bucket_bytes = 0 if whole else int(self.rollout.sync_bucket_mb * 2**20)
-        dtype = DTYPES[self.dtype]  # as the engine computes (a remote one's, a served one's)
-        return weight_sync(named_tensors, names, self._checkpoint_names, dtype, bucket_bytes, self.name,
-                           self.processor.family, self.expert_layout())
+        return SyncRecipe(model_names=frozenset(self._checkpoint_names),
+                          dtype=DTYPES[self.dtype],  # as the engine computes (a remote one's, a served one's)
+                          bucket_bytes=0 if whole else int(self.rollout.sync_bucket_mb * 2**20), backend=self.name,
+                          family=self.processor.family, experts=self.expert_layout())
 
     def expert_layout(self) -> tuple[str, ExpertShape] | None:
         """(the layout this backend loads routed experts in, the model's expert sizes) for a Mixture-of-Experts model,

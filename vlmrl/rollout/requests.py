@@ -107,13 +107,16 @@ def numbered_engines(results: list[RolloutResult], run_sizes: Sequence[int], n: 
                      engines: Sequence[int] | None = None) -> list[RolloutResult]:
     """Results of requests cut into contiguous runs, one run per engine (`run_sizes` requests each, n results per
     request, request-major), each tagged with its engine's index (`engines[k]` for run k; default k); untouched
-    when there is one engine.
+    when there is one engine and `engines` does not name it (a backend of several engines names them also when one
+    of them took every request).
 
     >>> r = [RolloutResult(f"u{i}", 0, [1], [0.0], "stop") for i in range(3)]
     >>> [x.engine for x in numbered_engines(r, [2, 1], 1)], [x.engine for x in numbered_engines(r, [3], 1)]
     ([0, 0, 1], [None, None, None])
+    >>> [x.engine for x in numbered_engines(r, [3], 1, engines=[1])]
+    [1, 1, 1]
     """
-    if len(run_sizes) < 2:
+    if len(run_sizes) < 2 and engines is None:
         return results
     if len(results) != n * sum(run_sizes):
         raise ValueError(f"{len(results)} results for {sum(run_sizes)} requests at n = {n}")

@@ -128,6 +128,12 @@ def unpack_bucket(meta: BucketMeta, flat: torch.Tensor) -> list[tuple[str, torch
     return out
 
 
+def send_bucket(pg: torch.distributed.ProcessGroup, flat: torch.Tensor, backend: str) -> None:
+    """One packed bucket broadcast from rank 0 of `pg` (the sender's side): on the GPU for NCCL, which moves only
+    device tensors."""
+    torch.distributed.broadcast(flat.cuda() if backend == "nccl" else flat, src=0, group=pg)
+
+
 def receive_bucket(pg: torch.distributed.ProcessGroup, meta: BucketMeta, device: str | torch.device = "cpu"
                    ) -> list[tuple[str, torch.Tensor]]:
     """One bucket broadcast from rank 0 of `pg`, unpacked (a receiving engine rank's side)."""

@@ -41,6 +41,27 @@ class WeightSync:
     tensor alone); lazily read: a gathering actor gathers as the buckets are consumed."""
 
 
+@dataclass(frozen=True)
+class SyncRecipe:
+    """Everything `weight_sync` needs besides the tensors, for one backend: what a process that holds the weights
+    but not the backend (a training rank sending over the weight group) cuts the same sync with
+    (`RolloutBackend.sync_recipe`)."""
+
+    model_names: frozenset[str]
+    """The checkpoint names of the engine's model (`checkpoint_names`); empty = unknown."""
+    dtype: torch.dtype | None
+    """The engine's dtype; None = as given."""
+    bucket_bytes: int
+    """rollout.sync_bucket_mb in bytes; <= 0: one bucket."""
+    backend: str
+    family: ModelFamily
+    experts: tuple[str, ExpertShape] | None = None
+
+    def plan(self, named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None) -> WeightSync:
+        return weight_sync(named_tensors, names, set(self.model_names), self.dtype, self.bucket_bytes, self.backend,
+                           self.family, self.experts)
+
+
 def weight_sync(named_tensors: Iterable[tuple[str, torch.Tensor]], names: Sequence[str] | None,
                 model_names: set[str], dtype: torch.dtype | None, bucket_bytes: int, backend: str,
                 family: ModelFamily, experts: tuple[str, ExpertShape] | None = None) -> WeightSync:

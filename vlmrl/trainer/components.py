@@ -132,9 +132,11 @@ def start_agent(config: Config, backend: RolloutBackend, processor: Processor) -
                      response_length=config.data.max_response_length)
 
 
-def start_rollout_workers(config: Config, start_path: str | None) -> RemoteEngines:
+def start_rollout_workers(config: Config, start_path: str | None, source: DistributedActor | None = None
+                          ) -> RemoteEngines:
     """The asynchronous placement's rollout workers (trainer.async_rollout.rollout_workers), their engines started
-    on `start_path` (a checkpoint) or the actor's model."""
+    on `start_path` (a checkpoint) or the actor's model. `source`: the training workers at dp > 1, whose rank 0
+    sends the weights over the weight group itself (with weight_transfer collective)."""
     from vlmrl.distributed.rollout_actor import RolloutWorkerSpec
     from vlmrl.distributed.rollout_workers import RemoteEngines
     from vlmrl.distributed.worker import EngineSpec
@@ -145,7 +147,7 @@ def start_rollout_workers(config: Config, start_path: str | None) -> RemoteEngin
     return RemoteEngines(RolloutWorkerSpec(engine, torch_threads=t.torch_threads, weight_transfer=a.weight_transfer,
                                            group_port=a.weight_group_port),
                          workers=a.rollout_workers, restarts=a.worker_restarts,
-                         driver_trains=config.derived.world_size == 1)
+                         driver_trains=config.derived.world_size == 1, source=source)
 
 
 def run_layout(config: Config) -> EngineLayout:

@@ -19,7 +19,7 @@ import torch
 from vlmrl.alignment.weight_probe import IN_SYNC, ProbeRecord, ProbeState, judge, tolerance_for, write_probe
 from vlmrl.batch.padding import pad_results, scored_batch
 from vlmrl.data.dataset import build_requests
-from vlmrl.types import RolloutRequest, SamplingParams
+from vlmrl.types import RolloutRequest, RolloutResult, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +143,19 @@ class WeightProbe:
                     record.explanation)
 
     def _measure(self, actor, backend, step: int):
-        """(each engine's answer, engine 0's, the trainer's logprobs of its tokens), or None when the probe is off
-        or the engine returned no logprobs."""
+        """((engine index, its answer) for each engine that holds the last sync's weights, the first one's answer,
+        the trainer's logprobs of its tokens), or None when the probe is off or the engine returned no logprobs."""
         if self.request is None:
             return None
         sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.tokens, seed=0)
-        each = [results[0] for results in backend.generate_on_each([self.request], sampling)]
-        result = each[0]  # engine 0 is judged against the trainer; the others against engine 0
+        # an engine restarted between collective syncs answers nothing: it generates nothing until the next sync
+        each = [(k, results[0]) for k, results in enumerate(backend.generate_on_each([self.request], sampling))
+                if results]
+        if not each:
+            logger.warning("step %d: the weight probe found no %s engine that holds the last synced weights: not "
+                           "judged", step, backend.name)
+            return None
+        result = each[0][1]  # the first engine is judged against the trainer; the others against it
         if not result.response_ids or len(result.response_logprobs) != len(result.response_ids):
             logger.warning("step %d: the weight probe got %d tokens and %d logprobs from %s: not judged", step,
                            len(result.response_ids), len(result.response_logprobs), backend.name)
@@ -205,25 +211,25 @@ def _inputs(request: RolloutRequest) -> str:
     return ", ".join(parts + [f"{len(request.prompt_ids)} prompt tokens"])
 
 
-def engines_apart(results: list, noise: float) -> str:
+def engines_apart(answers: list[tuple[int, RolloutResult]], noise: float) -> str:
     """Why the engines' answers to the probe request differ ('' when they agree): every engine of a run holds the
     same weights after a sync and gets the same request, so their greedy tokens are equal and their logprobs agree
     within the probe's noise floor (float32 rounding, or bfloat16's); an engine whose sync did not land on it
-    answers otherwise.
+    answers otherwise. `answers`: (engine index, its result), the first judged against the trainer.
 
     >>> from vlmrl.types import RolloutResult
     >>> a = RolloutResult("p", 0, response_ids=[5, 6], response_logprobs=[-1.0, -2.0], finish_reason="length")
     >>> b = RolloutResult("p", 0, response_ids=[5, 6], response_logprobs=[-1.0, -2.5], finish_reason="length")
-    >>> engines_apart([a, a], 4e-6), engines_apart([a, b], 4e-6)[:46]
-    ('', 'engine 1 answers the probe otherwise than engi')
+    >>> engines_apart([(0, a), (1, a)], 4e-6), engines_apart([(0, a), (2, b)], 4e-6)[:46]
+    ('', 'engine 2 answers the probe otherwise than engi')
     """
-    first = results[0]
-    for index, other in enumerate(results[1:], start=1):
+    (base, first), others = answers[0], answers[1:]
+    for index, other in others:
         if list(other.response_ids) != list(first.response_ids):
-            return (f"engine {index} answers the probe otherwise than engine 0 (greedy tokens {other.response_ids[:8]}"
-                    f" vs {first.response_ids[:8]}): its weights are not engine 0's")
+            return (f"engine {index} answers the probe otherwise than engine {base} (greedy tokens "
+                    f"{other.response_ids[:8]} vs {first.response_ids[:8]}): its weights are not engine {base}'s")
         gap = max((abs(a - b) for a, b in zip(other.response_logprobs, first.response_logprobs)), default=0.0)
         if gap > noise:
-            return (f"engine {index} answers the probe otherwise than engine 0 (logprobs up to {gap:.3g} apart, "
-                    f"beyond {noise:g}): its weights are not engine 0's")
+            return (f"engine {index} answers the probe otherwise than engine {base} (logprobs up to {gap:.3g} "
+                    f"apart, beyond {noise:g}): its weights are not engine {base}'s")
     return ""

@@ -108,7 +108,8 @@ def _build_run(config: Config, opened: list[Callable[[], None]]) -> Run:
         ensure_ray(dp_size + workers)  # a local cluster: a CPU for each
         actor, _ = start_distributed(config, total_steps, init_path, engines=False)
         opened.append(actor.close)
-        backend = start_rollout_workers(config, None if config.actor.lora.enabled else init_path)
+        # rank 0 of the training workers sends each sync over the weight group: no full copy through the driver
+        backend = start_rollout_workers(config, None if config.actor.lora.enabled else init_path, source=actor)
         backend.close_after.append(actor.close)  # the run closes its backend: the training workers go with it
         opened.append(backend.close)
     elif dp_size > 1:  # Ray workers with FSDP2-sharded actors and colocated engines; the loop stays the same
