@@ -13,6 +13,11 @@ Models: the embedded tiny-large (~50 M parameters) and `random-<N>m`, a Qwen2.5-
 with random weights, built once into a temp folder with the tiny builder's vision tower and tokenizer.
 
     .venv/bin/python benchmarks/bench_weight_transfer.py            # --models tiny-large random-300m --engine vllm
+
+`--dp2`: the sender instead, at dp = 2 (two FSDP2 training workers, float32, beside one rollout worker, both ways
+over the collective group): the whole weights gathered to the driver and broadcast from it (how a dp > 1 run synced
+before training rank 0 sent them) vs training rank 0 broadcasting each bucket as the ranks gather it
+(`RemoteEngines.sync_from_ranks`). Same report: seconds, the driver's peak RSS, and the engine's checksums equal.
 """
 
 from __future__ import annotations
@@ -96,12 +101,59 @@ def measure(model: str, engine: str, repeats: int, bucket_mb: float) -> dict:
     return out
 
 
+def measure_senders(model: str, engine: str, repeats: int, bucket_mb: float) -> dict:
+    """dp = 2 training workers and one rollout worker: a collective sync sent by the driver (the weights gathered to
+    it first) vs by training rank 0, timed and the driver's RSS sampled, as `measure`."""
+    from vlmrl.actor.config import ActorConfig
+    from vlmrl.distributed.group import ClusterSpec, DistributedActor
+    from vlmrl.distributed.rollout_actor import RolloutWorkerSpec
+    from vlmrl.distributed.rollout_workers import RemoteEngines
+    from vlmrl.distributed.worker import EngineSpec, WorkerSpec
+    from vlmrl.models.tiny import resolve_model_path
+    from vlmrl.rollout.base import BackendOptions
+
+    path = resolve_model_path(model)
+    options = BackendOptions.from_kwargs(engine, {"dtype": "float32", "max_model_len": 1024, "timeout_s": 600,
+                                                  "sync_bucket_mb": bucket_mb})
+    actor = DistributedActor(ClusterSpec(n_gpus_per_node=2),
+                             WorkerSpec(actor=ActorConfig(model_path=path, device="cpu", dtype="float32"),
+                                        torch_threads=1, timeout_s=600), mini_batch_samples=2, timeout_s=600)
+    engines = None
+    try:
+        engines = RemoteEngines(RolloutWorkerSpec(EngineSpec(engine, path, options), weight_transfer="collective"),
+                                workers=1, source=actor)
+        size = sum(t.numel() * t.element_size() for t in engines.sync_state(actor.named_tensors()).values())
+        out = {"model": model, "params_m": size / 4e6, "mib": size / 2**20}
+        ways = {"driver": (None, lambda: engines.update_weights(list(actor.named_tensors()))),
+                "ranks": (actor, lambda: actor.sync_weights(engines))}
+        sums = {}
+        for way, (source, sync) in ways.items():
+            engines.send_from(source)
+            sync()  # warm-up
+            seconds, peaks = [], []
+            for _ in range(repeats):
+                with RssPeak() as rss:
+                    begin = time.perf_counter()
+                    sync()
+                    seconds.append(time.perf_counter() - begin)
+                peaks.append(rss.peak)
+            sums[way] = engines.weights_checksums()
+            out[way] = {"s": statistics.median(seconds), "rss_mib": max(peaks) / 2**20}
+        out["same_weights"] = sums["driver"] == sums["ranks"]
+    finally:
+        if engines is not None:
+            engines.close()
+        actor.close()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny-large", "random-300m"])
     parser.add_argument("--engine", default="vllm", choices=["vllm", "sglang"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=64)
+    parser.add_argument("--dp2", action="store_true", help="the sender at dp = 2: the driver vs training rank 0")
     args = parser.parse_args()
 
     import ray
@@ -109,19 +161,32 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     folder = Path(tempfile.gettempdir()) / "vlmrl-bench-models"
     folder.mkdir(exist_ok=True)
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="vlmrl-bt-"))
+    # --dp2: a logical CPU for each training worker and the rollout worker (the machine may have two cores)
+    ray.init(num_cpus=3 if args.dp2 else 2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="vlmrl-bt-"))
     rows = []
     try:
         for model in args.models:
             path = random_model(int(model.split("-")[1].rstrip("m")), folder) if model.startswith("random-") \
                 else model
-            row = measure(path, args.engine, args.repeats, args.bucket_mb)
+            row = (measure_senders if args.dp2 else measure)(path, args.engine, args.repeats, args.bucket_mb)
             row["model"] = model
             rows.append(row)
             print(row, flush=True)
     finally:
         ray.shutdown()
     print(f"\n{args.engine}, float32, buckets of {args.bucket_mb:g} MiB, median of {args.repeats}")
+    if args.dp2:
+        print("| model | params | the driver sends: s / driver peak RSS | training rank 0 sends: s / driver peak RSS "
+              "| s ratio | same weights |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            d, k = r["driver"], r["ranks"]
+            print(f"| {r['model']} | {r['params_m']:.0f} M ({r['mib']:.0f} MiB) | {d['s']:.2f} s / "
+                  f"{d['rss_mib']:.0f} MiB | {k['s']:.2f} s / {k['rss_mib']:.1f} MiB | {d['s'] / k['s']:.2f}x | "
+                  f"{r['same_weights']} |")
+        if not all(r["same_weights"] for r in rows):
+            raise SystemExit("MISMATCH: the two senders left different weights in the engine")
+        return
     print("| model | params | object store: s / driver peak / store held | collective: s / driver peak / store held "
           "| s ratio | same weights |")
     print("|---|---|---|---|---|---|")

@@ -91,6 +91,11 @@ def test_a_worker_on_another_node_gives_transformers_outputs_and_takes_weights_o
 
 
 @pytest.mark.vllm
+# On vLLM's worker at TP 2 in make test (rank 0 into two engine ranks); SGLang's in `full`: the ranks' side is the same
+# for every engine, and each engine's own side of a collective sync is tested on both above.
+@pytest.mark.parametrize("worker", [pytest.param("vllm", marks=pytest.mark.vllm),
+                                    pytest.param("sglang", marks=[pytest.mark.sglang, pytest.mark.full])],
+                         indirect=True)
 def test_training_ranks_send_each_sync_over_the_group_themselves(worker, hf, batch, monkeypatch):
     """dp = 2 training workers (FSDP2 shards) beside the rollout worker, which takes its syncs from them: training
     rank 0 joins the weight group as its sender and broadcasts each bucket as both ranks gather it, so the full

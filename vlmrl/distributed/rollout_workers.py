@@ -15,8 +15,9 @@ between the two.
   draws what it draws on one engine (each run's seed starts at its first request's, `sample_seed`), so N workers give
   the single engine's samples, on whichever nodes they run.
 - **Weight sync** (`vlmrl.distributed.weight_transfer`): the backends' bucketed sync plan (rollout.sync_bucket_mb
-  in the engine's dtype and checkpoint names), sent through a collective group from the driver into every engine
-  rank, or through Ray's object store (trainer.async_rollout.weight_transfer). Every sync carries a version; each
+  in the engine's dtype and checkpoint names), sent through a collective group into every engine rank from the
+  driver (dp = 1) or from training rank 0 (dp > 1, `sync_from_ranks`), or through Ray's object store
+  (trainer.async_rollout.weight_transfer). Every sync carries a version; each
   worker reports the version it holds.
 - **A worker that dies** (its process killed, its engine crashed: Ray reports the actor dead) is started again
   (trainer.async_rollout.worker_restarts times in a run), given the last synced weights, and its run of requests is

@@ -5,9 +5,12 @@ from the trainer's process straight into every engine rank, or through Ray's obj
     object_store:  trainer --ray.put(bucket) once--> the object store --ray.get--> every worker --> its engine
 
 - **collective** (slime's, AReaL's and verl's layout: the engines' own weight-update APIs over a NCCL group; gloo
-  on CPU): the driver joins the group as rank 0 (`vlmrl.rollout.weight_group`) and broadcasts each bucket of the
-  sync plan once; every engine rank receives it while its worker's `receive_bucket` call runs. Nothing is stored:
-  the driver holds one bucket at a time and the object store nothing.
+  on CPU): the sender joins the group as rank 0 (`vlmrl.rollout.weight_group`) and broadcasts each bucket of the
+  sync plan once; every engine rank receives it while its worker's `receive_bucket` call runs. The sender is the
+  driver at dp = 1 (`CollectiveSender.send`), and training rank 0 at dp > 1 (`WeightSource`,
+  `CollectiveSender.send_from_source`): every rank gathers the weights from its shards while rank 0 cuts and
+  broadcasts them, and only each bucket's meta passes through the driver. Nothing is stored: the sender holds one
+  bucket at a time and the object store nothing.
 - **object_store** (the fallback): each bucket put once into Ray's object store and read by every worker; the last
   sync stays stored until the next one, so a restarted worker reloads it from there.
 - **auto** takes the group where every worker's engine receives over the device's transport (gloo on CPU, NCCL on

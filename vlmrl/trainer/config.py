@@ -37,8 +37,8 @@ class AsyncRolloutConfig:
     APIs; nothing stored), `object_store` (each bucket put into Ray's object store once and read by every worker; the
     last sync kept there for a restarted worker), `auto` (collective where the engines join a group: vllm, sglang)."""
     weight_group_port: int = 0
-    """The port the trainer's process listens on for the weight group's rendezvous (reachable from the workers'
-    nodes); 0 = a free one each time a group is formed."""
+    """The port the weight group's sender listens on for its rendezvous (the driver at dp = 1, training rank 0 at
+    dp > 1; reachable from the workers' nodes); 0 = a free one each time a group is formed."""
     interrupt_tokens: int = 0
     """0: a batch in flight when a weight sync comes finishes on the old weights first (its version says so). N > 0:
     the rollout generates in segments of N tokens and a sync (or probe, or validation) interrupts the batch in
