@@ -254,6 +254,50 @@ def test_a_worker_killed_mid_sync_is_restarted_and_gets_the_whole_sync(worker, h
         worker.update_weights(list(original.items()))
 
 
+# A variant (marker `full`, make test-all; about 40 s): make test keeps the kill mid-sync with the driver as the sender
+# (above) and the training ranks' sync (test_training_ranks_send_each_sync_over_the_group_themselves).
+@pytest.mark.full
+@pytest.mark.sglang
+@pytest.mark.parametrize("worker", ["sglang"], indirect=True)
+def test_a_worker_killed_mid_sync_from_the_training_ranks_is_restarted_and_gets_the_whole_sync(worker, hf, batch):
+    """SIGKILL of the worker's process when its engine has taken the first bucket that training rank 0 broadcast:
+    the worker is started again, the group formed again with rank 0 as its sender and the ranks gather and send the
+    whole sync again: the engine then holds bitwise the ranks' weights (the tiny model's: its start checksum) and
+    gives transformers' outputs on them, one restart counted."""
+    from vlmrl.actor.config import ActorConfig
+    from vlmrl.distributed.group import ClusterSpec, DistributedActor
+    from vlmrl.distributed.worker import WorkerSpec
+
+    started, original = worker.weights_checksums(), clone_state(hf.model)
+    worker.restarts_left, restarts = 1, worker.restarts  # the module's other kill may have used the worker's restart
+    actor = DistributedActor(ClusterSpec(n_gpus_per_node=2),
+                             WorkerSpec(actor=ActorConfig(model_path=worker.model_path, device="cpu", dtype="float32"),
+                                        torch_threads=1, timeout_s=120), mini_batch_samples=2, timeout_s=300)
+    pid, call, killed = worker.infos[0]["pid"], worker.sender.call, []
+
+    def killing_call(ref, index, what):
+        out = call(ref, index, what)
+        if what == "receiving weights" and not killed:  # the first bucket landed: the next one meets a dead engine
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        return out
+
+    try:
+        worker.update_weights(scaled_mlps(original))
+        worker.send_from(actor)
+        worker.sender.call = killing_call
+        actor.sync_weights(worker)
+        assert killed and worker.restarts == restarts + 1 and worker.infos[0]["pid"] != pid
+        assert worker.weights_checksums() == started
+        problems = greedy_problems(hf.generate(batch[:4], GREEDY), worker.generate(batch[:4], GREEDY), worker.name,
+                                   LOGPROB_TOL)
+        assert not problems, "\n".join(problems)
+    finally:
+        worker.sender.call = call
+        worker.send_from(None)
+        actor.close()
+
+
 # A variant (marker `full`, make test-all): two SGLang workers and a restart cost about 80 s of make test's 20
 # minutes. make test keeps the restart during a sync (above) and between object-store syncs (tests/trainer/
 # test_async_workers.py, tests/cluster/test_node_loss.py).
