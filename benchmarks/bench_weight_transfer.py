@@ -175,28 +175,25 @@ def main() -> None:
     finally:
         ray.shutdown()
     print(f"\n{args.engine}, float32, buckets of {args.bucket_mb:g} MiB, median of {args.repeats}")
-    if args.dp2:
-        print("| model | params | the driver sends: s / driver peak RSS | training rank 0 sends: s / driver peak RSS "
-              "| s ratio | same weights |")
-        print("|---|---|---|---|---|---|")
-        for r in rows:
-            d, k = r["driver"], r["ranks"]
-            print(f"| {r['model']} | {r['params_m']:.0f} M ({r['mib']:.0f} MiB) | {d['s']:.2f} s / "
-                  f"{d['rss_mib']:.0f} MiB | {k['s']:.2f} s / {k['rss_mib']:.1f} MiB | {d['s'] / k['s']:.2f}x | "
-                  f"{r['same_weights']} |")
-        if not all(r["same_weights"] for r in rows):
-            raise SystemExit("MISMATCH: the two senders left different weights in the engine")
-        return
-    print("| model | params | object store: s / driver peak / store held | collective: s / driver peak / store held "
+    ways = {"driver": "the driver sends", "ranks": "training rank 0 sends"} if args.dp2 else \
+        {"object_store": "object store", "collective": "collective"}
+    first, second = ways
+    held = "" if args.dp2 else " / store held"
+    print(f"| model | params | {ways[first]}: s / driver peak RSS{held} | {ways[second]}: s / driver peak RSS{held} "
           "| s ratio | same weights |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        o, c = r["object_store"], r["collective"]
-        print(f"| {r['model']} | {r['params_m']:.0f} M ({r['mib']:.0f} MiB) | {o['s']:.2f} s / {o['rss_mib']:.0f} MiB / "
-              f"{o['store_mib']:.0f} MiB | {c['s']:.2f} s / {c['rss_mib']:.0f} MiB / {c['store_mib']:.0f} MiB | "
-              f"{o['s'] / c['s']:.2f}x | {r['same_weights']} |")
+        a, b = r[first], r[second]
+        print(f"| {r['model']} | {r['params_m']:.0f} M ({r['mib']:.0f} MiB) | {_cell(a)} | {_cell(b)} | "
+              f"{a['s'] / b['s']:.2f}x | {r['same_weights']} |")
     if not all(r["same_weights"] for r in rows):
-        raise SystemExit("MISMATCH: the two transfers left different weights in the engine")
+        raise SystemExit("MISMATCH: the two ways left different weights in the engine")
+
+
+def _cell(way: dict) -> str:
+    """s / the driver's peak RSS above its start [/ the object store's bytes held], one way's table cell."""
+    stored = f" / {way['store_mib']:.0f} MiB" if "store_mib" in way else ""
+    return f"{way['s']:.2f} s / {way['rss_mib']:.1f} MiB{stored}"
 
 
 if __name__ == "__main__":
