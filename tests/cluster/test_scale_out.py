@@ -139,7 +139,7 @@ def test_a_cluster_that_cannot_hold_the_workers_is_one_named_error_before_any_en
     """TP 4 on nodes of 2 CPUs: no node holds the worker's bundle; the error says what each needs and what the
     nodes have."""
     with pytest.raises(RolloutError, match=r"cannot hold 1 of 1 rollout workers.*needs \{'CPU': 4\} on one node"):
-        remote_engines("vllm", 4, start_timeout_s=5)
+        remote_engines("vllm", 4, start_timeout_s=1)  # no node can ever hold it: the wait is not what is checked
 
 
 @pytest.mark.vllm
@@ -188,7 +188,7 @@ def test_a_group_of_the_wrong_size_is_one_named_error_never_a_hang(worker, hf):
     engine: it may leave the vLLM worker unusable.)"""
     started = worker.weights_checksums()
     timeout = worker.sender.timeout_s
-    worker.sender.timeout_s = 5
+    worker.sender.timeout_s = 2  # the rendezvous waits this long for the ranks that never come
     try:
         world = 1 + worker.tp + 2
         with pytest.raises(RuntimeError, match=rf"(?s)weight group vlmrl-weights-\w+ .*\({world} ranks, gloo\)"):
