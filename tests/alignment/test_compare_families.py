@@ -56,9 +56,10 @@ MATRIX: dict[str, Line] = {
     # (correct: 0.0324), so bfloat16's noise hides it; the family settings whose absence does show (SGLang without
     # full_attention_interval or deepstack_visual_indexes) stop the engine before any output (tests/rollout/qwen3_5/).
     "tiny-qwen3.5": Line(dtype="auto", exact=False, sglang_against=("vllm", "hf")),
-    "tiny-glm4v": Line(),
-    # SGLang's side is `full` (26 s): make test holds SGLang to HF on nine requests in the engine contract
-    # (tests/rollout/test_family_contract.py) and validates on SGLang in tests/trainer/test_internvl.py.
+    # SGLang's side is `full` for these two (15-26 s each): make test holds SGLang to HF on nine requests in the engine
+    # contract (tests/rollout/test_family_contract.py) and validates on SGLang in tests/trainer/test_glm4v.py and
+    # test_internvl.py.
+    "tiny-glm4v": Line(full=("sglang",)),
     "tiny-internvl": Line(full=("sglang",)),
 }
 """Embedded model -> how its family is held to the compare tool."""

@@ -156,7 +156,11 @@ def test_a_weight_group_on_a_taken_port_is_refused_before_training(cluster):
             remote_engines("vllm", 1, weight_transfer="collective", group_port=port)
 
 
+# A variant (marker `full`, make test-all; 26-32 s): make test keeps its parts: rollout workers giving the synchronous
+# run exactly (tests/trainer/test_async_workers.py), a worker on another node taking syncs over the group (above), and
+# the demo learning with a vLLM rollout worker synced over the group (tests/trainer/test_async_fit.py).
 @pytest.mark.vllm
+@pytest.mark.full
 def test_the_async_run_on_the_cluster_takes_the_single_node_runs_steps(cluster, tiny_model_path, tmp_path):
     """The asynchronous placement at max_staleness=0 with its rollout worker on another node (vLLM, weights over the
     gloo group after every step) trains on the samples the single-node synchronous run draws: the same metrics
