@@ -4,6 +4,9 @@ others'), the long runs go first."""
 
 from __future__ import annotations
 
+import torch  # noqa: F401 - before pytester's in-process run: the modules that run imports are dropped after it, and
+# torch's C extension cannot be imported a second time in one process (the next test importing torch crashed)
+
 from tests.conftest import distribution_unit, distribution_units
 
 pytest_plugins = ["pytester"]
