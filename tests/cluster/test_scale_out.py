@@ -102,14 +102,10 @@ def test_training_ranks_send_each_sync_over_the_group_themselves(worker, hf, bat
     weights never reach the driver (gathering them there fails this test). The engine then holds bitwise what the
     driver's sync of the same weights loads (its own checksum over its TP ranks) and gives transformers' outputs on
     them; the driver sends again once the group is formed back with it."""
-    from vlmrl.actor.config import ActorConfig
-    from vlmrl.distributed.group import ClusterSpec, DistributedActor
-    from vlmrl.distributed.worker import WorkerSpec
+    from vlmrl.distributed.group import DistributedActor
 
     started, original = worker.weights_checksums(), clone_state(hf.model)
-    actor = DistributedActor(ClusterSpec(n_gpus_per_node=2),
-                             WorkerSpec(actor=ActorConfig(model_path=worker.model_path, device="cpu", dtype="float32"),
-                                        torch_threads=1, timeout_s=120), mini_batch_samples=2, timeout_s=300)
+    actor = training_ranks(worker.model_path)
     try:
         worker.update_weights(scaled_mlps(original))  # from the driver: the engine on other weights first
         assert worker.weights_checksums() != started
@@ -129,6 +125,17 @@ def test_training_ranks_send_each_sync_over_the_group_themselves(worker, hf, bat
     worker.update_weights(scaled_mlps(original))
     assert worker.weights_checksums() != started, "the driver sends over the group formed back with it"
     worker.update_weights(list(original.items()))
+
+
+def training_ranks(model_path: str):
+    """dp = 2 training workers (FSDP2 shards, float32) that only train: the weight group's sender at dp > 1."""
+    from vlmrl.actor.config import ActorConfig
+    from vlmrl.distributed.group import ClusterSpec, DistributedActor
+    from vlmrl.distributed.worker import WorkerSpec
+
+    return DistributedActor(ClusterSpec(n_gpus_per_node=2),
+                            WorkerSpec(actor=ActorConfig(model_path=model_path, device="cpu", dtype="float32"),
+                                       torch_threads=1, timeout_s=120), mini_batch_samples=2, timeout_s=300)
 
 
 def _no_gather(self):
@@ -268,15 +275,9 @@ def test_a_worker_killed_mid_sync_from_the_training_ranks_is_restarted_and_gets_
     the worker is started again, the group formed again with rank 0 as its sender and the ranks gather and send the
     whole sync again: the engine then holds bitwise the ranks' weights (the tiny model's: its start checksum) and
     gives transformers' outputs on them, one restart counted."""
-    from vlmrl.actor.config import ActorConfig
-    from vlmrl.distributed.group import ClusterSpec, DistributedActor
-    from vlmrl.distributed.worker import WorkerSpec
-
     started, original = worker.weights_checksums(), clone_state(hf.model)
     worker.restarts_left, restarts = 1, worker.restarts  # the module's other kill may have used the worker's restart
-    actor = DistributedActor(ClusterSpec(n_gpus_per_node=2),
-                             WorkerSpec(actor=ActorConfig(model_path=worker.model_path, device="cpu", dtype="float32"),
-                                        torch_threads=1, timeout_s=120), mini_batch_samples=2, timeout_s=300)
+    actor = training_ranks(worker.model_path)
     pid, call, killed = worker.infos[0]["pid"], worker.sender.call, []
 
     def killing_call(ref, index, what):

@@ -92,9 +92,7 @@ class CollectiveSender:
         self.close()
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(workers))]
         if self.source is None:
-            address, port = self.address, self.port or free_port(self.address)
-            if self.port:  # a taken port would leave the engines waiting on another process's socket to the deadline
-                port_is_free(address, port)
+            address, port = listen_address(self.address, self.port)
         else:  # rank 0 listens on training rank 0's node, which checks the port there
             address, port = self._from_source(self.source.weight_group_address(self.port), "its address")
         self.group = WeightGroup(address=address, port=port, world_size=1 + sum(tp_sizes),
@@ -201,6 +199,14 @@ class CollectiveSender:
                 logger.warning("%s", err)
         leave_group(self.pg)
         self.pg, self.group, self.members = None, None, []
+
+
+def listen_address(address: str, port: int) -> tuple[str, int]:
+    """(address, port) where a weight group's rank 0 listens: `port` once it is checked free at `address` (a taken
+    port would leave the engines waiting on another process's socket to the deadline), or a free one for 0."""
+    if port:
+        port_is_free(address, port)
+    return address, port or free_port(address)
 
 
 def port_is_free(address: str, port: int) -> None:

@@ -190,12 +190,11 @@ class TrainWorker:
         """Gather the full weights (every rank takes part) and load them into this rank's engine, if it has one,
         bucket by bucket (rollout.sync_bucket_mb): a tensor is gathered when its bucket is filled, so host memory
         holds about one bucket, not the model. Returns the number of tensors loaded (0 without an engine)."""
+        if self.engine is None:
+            self.gather_weights()
+            return 0
         names = self.actor.weight_names()
         stream = self.actor.named_tensors()  # each tensor is an all-gather every rank joins
-        if self.engine is None:
-            for _ in stream:
-                pass
-            return 0
         try:
             if self.lora_sync is not None:  # merged (streamed, layer by layer) or the adapter, as for one process
                 self.lora_sync.push(self.engine, stream, names=names)
@@ -212,13 +211,9 @@ class TrainWorker:
         """(this node's address, `port` or a port free here): where the weight group's rendezvous listens."""
         import ray
 
-        from vlmrl.distributed.weight_transfer import port_is_free
-        from vlmrl.rollout.weight_group import free_port
+        from vlmrl.distributed.weight_transfer import listen_address
 
-        address = ray.util.get_node_ip_address()
-        if port:
-            port_is_free(address, port)
-        return address, port or free_port(address)
+        return listen_address(ray.util.get_node_ip_address(), port)
 
     def join_weight_group(self, group) -> None:
         """Join the weight group as its rank 0, the sender (after leaving any group joined before)."""
