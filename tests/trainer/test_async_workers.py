@@ -111,11 +111,14 @@ def test_a_dead_rollout_worker_with_no_restart_left_stops_the_run_naming_it(tiny
 # test_two_device_run_goes_through_the_same_loop) and its sync into colocated engines (tests/distributed).
 @pytest.mark.ray
 @pytest.mark.full
-def test_two_training_workers_train_beside_a_rollout_worker(tiny_model_path, tmp_path, ray_cluster):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_two_training_workers_train_beside_a_rollout_worker(tiny_model_path, tmp_path, ray_cluster, engine):
     """trainer.n_gpus_per_node=2 (FSDP2 ranks that only train) and one rollout worker: the weights gathered from
-    the shards reach the worker's engine after every step (every probe in sync), no batch beyond the bound."""
+    the shards reach the worker's engine after every step (every probe in sync), no batch beyond the bound; through
+    the object store on hf, sent by training rank 0 over the weight group on vLLM."""
     out = tmp_path / "dp2"
     fit(load_config(base_args(tiny_model_path, out, "trainer.n_gpus_per_node=2", "trainer.total_steps=3",
+                              f"rollout.name={engine}", "rollout.dtype=float32",
                               "trainer.test_freq=-1", "trainer.val_before_train=false", *CORRECTED, ASYNC,
                               "trainer.async_rollout.max_staleness=1", "trainer.async_rollout.rollout_workers=1")))
     rows = read_metrics(out / "metrics.jsonl")
